@@ -1,0 +1,5 @@
+import sys
+
+from lowmem_ft.cli import main
+
+sys.exit(main())

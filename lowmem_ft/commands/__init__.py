@@ -1,0 +1,1 @@
+"""One module per `lowmem-ft` subcommand: `add_parser(subparsers)` and `run(args) -> int`."""

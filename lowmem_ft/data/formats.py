@@ -1,0 +1,141 @@
+"""Reading JSONL training data in the common shapes, turned into the records TRL's SFTTrainer takes.
+
+Each file is one format (auto-detected from its first record, or forced with `data.format`):
+text → {"text"}; prompt/completion → {"prompt", "completion"}; messages / ShareGPT conversations / alpaca →
+{"messages"} (chat data goes through the tokenizer's chat template). A bad line is a `UserError` naming
+`file:line` and the field; with skip_bad_lines it is skipped and reported instead. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_ft.errors import UserError
+
+ROLES = {"system", "user", "assistant"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+class BadLine(ValueError):
+    """One malformed record: the message names the field."""
+
+
+@dataclass
+class LoadedData:
+    records: list[dict[str, Any]]
+    format: str
+    skipped: list[str] = field(default_factory=list)  # "file:line: why" for each skipped line
+
+
+def detect_format(record: dict[str, Any]) -> str:
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    raise BadLine(
+        f"cannot tell the format from keys {sorted(record)}; expected 'text', 'prompt'+'completion', "
+        "'messages', 'conversations' or 'instruction'+'output' (or set --format)"
+    )
+
+
+def _string(record: dict, key: str, allow_empty: bool = False) -> str:
+    if key not in record:
+        raise BadLine(f"missing field '{key}'")
+    value = record[key]
+    if not isinstance(value, str):
+        raise BadLine(f"field '{key}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise BadLine(f"field '{key}' is empty")
+    return value
+
+
+def _messages(turns: Any, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
+    if not isinstance(turns, list):
+        raise BadLine(f"field '{key}' must be a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise BadLine(f"field '{key}' is empty")
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise BadLine(f"'{where}' must be an object, got {type(turn).__name__}")
+        role = turn.get(role_key)
+        if role not in roles:
+            raise BadLine(f"'{where}.{role_key}' is {role!r}; expected one of {', '.join(sorted(roles))}")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise BadLine(f"'{where}.{content_key}' must be a string, got {type(content).__name__}")
+        out.append({"role": roles[role], "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadLine(f"field '{key}' has no assistant turn to learn from")
+    return out
+
+
+def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """One raw record in format `fmt` → the TRL record (raises BadLine)."""
+    if fmt == "text":
+        return {"text": _string(record, "text")}
+    if fmt == "prompt_completion":
+        return {"prompt": _string(record, "prompt"), "completion": _string(record, "completion")}
+    if fmt == "messages":
+        return {"messages": _messages(record.get("messages"), "messages", "role", "content", {r: r for r in ROLES})}
+    if fmt == "sharegpt":
+        if "conversations" not in record:
+            raise BadLine("missing field 'conversations'")
+        return {"messages": _messages(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)}
+    if fmt == "alpaca":
+        instruction = _string(record, "instruction")
+        extra = record.get("input", "")
+        if not isinstance(extra, str):
+            raise BadLine(f"field 'input' must be a string, got {type(extra).__name__}")
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        return {
+            "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output")}]
+        }
+    raise BadLine(f"unknown format {fmt!r}")
+
+
+def load_jsonl(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> LoadedData:
+    """Read and validate a JSONL file; every record is converted for TRL or the run stops at the first bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist; pass --data PATH to a JSONL file")
+    records: list[dict] = []
+    skipped: list[str] = []
+    detected = None if fmt == "auto" else fmt
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise BadLine(f"not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise BadLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+                if not isinstance(record, dict):
+                    raise BadLine(f"each line must be a JSON object, got {type(record).__name__}")
+                if detected is None:
+                    detected = detect_format(record)
+                records.append(convert(record, detected))
+            except BadLine as exc:
+                if not skip_bad_lines:
+                    raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None
+                skipped.append(f"{where}: {exc}")
+    if not records:
+        why = f" ({len(skipped)} bad lines skipped)" if skipped else ""
+        raise UserError(f"{path}: no usable records{why}; the file must hold JSON lines of training samples")
+    return LoadedData(records=records, format=detected or fmt, skipped=skipped)

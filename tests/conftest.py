@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded tiny model (built once per session) and the CUDA marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Path of a freshly built tiny Qwen2 model with its tokenizer."""
+    from lowmem_ft.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
+
+
+@pytest.fixture
+def chat_data() -> str:
+    return os.path.join(os.path.dirname(__file__), "..", "examples", "chat.jsonl")
