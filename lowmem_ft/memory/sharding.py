@@ -67,6 +67,8 @@ class DeviceShare:
     comm_buffers: float  # DDP gradient buckets
     activations: float
     host: float  # offloaded to host memory, per process
+    offload_optimizer: bool = False
+    offload_params: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -155,6 +157,8 @@ def per_device(
         comm_buffers=comm,
         activations=activations,
         host=host,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
         notes=tuple(notes),
     )
 
@@ -176,22 +180,31 @@ def deepspeed_states(total_params: float, largest_layer_params: float = 0.0) -> 
     )
 
 
+# (strategy, offload_optimizer, offload_params) in the order `choose` tries them. FSDP's CPU offload moves
+# parameters, gradients and the optimizer step to the host together (torch FSDP CPUOffload(offload_params=True)).
+CANDIDATES: tuple[tuple[Strategy, bool, bool], ...] = (
+    ("ddp", False, False),
+    ("fsdp", False, False),
+    ("fsdp", True, True),
+)
+
+
 def choose(
     states: ModelStates,
     gpus: int,
     budget_bytes: float,
     *,
     activations: float = 0.0,
-    candidates: tuple[tuple[Strategy, bool], ...] = (("ddp", False), ("fsdp", False), ("fsdp", True)),
+    candidates: tuple[tuple[Strategy, bool, bool], ...] = CANDIDATES,
 ) -> tuple[DeviceShare, bool]:
-    """The first (strategy, offload_optimizer) in `candidates` whose per-device bytes fit `budget_bytes`.
+    """The first candidate whose bytes per device fit `budget_bytes`.
 
     DDP first: when the model fits whole on each device, replication costs no communication beyond the gradient
     all-reduce. Returns (share, fits); when nothing fits, the candidate with the fewest device bytes and False.
     """
     shares = [
-        per_device(states, strategy, gpus, activations=activations, offload_optimizer=offload)
-        for strategy, offload in candidates
+        per_device(states, s, gpus, activations=activations, offload_optimizer=oo, offload_params=op)
+        for s, oo, op in candidates
     ]
     for share in shares:
         if share.device_bytes <= budget_bytes:
