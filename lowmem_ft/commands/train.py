@@ -159,11 +159,13 @@ def _run_launched(run_dir) -> int:
     """One process of a launched run: train in the prepared run directory."""
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.launch import read_launch
-    from lowmem_ft.train.run import train
+    from lowmem_ft.train.run import last_checkpoint, train
 
     info = read_launch(run_dir)
     recipe = resolve(run_dir / "recipe.yaml")
-    result = train(recipe, run_dir, resume=bool(info["resume"]), choice=info["choice"])
+    # a relaunch by hand after a crash continues from the last checkpoint, as `--resume` would
+    resume = last_checkpoint(run_dir) is not None
+    result = train(recipe, run_dir, resume=resume, choice=info["choice"])
     if result.is_main:
         _print_done(result.metrics, run_dir)
     return 0
