@@ -238,6 +238,8 @@ def train(
         **trainable_summary(model),
     }
     write_json(run_dir / "run.json", run_info)
+    if choice and "predicted_peak_gb" in choice:  # the plan --vram chose (or checked); the monitor compares with it
+        write_json(run_dir / "plan.json", choice)
 
     trainer = SFTTrainer(
         model=model,
