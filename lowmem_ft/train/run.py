@@ -38,6 +38,7 @@ class RunResult:
     run_dir: Path
     metrics: dict[str, Any]
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = None  # the trained model (PeftModel for LoRA), for in-process callers and tests
 
 
 def default_run_name(recipe: Recipe) -> str:
@@ -182,6 +183,21 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
 
+def _keep_adapters_fp32(model, recipe: Recipe) -> None:
+    """Undo TRL's bf16 cast of trainable weights on quantized models (SFTTrainer.__init__, "When using QLoRA").
+
+    lowmem-ft keeps LoRA weights in fp32, as peft's autocast_adapter_dtype makes them: updates of size lr × grad
+    can fall below bf16's resolution, and the memory model counts adapters at 4 bytes per parameter.
+    """
+    import torch
+
+    if recipe.adapter.kind != "lora":
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
 def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
     run_dir = Path(recipe.training.output_dir) / (name or default_run_name(recipe))
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
@@ -249,6 +265,7 @@ def train(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    _keep_adapters_fp32(trainer.model, recipe)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     elapsed = time.time() - started
@@ -279,4 +296,4 @@ def train(
 
         if wandb.run is not None:
             wandb.finish()
-    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history)
+    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history, model=trainer.model)
