@@ -41,6 +41,8 @@ def qlora_result(tmp_path_factory, tiny_model):
         "train", "--vram", "8", "--model", tiny_model, "--data", data, "--no-wandb", "--name", "qlora",
         "--set", f"training.output_dir={out}", "--set", "optimizer.lr=5e-3", "--set", "training.logging_steps=1",
         "--set", "memory.gradient_accumulation=2", "--set", "training.max_steps=8", "--set", "training.save_steps=4",
+        # the planner would pick 16-bit weights for a tiny model; fixed keys make it QLoRA and are kept as given
+        "--set", "model.quantization=nf4", "--set", "memory.gradient_checkpointing=true",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     recipe, choice = choose_recipe(vram_gb=args.vram, recipe=None, overrides=flag_overrides(args))
@@ -64,7 +66,9 @@ def test_qlora_run_writes_the_run_directory(qlora_run):
     assert recipe.optimizer.name == "paged_adamw_8bit"
     assert recipe.memory.gradient_checkpointing is True
     run = json.loads((qlora_run / "run.json").read_text())
-    assert run["choice"]["recipe"] == "8gb"
+    assert run["choice"]["recipe"] == "8gb" and run["choice"]["how"] == "plan"
+    plan = json.loads((qlora_run / "plan.json").read_text())
+    assert plan["predicted_peak_gb"] <= plan["budget_gb"] and plan["vram_gb"] == 8
     assert run["data"]["format"] == "messages" and run["data"]["loss_on"] == "assistant turns"
 
 
