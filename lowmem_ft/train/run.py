@@ -268,7 +268,8 @@ def train(
     }
     if main:
         write_json(run_dir / "run.json", run_info)
-    if main and choice and "predicted_peak_gb" in choice:  # the plan --vram chose (or checked); the monitor compares with it
+    # the plan --vram chose (or checked); the monitor compares the measured curve with it
+    if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
 
     trainer = SFTTrainer(
