@@ -36,16 +36,42 @@ BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN = 100_000
 # TRL 1.16 kernels/chunked_logprob.py: the fused LM head SFTTrainer installs (`add_fused_lm_head`) projects the
 # hidden states in tiles of TOKEN_CHUNK_SIZE tokens × `_CHUNKED_LOGPROB_CHUNK_SIZE` vocabulary (trainer/utils.py).
+# ChunkedLogProbFunction.forward/backward each allocate `mm_buf = empty((min(N, 4096), chunk_size))` in the compute
+# dtype: its width is the full 32,768 even when the vocabulary is smaller (measured: 2.05 fp32 tiles of a
+# 512 × 8000 tile = 512 × 32768 × 2 B).
 TRL_TOKEN_CHUNK = 4096
 TRL_VOCAB_CHUNK = 32768
-# Where Triton is missing (the CPU), the tile is folded with torch ops (`_forward_tile` / `_backward_tile`) that hold
-# several fp32 copies of the tile at once. Measured with PeakMemory on the CPU (scripts/validate_estimator.py):
-# the forward holds ~3 fp32 tiles (z, exp, exp·z), the backward ~6 (y, log_p, p, grad, the one-hot float, a product).
-CPU_TILE_FP32_FWD = 3
-CPU_TILE_FP32_BWD = 6
+# Without Triton (the CPU) each tile is folded with torch ops, `_forward_tile` / `_backward_tile`, that hold fp32
+# copies of the tile (n × min(V, 32768) × 4 B) at once. Counted op by op with PeakMemory (scripts/probe_memory.py,
+# `loss` table; the counts follow from the code): forward peak at `e = torch.exp(z - new_m)`: z, the z − max
+# temporary, e (3 fp32) + the bool `before_target` mask of is_top1 (1 B = 0.25 fp32) → 3.25; backward peak at
+# `is_target.float() - p`: y, z, log_p, p, grad, is_target.float(), the difference (7 fp32) + the bool is_target
+# → 7.25. The backward's `_addmm_fp32` then upcasts on the CPU (`acc.addmm_(a.float(), b.float())`): an fp32 tile
+# and an fp32 copy of the vocabulary chunk of the weight (min(V, 32768) × H × 4 B), plus the fp32 hidden chunk
+# when the head is trained. On CUDA (Triton) the folds run in registers and `torch.addmm(..., out_dtype=float32)`
+# needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
+CPU_TILE_FP32_FWD = 3.25
+CPU_TILE_FP32_BWD = 7.25
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
+# ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
+# mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
+# which saves a noise tensor in the input's dtype — fp32 for peft's LoRA input. Measured on the CPU: a LoRA layer
+# keeps 3 B/element more per adapted linear input than with a bool mask (scripts/probe_memory.py, `layer` table).
+DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
+# Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
+# computed once by the model's rotary embedding, saved by every layer's `q * cos`), int64 input ids, attention mask
+# and the loss's targets (8 B each), fp32 log_z and entropy the fused head saves (4 B each). Measured remainder
+# 23-35 B/token beyond RoPE (scripts/probe_memory.py, `head` column).
+TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
+# Backward transients measured on the CPU with PeakMemory (scripts/probe_memory.py, `backbone` table; Qwen2-
+# and Llama-shaped layers, h 512/384, i 1408/1024): without checkpointing the backward's first op, the final RMSNorm
+# backward, holds ~5 fp32 hidden-sized gradients (20·h B/token: 10236 and 7676 measured vs 10240 and 7680); with
+# checkpointing the recomputed layer's saved activations plus MLP/LoRA gradients in flight ≈ (8·i + 5·h) B/token
+# (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
+NORM_BWD_BYTES_PER_H = 20
+RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
 # Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
 # measures NVML device use minus torch's reserved bytes.
 CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
@@ -107,6 +133,7 @@ class Estimate:
     overhead_bytes: float  # CUDA context, workspaces, allocator (0 on the CPU)
     peak_phase: str
     notes: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # live tensor bytes at each phase's peak (no overheads)
 
     @property
     def peak_bytes(self) -> float:
@@ -234,17 +261,24 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
     # bitsandbytes: CUDA kernels update in place; the CPU fallback dequantizes a tensor's states to fp32.
     if device == "cuda":
         return 0.0, "bitsandbytes fused kernel, in place"
+    # backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu: fp32 state1, state2, grad (g.float()), p.float(),
+    # and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once, one tensor at a time (measured:
+    # 6.0 with PeakMemory seeing inside the kernel, lowmem_ft.train.estimator_check._bnb_cpu_kernels_visible).
     big = max(n for n, _ in tensors)
-    return 4 * 4 * big, "bitsandbytes CPU fallback: fp32 copies of the largest tensor's states (measured)"
+    return 6 * 4 * big, "bitsandbytes CPU kernel: 6 fp32 copies of the largest tensor (measured)"
 
 
 # -- activations ------------------------------------------------------------------------------------------------
+ATTENTION_INPUT_LINEARS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn"}  # fed by the input RMSNorm
+
+
 def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     """Bytes one decoder layer keeps for backward per token, without checkpointing (autograd's saved tensors).
 
     Read from the modeling code (modeling_llama/qwen2 RMSNorm upcast, RoPE, MLP), torch's autograd formulas (a
     frozen weight makes its op keep no input) and peft lora/layer.py Linear.forward (input cast to fp32, dropout
-    mask, lora_A input and output).
+    mask, lora_A input and output); checked against PeakMemory per layer (scripts/probe_memory.py, `layer` table:
+    exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA).
     """
     c = DTYPE_BYTES[s.compute_dtype]
     h, i = arch.hidden_size, arch.intermediate_size
@@ -258,25 +292,52 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
     # linears (q/k/v, gate/up) are one tensor.
     if full:
-        inputs = {id(lin): lin.in_features for lin in arch.linears}
-        shared = {}
+        shared: dict[tuple[int, bool], int] = {}
         for lin in arch.linears:
             shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
         total += c * sum(shared.values())
-        del inputs
     else:
-        # LoRA on a linear: x.to(fp32) (4 B) → dropout keeps its bool mask (1 B) and lora_A keeps the fp32 dropped
-        # input (4 B) and lora_B keeps lora_A's output (4 B × r). Each adapted linear does this on its own.
-        drop = 1 if s.lora_dropout > 0 else 0
+        # LoRA on a linear: x.to(fp32) → dropout keeps its mask (DROPOUT_MASK_BYTES) and lora_A keeps the fp32
+        # dropped input (4 B) and lora_B keeps lora_A's output (4 B × r). Each adapted linear does this on its own.
+        drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
         for lin in lora_linears(arch, s):
             total += (4 + drop) * lin.in_features + 4 * s.lora_r
     # Attention (SDPA flash/efficient, or flash_attention_2): q, k, v, output (c bytes) + fp32 logsumexp per head.
-    # With a padding mask (micro batch > 1) transformers repeats k/v to all heads (sdpa_attention.py repeat_kv).
-    kv_kept = q if (s.micro_batch_size > 1 and s.attn_implementation == "sdpa") else kv
+    padded = s.micro_batch_size > 1 and s.attn_implementation == "sdpa"
+    # With a padding mask (micro batch > 1) transformers repeats k/v to all heads (sdpa_attention.py repeat_kv,
+    # `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a c-byte additive mask
+    # (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at s 128, bf16).
+    kv_kept = q if padded else kv
     total += c * (2 * q + 2 * kv_kept) + 4 * arch.num_heads
+    if padded:
+        total += c * s.max_seq_len
     # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).
     total += 3 * c * i if arch.mlp == "gated" else c * i
     return total
+
+
+def first_layer_discount(arch: Architecture, s: Setup) -> float:
+    """Per token, what the first layer does not keep when its input needs no gradient (LoRA without checkpointing:
+    frozen embeddings, and `enable_input_require_grads` is only set for checkpointing): the input RMSNorm's fp32
+    upcast and rsqrt, and the dropout masks of the attention input projections (`input * noise` keeps the noise
+    only for an input that requires grad). Measured: 8203 B/token less for h 512 (= 4·512 + 4 + 3·4·512 + 7)."""
+    if s.adapter == "full" or s.gradient_checkpointing:
+        return 0.0
+    h = arch.hidden_size
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
+    return 4 * h + 4 + drop * attn_in
+
+
+def head_saved_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, kept from the end of forward to the loss's backward: the final RMSNorm (fp32 upcast, rsqrt, and
+    its normalized input when trained), the loss input (the fused head's `hidden_states[:, :-1]` is reshaped — a
+    c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    h = arch.hidden_size
+    norm = 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
@@ -285,34 +346,35 @@ def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     return 2 * c * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
 
 
-def backward_working_bytes(arch: Architecture, s: Setup) -> float:
-    """Per token: the gradient buffers alive while one layer backpropagates (grad of the hidden state, of the MLP
-    intermediates in c bytes, and LoRA's fp32 input gradients). Measured (scripts/validate_estimator.py)."""
-    c = DTYPE_BYTES[s.compute_dtype]
-    h, i = arch.hidden_size, arch.intermediate_size
-    return 3 * c * i + 2 * c * h + (0 if s.adapter == "full" else 4 * i)
-
-
-def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
-    """Peak working set of the logits and the loss (beyond the saved final hidden state)."""
+def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
+    """(forward, backward) working sets of the logits and the loss, beyond what `head_saved_bytes` keeps."""
     c = DTYPE_BYTES[s.compute_dtype]
     n = s.micro_batch_size * (s.max_seq_len - 1)
     v, h = arch.vocab_size, arch.hidden_size
+    trained_head = s.adapter == "full"
     if s.loss_impl == "hf_full":
-        return n * v * (
-            c + HF_LOSS_BYTES_PER_LOGIT
-        ), "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
+        b = n * v * (c + HF_LOSS_BYTES_PER_LOGIT)
+        return b, b, "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
     if s.loss_impl == "chunked":
         k = min(n, s.loss_chunk_tokens)
-        return k * v * (c + HF_LOSS_BYTES_PER_LOGIT) + 4 * n * h, f"one chunk of {k} tokens × vocab, fp32"
-    tile = min(n, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK)
-    fp32_tiles = CPU_TILE_FP32_BWD if s.device == "cpu" else 0
-    # backward: fp32 grad_hidden (N × h), the mm tile, and (full fine-tuning) an fp32 lm_head gradient accumulator
-    grad_w = 4 * v * h if s.adapter == "full" else 0
-    return (
-        4 * n * h + c * tile + 4 * fp32_tiles * tile + grad_w,
-        "TRL fused LM head: tiles of 4096 tokens × 32768 vocab, fp32 grad_hidden (no full logits)",
-    )
+        b = k * v * (c + HF_LOSS_BYTES_PER_LOGIT) + 4 * n * h
+        return b, b, f"one chunk of {k} tokens × vocab, fp32"
+    rows, cols = min(n, TRL_TOKEN_CHUNK), min(v, TRL_VOCAB_CHUNK)
+    tile = rows * cols
+    mm_buf = c * rows * TRL_VOCAB_CHUNK
+    # backward accumulators, fp32 (ChunkedLogProbFunction.backward): grad_hidden N × h; grad_weight V × h if trained
+    acc = 4 * n * h + (4 * v * h if trained_head else 0)
+    # on return, the c-byte casts of the accumulators (`grad_hidden.to(hidden.dtype)`, `grad_weight.to(...)`)
+    tail = c * n * h + (c * v * h if trained_head else 0)
+    if s.device == "cpu":
+        fwd = mm_buf + 4 * CPU_TILE_FP32_FWD * tile
+        addmm = 4 * tile + 4 * cols * h + (4 * rows * h if trained_head else 0)
+        bwd = acc + mm_buf + max(4 * CPU_TILE_FP32_BWD * tile, addmm, tail)
+        where = "CPU torch fold: fp32 tile copies (3.25 fwd, 7.25 bwd)"
+    else:
+        fwd, bwd = mm_buf, acc + mm_buf + tail
+        where = "Triton fold: no fp32 tile copies"
+    return fwd, bwd, f"TRL fused LM head: {rows} × 32768 tile buffer, fp32 accumulators; {where}"
 
 
 def estimate(arch: Architecture, s: Setup) -> Estimate:
@@ -339,42 +401,58 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
     static = sum(x.bytes for x in comps if x.phase == "static")
 
-    # forward/backward
+    # forward/backward: what the forward keeps for backward (`kept`), then the largest transient on top of it
     layer = layer_activation_bytes(arch, s) * t
-    boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
     if s.gradient_checkpointing:
+        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
         kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
         label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
         comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
         if s.activation_offloading:
             comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
         comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
-        acts = kept + layer
     else:
-        acts = arch.num_layers * layer + boundary
-        comps.append(Component("activations, all layers", acts, "forward/backward", "autograd saved tensors"))
+        kept = arch.num_layers * layer - first_layer_discount(arch, s) * t
+        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
     if s.attn_implementation == "eager":
         eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
         comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
-        acts += eager
-    # final norm (fp32 upcast kept) and the final hidden state the loss keeps, c bytes
-    head_in = (4 + 2 * c) * arch.hidden_size * t
-    comps.append(Component("final norm + loss input", head_in, "forward/backward", "RMSNorm upcast, head input"))
-    loss, loss_src = loss_bytes(arch, s)
-    comps.append(Component("logits / loss working set", loss, "forward/backward", loss_src))
-    bwd = backward_working_bytes(arch, s) * t
-    comps.append(Component("backward gradient buffers", bwd, "forward/backward", "one layer's grads in flight"))
+        if not s.gradient_checkpointing:
+            kept += eager
+        else:
+            layer += eager
+    head = head_saved_bytes(arch, s) * t
+    comps.append(Component("final norm + loss input", head, "forward/backward", "RMSNorm upcast, head input, RoPE"))
+    kept += head
+    loss_fwd, loss_bwd, loss_src = loss_bytes(arch, s)
+    comps.append(Component("logits / loss working set", max(loss_fwd, loss_bwd), "forward/backward", loss_src))
+    h, i = arch.hidden_size, arch.intermediate_size
+    if s.gradient_checkpointing:
+        grads_in_flight = (RECOMPUTE_BWD_I * i + RECOMPUTE_BWD_H * h) * t
+        layer_bwd = layer + grads_in_flight
+        bwd_src = "recomputed layer's MLP/LoRA gradients (measured)"
+    else:
+        grads_in_flight = layer_bwd = NORM_BWD_BYTES_PER_H * h * t
+        bwd_src = "final RMSNorm backward, fp32 (measured)"
+    comps.append(Component("backward gradient buffers", grads_in_flight, "forward/backward", bwd_src))
     dequant = 0.0
     if s.quantization in ("nf4", "int8"):
         dequant = c * max(lin.in_features * lin.out_features for lin in arch.linears)
         comps.append(Component("dequantization buffer", dequant, "forward/backward", "largest linear in 16-bit"))
-    fwd_bwd = acts + head_in + max(loss, bwd) + dequant
+    # Full fine-tuning: the embedding's dense backward makes a new c-byte V × h gradient beside the accumulated one,
+    # and the CPU measurement shows about two such buffers at the end of the backward (embedding_dense_backward).
+    embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
+    fwd_peak = kept + loss_fwd
+    bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
+    fwd_bwd = max(fwd_peak, bwd_peak)
 
     step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device)
     comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", step_src))
 
     model_peak = static + max(fwd_bwd, step_temp)
     phase = "forward/backward" if fwd_bwd >= step_temp else "optimizer step"
+    phases = {"static": static, "forward": static + fwd_peak, "backward": static + bwd_peak}
+    phases["optimizer step"] = static + step_temp
     overhead = 0.0
     if s.device == "cuda":
         alloc = ALLOCATOR_FRACTION * max(fwd_bwd, step_temp)
@@ -382,4 +460,4 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         comps.append(Component("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES, "overhead", "torch CublasHandlePool"))
         comps.append(Component("allocator rounding/fragmentation", alloc, "overhead", "10% of transient peak"))
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + alloc
-    return Estimate(comps, s, model_peak, overhead, phase, notes)
+    return Estimate(comps, s, model_peak, overhead, phase, notes, phases)

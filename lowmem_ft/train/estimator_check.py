@@ -13,12 +13,14 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import estimate, setup_from_recipe
+from lowmem_ft.memory.estimate import Estimate, estimate, setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.run import OPTIM_NAMES
 
@@ -33,6 +35,9 @@ class Point:
     seq: int
     measured: int = 0
     predicted: float = 0.0
+    # phase → (peak bytes within the phase, live bytes at its end), measured and predicted
+    phases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    predicted_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def error(self) -> float:
@@ -61,8 +66,36 @@ def recipe_for(model_dir: Path, p: Point):
     return resolve(None, overrides)
 
 
-def measure(model_dir: Path, p: Point, steps: int = 2) -> int:
-    """Exact peak live tensor bytes over `steps` optimizer steps (accumulation 1, then 2)."""
+@contextmanager
+def _bnb_cpu_kernels_visible():
+    """Let PeakMemory see the temporaries of bitsandbytes' CPU 8-bit optimizer kernel.
+
+    bitsandbytes registers `_optimizer_update_8bit_blockwise_cpu` (backends/cpu/ops.py) as the CPU kernel of a
+    custom op; a kernel runs below every TorchDispatchMode, so its fp32 dequantized states and upcasts would be
+    invisible. `bitsandbytes.functional.optimizer_update_8bit_blockwise` takes the kernel's exact arguments, so
+    calling the kernel's Python function in its place runs the same code with its torch ops in view.
+    """
+    try:
+        import bitsandbytes.functional as bnb_functional
+        from bitsandbytes.backends.cpu.ops import _optimizer_update_8bit_blockwise_cpu
+    except ImportError:
+        yield
+        return
+    with mock.patch.object(bnb_functional, "optimizer_update_8bit_blockwise", _optimizer_update_8bit_blockwise_cpu):
+        yield
+
+
+def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[int, int]]:
+    """Exact live tensor bytes per phase over two optimizer steps (accumulation 1, then 2).
+
+    Step 1 and micro-step 2.1 run on `warmup_seq` tokens: they only create the optimizer states and the gradients
+    that micro-step 2.2 (the full `p.seq`) accumulates into, which are the same size at any sequence length — so the
+    steady-state peak (weights + states + gradients + activations + loss) is measured with one full-size pass, which
+    is what keeps the grid affordable on a shared CPU (bf16 matmuls run at ~1.5 GFLOP/s here).
+    Returns phase → (peak within the phase, live at its end). Phases: "static" (after build and optimizer creation),
+    then per micro-step `k` of step `n` "forward n.k" (backbone + fused LM head forward), "backward n.k", and per
+    step "optimizer n" (clip + step + zero_grad); "peak" is the overall peak.
+    """
     import torch
     from transformers import Trainer, TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
@@ -78,38 +111,49 @@ def measure(model_dir: Path, p: Point, steps: int = 2) -> int:
     model.train()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer], use_cpu=True)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    optimizer = cls([q for q in model.parameters() if q.requires_grad], **kwargs)
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    optimizer = cls(trainable, **kwargs)
     vocab = base.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    with PeakMemory() as pm:
-        for step in range(steps):
-            for _ in range(1 if step == 0 else 2):
-                ids = torch.randint(0, vocab, (p.batch, p.seq), generator=gen)
-                mask = torch.ones_like(ids)
-                if p.batch > 1:
-                    mask[-1, : p.seq // 4] = 0  # left padding on one row: the mask a padded batch carries
-                out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
-                loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
-                loss.backward()
-                del out, loss
-            torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        peak = pm.peak_bytes
-    del model, base, optimizer, pm
+    # tensors that exist now (weights, quantization state, LoRA) are found by PeakMemory's walk of the gc objects
+    with PeakMemory() as pm, _bnb_cpu_kernels_visible():
+        pm.mark("static")
+        for step, micro in ((1, 1), (2, 1), (2, 2)):
+            seq = p.seq if (step, micro) == (2, 2) else warmup_seq
+            ids = torch.randint(0, vocab, (p.batch, seq), generator=gen)
+            mask = torch.ones_like(ids)
+            if p.batch > 1:
+                mask[-1, : seq // 4] = 0  # left padding on one row: the mask a padded batch carries
+            out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
+            pm.mark(f"forward {step}.{micro}")
+            loss.backward()
+            del out, loss
+            pm.mark(f"backward {step}.{micro}")
+            if micro == step:  # step 1: accumulation 1; step 2: accumulation 2
+                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                pm.mark(f"optimizer {step}")
+        phases = {m.label: (m.peak_bytes, m.live_bytes) for m in pm.marks}
+        phases["peak"] = (pm.peak_bytes, pm.live_bytes)
+    del model, base, optimizer, trainable, pm
     gc.collect()
-    return peak
+    return phases
 
 
-def predict(model_dir: Path, p: Point) -> float:
+def predict(model_dir: Path, p: Point) -> Estimate:
     recipe = recipe_for(model_dir, p)
     config = json.loads((model_dir / "lowmem_config.json").read_text())
     arch = Architecture.from_config(config, name=p.arch)
     # the CPU run has no device overheads; quantization/activations/loss terms take their CPU forms
-    return estimate(arch, setup_from_recipe(recipe, device="cpu")).model_peak_bytes
+    return estimate(arch, setup_from_recipe(recipe, device="cpu"))
 
 
 def run_point(model_dir: Path, p: Point) -> Point:
-    p.measured = measure(model_dir, p)
-    p.predicted = predict(model_dir, p)
+    p.phases = measure(model_dir, p)
+    p.measured = p.phases["peak"][0]
+    est = predict(model_dir, p)
+    p.predicted = est.model_peak_bytes
+    p.predicted_phases = est.phases
     return p

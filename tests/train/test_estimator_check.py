@@ -1,8 +1,7 @@
-"""The estimator against exact CPU measurements on one tiny LoRA point.
+"""The estimator against exact CPU measurements on two tiny points (the CPU grid is benchmarks/estimator_cpu.md).
 
-The bound is loose on purpose and documents the current state: the CPU grid (benchmarks/estimator_cpu.md) shows the
-model under-predicting by ~25-38 %, short of the 3 %/8 % targets; tighten this bound as the activation and
-CPU-loss terms are calibrated.
+The bound is the issue's max-error target (8 %); the calibrated model lands within ~1 % on these points, so a
+wrong constant in the activation, loss or optimizer terms fails the test.
 """
 
 from __future__ import annotations
@@ -18,8 +17,16 @@ CONFIG = {
 
 
 @pytest.mark.slow
-def test_lora_point_within_current_bound(tmp_path):
+@pytest.mark.parametrize(
+    "point",
+    [
+        Point("qwen2-tiny", "lora", "adamw_torch", False, 1, 64),  # LoRA dropout masks, first-layer discount
+        Point("qwen2-tiny", "full", "adamw_8bit", True, 2, 32),  # padded batch, recompute, bnb CPU step
+    ],
+    ids=lambda p: f"{p.adapter}-{p.optimizer}-ckpt{int(p.checkpointing)}",
+)
+def test_point_within_target(tmp_path, point):
     model_dir = write_model(CONFIG, tmp_path / "m")
-    p = run_point(model_dir, Point("qwen2-tiny", "lora", "adamw_torch", False, 1, 64))
-    assert p.measured > 0
-    assert abs(p.error) < 0.45, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
+    p = run_point(model_dir, point)
+    assert p.measured > p.phases["static"][1] > 0  # something was measured beyond the weights
+    assert abs(p.error) <= 0.08, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
