@@ -42,9 +42,10 @@ BNB_PAGED_MIN = 100_000
 TRL_TOKEN_CHUNK = 4096
 TRL_VOCAB_CHUNK = 32768
 # Without Triton (the CPU) each tile is folded with torch ops, `_forward_tile` / `_backward_tile`, that hold fp32
-# copies of the tile (n × min(V, 32768) × 4 B) at once. Counted op by op with PeakMemory (scripts/probe_memory.py,
-# `loss` table; the counts follow from the code): forward peak at `e = torch.exp(z - new_m)`: z, the z − max
-# temporary, e (3 fp32) + the bool `before_target` mask of is_top1 (1 B = 0.25 fp32) → 3.25; backward peak at
+# copies of the tile (n × min(V, 32768) × 4 B) at once. Counted op by op with a PeakMemory trace of
+# ChunkedLogProbFunction alone (N 512, V 8000, H 64, bf16; the counts follow from the code): forward peak at
+# `e = torch.exp(z - new_m)`: z, the z − max temporary, e (3 fp32) + the bool `before_target` mask of is_top1
+# (1 B = 0.25 fp32) → 3.25; backward peak at
 # `is_target.float() - p`: y, z, log_p, p, grad, is_target.float(), the difference (7 fp32) + the bool is_target
 # → 7.25. The backward's `_addmm_fp32` then upcasts on the CPU (`acc.addmm_(a.float(), b.float())`): an fp32 tile
 # and an fp32 copy of the vocabulary chunk of the weight (min(V, 32768) × H × 4 B), plus the fp32 hidden chunk
@@ -58,14 +59,15 @@ HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
 # ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
 # mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
 # which saves a noise tensor in the input's dtype — fp32 for peft's LoRA input. Measured on the CPU: a LoRA layer
-# keeps 3 B/element more per adapted linear input than with a bool mask (scripts/probe_memory.py, `layer` table).
+# keeps 3 B/element more per adapted linear input than with a bool mask (PeakMemory, models built with 1 and 2
+# layers, difference = one layer; benchmarks/estimator_cpu.md).
 DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
 # Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
 # computed once by the model's rotary embedding, saved by every layer's `q * cos`), int64 input ids, attention mask
 # and the loss's targets (8 B each), fp32 log_z and entropy the fused head saves (4 B each). Measured remainder
-# 23-35 B/token beyond RoPE (scripts/probe_memory.py, `head` column).
+# 23-35 B/token beyond RoPE (PeakMemory, the 1-layer model's forward minus one layer).
 TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
-# Backward transients measured on the CPU with PeakMemory (scripts/probe_memory.py, `backbone` table; Qwen2-
+# Backward transients measured on the CPU with PeakMemory (the backbone alone with `last_hidden_state.sum()`; Qwen2-
 # and Llama-shaped layers, h 512/384, i 1408/1024): without checkpointing the backward's first op, the final RMSNorm
 # backward, holds ~5 fp32 hidden-sized gradients (20·h B/token: 10236 and 7676 measured vs 10240 and 7680); with
 # checkpointing the recomputed layer's saved activations plus MLP/LoRA gradients in flight ≈ (8·i + 5·h) B/token
@@ -277,7 +279,8 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
 
     Read from the modeling code (modeling_llama/qwen2 RMSNorm upcast, RoPE, MLP), torch's autograd formulas (a
     frozen weight makes its op keep no input) and peft lora/layer.py Linear.forward (input cast to fp32, dropout
-    mask, lora_A input and output); checked against PeakMemory per layer (scripts/probe_memory.py, `layer` table:
+    mask, lora_A input and output); checked against PeakMemory per layer (1- vs 2-layer models,
+    benchmarks/estimator_cpu.md:
     exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA).
     """
     c = DTYPE_BYTES[s.compute_dtype]
