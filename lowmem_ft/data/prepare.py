@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 # `find_packed_sequence_indices(position_ids)` when attention_mask is None and builds a block-diagonal causal mask
 # for sdpa / eager / flex_attention; flash_attention_2/3 take the `cu_seq_lens_*` the collator computes (varlen
 # kernels). Anything else (hub kernels, remote modeling code) is not known to, so packing falls back.
+# The detection only runs without a KV cache: TRL's SFTTrainer.compute_loss passes use_cache=False; a forward with
+# the model's default use_cache=True would let packed samples attend to each other (tests/data/test_prepare.py).
 PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
