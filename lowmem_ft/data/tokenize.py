@@ -222,6 +222,7 @@ def tokenize_file(
             return Tokenized(ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, from_cache=True)
         except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
             log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
+            shutil.rmtree(cache_dir, ignore_errors=True)
     loaded = load_jsonl(path, fmt, skip_bad_lines)
     template, source = None, None
     if loaded.format in CHAT_FORMATS:
@@ -233,7 +234,10 @@ def tokenize_file(
         ds.save_to_disk(str(tmp / "dataset"))
         meta = {"source": str(path), "format": loaded.format, "skipped": loaded.skipped, "chat_template": source}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        tmp.rename(cache_dir)  # atomic: a half-written entry is never read
+        try:
+            tmp.rename(cache_dir)  # atomic: a half-written entry is never read
+        except OSError:  # another process (a rank of `train --gpus`) got there first with the same content
+            shutil.rmtree(tmp, ignore_errors=True)
+            return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir)
         ds = load_from_disk(str(cache_dir / "dataset"))
     return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir if use_cache else None)
