@@ -203,6 +203,7 @@ def train(
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
     from trl import SFTTrainer
 
+    from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     (run_dir / "recipe.yaml").write_text(
@@ -247,6 +248,8 @@ def train(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    # After the trainer (which patches TRL's fused LM head in): the loss memory.chunked_loss asks for.
+    install_loss_head(trainer.model, chunked=recipe.memory.chunked_loss)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     elapsed = time.time() - started
