@@ -127,15 +127,18 @@ def kernel_backend(device: torch.device) -> str | None:
     return None
 
 
-def _kernel_token_loss(backend: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """Per-token negative log-likelihood from an installed fused kernel (UNTESTED: no CUDA and neither library here)."""
+def _kernel_loss_sum(backend: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """Summed negative log-likelihood from an installed fused kernel (UNTESTED: no CUDA and neither library here).
+
+    `reduction="sum"` rather than per-token: both libraries' per-token backward paths vary across versions."""
     if backend == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+        out = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+        return out[0] if isinstance(out, tuple) else out  # newer versions may add z-loss / accuracy
     from cut_cross_entropy import linear_cross_entropy
 
-    return linear_cross_entropy(hidden, weight, targets, reduction="none")
+    return linear_cross_entropy(hidden, weight, targets, reduction="sum")
 
 
 def token_log_probs(
@@ -155,8 +158,11 @@ def token_log_probs(
     valid_hidden = hidden[mask]
     valid_targets = targets[mask]
     backend = kernel_backend(hidden.device) if use_kernels else None
-    if backend is not None:
-        log_probs = -_kernel_token_loss(backend, valid_hidden, weight, valid_targets).float()
+    n_valid = valid_targets.numel()
+    if backend is not None and n_valid > 0:
+        total = _kernel_loss_sum(backend, valid_hidden, weight, valid_targets).float()
+        # Spread evenly: the sum (all TRL's "nll" loss reads) and its gradient are exact; per-token values are not.
+        log_probs = (-total / n_valid).expand(n_valid)
         # The kernels return the loss only: entropy and accuracy are not computed (logged as NaN).
         nan = torch.full_like(log_probs, float("nan")).detach()
         entropy, is_top1 = nan, nan

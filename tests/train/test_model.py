@@ -57,9 +57,7 @@ def test_lean_preparation_saves_the_fp32_upcast_peft_would_do(tiny_model):
 
 def test_offloading_needs_checkpointing():
     with pytest.raises(ConfigError, match="activation_offloading"):
-        resolve(
-            "8gb", {"memory": {"activation_offloading": True, "gradient_checkpointing": False}}
-        )
+        resolve("8gb", {"memory": {"activation_offloading": True, "gradient_checkpointing": False}})
 
 
 class _Recording(torch.autograd.graph.saved_tensors_hooks):
