@@ -142,8 +142,8 @@ def offloaded_bytes(path: str, args) -> int:
 HF_ROW = ("hf", "`model(labels=…)`: transformers loss, logits returned")
 ROWS = [
     ("body", "no LM head (body only: reference)"),
-    ("full", "`chunked_loss: false`: full logits, standard loss"),
-    ("trl", "TRL 1.16 fused LM head (SFTTrainer's own, torch fallback)"),
+    ("full", "standard transformers loss over full logits (plain HF Trainer)"),
+    ("trl", "`chunked_loss: false`: TRL 1.16's fused LM head (torch fallback on CPU)"),
     ("chunked", "`chunked_loss: true`: lowmem-ft chunked loss"),
 ]
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Peaks by `PeakMemory` (exact live tensor bytes), step = forward + backward + AdamW step; "
         f"time = CPU seconds of the process for one step after the measured one (min of {args.steps}).",
         "",
-        "| loss | peak GB | logits/loss term GB | term vs `chunked_loss: false` | CPU s/step | time vs false | loss value |",
+        "| loss | peak GB | logits/loss term GB | term vs full logits | CPU s/step | time vs full logits | loss value |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, label in rows:

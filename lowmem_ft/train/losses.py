@@ -10,14 +10,13 @@ is installed on the CPU yardstick).
 Where it plugs in. TRL 1.16's `SFTTrainer.compute_loss` calls `model(**inputs, fused_lm_head=True)` and reads
 per-token `log_probs` / `entropy` / `is_top1` / `label_mask` (`trl.trainer.utils.add_fused_lm_head` and
 `FusedCausalLMOutput`); it normalises `-log_probs.sum()` by `num_items_in_batch` (the token count of the whole
-accumulated batch) exactly as transformers 5's `ForCausalLMLoss` does with `reduction="sum"`. `install_loss_head`
-answers that call with our head, so TRL's loss normalisation and metrics stay TRL's:
-
-- `chunked=True`: the chunked loss above; entropy and top-1 accuracy are computed per chunk (no full logits).
-- `chunked=False`: the standard transformers loss over the full logits (`lm_head` on every position, fp32 upcast,
-  `cross_entropy`) — what the memory model's "no chunked loss" term describes. TRL's own fused head (itself tiled:
-  4096 tokens × 32768 vocab, `trl/kernels/chunked_logprob.py`) is replaced in both cases, so the measured memory is
-  the one the planner predicts.
+accumulated batch) exactly as transformers 5's `ForCausalLMLoss` does with `reduction="sum"`. TRL answers that call
+with its own fused head, tiled at 4096 tokens × 32768 vocab (`trl/kernels/chunked_logprob.py`; Triton on CUDA, several
+fp32 copies of each tile in its torch fallback elsewhere): that is the `memory.chunked_loss: false` loss, and what
+the estimator's "trl_fused" term models. With `chunked_loss: true`, `install_loss_head` answers the call with ours, so
+TRL's loss normalisation and metrics stay TRL's; entropy and top-1 accuracy are computed per chunk (no full logits).
+`install_loss_head(chunked=False)` gives the standard transformers loss over full logits (the reference of the
+tests and of scripts/bench_savers.py; not used in training).
 """
 
 from __future__ import annotations
@@ -244,8 +243,11 @@ def install_loss_head(model, *, chunked: bool, chunk_tokens: int | None = None) 
         hidden = self.base_model(*args, **kw).last_hidden_state
         lm_head = self.get_output_embeddings()
         if chunked:
+            weight = lm_head.weight
+            if hasattr(weight, "full_tensor"):  # FSDP2 shards it as a DTensor (as in TRL's head; untested here)
+                weight = weight.full_tensor()
             log_probs, entropy, is_top1, mask = token_log_probs(
-                hidden, lm_head.weight, labels, shift_labels=shift_labels, chunk_tokens=chunk_tokens
+                hidden, weight, labels, shift_labels=shift_labels, chunk_tokens=chunk_tokens
             )
         else:
             log_probs, entropy, is_top1, mask = full_token_log_probs(lm_head(hidden), labels, shift_labels)
