@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data import load_jsonl
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
@@ -98,11 +97,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         # harness); the trainer must not wrap it again.
         gradient_checkpointing=False,
         max_length=m.max_seq_len,
-        truncation_mode=d.truncate if d.truncate in ("keep_start", "keep_end") else "keep_start",
+        # lowmem_ft.data has tokenized, masked (labels) and fitted every sample to max_length already, so TRL's
+        # truncation is a no-op and its completion/assistant masking is not needed.
+        truncation_mode="keep_start",
         packing=d.packing,
-        completion_only_loss=False
-        if d.train_on_prompt
-        else None,  # None: TRL masks the prompt of prompt/completion data
+        packing_strategy="bfd",  # keeps sample boundaries; TRL turns padding_free on for it
+        train_sampling_strategy="random" if d.packing else "group_by_length",
+        completion_only_loss=False,
         assistant_only_loss=False,
         optim=OPTIM_NAMES[o.name],
         learning_rate=o.lr,
@@ -135,40 +136,25 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     )
 
 
-def _datasets(recipe: Recipe):
-    """Train (and eval) `datasets.Dataset`s of TRL records, and a summary for run.json."""
-    from datasets import Dataset
+def _datasets(recipe: Recipe, tokenizer):
+    """Train (and eval) datasets, tokenized and fitted to the token budget, and the data summary for run.json."""
+    from lowmem_ft.data.prepare import prepare_datasets
 
-    d = recipe.data
-    if d.truncate in ("drop", "chunk"):
-        raise UserError(f"data.truncate={d.truncate} is not supported yet; use keep_start or keep_end")
-    train = load_jsonl(d.path, d.format, d.skip_bad_lines)
-    summary: dict[str, Any] = {
-        "path": d.path,
-        "format": train.format,
-        "records": len(train.records),
-        "skipped_lines": train.skipped,
-    }
-    for line in train.skipped:
-        log.warning("skipped %s", line)
-    records = train.records
-    eval_records: list[dict] = []
-    if d.eval_path:
-        eval_records = load_jsonl(d.eval_path, d.format, d.skip_bad_lines).records
-    elif d.eval_fraction > 0:
-        n_eval = max(1, int(len(records) * d.eval_fraction))
-        eval_records, records = records[-n_eval:], records[:-n_eval]
-    summary["train_records"] = len(records)
-    summary["eval_records"] = len(eval_records)
-    if train.format in ("messages", "sharegpt", "alpaca") and not d.train_on_prompt:
-        summary["loss_on"] = "assistant turns"
-    elif train.format == "prompt_completion" and not d.train_on_prompt:
-        summary["loss_on"] = "completion"
-    else:
-        summary["loss_on"] = "all tokens"
-    train_ds = Dataset.from_list(records)
-    eval_ds = Dataset.from_list(eval_records) if eval_records else None
-    return train_ds, eval_ds, summary, train.format
+    return prepare_datasets(recipe, tokenizer)
+
+
+def _packing(recipe: Recipe, model, args) -> dict[str, Any]:
+    """Pack only where the attention keeps samples apart; otherwise fall back to length-grouped batches."""
+    from lowmem_ft.data.prepare import packing_support
+
+    if not recipe.data.packing:
+        return {"packing": False, "batches": "length-grouped"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ok, why = packing_support(base.config._attn_implementation, type(base).__module__)
+    if not ok:
+        log.warning("data.packing: %s; training unpacked with length-grouped batches instead", why)
+        args.packing, args.padding_free, args.train_sampling_strategy = False, False, "group_by_length"
+    return {"packing": ok, "how": why, "batches": "packed (bfd, padding-free)" if ok else "length-grouped"}
 
 
 def _versions() -> dict[str, str]:
@@ -236,8 +222,8 @@ def train(
         (run_dir / "recipe.yaml").write_text(
             dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
         )
-    train_ds, eval_ds, data_summary, fmt = _datasets(recipe)
     tokenizer = load_tokenizer(recipe)
+    train_ds, eval_ds, data_summary = _datasets(recipe, tokenizer)
 
     mode = wandb_mode(recipe)
     report_to = [] if mode == "disabled" else ["wandb"]
@@ -250,8 +236,7 @@ def train(
     # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
     model = build_model(recipe)
-    if fmt in ("messages", "sharegpt", "alpaca"):
-        args.assistant_only_loss = not recipe.data.train_on_prompt
+    data_summary["batching"] = _packing(recipe, model, args)
     checkpoint = last_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise UserError(
@@ -269,6 +254,7 @@ def train(
     }
     if main:
         write_json(run_dir / "run.json", run_info)
+        write_json(run_dir / "data_report.json", data_summary)
     # the plan --vram chose (or checked); the monitor compares the measured curve with it
     if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
