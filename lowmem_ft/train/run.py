@@ -214,6 +214,7 @@ def train(
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
     from trl import SFTTrainer
 
+    from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
@@ -267,6 +268,10 @@ def train(
         callbacks=callbacks,
     )
     _keep_adapters_fp32(trainer.model, recipe)
+    if recipe.memory.chunked_loss:
+        # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours answers
+        # the same loss call instead.
+        install_loss_head(trainer.model, chunked=True)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     elapsed = time.time() - started
