@@ -86,12 +86,15 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from lowmem_ft.errors import UserError
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.run import last_checkpoint, prepare_run_dir, train
 
+    if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
+        os.environ["WANDB_MODE"] = "disabled"
     if args.run_dir:
         return _run_launched(Path(args.run_dir))
     overrides = flag_overrides(args)
