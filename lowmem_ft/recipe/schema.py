@@ -86,6 +86,11 @@ class MemorySection:
         False, "Offload checkpointed activations to host memory (TRL activation_offloading)."
     )
     chunked_loss: bool = _f(False, "Compute the loss in token chunks without materializing full fp32 logits.")
+    eval_batch_size: int = _f(
+        0,
+        "Samples per evaluation forward; 0 = chosen automatically (today: micro_batch_size). Eval keeps no "
+        "gradients or optimizer states, but its logits are a peak of their own.",
+    )
 
 
 @dataclass

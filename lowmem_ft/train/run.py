@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +80,24 @@ def wandb_mode(recipe: Recipe) -> str:
     return "online" if logged_in else "offline"
 
 
+def eval_batch_size(recipe: Recipe) -> int:
+    """Samples per evaluation forward: the recipe's `memory.eval_batch_size`, or automatic when it is 0.
+
+    Automatic is the micro batch for now, which always fits (eval holds no gradients or optimizer states);
+    the planner can pick a larger one from the eval logits peak here.
+    """
+    return recipe.memory.eval_batch_size or recipe.memory.micro_batch_size
+
+
+def add_perplexity(logs: dict[str, float]) -> None:
+    """Perplexity = exp(mean token cross-entropy), next to every eval loss."""
+    if "eval_loss" in logs:
+        try:
+            logs["eval_perplexity"] = math.exp(logs["eval_loss"])
+        except OverflowError:
+            logs["eval_perplexity"] = float("inf")
+
+
 def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[str]):
     """TRL `SFTConfig` from the recipe: memory knobs, optimizer, cadence and loss masking."""
     import torch
@@ -87,10 +107,16 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     cuda = torch.cuda.is_available()
     bf16 = cuda and recipe.model.compute_dtype == "bfloat16" and torch.cuda.is_bf16_supported()
     fp16 = cuda and recipe.model.compute_dtype == "float16"
+    save_steps = t.save_steps
+    if has_eval and save_steps != t.eval_steps:
+        # The best checkpoint can only be kept if one is saved at every evaluation: transformers records a best
+        # step only when checkpoint-<step> exists (Trainer._save_checkpoint), so saves follow the eval cadence.
+        log.info("saving a checkpoint at every evaluation (every %d steps) to keep the best one", t.eval_steps)
+        save_steps = t.eval_steps
     return SFTConfig(
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=m.micro_batch_size,
-        per_device_eval_batch_size=m.micro_batch_size,
+        per_device_eval_batch_size=eval_batch_size(recipe),
         gradient_accumulation_steps=m.gradient_accumulation,
         # Checkpointing is set on the model by `prepare_for_training` (same build path as the estimator
         # harness); the trainer must not wrap it again.
@@ -115,10 +141,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         logging_steps=t.logging_steps,
         logging_first_step=True,
         save_strategy="steps",
-        save_steps=t.save_steps,
+        save_steps=save_steps,
         save_total_limit=t.save_total_limit,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=t.eval_steps if has_eval else None,
+        load_best_model_at_end=has_eval,
+        metric_for_best_model="eval_loss" if has_eval else None,
+        greater_is_better=False if has_eval else None,
         bf16=bf16,
         fp16=fp16,
         use_cpu=not cuda,
@@ -128,6 +157,23 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         dataset_num_proc=None,
         disable_tqdm=False,
     )
+
+
+def held_out_split(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval): a seeded random `fraction` of the records held out; the same seed gives the same split.
+
+    Shuffled rather than the last lines, since data files are often sorted (by source, length or date).
+    Both parts keep the file's order.
+    """
+    n_eval = max(1, int(len(records) * fraction))
+    if n_eval >= len(records):
+        raise UserError(
+            f"data.eval_fraction={fraction:g} of {len(records)} records leaves nothing to train on; "
+            "lower it or pass --eval-data FILE"
+        )
+    held = set(random.Random(seed).sample(range(len(records)), n_eval))
+    train = [r for i, r in enumerate(records) if i not in held]
+    return train, [records[i] for i in sorted(held)]
 
 
 def _datasets(recipe: Recipe):
@@ -150,9 +196,10 @@ def _datasets(recipe: Recipe):
     eval_records: list[dict] = []
     if d.eval_path:
         eval_records = load_jsonl(d.eval_path, d.format, d.skip_bad_lines).records
+        summary["eval_source"] = d.eval_path
     elif d.eval_fraction > 0:
-        n_eval = max(1, int(len(records) * d.eval_fraction))
-        eval_records, records = records[-n_eval:], records[:-n_eval]
+        records, eval_records = held_out_split(records, d.eval_fraction, recipe.training.seed)
+        summary["eval_source"] = f"held out {d.eval_fraction:g} of {d.path} (seed {recipe.training.seed})"
     summary["train_records"] = len(records)
     summary["eval_records"] = len(eval_records)
     if train.format in ("messages", "sharegpt", "alpaca") and not d.train_on_prompt:
@@ -178,6 +225,18 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _trainer_class():
+    """TRL's SFTTrainer, logging eval perplexity beside eval loss (W&B, log_history and the best-model metric)."""
+    from trl import SFTTrainer
+
+    class Trainer(SFTTrainer):
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+            add_perplexity(logs)
+            super().log(logs, start_time)
+
+    return Trainer
+
+
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
@@ -201,8 +260,6 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
-    from trl import SFTTrainer
-
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     (run_dir / "recipe.yaml").write_text(
@@ -237,9 +294,18 @@ def train(
         "versions": _versions(),
         **trainable_summary(model),
     }
+    if eval_ds is not None:
+        run_info["eval"] = {
+            "records": len(eval_ds),
+            "batch_size": args.per_device_eval_batch_size,
+            "batch_size_from": "recipe" if recipe.memory.eval_batch_size else "auto (micro_batch_size)",
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+            "best_by": "eval_loss",
+        }
     write_json(run_dir / "run.json", run_info)
 
-    trainer = SFTTrainer(
+    trainer = _trainer_class()(
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -265,9 +331,18 @@ def train(
         "wall_seconds": round(elapsed, 2),
         "wandb_mode": mode,
     }
-    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
-    if eval_losses:
-        metrics["last_eval_loss"] = eval_losses[-1]
+    evals = [h for h in history if "eval_loss" in h]
+    if evals:
+        metrics["last_eval_loss"] = evals[-1]["eval_loss"]
+        metrics["last_eval_perplexity"] = evals[-1]["eval_perplexity"]
+        best = min(evals, key=lambda h: h["eval_loss"])
+        metrics["best_eval_loss"] = best["eval_loss"]
+        metrics["best_eval_perplexity"] = best["eval_perplexity"]
+        metrics["best_step"] = best["step"]
+        # What load_best_model_at_end loaded, hence what was saved to adapter/ (or model/) above.
+        best_dir = trainer.state.best_model_checkpoint
+        metrics["best_checkpoint"] = best_dir
+        metrics["saved_weights"] = f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step"
     write_json(run_dir / "metrics.json", metrics)
     with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
         for row in history:
