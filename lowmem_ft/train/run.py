@@ -71,13 +71,20 @@ def wandb_mode(recipe: Recipe) -> str:
     mode = recipe.logging.wandb_mode
     if mode != "auto":
         return mode
-    try:
-        import wandb
+    return "online" if wandb_logged_in() else "offline"
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY") or wandb.api.api_key)
-    except Exception:  # wandb unavailable or unconfigured: no login
-        logged_in = False
-    return "online" if logged_in else "offline"
+
+def wandb_logged_in() -> bool:
+    """An API key in WANDB_API_KEY or in ~/.netrc for the W&B host (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        # wandb's own netrc reader; `wandb.api.api_key` reads the same but is deprecated (and warns) in wandb 0.2x
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))
+    except Exception:  # wandb unavailable, moved, or a malformed netrc: no usable login
+        return False
 
 
 def eval_batch_size(recipe: Recipe) -> int:
