@@ -86,7 +86,7 @@ def check_adapter_fits(model, run: FinishedRun) -> None:
     """
     from safetensors import safe_open
 
-    hint = f"pass --base with the model run {run.run_dir.name} was trained on"
+    hint = f"pass --base PATH to the model {run.run_dir} was trained on"
     with safe_open(str(run.weights_dir / ADAPTER_WEIGHTS), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             for part, axis in ((".lora_A.weight", 1), (".lora_B.weight", 0)):
