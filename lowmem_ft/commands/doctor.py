@@ -20,8 +20,8 @@ from pathlib import Path
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_PYTHON = (3, 10)
 HUB_TIMEOUT_S = 3.0  # the Hub probe never holds doctor longer than this (DNS included: it runs in a thread)
-MIN_DISK_GIB = 1.0  # below this, even an adapter checkpoint and its optimizer state may not fit
-LOW_DISK_GIB = 20.0  # a merged 7B model in 16-bit is ~15 GB
+MIN_DISK_GB = 1.0  # below this, even an adapter checkpoint and its optimizer state may not fit
+LOW_DISK_GB = 20.0  # a merged 7B model in 16-bit is ~15 GB
 
 
 @dataclass
@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"  # decimal GB, as `--vram` and the planner speak
 
 
 def check_python() -> Check:
@@ -91,7 +91,7 @@ def check_gpus(require_gpu: bool) -> list[Check]:
         cc = (props.major, props.minor)
         bf16 = cc >= (8, 0)  # bf16 tensor cores start with Ampere (sm_80)
         detail = (
-            f"{props.name}: {_gib(free)} free of {_gib(total)}, compute capability {cc[0]}.{cc[1]}, "
+            f"{props.name}: {_gb(free)} free of {_gb(total)}, compute capability {cc[0]}.{cc[1]}, "
             f"bf16 {'yes' if bf16 else 'no'}"
         )
         fix = "" if bf16 else "no bf16 on this GPU: train with --set model.compute_dtype=float16"
@@ -225,11 +225,11 @@ def check_disk(output_dir: str) -> Check:
     while not probe.exists():  # the run directory may not exist yet: measure the disk it will be on
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    detail = f"{_gib(free)} free at {path}"
-    if free < MIN_DISK_GIB * 2**30:
+    detail = f"{_gb(free)} free at {path}"
+    if free < MIN_DISK_GB * 1e9:
         return Check("disk", FAIL, detail, "free some space or pass --output-dir on a larger disk")
-    if free < LOW_DISK_GIB * 2**30:
-        return Check("disk", WARN, detail, f"under {LOW_DISK_GIB:g} GiB: enough for adapters, tight for `merge`")
+    if free < LOW_DISK_GB * 1e9:
+        return Check("disk", WARN, detail, f"under {LOW_DISK_GB:g} GB: enough for adapters, tight for `merge`")
     return Check("disk", OK, detail)
 
 

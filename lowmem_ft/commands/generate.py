@@ -49,10 +49,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _budget_bytes(args: argparse.Namespace, device: str) -> int | None:
     """The device budget in bytes: --vram, else the whole GPU; None on the CPU without --vram."""
-    from lowmem_ft.memory.inference import GIB
+    from lowmem_ft.memory.estimate import GB
 
     if args.vram is not None:
-        return int(args.vram * GIB)
+        return int(args.vram * GB)
     if device == "cuda":
         import torch
 
@@ -71,7 +71,8 @@ class Generator:
             resolve_device,
             weights_bytes,
         )
-        from lowmem_ft.memory.inference import GIB, DecoderShape
+        from lowmem_ft.memory.arch import Architecture
+        from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB
         from lowmem_ft.train.model import torch_dtype
 
         self.args = args
@@ -82,10 +83,11 @@ class Generator:
         self.model.eval()
         self.model.config.use_cache = True  # training switched the cache off; generation needs it
         self.budget = _budget_bytes(args, device)
-        self.reserve = int(run.recipe.memory.safety_margin_gb * GIB)
+        # what the planner keeps off a GPU too: the recipe's safety margin and the CUDA context
+        self.reserve = int(run.recipe.memory.safety_margin_gb * GB + CUDA_CONTEXT_BYTES)
         self.weights = weights_bytes(self.model)
         self.kv_bytes = torch_dtype(run.recipe.model.compute_dtype).itemsize
-        self.shape = DecoderShape.from_config(self.model.config.to_dict())
+        self.arch = Architecture.from_config(self.model.config.to_dict(), name=run.base)
         self.use_template = bool(self.tokenizer.chat_template) and not args.no_chat_template
         if not self.tokenizer.chat_template and not args.no_chat_template:
             print("note: the tokenizer has no chat template; prompts are used as plain text", file=sys.stderr)
@@ -114,7 +116,7 @@ class Generator:
         if self.budget is None:
             return requested
         plan = plan_generation(
-            self.shape,
+            self.arch,
             budget_bytes=self.budget,
             weights_bytes=self.weights,
             reserve_bytes=self.reserve,

@@ -3,7 +3,7 @@
 The one idea: during `generate` the only term that grows with the output is the KV cache —
 2 (keys and values) × layers × kv_heads × head_dim × tokens × bytes per value — so a VRAM budget minus the
 weights, the safety margin and the prefill workspace, divided by the cache bytes per token, bounds the tokens.
-Pure arithmetic over a config dict: no torch, so it is instant and serves the planner and `generate` alike.
+Pure arithmetic over the planner's `Architecture` (no torch), so the planner and `generate` share it.
 
 Sources (transformers 5.24): `cache_utils.DynamicLayer.update` keeps one key and one value tensor per layer,
 shaped [batch, kv_heads, seq, head_dim] in the model's compute dtype, and grows them with `torch.cat` — which
@@ -14,10 +14,10 @@ position, not of the whole prompt.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-GIB = 2**30  # --vram GB is read as GiB, the unit torch.cuda and nvidia-smi report device memory in
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.estimate import GB
 
 # While DynamicLayer.update concatenates, one layer's previous key (or value) tensor and the new one coexist:
 # one extra layer-slice of K or V, i.e. 1 / (2 × layers) of the whole cache.
@@ -38,56 +38,26 @@ LOGITS_BYTES = (
 
 def human(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number ≥ 1 (tiny models have KiB-sized caches)."""
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """The architecture numbers generation memory depends on."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    max_positions: int | None = None
-
-    @classmethod
-    def from_config(cls, config: Mapping) -> DecoderShape:
-        """From a transformers config as a dict (`config.to_dict()` or config.json); multimodal configs use their
-        `text_config`."""
-        c = dict(config.get("text_config") or config)
-        heads = c["num_attention_heads"]
-        hidden = c["hidden_size"]
-        return cls(
-            layers=c["num_hidden_layers"],
-            kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or hidden // heads,
-            hidden=hidden,
-            intermediate=c.get("intermediate_size") or 4 * hidden,
-            vocab=c["vocab_size"],
-            max_positions=c.get("max_position_embeddings"),
-        )
-
-
-def kv_cache_bytes(shape: DecoderShape, tokens: int, bytes_per_value: int, batch: int = 1) -> int:
+def kv_cache_bytes(arch: Architecture, tokens: int, bytes_per_value: int, batch: int = 1) -> int:
     """2 × layers × kv_heads × head_dim × tokens × bytes (× batch): keys and values of every layer."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * bytes_per_value * batch
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * tokens * bytes_per_value * batch
 
 
-def kv_bytes_per_token(shape: DecoderShape, bytes_per_value: int) -> float:
+def kv_bytes_per_token(arch: Architecture, bytes_per_value: int) -> float:
     """Cache bytes one more token costs, with the concatenation transient spread over the layers."""
-    return kv_cache_bytes(shape, 1, bytes_per_value) * (1 + CAT_TRANSIENT_LAYERS / (2 * shape.layers))
+    return kv_cache_bytes(arch, 1, bytes_per_value) * (1 + CAT_TRANSIENT_LAYERS / (2 * arch.num_layers))
 
 
-def prefill_workspace_bytes(shape: DecoderShape, prompt_tokens: int, bytes_per_value: int) -> int:
+def prefill_workspace_bytes(arch: Architecture, prompt_tokens: int, bytes_per_value: int) -> int:
     """Transient activations of the prompt's forward pass (one layer at a time) plus one position's fp32 logits."""
-    per_token = PREFILL_HIDDEN_TENSORS * shape.hidden + PREFILL_INTERMEDIATE_TENSORS * shape.intermediate
-    return per_token * prompt_tokens * bytes_per_value + shape.vocab * LOGITS_BYTES
+    per_token = PREFILL_HIDDEN_TENSORS * arch.hidden_size + PREFILL_INTERMEDIATE_TENSORS * arch.intermediate_size
+    return per_token * prompt_tokens * bytes_per_value + arch.vocab_size * LOGITS_BYTES
 
 
 @dataclass(frozen=True)
@@ -96,7 +66,7 @@ class GenerationBudget:
 
     budget_bytes: int
     weights_bytes: int
-    reserve_bytes: int
+    reserve_bytes: int  # safety margin + CUDA context: what the caller keeps off the cache
     workspace_bytes: int
     kv_per_token: float
     prompt_tokens: int
@@ -115,7 +85,7 @@ class GenerationBudget:
 
     def describe(self) -> str:
         fixed = (
-            f"weights {human(self.weights_bytes)} + margin {human(self.reserve_bytes)} + prefill "
+            f"weights {human(self.weights_bytes)} + margin and CUDA context {human(self.reserve_bytes)} + prefill "
             f"{human(self.workspace_bytes)}"
         )
         free = self.budget_bytes - self.fixed_bytes
@@ -134,7 +104,7 @@ class GenerationBudget:
 
 
 def plan_generation(
-    shape: DecoderShape,
+    arch: Architecture,
     *,
     budget_bytes: int,
     weights_bytes: int,
@@ -147,12 +117,12 @@ def plan_generation(
 
     `max_new_tokens` is 0 or negative when not even the prompt fits; the caller says so.
     """
-    workspace = prefill_workspace_bytes(shape, prompt_tokens, bytes_per_value)
-    per_token = kv_bytes_per_token(shape, bytes_per_value)
+    workspace = prefill_workspace_bytes(arch, prompt_tokens, bytes_per_value)
+    per_token = kv_bytes_per_token(arch, bytes_per_value)
     free = budget_bytes - weights_bytes - reserve_bytes - workspace
     total = max(0, int(free // per_token))
-    if shape.max_positions:
-        total = min(total, shape.max_positions)
+    if arch.max_position_embeddings:
+        total = min(total, arch.max_position_embeddings)
     return GenerationBudget(
         budget_bytes=budget_bytes,
         weights_bytes=weights_bytes,

@@ -40,6 +40,8 @@ class RunResult:
     run_dir: Path
     metrics: dict[str, Any]
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = None  # the trained model (PeftModel for LoRA), for in-process callers and tests
+    is_main: bool = True  # rank 0 of a launched run (the process that wrote the run directory)
 
 
 def default_run_name(recipe: Recipe) -> str:
@@ -161,6 +163,9 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         report_to=report_to,
         run_name=run_dir.name,
         dataloader_num_workers=0,
+        # every LoRA weight is used in every forward; True (the Trainer's default for a PeftModel) costs DDP an
+        # extra traversal of the autograd graph per step
+        ddp_find_unused_parameters=False,
         dataset_num_proc=None,
         disable_tqdm=False,
     )
@@ -248,6 +253,26 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
 
+def _keep_adapters_fp32(model, recipe: Recipe) -> None:
+    """Undo TRL's bf16 cast of trainable weights on quantized models (SFTTrainer.__init__, "When using QLoRA").
+
+    lowmem-ft keeps LoRA weights in fp32, as peft's autocast_adapter_dtype makes them: updates of size lr × grad
+    can fall below bf16's resolution, and the memory model counts adapters at 4 bytes per parameter.
+    """
+    import torch
+
+    if recipe.adapter.kind != "lora":
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: torchrun sets RANK for `accelerate launch` children."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
     run_dir = Path(recipe.training.output_dir) / (name or default_run_name(recipe))
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
@@ -269,9 +294,11 @@ def train(
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
-    (run_dir / "recipe.yaml").write_text(
-        dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
-    )
+    main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
+    if main:
+        (run_dir / "recipe.yaml").write_text(
+            dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
+        )
     train_ds, eval_ds, data_summary, fmt = _datasets(recipe)
     tokenizer = load_tokenizer(recipe)
 
@@ -282,8 +309,10 @@ def train(
         os.environ.setdefault("WANDB_PROJECT", recipe.logging.wandb_project)
         os.environ.setdefault("WANDB_DIR", str(run_dir.resolve()))
 
-    model = build_model(recipe)
+    # The training arguments come first: under DeepSpeed ZeRO-3 they register the config that makes
+    # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
+    model = build_model(recipe)
     if fmt in ("messages", "sharegpt", "alpaca"):
         args.assistant_only_loss = not recipe.data.train_on_prompt
     checkpoint = last_checkpoint(run_dir) if resume else None
@@ -310,7 +339,11 @@ def train(
             "save_steps": args.save_steps,
             "best_by": "eval_loss",
         }
-    write_json(run_dir / "run.json", run_info)
+    if main:
+        write_json(run_dir / "run.json", run_info)
+    # the plan --vram chose (or checked); the monitor compares the measured curve with it
+    if main and choice and "predicted_peak_gb" in choice:
+        write_json(run_dir / "plan.json", choice)
 
     trainer = _trainer_class()(
         model=model,
@@ -320,13 +353,17 @@ def train(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    _keep_adapters_fp32(trainer.model, recipe)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     elapsed = time.time() - started
 
     out_dir = run_dir / ("model" if recipe.adapter.kind == "full" else "adapter")
-    trainer.model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    if trainer.is_fsdp_enabled:
+        # checkpoints stay sharded (resumable); the adapter is gathered whole (peft's FSDP example does the same)
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    # every rank joins (FSDP/ZeRO gather), rank 0 writes the weights and the tokenizer
+    trainer.save_model(str(out_dir))
 
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
@@ -350,13 +387,14 @@ def train(
         best_dir = trainer.state.best_model_checkpoint
         metrics["best_checkpoint"] = best_dir
         metrics["saved_weights"] = f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step"
-    write_json(run_dir / "metrics.json", metrics)
-    with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
-        for row in history:
-            handle.write(json.dumps(row) + "\n")
+    if main:
+        write_json(run_dir / "metrics.json", metrics)
+        with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
+            for row in history:
+                handle.write(json.dumps(row) + "\n")
     if report_to:
         import wandb
 
         if wandb.run is not None:
             wandb.finish()
-    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history)
+    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history, model=trainer.model, is_main=main)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.estimate import GB
 from lowmem_ft.memory.inference import (
-    GIB,
-    DecoderShape,
     kv_bytes_per_token,
     kv_cache_bytes,
     plan_generation,
     prefill_workspace_bytes,
 )
 
-# Qwen2.5-7B's config.json (hub: Qwen/Qwen2.5-7B), the keys the shape reads
+# Qwen2.5-7B's config.json (hub: Qwen/Qwen2.5-7B), the keys the arch reads
 QWEN25_7B = {
+    "model_type": "qwen2",
     "hidden_size": 3584,
     "intermediate_size": 18944,
     "num_attention_heads": 28,
@@ -25,49 +26,40 @@ QWEN25_7B = {
 }
 
 
-def test_shape_from_config_derives_head_dim_and_defaults_kv_heads():
-    shape = DecoderShape.from_config(QWEN25_7B)
-    assert (shape.layers, shape.kv_heads, shape.head_dim) == (28, 4, 128)
-    mha = DecoderShape.from_config({**QWEN25_7B, "num_key_value_heads": None})
-    assert mha.kv_heads == 28
-    nested = DecoderShape.from_config({"text_config": QWEN25_7B, "model_type": "vlm"})
-    assert nested == shape
-
-
 def test_kv_cache_of_qwen25_7b():
-    shape = DecoderShape.from_config(QWEN25_7B)
+    arch = Architecture.from_config(QWEN25_7B)
     # 2 × 28 layers × 4 kv heads × 128 × 2 bytes = 57,344 B per token; the full 131,072-token context is 7 GiB
-    assert kv_cache_bytes(shape, 1, 2) == 57_344
-    assert kv_cache_bytes(shape, 131_072, 2) == 7 * GIB
-    assert kv_cache_bytes(shape, 10, 2, batch=3) == 3 * 10 * 57_344
+    assert kv_cache_bytes(arch, 1, 2) == 57_344
+    assert kv_cache_bytes(arch, 131_072, 2) == 7 * 2**30
+    assert kv_cache_bytes(arch, 10, 2, batch=3) == 3 * 10 * 57_344
 
 
 def test_plan_bounds_new_tokens_by_what_is_left():
-    shape = DecoderShape.from_config(QWEN25_7B)
-    weights = 5 * GIB
-    common = dict(weights_bytes=weights, reserve_bytes=GIB, prompt_tokens=100, bytes_per_value=2)
-    roomy = plan_generation(shape, budget_bytes=24 * GIB, requested_new_tokens=512, **common)
+    arch = Architecture.from_config(QWEN25_7B)
+    weights = 5 * GB
+    common = dict(weights_bytes=weights, reserve_bytes=GB, prompt_tokens=100, bytes_per_value=2)
+    roomy = plan_generation(arch, budget_bytes=24 * GB, requested_new_tokens=512, **common)
     assert roomy.max_new_tokens == 512 and not roomy.bounded
 
-    workspace = prefill_workspace_bytes(shape, 100, 2)
-    per_token = kv_bytes_per_token(shape, 2)
-    budget = weights + GIB + workspace + int(300 * per_token)  # room for exactly 300 cached tokens
-    tight = plan_generation(shape, budget_bytes=budget, requested_new_tokens=512, **common)
+    workspace = prefill_workspace_bytes(arch, 100, 2)
+    per_token = kv_bytes_per_token(arch, 2)
+    budget = weights + GB + workspace + int(300 * per_token)  # room for exactly 300 cached tokens
+    tight = plan_generation(arch, budget_bytes=budget, requested_new_tokens=512, **common)
     assert tight.max_total_tokens == 300
     assert tight.max_new_tokens == 200 and tight.bounded
     assert "300 tokens" in tight.describe()
 
-    over = plan_generation(shape, budget_bytes=weights, requested_new_tokens=512, **common)
+    over = plan_generation(arch, budget_bytes=weights, requested_new_tokens=512, **common)
     assert over.max_new_tokens < 1
     assert "over the" in over.describe()
 
 
 def test_plan_never_exceeds_the_models_positions():
-    shape = DecoderShape.from_config({**QWEN25_7B, "max_position_embeddings": 1000})
+    arch = Architecture.from_config({**QWEN25_7B, "max_position_embeddings": 1000})
     plan = plan_generation(
-        shape,
-        budget_bytes=80 * GIB,
-        weights_bytes=GIB,
+        arch,
+        budget_bytes=80 * GB,
+        weights_bytes=GB,
         reserve_bytes=0,
         prompt_tokens=900,
         requested_new_tokens=512,
@@ -86,10 +78,10 @@ def test_kv_term_matches_the_cache_transformers_allocates(tiny_model):
     out = model.generate(
         ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, pad_token_id=0
     )
-    cache = out.past_key_values
+    cache = getattr(out, "cache", None) or out.past_key_values
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     # the last generated token is never fed back, so the cache holds prompt + new - 1 positions
     tokens = ids.shape[1] + 6 - 1
-    shape = DecoderShape.from_config(model.config.to_dict())
-    assert held == kv_cache_bytes(shape, tokens, bytes_per_value=2)
-    assert held == pytest.approx(kv_bytes_per_token(shape, 2) * tokens, rel=1 / shape.layers)
+    arch = Architecture.from_config(model.config.to_dict())
+    assert held == kv_cache_bytes(arch, tokens, bytes_per_value=2)
+    assert held == pytest.approx(kv_bytes_per_token(arch, 2) * tokens, rel=1 / arch.num_layers)
