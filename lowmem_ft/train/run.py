@@ -12,13 +12,11 @@ import logging
 import math
 import os
 import platform
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data import load_jsonl
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
@@ -131,11 +129,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         # harness); the trainer must not wrap it again.
         gradient_checkpointing=False,
         max_length=m.max_seq_len,
-        truncation_mode=d.truncate if d.truncate in ("keep_start", "keep_end") else "keep_start",
+        # lowmem_ft.data has tokenized, masked (labels) and fitted every sample to max_length already, so TRL's
+        # truncation is a no-op and its completion/assistant masking is not needed.
+        truncation_mode="keep_start",
         packing=d.packing,
-        completion_only_loss=False
-        if d.train_on_prompt
-        else None,  # None: TRL masks the prompt of prompt/completion data
+        packing_strategy="bfd",  # keeps sample boundaries; TRL turns padding_free on for it
+        train_sampling_strategy="random" if d.packing else "group_by_length",
+        completion_only_loss=False,
         assistant_only_loss=False,
         optim=OPTIM_NAMES[o.name],
         learning_rate=o.lr,
@@ -171,58 +171,25 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     )
 
 
-def held_out_split(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval): a seeded random `fraction` of the records held out; the same seed gives the same split.
+def _datasets(recipe: Recipe, tokenizer):
+    """Train (and eval) datasets, tokenized and fitted to the token budget, and the data summary for run.json."""
+    from lowmem_ft.data.prepare import prepare_datasets
 
-    Shuffled rather than the last lines, since data files are often sorted (by source, length or date).
-    Both parts keep the file's order.
-    """
-    n_eval = max(1, int(len(records) * fraction))
-    if n_eval >= len(records):
-        raise UserError(
-            f"data.eval_fraction={fraction:g} of {len(records)} records leaves nothing to train on; "
-            "lower it or pass --eval-data FILE"
-        )
-    held = set(random.Random(seed).sample(range(len(records)), n_eval))
-    train = [r for i, r in enumerate(records) if i not in held]
-    return train, [records[i] for i in sorted(held)]
+    return prepare_datasets(recipe, tokenizer)
 
 
-def _datasets(recipe: Recipe):
-    """Train (and eval) `datasets.Dataset`s of TRL records, and a summary for run.json."""
-    from datasets import Dataset
+def _packing(recipe: Recipe, model, args) -> dict[str, Any]:
+    """Pack only where the attention keeps samples apart; otherwise fall back to length-grouped batches."""
+    from lowmem_ft.data.prepare import packing_support
 
-    d = recipe.data
-    if d.truncate in ("drop", "chunk"):
-        raise UserError(f"data.truncate={d.truncate} is not supported yet; use keep_start or keep_end")
-    train = load_jsonl(d.path, d.format, d.skip_bad_lines)
-    summary: dict[str, Any] = {
-        "path": d.path,
-        "format": train.format,
-        "records": len(train.records),
-        "skipped_lines": train.skipped,
-    }
-    for line in train.skipped:
-        log.warning("skipped %s", line)
-    records = train.records
-    eval_records: list[dict] = []
-    if d.eval_path:
-        eval_records = load_jsonl(d.eval_path, d.format, d.skip_bad_lines).records
-        summary["eval_source"] = d.eval_path
-    elif d.eval_fraction > 0:
-        records, eval_records = held_out_split(records, d.eval_fraction, recipe.training.seed)
-        summary["eval_source"] = f"held out {d.eval_fraction:g} of {d.path} (seed {recipe.training.seed})"
-    summary["train_records"] = len(records)
-    summary["eval_records"] = len(eval_records)
-    if train.format in ("messages", "sharegpt", "alpaca") and not d.train_on_prompt:
-        summary["loss_on"] = "assistant turns"
-    elif train.format == "prompt_completion" and not d.train_on_prompt:
-        summary["loss_on"] = "completion"
-    else:
-        summary["loss_on"] = "all tokens"
-    train_ds = Dataset.from_list(records)
-    eval_ds = Dataset.from_list(eval_records) if eval_records else None
-    return train_ds, eval_ds, summary, train.format
+    if not recipe.data.packing:
+        return {"packing": False, "batches": "length-grouped"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ok, why = packing_support(base.config._attn_implementation, type(base).__module__)
+    if not ok:
+        log.warning("data.packing: %s; training unpacked with length-grouped batches instead", why)
+        args.packing, args.padding_free, args.train_sampling_strategy = False, False, "group_by_length"
+    return {"packing": ok, "how": why, "batches": "packed (bfd, padding-free)" if ok else "length-grouped"}
 
 
 def _versions() -> dict[str, str]:
@@ -292,6 +259,7 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
+    from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
@@ -299,8 +267,8 @@ def train(
         (run_dir / "recipe.yaml").write_text(
             dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
         )
-    train_ds, eval_ds, data_summary, fmt = _datasets(recipe)
     tokenizer = load_tokenizer(recipe)
+    train_ds, eval_ds, data_summary = _datasets(recipe, tokenizer)
 
     mode = wandb_mode(recipe)
     report_to = [] if mode == "disabled" else ["wandb"]
@@ -313,8 +281,7 @@ def train(
     # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
     model = build_model(recipe)
-    if fmt in ("messages", "sharegpt", "alpaca"):
-        args.assistant_only_loss = not recipe.data.train_on_prompt
+    data_summary["batching"] = _packing(recipe, model, args)
     checkpoint = last_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise UserError(
@@ -341,6 +308,7 @@ def train(
         }
     if main:
         write_json(run_dir / "run.json", run_info)
+        write_json(run_dir / "data_report.json", data_summary)
     # the plan --vram chose (or checked); the monitor compares the measured curve with it
     if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
@@ -354,6 +322,10 @@ def train(
         callbacks=callbacks,
     )
     _keep_adapters_fp32(trainer.model, recipe)
+    if recipe.memory.chunked_loss:
+        # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours answers
+        # the same loss call instead.
+        install_loss_head(trainer.model, chunked=True)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     elapsed = time.time() - started

@@ -8,25 +8,26 @@ import math
 import pytest
 
 from lowmem_ft.cli import main
-from lowmem_ft.train.run import add_perplexity, held_out_split
+from lowmem_ft.data.prepare import held_out_split
+from lowmem_ft.train.run import add_perplexity
 
 
 def test_held_out_split_is_seeded_and_disjoint():
-    records = [{"text": str(i)} for i in range(40)]
-    train, held = held_out_split(records, 0.25, seed=7)
+    train, held = held_out_split(40, 0.25, seed=7)
     assert len(held) == 10 and len(train) == 30
-    assert sorted(r["text"] for r in train + held) == sorted(r["text"] for r in records)
-    assert held_out_split(records, 0.25, seed=7) == (train, held)
-    assert held_out_split(records, 0.25, seed=8)[1] != held
+    assert sorted(train + held) == list(range(40))
+    assert train == sorted(train) and held == sorted(held)  # both keep the file's order
+    assert held_out_split(40, 0.25, seed=7) == (train, held)
+    assert held_out_split(40, 0.25, seed=8)[1] != held
     # not simply the file's tail: data files are often sorted
-    assert held != records[-10:]
+    assert held != list(range(30, 40))
 
 
 def test_held_out_split_refuses_to_leave_nothing_to_train():
     from lowmem_ft.errors import UserError
 
     with pytest.raises(UserError, match="nothing to train on"):
-        held_out_split([{"text": "a"}], 0.5, seed=0)
+        held_out_split(1, 0.5, seed=0)
 
 
 def test_perplexity_is_exp_of_eval_loss():
