@@ -8,12 +8,14 @@ is cut from the tokenized data before the budget, so train and eval are fitted t
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 from lowmem_ft.data.budget import apply_budget, check_budget, describe
 from lowmem_ft.data.formats import CHAT_FORMATS
 from lowmem_ft.data.profile import profile_of
 from lowmem_ft.data.tokenize import tokenize_file
+from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,21 @@ def _loss_on(fmt: str, train_on_prompt: bool) -> str:
     return "assistant turns" if fmt in CHAT_FORMATS else "completion"
 
 
+def held_out_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices: a seeded random `fraction` of n samples held out; the same seed, the same split.
+
+    Random rather than the file's tail, since data files are often sorted (by source, length or date); both
+    parts keep the file's order.
+    """
+    n_eval = max(1, int(n * fraction))
+    if n_eval >= n:
+        raise UserError(
+            f"data.eval_fraction={fraction:g} of {n} records leaves nothing to train on; lower it or pass --eval-data FILE"
+        )
+    held = set(random.Random(seed).sample(range(n), n_eval))
+    return [i for i in range(n) if i not in held], sorted(held)
+
+
 def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
     """Train dataset, eval dataset (or None) and the data summary for the run directory."""
     d, max_len = recipe.data, recipe.memory.max_seq_len
@@ -61,9 +78,8 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
         )
         eval_ds, eval_skipped = ev.dataset, ev.skipped
     elif d.eval_fraction > 0:
-        n_eval = max(1, int(len(train_ds) * d.eval_fraction))
-        eval_ds = train_ds.select(range(len(train_ds) - n_eval, len(train_ds)))
-        train_ds = train_ds.select(range(len(train_ds) - n_eval))
+        keep, held = held_out_split(len(train_ds), d.eval_fraction, recipe.training.seed)
+        train_ds, eval_ds = train_ds.select(keep), train_ds.select(held)
     train_ds, report = apply_budget(train_ds, max_len, d.truncate, d.overlap, train.format)
     log.info("data: %s", describe(report))
     eval_report = None
@@ -71,6 +87,8 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
         eval_ds, eval_report = apply_budget(eval_ds, max_len, d.truncate, d.overlap, train.format)
     summary: dict[str, Any] = {
         "path": d.path,
+        "eval_source": d.eval_path
+        or (f"held out {d.eval_fraction:g} of {d.path} (seed {recipe.training.seed})" if d.eval_fraction else None),
         "format": train.format,
         "chat_template": train.chat_template,
         "records": len(train.dataset),

@@ -196,6 +196,8 @@ def validate(recipe: Recipe) -> list[str]:
     for key in ("micro_batch_size", "gradient_accumulation", "max_seq_len"):
         if getattr(m, key) < 1:
             problems.append(f"'memory.{key}' must be at least 1, got {getattr(m, key)}")
+    if m.eval_batch_size < 0:
+        problems.append(f"'memory.eval_batch_size' must be ≥ 0 (0 = automatic), got {m.eval_batch_size}")
     if m.safety_margin_gb < 0:
         problems.append(f"'memory.safety_margin_gb' must be ≥ 0, got {m.safety_margin_gb}")
     if m.activation_offloading and not m.gradient_checkpointing:

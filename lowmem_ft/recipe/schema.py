@@ -92,6 +92,11 @@ class MemorySection:
         "Compute the loss in token chunks, recomputing each chunk's logits in backward, instead of over full fp32 "
         "logits (lowmem_ft.train.losses).",
     )
+    eval_batch_size: int = _f(
+        0,
+        "Samples per evaluation forward; 0 = chosen automatically (today: micro_batch_size). Eval keeps no "
+        "gradients or optimizer states, but its logits are a peak of their own.",
+    )
 
 
 @dataclass

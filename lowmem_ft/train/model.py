@@ -84,19 +84,21 @@ def quantization_config(recipe: Recipe):
     return None
 
 
-def device_map() -> dict[str, Any] | None:
-    """One process, one device: the local CUDA device when there is one, else the CPU."""
+def device_map(device: str | None = None) -> dict[str, Any] | None:
+    """One process, one device: the local CUDA device when there is one (or `device` says so), else the CPU."""
     import os
 
     import torch
 
-    if torch.cuda.is_available():
+    if device == "cpu":
+        return None
+    if device == "cuda" or torch.cuda.is_available():
         return {"": int(os.environ.get("LOCAL_RANK", 0))}
     return None
 
 
-def load_model(recipe: Recipe):
-    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device."""
+def load_model(recipe: Recipe, device: str | None = None):
+    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
     from transformers import AutoModelForCausalLM
 
     load_config(recipe)  # a clear error before any weight is read
@@ -105,7 +107,7 @@ def load_model(recipe: Recipe):
         dtype=torch_dtype(m.compute_dtype),
         attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
-        device_map=device_map(),
+        device_map=device_map(device),
     )
     bnb = quantization_config(recipe)
     if bnb is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -70,13 +71,38 @@ def wandb_mode(recipe: Recipe) -> str:
     mode = recipe.logging.wandb_mode
     if mode != "auto":
         return mode
-    try:
-        import wandb
+    return "online" if wandb_logged_in() else "offline"
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY") or wandb.api.api_key)
-    except Exception:  # wandb unavailable or unconfigured: no login
-        logged_in = False
-    return "online" if logged_in else "offline"
+
+def wandb_logged_in() -> bool:
+    """An API key in WANDB_API_KEY or in ~/.netrc for the W&B host (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        # wandb's own netrc reader; `wandb.api.api_key` reads the same but is deprecated (and warns) in wandb 0.2x
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))
+    except Exception:  # wandb unavailable, moved, or a malformed netrc: no usable login
+        return False
+
+
+def eval_batch_size(recipe: Recipe) -> int:
+    """Samples per evaluation forward: the recipe's `memory.eval_batch_size`, or automatic when it is 0.
+
+    Automatic is the micro batch for now, which always fits (eval holds no gradients or optimizer states);
+    the planner can pick a larger one from the eval logits peak here.
+    """
+    return recipe.memory.eval_batch_size or recipe.memory.micro_batch_size
+
+
+def add_perplexity(logs: dict[str, float]) -> None:
+    """Perplexity = exp(mean token cross-entropy), next to every eval loss."""
+    if "eval_loss" in logs:
+        try:
+            logs["eval_perplexity"] = math.exp(logs["eval_loss"])
+        except OverflowError:
+            logs["eval_perplexity"] = float("inf")
 
 
 def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[str]):
@@ -88,10 +114,16 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     cuda = torch.cuda.is_available()
     bf16 = cuda and recipe.model.compute_dtype == "bfloat16" and torch.cuda.is_bf16_supported()
     fp16 = cuda and recipe.model.compute_dtype == "float16"
+    save_steps = t.save_steps
+    if has_eval and save_steps != t.eval_steps:
+        # The best checkpoint can only be kept if one is saved at every evaluation: transformers records a best
+        # step only when checkpoint-<step> exists (Trainer._save_checkpoint), so saves follow the eval cadence.
+        log.info("saving a checkpoint at every evaluation (every %d steps) to keep the best one", t.eval_steps)
+        save_steps = t.eval_steps
     return SFTConfig(
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=m.micro_batch_size,
-        per_device_eval_batch_size=m.micro_batch_size,
+        per_device_eval_batch_size=eval_batch_size(recipe),
         gradient_accumulation_steps=m.gradient_accumulation,
         # Checkpointing is set on the model by `prepare_for_training` (same build path as the estimator
         # harness); the trainer must not wrap it again.
@@ -118,10 +150,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         logging_steps=t.logging_steps,
         logging_first_step=True,
         save_strategy="steps",
-        save_steps=t.save_steps,
+        save_steps=save_steps,
         save_total_limit=t.save_total_limit,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=t.eval_steps if has_eval else None,
+        load_best_model_at_end=has_eval,
+        metric_for_best_model="eval_loss" if has_eval else None,
+        greater_is_better=False if has_eval else None,
         bf16=bf16,
         fp16=fp16,
         use_cpu=not cuda,
@@ -169,6 +204,18 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _trainer_class():
+    """TRL's SFTTrainer, logging eval perplexity beside eval loss (W&B, log_history and the best-model metric)."""
+    from trl import SFTTrainer
+
+    class Trainer(SFTTrainer):
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+            add_perplexity(logs)
+            super().log(logs, start_time)
+
+    return Trainer
+
+
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
@@ -212,8 +259,6 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
-    from trl import SFTTrainer
-
     from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
@@ -252,6 +297,15 @@ def train(
         "versions": _versions(),
         **trainable_summary(model),
     }
+    if eval_ds is not None:
+        run_info["eval"] = {
+            "records": len(eval_ds),
+            "batch_size": args.per_device_eval_batch_size,
+            "batch_size_from": "recipe" if recipe.memory.eval_batch_size else "auto (micro_batch_size)",
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+            "best_by": "eval_loss",
+        }
     if main:
         write_json(run_dir / "run.json", run_info)
         write_json(run_dir / "data_report.json", data_summary)
@@ -259,7 +313,7 @@ def train(
     if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
 
-    trainer = SFTTrainer(
+    trainer = _trainer_class()(
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -293,9 +347,18 @@ def train(
         "wall_seconds": round(elapsed, 2),
         "wandb_mode": mode,
     }
-    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
-    if eval_losses:
-        metrics["last_eval_loss"] = eval_losses[-1]
+    evals = [h for h in history if "eval_loss" in h]
+    if evals:
+        metrics["last_eval_loss"] = evals[-1]["eval_loss"]
+        metrics["last_eval_perplexity"] = evals[-1]["eval_perplexity"]
+        best = min(evals, key=lambda h: h["eval_loss"])
+        metrics["best_eval_loss"] = best["eval_loss"]
+        metrics["best_eval_perplexity"] = best["eval_perplexity"]
+        metrics["best_step"] = best["step"]
+        # What load_best_model_at_end loaded, hence what was saved to adapter/ (or model/) above.
+        best_dir = trainer.state.best_model_checkpoint
+        metrics["best_checkpoint"] = best_dir
+        metrics["saved_weights"] = f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step"
     if main:
         write_json(run_dir / "metrics.json", metrics)
         with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
