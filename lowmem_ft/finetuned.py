@@ -144,11 +144,6 @@ def weights_bytes(model) -> int:
 
 def load_tokenizer_of(run: FinishedRun):
     """The tokenizer saved with the adapter (or model) — the one training used, chat template included."""
-    from transformers import AutoTokenizer
+    from lowmem_ft.data.tokenize import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(run.weights_dir), trust_remote_code=run.recipe.model.trust_remote_code
-    )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load_tokenizer(str(run.weights_dir), run.recipe.model.trust_remote_code)

@@ -54,16 +54,10 @@ def load_config(recipe: Recipe):
 
 
 def load_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
+    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none)."""
+    from lowmem_ft.data.tokenize import load_tokenizer as load
 
-    name = recipe.model.name_or_path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(_hub_hint(name, exc)) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load(recipe.model.name_or_path, recipe.model.trust_remote_code)
 
 
 def quantization_config(recipe: Recipe):
