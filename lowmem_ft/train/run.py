@@ -2,7 +2,7 @@
 
 The run directory (`runs/<name>/`) is the contract with every later command (`report`, `generate`, `merge`,
 `--resume`): `recipe.yaml` (fully resolved), `run.json` (what was asked and chosen), `adapter/` (adapter +
-tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json` and `log_history.jsonl`.
+tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json`, `log_history.jsonl`, and `memory.jsonl` + `memory.png` (the monitor).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lowmem_ft.data import load_jsonl
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,35 @@ def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
     return run_dir
 
 
+def make_trainer(
+    recipe: Recipe,
+    choice: dict[str, Any],
+    run_dir: Path,
+    budget_gb: float | None,
+    use_wandb: bool,
+    callbacks: list | None = None,
+):
+    """`MemorySafeSFTTrainer` bound to its guard and monitor; call the result with the SFTTrainer arguments."""
+    from functools import partial
+
+    from lowmem_ft.train.guard import OOMGuard
+    from lowmem_ft.train.monitor import MemoryMonitor
+    from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+
+    m = recipe.memory
+    guard = OOMGuard(m.micro_batch_size, m.gradient_accumulation, checkpointing=m.gradient_checkpointing)
+    margin = choice.get("safety_margin_gb")
+    monitor = MemoryMonitor(
+        run_dir,
+        predicted_peak_gb=choice.get("predicted_peak_gb"),
+        budget_gb=budget_gb,
+        margin_gb=m.safety_margin_gb if margin is None else margin,
+        guard=guard,
+        use_wandb=use_wandb,
+    )
+    return partial(MemorySafeSFTTrainer, guard=guard, monitor=monitor, callbacks=[monitor, *(callbacks or [])])
+
+
 def train(
     recipe: Recipe,
     run_dir: Path,
@@ -201,9 +231,13 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
-    from trl import SFTTrainer
+    import torch
+    from transformers import set_seed
 
+    from lowmem_ft.train.guard import cap_process_memory, configure_allocator, out_of_memory_outside_step
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
+
+    allocator = configure_allocator()  # before the first CUDA allocation
 
     (run_dir / "recipe.yaml").write_text(
         dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
@@ -218,6 +252,12 @@ def train(
         os.environ.setdefault("WANDB_PROJECT", recipe.logging.wandb_project)
         os.environ.setdefault("WANDB_DIR", str(run_dir.resolve()))
 
+    if resume and (run_dir / "run.json").is_file():  # keep the plan (prediction, budget) of the original run
+        choice = {**json.loads((run_dir / "run.json").read_text()).get("choice", {}), **(choice or {})}
+    choice = choice or {}
+    budget_gb = cap_process_memory(choice.get("vram_gb"))
+    # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
+    set_seed(recipe.training.seed)
     model = build_model(recipe)
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
     if fmt in ("messages", "sharegpt", "alpaca"):
@@ -232,23 +272,30 @@ def train(
         "name": run_dir.name,
         "model": recipe.model.name_or_path,
         "data": data_summary,
-        "choice": choice or {},
+        "choice": choice,
+        "allocator": allocator,
         "resumed_from": str(checkpoint) if checkpoint else None,
         "versions": _versions(),
         **trainable_summary(model),
     }
     write_json(run_dir / "run.json", run_info)
 
-    trainer = SFTTrainer(
+    trainer = make_trainer(recipe, choice, run_dir, budget_gb, bool(report_to), callbacks)(
         model=model,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        callbacks=callbacks,
     )
     started = time.time()
-    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    try:
+        output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except torch.OutOfMemoryError as exc:  # outside a micro batch (optimizer step, save): no safe step down
+        raise out_of_memory_outside_step(trainer, exc) from None
+    finally:
+        trainer.monitor.close()
+        _, memory_summary = write_report(run_dir)
+        print(memory_summary)
     elapsed = time.time() - started
 
     out_dir = run_dir / ("model" if recipe.adapter.kind == "full" else "adapter")
