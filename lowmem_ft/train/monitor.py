@@ -193,7 +193,8 @@ class MemoryMonitor(TrainerCallback):
 
     def event(self, kind: str, message: str, level: int = logging.WARNING, **info: Any) -> dict[str, Any]:
         """Record something that happened (OOM recovered, margin warning, leak) in memory.jsonl, W&B and the log."""
-        record = {"event": kind, "step": self._step("forward"), "t": round(time.perf_counter() - self._t0, 4)}
+        step = info.pop("step", None) or self._step("forward")  # default: the step in progress
+        record = {"event": kind, "step": step, "t": round(time.perf_counter() - self._t0, 4)}
         record |= info
         record["message"] = message
         self.events.append(record)
@@ -286,6 +287,7 @@ class MemoryMonitor(TrainerCallback):
                     f"allocated memory after {phase} grew in each of the last {LEAK_STEPS} steps "
                     f"({series[0]:.2f} → {series[-1]:.2f} GB): something keeps tensors alive across steps "
                     "(a loss kept with its graph, an ever-growing list of outputs?)",
+                    step=self.state.global_step,
                     phase=phase,
                     from_gb=series[0],
                     to_gb=series[-1],
