@@ -142,3 +142,42 @@ def test_eval_oom_lowers_the_eval_batch_not_the_train_batch(tiny_model, tmp_path
     assert len(injector.ids) == 2 * 8
     evals = [json.loads(line) for line in (result.run_dir / "log_history.jsonl").read_text().splitlines()]
     assert sum("eval_loss" in row for row in evals) == 2  # both evaluations completed at the lower eval batch
+
+
+@pytest.mark.parametrize("with_num_items", [True, False], ids=["num_items_in_batch", "per-batch-mean"])
+def test_split_micro_batch_gives_the_same_loss_and_gradients(tiny_model, tmp_path, with_num_items):
+    """Both loss normalisations transformers uses: token sum over `num_items_in_batch` (what SFTTrainer gets for
+    this model), and the per-micro-batch mean (models without loss kwargs), which the split must re-weight."""
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.train.model import build_model, load_tokenizer
+    from lowmem_ft.train.run import _datasets, make_trainer, sft_config
+
+    recipe = resolve("8gb", tiny_sets(tiny_model, DATA, tmp_path))
+    train_ds, _, _, _ = _datasets(recipe)
+    trainer = make_trainer(recipe, {}, tmp_path, None, False)(
+        model=build_model(recipe),
+        args=sft_config(recipe, tmp_path, has_eval=False, report_to=[]),
+        train_dataset=train_ds,
+        processing_class=load_tokenizer(recipe),
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    # uneven loss-token counts across rows, so an unweighted mean of sub-batch means would differ
+    assert len({int(n) for n in batch["labels"][:, 1:].ne(-100).sum(1)}) > 1
+    num_items = trainer._get_num_items_in_batch([batch], trainer.args.device) if with_num_items else None
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.monitor.close()
+
+    results = []
+    for rows in (4, 2, 1):
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.guard.sub_batch, trainer._window_step = rows, -1
+        loss = trainer.training_step(trainer.model, batch, num_items)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.item(), grads))
+    (loss4, grads4), *splits = results
+    assert grads4
+    for loss, grads in splits:
+        assert loss == pytest.approx(loss4, rel=1e-5)
+        assert grads.keys() == grads4.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads4[name], rtol=1e-4, atol=1e-7)
