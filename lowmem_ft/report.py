@@ -2,7 +2,7 @@
 
 The one idea: the plot and the summary are drawn from the run directory, never from a live trainer, so the same
 code serves the end of `train` and `lowmem-ft report RUN_DIR` for any run, finished or crashed. Measured peak,
-the planner's predicted peak and the budget are shown together, in GiB.
+the planner's predicted peak and the budget are shown together, in decimal GB.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
             )
             shown.add(label)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("GiB")
+    ax.set_ylabel("GB (1e9 bytes)")
     ax.set_title(title or "memory")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

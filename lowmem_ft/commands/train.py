@@ -46,6 +46,26 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-wandb", action="store_true", help="do not log to Weights & Biases (logging.wandb_mode=disabled)"
     )
+    g = p.add_argument_group("several GPUs (through accelerate launch)")
+    g.add_argument("--gpus", type=int, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)")
+    g.add_argument("--nodes", type=int, default=1, metavar="N", help="machines; run the printed command on each")
+    g.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "ddp", "fsdp", "zero2", "zero3"],
+        help="ddp: a full copy per GPU; fsdp / zero3: weights, gradients, optimizer sharded; zero2: optimizer and "
+        "gradients sharded (default auto)",
+    )
+    g.add_argument("--offload", action="store_true", help="keep optimizer states (FSDP: parameters too) in host RAM")
+    g.add_argument(
+        "--accelerate-arg",
+        dest="accelerate_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to accelerate launch as is; repeatable (e.g. --accelerate-arg=--main_process_ip=10.0.0.1)",
+    )
+    g.add_argument("--run-dir", help="train in RUN_DIR prepared by --gpus (what the launched processes run)")
     p.set_defaults(func=run)
 
 
@@ -78,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from lowmem_ft.recipe.select import choose_recipe
     from lowmem_ft.train.run import last_checkpoint, prepare_run_dir, train
 
+    if args.run_dir:
+        return _run_launched(Path(args.run_dir))
     overrides = flag_overrides(args)
     if args.resume:
         run_dir = Path(args.resume)
@@ -95,11 +117,60 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("no training data given; pass --data FILE.jsonl")
         if not Path(recipe.data.path).is_file():
             raise UserError(f"data file {recipe.data.path} does not exist; pass --data PATH to a JSONL file")
+    if (args.gpus or 1) > 1 or args.nodes > 1:
+        return _launch(args, recipe, choice, run_dir=Path(args.resume) if args.resume else None)
+    if not args.resume:
         run_dir = prepare_run_dir(recipe, args.name, resume=False)
     result = train(recipe, run_dir, resume=bool(args.resume), choice=choice)
-    m = result.metrics
-    print(
-        f"done: {m['global_step']} steps, loss {m['first_loss']:.4f} → {m['last_loss']:.4f}; "
-        f"run directory {result.run_dir}"
+    _print_done(result.metrics, result.run_dir)
+    return 0
+
+
+def _print_done(m: dict, run_dir) -> None:
+    print(f"done: {m['global_step']} steps, loss {m['first_loss']:.4f} → {m['last_loss']:.4f}; run directory {run_dir}")
+
+
+def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
+    """--gpus N: check, write the run directory's launch files, print the relaunch command, run accelerate."""
+    import shlex
+
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.train import launch
+    from lowmem_ft.train.run import prepare_run_dir
+
+    plan = launch.plan_launch(
+        recipe,
+        gpus=args.gpus or 1,
+        nodes=args.nodes,
+        strategy=args.strategy,
+        offload=args.offload,
+        accelerate_args=args.accelerate_args,
     )
+    resume = run_dir is not None
+    if run_dir is None:
+        run_dir = prepare_run_dir(recipe, args.name, resume=False)
+    choice = {**choice, "gpus": plan.gpus, "nodes": plan.nodes, "strategy": plan.strategy, "why": plan.reason}
+    cmd = launch.prepare(run_dir, recipe, plan, choice, resume)
+    where = "CPU processes (gloo)" if plan.cpu else "GPUs"
+    print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
+    print(f"relaunch by hand: {shlex.join(cmd)}")
+    code = launch.run(cmd)
+    if code != 0:
+        raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")
+    return 0  # rank 0 printed the "done" line
+
+
+def _run_launched(run_dir) -> int:
+    """One process of a launched run: train in the prepared run directory."""
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.train.launch import read_launch
+    from lowmem_ft.train.run import last_checkpoint, train
+
+    info = read_launch(run_dir)
+    recipe = resolve(run_dir / "recipe.yaml")
+    # a relaunch by hand after a crash continues from the last checkpoint, as `--resume` would
+    resume = last_checkpoint(run_dir) is not None
+    result = train(recipe, run_dir, resume=resume, choice=info["choice"])
+    if result.is_main:
+        _print_done(result.metrics, run_dir)
     return 0

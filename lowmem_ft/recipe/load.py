@@ -127,6 +127,11 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value), None
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value), None
+            except ValueError:
+                pass
         return value, f"must be a number, got {value!r}"
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

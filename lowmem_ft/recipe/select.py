@@ -1,12 +1,19 @@
-"""Choosing a recipe for a VRAM target: the one seam the planner (`lowmem_ft.memory.planner`) plugs into."""
+"""Choosing a recipe for a VRAM target: the one seam where the planner (`lowmem_ft.memory.planner`) plugs in.
+
+`plan_recipe` is that seam: with --vram and no --recipe it plans from the tier recipe for the model; with both it
+checks the given recipe against the target. `choose_recipe` wraps it for `train` and records the plan.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve, shipped_recipes
 from lowmem_ft.recipe.schema import Recipe
+
+log = logging.getLogger(__name__)
 
 
 def tier_recipes() -> dict[float, str]:
@@ -19,10 +26,12 @@ def tier_recipes() -> dict[float, str]:
     return dict(sorted(tiers.items()))
 
 
-def tier_for_vram(vram_gb: float) -> str:
-    """The largest shipped tier not above `vram_gb`."""
+def tier_for_vram(vram_gb: float, strict: bool = True) -> str:
+    """The largest shipped tier not above `vram_gb` (the smallest tier when none is and not `strict`)."""
     tiers = tier_recipes()
     fitting = [size for size in tiers if size <= vram_gb]
+    if not fitting and not strict:
+        return tiers[min(tiers)]
     if not fitting:
         smallest = min(tiers)
         raise UserError(
@@ -32,19 +41,58 @@ def tier_for_vram(vram_gb: float) -> str:
     return tiers[max(fitting)]
 
 
+def plan_recipe(
+    *,
+    vram_gb: float,
+    recipe: str | None,
+    overrides: dict,
+    seq_len: int | None = None,
+    profile=None,
+    gpus: int = 1,
+):
+    """The plan for `vram_gb`: planned from the tier recipe, or (with `recipe`) that recipe checked as given."""
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.planner import check, plan
+
+    start_name = recipe or tier_for_vram(vram_gb, strict=False)
+    start = resolve(start_name, overrides)
+    if not start.model.name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    if recipe is not None:
+        if seq_len:
+            start = resolve(
+                start_name, {**overrides, "memory": {**overrides.get("memory", {}), "max_seq_len": seq_len}}
+            )
+        return check(start, arch, vram_gb, gpus)
+    return plan(arch, vram_gb, start, gpus=gpus, seq_len=seq_len, profile=profile, fixed=overrides)
+
+
 def choose_recipe(
     *,
     vram_gb: float | None,
     recipe: str | None,
     overrides: dict,
+    profile=None,
 ) -> tuple[Recipe, dict]:
-    """The recipe a run uses and a record of why: `--recipe` as given, else the tier for `--vram`.
+    """The recipe a run uses and a record of why: `--recipe` as given, else planned for `--vram`.
 
-    `overrides` (from `--set` and flags such as `--model`) always win over the file.
+    `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
+    planner. With `--vram`, the record carries the plan (`predicted_peak_gb`, `budget_gb`, components, reasons).
     """
     if recipe is None and vram_gb is None:
         raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
+    if vram_gb is None:
+        return resolve(recipe, overrides), {"how": "recipe", "recipe": recipe, "vram_gb": None}
+    result = plan_recipe(vram_gb=vram_gb, recipe=recipe, overrides=overrides, profile=profile)
+    record = {k: v for k, v in result.to_dict().items() if k != "recipe"}
     if recipe is not None:
-        return resolve(recipe, overrides), {"how": "recipe", "recipe": recipe, "vram_gb": vram_gb}
-    tier = tier_for_vram(vram_gb)
-    return resolve(tier, overrides), {"how": "tier", "recipe": tier, "vram_gb": vram_gb}
+        if not result.fits:
+            log.warning(
+                "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); "
+                "drop --recipe to let the planner choose, or see `lowmem-ft plan --vram %g --model %s`",
+                recipe, result.estimate.peak_gb, vram_gb, result.budget_gb, result.margin_gb, vram_gb,
+                result.recipe.model.name_or_path,
+            )  # fmt: skip
+        return result.recipe, {"how": "recipe", "recipe": recipe, **record}
+    return result.recipe, {"how": "plan", "recipe": tier_for_vram(vram_gb, strict=False), **record}

@@ -22,7 +22,7 @@ from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
-GIB = 2**30
+GB = 1e9  # decimal, like lowmem_ft.memory.estimate.GB and --vram
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 # Expandable segments let the caching allocator grow a segment in place instead of leaving differently sized
 # blocks stranded between steps of varying sequence length (torch docs, "Optimizing memory usage with
@@ -48,7 +48,7 @@ def configure_allocator() -> str | None:
 
 
 def cap_process_memory(vram_gb: float | None, device: int | None = None) -> float | None:
-    """Cap this process's CUDA allocator at `vram_gb` GiB when the card is bigger; returns the budget in GiB.
+    """Cap this process's CUDA allocator at `vram_gb` GB when the card is bigger; returns the budget in GB.
 
     `torch.cuda.set_per_process_memory_fraction` makes the caching allocator raise OutOfMemoryError once reserved
     memory would pass the fraction — the same error a card of that size would give, so a 24 GB plan is honoured (and
@@ -61,12 +61,12 @@ def cap_process_memory(vram_gb: float | None, device: int | None = None) -> floa
     device = torch.cuda.current_device() if device is None else device
     total = torch.cuda.get_device_properties(device).total_memory
     if vram_gb is None:
-        return total / GIB
-    if vram_gb * GIB < total:
-        torch.cuda.set_per_process_memory_fraction(vram_gb * GIB / total, device)
-        log.info("capped CUDA memory of this process at %.1f of the card's %.1f GB (--vram)", vram_gb, total / GIB)
+        return total / GB
+    if vram_gb * GB < total:
+        torch.cuda.set_per_process_memory_fraction(vram_gb * GB / total, device)
+        log.info("capped CUDA memory of this process at %.1f of the card's %.1f GB (--vram)", vram_gb, total / GB)
         return vram_gb
-    return total / GIB
+    return total / GB
 
 
 def free_memory() -> None:

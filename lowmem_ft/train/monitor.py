@@ -4,7 +4,7 @@ The one idea: read memory where it changes — after each forward, each backward
 evaluation and each checkpoint save — and reset the CUDA peak counter at every sample, so each record's `peak_gb`
 is the highest allocation *since the previous sample*: the phase that peaked is known, not guessed.
 
-Figures (GiB = 2**30 bytes, the unit of every `*_gb` key in lowmem-ft's run directory):
+Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; every `*_gb` key in memory.jsonl):
 - `allocated_gb`, `reserved_gb`, `peak_gb`: torch's caching allocator (`torch.cuda.memory_allocated`,
   `memory_reserved`, `max_memory_allocated`); `fragmentation_gb` = reserved − allocated.
 - `device_used_gb`, `device_total_gb`: NVML, which also sees the CUDA context, other processes and memory torch's
@@ -33,9 +33,9 @@ from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
 
-GIB = 2**30
+GB = 1e9  # decimal, like lowmem_ft.memory.estimate.GB
 LEAK_STEPS = 8  # consecutive optimizer steps of growth at one phase before a leak is suspected
-LEAK_MIN_GB = 64 / 1024  # ... and at least this much growth: below it, allocator noise (block rounding)
+LEAK_MIN_GB = 0.064  # ... and at least this much growth: below it, allocator noise (block rounding)
 TRAIN_PHASES = ("forward", "backward", "optimizer")
 
 
@@ -77,7 +77,7 @@ class MemoryReader:
         return self._process.memory_info().rss
 
     def __call__(self) -> dict[str, float]:
-        out = {"rss_gb": self._rss() / GIB}
+        out = {"rss_gb": self._rss() / GB}
         if self.cuda:
             cuda = self._torch.cuda
             allocated = cuda.memory_allocated(self.device)
@@ -85,15 +85,15 @@ class MemoryReader:
             peak = cuda.max_memory_allocated(self.device)
             cuda.reset_peak_memory_stats(self.device)
             out |= {
-                "allocated_gb": allocated / GIB,
-                "reserved_gb": reserved / GIB,
-                "peak_gb": max(peak, allocated) / GIB,
-                "fragmentation_gb": (reserved - allocated) / GIB,
+                "allocated_gb": allocated / GB,
+                "reserved_gb": reserved / GB,
+                "peak_gb": max(peak, allocated) / GB,
+                "fragmentation_gb": (reserved - allocated) / GB,
             }
             if self._nvml is not None:
                 pynvml, handle = self._nvml
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                out |= {"device_used_gb": info.used / GIB, "device_total_gb": info.total / GIB}
+                out |= {"device_used_gb": info.used / GB, "device_total_gb": info.total / GB}
         return {k: round(v, 5) for k, v in out.items()}
 
 
@@ -108,7 +108,7 @@ def used_gb(sample: dict[str, Any]) -> float | None:
 
 
 def growth(now: dict[str, Any], then: dict[str, Any]) -> tuple[str, float]:
-    """The component that grew most between two samples, and by how much (GiB)."""
+    """The component that grew most between two samples, and by how much (GB)."""
     parts = {
         "allocated tensors": lambda s: s.get("allocated_gb", 0.0),
         "allocator fragmentation (reserved − allocated)": lambda s: s.get("fragmentation_gb", 0.0),
@@ -147,6 +147,10 @@ class MemoryMonitor(TrainerCallback):
         guard: `OOMGuard` asked to step the batch down when headroom keeps falling under the margin.
         reader: returns one sample's figures; `MemoryReader()` by default (tests pass synthetic ones).
         use_wandb: log to the active W&B run (transformers' WandbCallback starts it).
+        write: write memory.jsonl (False on the non-zero ranks of a multi-GPU run).
+
+    The budget is the `--vram` target itself (else the device's total); the planner's `budget_gb` in plan.json is
+    this minus the margin — the bottom edge of the margin band.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class MemoryMonitor(TrainerCallback):
         reader: Callable[[], dict[str, float]] | None = None,
         use_wandb: bool = False,
         info: dict[str, Any] | None = None,
+        write: bool = True,
     ):
         self.path = Path(run_dir) / "memory.jsonl"
         self.predicted_peak_gb = predicted_peak_gb
@@ -169,6 +174,7 @@ class MemoryMonitor(TrainerCallback):
         self.reader = reader or MemoryReader()
         self.use_wandb = use_wandb
         self.info = info or {}
+        self.write = write
         self.state = None
         self._file = None
         self._t0 = time.perf_counter()
@@ -182,6 +188,8 @@ class MemoryMonitor(TrainerCallback):
 
     # -- recording ------------------------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> None:
+        if not self.write:
+            return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data import load_jsonl
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
@@ -39,6 +38,8 @@ class RunResult:
     run_dir: Path
     metrics: dict[str, Any]
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = None  # the trained model (PeftModel for LoRA), for in-process callers and tests
+    is_main: bool = True  # rank 0 of a launched run (the process that wrote the run directory)
 
 
 def default_run_name(recipe: Recipe) -> str:
@@ -97,11 +98,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         # harness); the trainer must not wrap it again.
         gradient_checkpointing=False,
         max_length=m.max_seq_len,
-        truncation_mode=d.truncate if d.truncate in ("keep_start", "keep_end") else "keep_start",
+        # lowmem_ft.data has tokenized, masked (labels) and fitted every sample to max_length already, so TRL's
+        # truncation is a no-op and its completion/assistant masking is not needed.
+        truncation_mode="keep_start",
         packing=d.packing,
-        completion_only_loss=False
-        if d.train_on_prompt
-        else None,  # None: TRL masks the prompt of prompt/completion data
+        packing_strategy="bfd",  # keeps sample boundaries; TRL turns padding_free on for it
+        train_sampling_strategy="random" if d.packing else "group_by_length",
+        completion_only_loss=False,
         assistant_only_loss=False,
         optim=OPTIM_NAMES[o.name],
         learning_rate=o.lr,
@@ -126,45 +129,33 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         report_to=report_to,
         run_name=run_dir.name,
         dataloader_num_workers=0,
+        # every LoRA weight is used in every forward; True (the Trainer's default for a PeftModel) costs DDP an
+        # extra traversal of the autograd graph per step
+        ddp_find_unused_parameters=False,
         dataset_num_proc=None,
         disable_tqdm=False,
     )
 
 
-def _datasets(recipe: Recipe):
-    """Train (and eval) `datasets.Dataset`s of TRL records, and a summary for run.json."""
-    from datasets import Dataset
+def _datasets(recipe: Recipe, tokenizer):
+    """Train (and eval) datasets, tokenized and fitted to the token budget, and the data summary for run.json."""
+    from lowmem_ft.data.prepare import prepare_datasets
 
-    d = recipe.data
-    if d.truncate in ("drop", "chunk"):
-        raise UserError(f"data.truncate={d.truncate} is not supported yet; use keep_start or keep_end")
-    train = load_jsonl(d.path, d.format, d.skip_bad_lines)
-    summary: dict[str, Any] = {
-        "path": d.path,
-        "format": train.format,
-        "records": len(train.records),
-        "skipped_lines": train.skipped,
-    }
-    for line in train.skipped:
-        log.warning("skipped %s", line)
-    records = train.records
-    eval_records: list[dict] = []
-    if d.eval_path:
-        eval_records = load_jsonl(d.eval_path, d.format, d.skip_bad_lines).records
-    elif d.eval_fraction > 0:
-        n_eval = max(1, int(len(records) * d.eval_fraction))
-        eval_records, records = records[-n_eval:], records[:-n_eval]
-    summary["train_records"] = len(records)
-    summary["eval_records"] = len(eval_records)
-    if train.format in ("messages", "sharegpt", "alpaca") and not d.train_on_prompt:
-        summary["loss_on"] = "assistant turns"
-    elif train.format == "prompt_completion" and not d.train_on_prompt:
-        summary["loss_on"] = "completion"
-    else:
-        summary["loss_on"] = "all tokens"
-    train_ds = Dataset.from_list(records)
-    eval_ds = Dataset.from_list(eval_records) if eval_records else None
-    return train_ds, eval_ds, summary, train.format
+    return prepare_datasets(recipe, tokenizer)
+
+
+def _packing(recipe: Recipe, model, args) -> dict[str, Any]:
+    """Pack only where the attention keeps samples apart; otherwise fall back to length-grouped batches."""
+    from lowmem_ft.data.prepare import packing_support
+
+    if not recipe.data.packing:
+        return {"packing": False, "batches": "length-grouped"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ok, why = packing_support(base.config._attn_implementation, type(base).__module__)
+    if not ok:
+        log.warning("data.packing: %s; training unpacked with length-grouped batches instead", why)
+        args.packing, args.padding_free, args.train_sampling_strategy = False, False, "group_by_length"
+    return {"packing": ok, "how": why, "batches": "packed (bfd, padding-free)" if ok else "length-grouped"}
 
 
 def _versions() -> dict[str, str]:
@@ -181,6 +172,26 @@ def _versions() -> dict[str, str]:
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def _keep_adapters_fp32(model, recipe: Recipe) -> None:
+    """Undo TRL's bf16 cast of trainable weights on quantized models (SFTTrainer.__init__, "When using QLoRA").
+
+    lowmem-ft keeps LoRA weights in fp32, as peft's autocast_adapter_dtype makes them: updates of size lr × grad
+    can fall below bf16's resolution, and the memory model counts adapters at 4 bytes per parameter.
+    """
+    import torch
+
+    if recipe.adapter.kind != "lora":
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: torchrun sets RANK for `accelerate launch` children."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
@@ -218,6 +229,7 @@ def make_trainer(
         margin_gb=m.safety_margin_gb if margin is None else margin,
         guard=guard,
         use_wandb=use_wandb,
+        write=is_main_process(),  # under `train --gpus` rank 0 writes memory.jsonl (of its own device)
     )
     return partial(MemorySafeSFTTrainer, guard=guard, monitor=monitor, callbacks=[monitor, *(callbacks or [])])
 
@@ -238,12 +250,13 @@ def train(
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     allocator = configure_allocator()  # before the first CUDA allocation
-
-    (run_dir / "recipe.yaml").write_text(
-        dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
-    )
-    train_ds, eval_ds, data_summary, fmt = _datasets(recipe)
+    main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
+    if main:
+        (run_dir / "recipe.yaml").write_text(
+            dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
+        )
     tokenizer = load_tokenizer(recipe)
+    train_ds, eval_ds, data_summary = _datasets(recipe, tokenizer)
 
     mode = wandb_mode(recipe)
     report_to = [] if mode == "disabled" else ["wandb"]
@@ -256,12 +269,13 @@ def train(
         choice = {**json.loads((run_dir / "run.json").read_text()).get("choice", {}), **(choice or {})}
     choice = choice or {}
     budget_gb = cap_process_memory(choice.get("vram_gb"))
+    # The training arguments come first: under DeepSpeed ZeRO-3 they register the config that makes
+    # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
+    args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
     # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
     set_seed(recipe.training.seed)
     model = build_model(recipe)
-    args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
-    if fmt in ("messages", "sharegpt", "alpaca"):
-        args.assistant_only_loss = not recipe.data.train_on_prompt
+    data_summary["batching"] = _packing(recipe, model, args)
     checkpoint = last_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise UserError(
@@ -278,7 +292,12 @@ def train(
         "versions": _versions(),
         **trainable_summary(model),
     }
-    write_json(run_dir / "run.json", run_info)
+    if main:
+        write_json(run_dir / "run.json", run_info)
+        write_json(run_dir / "data_report.json", data_summary)
+    # the plan --vram chose (or checked); the monitor compares the measured curve with it
+    if main and choice and "predicted_peak_gb" in choice:
+        write_json(run_dir / "plan.json", choice)
 
     trainer = make_trainer(recipe, choice, run_dir, budget_gb, bool(report_to), callbacks)(
         model=model,
@@ -287,6 +306,7 @@ def train(
         eval_dataset=eval_ds,
         processing_class=tokenizer,
     )
+    _keep_adapters_fp32(trainer.model, recipe)
     started = time.time()
     try:
         output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
@@ -294,13 +314,17 @@ def train(
         raise out_of_memory_outside_step(trainer, exc) from None
     finally:
         trainer.monitor.close()
-        _, memory_summary = write_report(run_dir)
-        print(memory_summary)
+        if main:
+            _, memory_summary = write_report(run_dir)
+            print(memory_summary)
     elapsed = time.time() - started
 
     out_dir = run_dir / ("model" if recipe.adapter.kind == "full" else "adapter")
-    trainer.model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    if trainer.is_fsdp_enabled:
+        # checkpoints stay sharded (resumable); the adapter is gathered whole (peft's FSDP example does the same)
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    # every rank joins (FSDP/ZeRO gather), rank 0 writes the weights and the tokenizer
+    trainer.save_model(str(out_dir))
 
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
@@ -315,13 +339,14 @@ def train(
     eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
     if eval_losses:
         metrics["last_eval_loss"] = eval_losses[-1]
-    write_json(run_dir / "metrics.json", metrics)
-    with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
-        for row in history:
-            handle.write(json.dumps(row) + "\n")
+    if main:
+        write_json(run_dir / "metrics.json", metrics)
+        with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:
+            for row in history:
+                handle.write(json.dumps(row) + "\n")
     if report_to:
         import wandb
 
         if wandb.run is not None:
             wandb.finish()
-    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history)
+    return RunResult(run_dir=run_dir, metrics=metrics, log_history=history, model=trainer.model, is_main=main)

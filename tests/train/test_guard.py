@@ -63,11 +63,11 @@ def test_cap_without_cuda_keeps_the_target_as_budget():
 
 @pytest.mark.requires_cuda
 def test_cap_makes_the_allocator_raise_past_the_target():
-    total = torch.cuda.get_device_properties(0).total_memory / guard.GIB
+    total = torch.cuda.get_device_properties(0).total_memory / guard.GB
     target = min(2.0, total / 2)
     assert cap_process_memory(target) == target
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(int((target + 0.5) * guard.GIB), dtype=torch.uint8, device="cuda")
+            torch.empty(int((target + 0.5) * guard.GB), dtype=torch.uint8, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

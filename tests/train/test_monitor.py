@@ -197,11 +197,8 @@ def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, m
     assert all(0 < h["memory/rss_gb"] < 64 and h["memory/micro_batch"] == 4 for h in memory_rows)
     assert config["memory/predicted_peak_gb"] == 5.5 and config["memory/budget_gb"] == 8
     assert config["memory/safety_margin_gb"] == 1.0
-    assert summary["memory/predicted_peak_gb"] == 5.5 and summary["memory/peak_phase"] in (
-        "forward",
-        "backward",
-        "optimizer",
-    )
+    assert summary["memory/predicted_peak_gb"] == 5.5
+    assert summary["memory/peak_phase"] in ("forward", "backward", "optimizer", "save")
     phases = {r.get("phase") for r in map(json.loads, (result.run_dir / "memory.jsonl").read_text().splitlines())}
     assert {"forward", "backward", "optimizer"} <= phases
     assert (result.run_dir / "memory.png").stat().st_size > 10_000

@@ -153,12 +153,13 @@ def test_split_micro_batch_gives_the_same_loss_and_gradients(tiny_model, tmp_pat
     from lowmem_ft.train.run import _datasets, make_trainer, sft_config
 
     recipe = resolve("8gb", tiny_sets(tiny_model, DATA, tmp_path))
-    train_ds, _, _, _ = _datasets(recipe)
+    tokenizer = load_tokenizer(recipe)
+    train_ds, _, _ = _datasets(recipe, tokenizer)
     trainer = make_trainer(recipe, {}, tmp_path, None, False)(
         model=build_model(recipe),
         args=sft_config(recipe, tmp_path, has_eval=False, report_to=[]),
         train_dataset=train_ds,
-        processing_class=load_tokenizer(recipe),
+        processing_class=tokenizer,
     )
     batch = next(iter(trainer.get_train_dataloader()))
     # uneven loss-token counts across rows, so an unweighted mean of sub-batch means would differ

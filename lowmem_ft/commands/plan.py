@@ -1,0 +1,89 @@
+"""`lowmem-ft plan`: where every GB goes, and the fastest recipe that fits a VRAM target (no torch on this path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict peak VRAM per component and pick the fastest recipe that fits",
+        description="Plan a fine-tune of MODEL for --vram GB: each memory component, the total, budget, margin and "
+        "headroom, and why each knob was chosen. --output writes the recipe `train --recipe` accepts.",
+    )
+    p.add_argument("--model", required=True, help="hub id (offline catalog or Hub config.json) or local directory")
+    p.add_argument("--vram", type=float, required=True, metavar="GB", help="GPU memory to fit in, in GB")
+    p.add_argument("--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (memory.max_seq_len)")
+    p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (1 for now)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="fix one recipe key; the planner does not change it (repeatable)",
+    )
+    p.add_argument("--output", metavar="FILE.yaml", help="write the resolved recipe here")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted for symmetry with train (not needed)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.recipe.load import dump, merge, parse_overrides
+    from lowmem_ft.recipe.select import plan_recipe
+
+    if args.seq_len is not None and args.seq_len < 16:
+        raise UserError(f"--seq-len {args.seq_len}: must be at least 16 tokens")
+    overrides = merge(parse_overrides(args.overrides), {"model": {"name_or_path": args.model}})
+    result = plan_recipe(
+        vram_gb=args.vram, recipe=args.recipe, overrides=overrides, seq_len=args.seq_len, gpus=args.gpus
+    )
+    if args.output:
+        Path(args.output).write_text(
+            dump(result.recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), encoding="utf-8"
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print_plan(result)
+        if args.output:
+            print(f"recipe written to {args.output} (lowmem-ft train --recipe {args.output} --data ...)")
+    return 0
+
+
+def print_plan(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    est = result.estimate
+    r = result.recipe
+    title = (
+        f"{r.model.name_or_path} on {result.vram_gb:g} GB: {r.adapter.kind}"
+        f"{'' if r.model.quantization == 'none' else ' + ' + r.model.quantization}, "
+        f"batch {r.memory.micro_batch_size}×{r.memory.gradient_accumulation}, seq {r.memory.max_seq_len}"
+    )
+    table = Table(title=title)
+    table.add_column("component")
+    table.add_column("GB", justify="right")
+    table.add_column("when")
+    for c in est.components:
+        if c.bytes <= 0:
+            continue
+        table.add_row(c.name, f"{c.gb:.2f}", c.phase)
+    table.add_section()
+    table.add_row("predicted peak", f"{est.peak_gb:.2f}", f"at the {est.peak_phase}")
+    table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
+    table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.fits else "DOES NOT FIT")
+    console = Console()
+    console.print(table)
+    for knob, why in result.reasons.items():
+        console.print(f"  {knob}: {why}")
+    for note in est.notes:
+        console.print(f"  note: {note}")

@@ -1,0 +1,287 @@
+"""The architecture description: the shapes the memory model needs, read from a model's `config.json`.
+
+One idea: a decoder-only transformer is fully described, for memory purposes, by a handful of integers and the
+list of linear layers in one block. `Architecture.from_config` reads those from a config dict (no transformers, no
+torch); `load_architecture` finds the dict in a local directory, in the offline catalog shipped in
+`lowmem_ft/catalog/models.json`, or on the Hub (config.json only, never weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from lowmem_ft.errors import UserError
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
+# Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B).
+VARIANT_SUFFIXES = ("-instruct", "-chat", "-it")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a transformer block (names as in the transformers/remote-code module tree)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Shapes of a decoder-only causal LM, enough to count parameters and estimate training memory."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mlp: Literal["gated", "plain"] = "gated"  # gated: act(gate(x)) * up(x) (SwiGLU / GeGLU)
+    hidden_act: str = "silu"
+    tie_embeddings: bool = False
+    norm: Literal["rms", "layer"] = "rms"
+    norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and feed-forward)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
+    max_position_embeddings: int = 0
+    final_logit_softcapping: float | None = None
+    remote_code: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
+        """The architecture of a config.json dict; raises UserError for shapes this model cannot describe."""
+        if "text_config" in config and "hidden_size" not in config:
+            config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
+        model_type = str(config.get("model_type", ""))
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if k not in config]
+        if missing:
+            raise UserError(
+                f"model '{name}': config.json lacks {', '.join(missing)}; lowmem-ft plans decoder-only causal LMs"
+            )
+        if model_type == "qwen":
+            return _qwen_v1(config, name)
+        h = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or h // heads)
+        inter = int(config["intermediate_size"])
+        q_out, kv_out = heads * head_dim, kv * head_dim
+        # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
+        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+        o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
+        mlp_bias = bool(config.get("mlp_bias", False))
+        if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
+            linears = (
+                Linear("qkv_proj", h, q_out + 2 * kv_out),
+                Linear("o_proj", q_out, h),
+                Linear("gate_up_proj", h, 2 * inter),
+                Linear("down_proj", inter, h),
+            )
+        else:
+            linears = (
+                Linear("q_proj", h, q_out, qkv_bias),
+                Linear("k_proj", h, kv_out, qkv_bias),
+                Linear("v_proj", h, kv_out, qkv_bias),
+                Linear("o_proj", q_out, h, o_bias),
+                Linear("gate_proj", h, inter, mlp_bias),
+                Linear("up_proj", h, inter, mlp_bias),
+                Linear("down_proj", inter, h, mlp_bias),
+            )
+        act = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
+        return cls(
+            name=name or str(config.get("_name_or_path", "")),
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=h,
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            mlp="gated",
+            hidden_act=act,
+            tie_embeddings=bool(config.get("tie_word_embeddings", model_type.startswith("gemma"))),
+            norm="rms",
+            norms_per_layer=4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+            linears=linears,
+            max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            remote_code="auto_map" in config and model_type not in _NATIVE,
+        )
+
+    # -- parameter counts ---------------------------------------------------------------------------------------
+    @property
+    def norm_params(self) -> int:
+        """Per block: the norms' weights (LayerNorm adds a bias; qk-norm adds two head_dim weights)."""
+        per_norm = self.hidden_size * (2 if self.norm == "layer" else 1)
+        return self.norms_per_layer * per_norm + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def block_linear_params(self) -> int:
+        return sum(lin.params for lin in self.linears)
+
+    @property
+    def block_params(self) -> int:
+        return self.block_linear_params + self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """0 when tied: the head reuses the embedding matrix (counted once)."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm == "layer" else 1)
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of all block linears: what 4-/8-bit quantization replaces (bnb skips lm_head)."""
+        return self.num_layers * self.block_linear_params
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.num_layers * self.block_params + self.embedding_params + self.lm_head_params + self.final_norm_params
+        )
+
+    @property
+    def linear_names(self) -> list[str]:
+        return list(dict.fromkeys(lin.name for lin in self.linears))
+
+    def lora_targets(self, target_modules: list[str]) -> list[Linear]:
+        """Block linears a LoRA `target_modules` list matches (peft matches the last name component)."""
+        if target_modules == ["all-linear"]:
+            return list(self.linears)
+        wanted = set(target_modules)
+        return [lin for lin in self.linears if lin.name in wanted]
+
+    def summary(self) -> str:
+        gqa = f", GQA {self.num_heads}/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        tied = ", tied embeddings" if self.tie_embeddings else ""
+        return (
+            f"{self.name or self.model_type}: {self.total_params / 1e9:.2f}B params, {self.num_layers} layers, "
+            f"hidden {self.hidden_size}, vocab {self.vocab_size}{gqa}{tied}"
+        )
+
+
+# model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
+_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"}
+
+
+def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
+    """Qwen (v1) remote-code blocks (modeling_qwen.py): c_attn = fused qkv with bias, w1/w2 = gate/up of
+    intermediate_size // 2 each, mlp c_proj = down; RMSNorm; lm_head untied."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("kv_channels") or h // heads)
+    ff = int(config["intermediate_size"]) // 2
+    proj = heads * head_dim
+    return Architecture(
+        name=name,
+        model_type="qwen",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=h,
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=ff,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        linears=(
+            Linear("c_attn", h, 3 * proj, True),
+            Linear("c_proj", proj, h, not config.get("no_bias", True)),
+            Linear("w1", h, ff, not config.get("no_bias", True)),
+            Linear("w2", h, ff, not config.get("no_bias", True)),
+            Linear("c_proj", ff, h, not config.get("no_bias", True)),
+        ),
+        max_position_embeddings=int(config.get("max_position_embeddings") or config.get("seq_length") or 0),
+        remote_code=True,
+    )
+
+
+# -- finding the config -----------------------------------------------------------------------------------------
+@cache
+def catalog() -> dict[str, dict[str, Any]]:
+    """The offline catalog: hub id → {"config": ..., "published_params": ...}."""
+    return json.loads(CATALOG.read_text(encoding="utf-8"))["models"]
+
+
+def catalog_entry(name: str) -> tuple[str, dict[str, Any]] | None:
+    """The catalog entry of a hub id, case-insensitively, with instruct/chat variants mapped to their base."""
+    by_lower = {key.lower(): key for key in catalog()}
+    key = name.strip().lower()
+    candidates = [key] + [key[: -len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)]
+    for candidate in candidates:
+        if candidate in by_lower:
+            real = by_lower[candidate]
+            return real, catalog()[real]
+    return None
+
+
+def _hub_config(name: str) -> dict[str, Any]:
+    """config.json from the Hub (only that file); a UserError when offline or unreachable."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    known = ", ".join(sorted(catalog()))
+    if offline:
+        raise UserError(
+            f"model '{name}' is not a local directory nor in the offline catalog, and HF_HUB_OFFLINE is set; "
+            f"pass a local directory with config.json or one of: {known}"
+        )
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(name, "config.json")
+    except Exception as exc:  # network, auth, missing repo: all mean "no config"
+        raise UserError(
+            f"model '{name}': could not fetch its config.json from the Hub ({type(exc).__name__}); "
+            f"pass a local directory with config.json or one of: {known}"
+        ) from None
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """(config dict, where it came from): a local directory, else the catalog, else the Hub."""
+    if not name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    path = Path(name_or_path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise UserError(f"model directory {path} has no config.json")
+        try:
+            return json.loads(config_file.read_text(encoding="utf-8")), f"{config_file}"
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{config_file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    entry = catalog_entry(name_or_path)
+    if entry is not None:
+        return entry[1]["config"], f"offline catalog ({entry[0]})"
+    return _hub_config(name_or_path), "Hub config.json"
+
+
+def load_architecture(name_or_path: str, trust_remote_code: bool = False) -> Architecture:
+    """The architecture of a model by local directory, catalog id or Hub id.
+
+    Remote-code architectures (e.g. Qwen/Qwen-7B) are described from their config alone, which runs no code, so
+    `trust_remote_code` is not needed to plan; it is accepted so callers can pass the recipe's value through.
+    """
+    del trust_remote_code  # reading config.json runs no repository code
+    config, _ = load_config_dict(name_or_path)
+    return Architecture.from_config(config, name=name_or_path)

@@ -1,0 +1,385 @@
+"""Peak training memory as named components: pure arithmetic over an `Architecture` (no torch import).
+
+The one idea: the peak of a training step is the static state (weights, trainable parameters, their gradients and
+optimizer states) plus the largest of two transient phases — forward/backward (saved activations, the loss's
+working set, a dequantization buffer) and the optimizer step (its temporaries) — plus device overheads and the
+safety margin. Each term is a `Component` that says where its constant comes from, so the same numbers serve
+`plan`, the planner, the monitor's "predicted" line and the report.
+
+Conventions: "tokens" = micro_batch × max_seq_len; c = bytes of the compute dtype; every constant cites the library
+code it was read from (installed versions: transformers 5.24, peft 0.21, bitsandbytes 0.50, trl 1.16, torch 2.13)
+or the measurement it comes from (`scripts/validate_estimator.py`, CPU, exact live tensor bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from lowmem_ft.memory.arch import Architecture, Linear
+
+GB = 1e9  # lowmem-ft speaks decimal GB, as `--vram 24` does
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# bitsandbytes functional.quantize_4bit: blocksize 64, one fp32 absmax per block → 4 + 32/64 = 4.5 bits/param.
+# With double quant (compress_statistics) the absmax are quantized to 8 bits in blocks of 256 with an fp32 absmax
+# each → 4 + 8/64 + 32/(64·256) ≈ 4.127 bits/param.
+NF4_BITS = 4.5
+NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+# bitsandbytes Linear8bitLt (LLM.int8): int8 weight + one fp32 scale (SCB) per output row.
+INT8_ROW_SCALE_BYTES = 4
+# bitsandbytes optim/optimizer.py Optimizer2State.init_state: 8-bit states are two uint8 tensors plus two fp32
+# absmax per block of 256; tensors with fewer than `min_8bit_size` = 4096 elements keep fp32 states; paged buffers
+# (get_state_buffer) are used only for tensors of ≥ 1e5 elements and only on CUDA.
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN = 100_000
+# TRL 1.16 kernels/chunked_logprob.py: the fused LM head SFTTrainer installs (`add_fused_lm_head`) projects the
+# hidden states in tiles of TOKEN_CHUNK_SIZE tokens × `_CHUNKED_LOGPROB_CHUNK_SIZE` vocabulary (trainer/utils.py).
+TRL_TOKEN_CHUNK = 4096
+TRL_VOCAB_CHUNK = 32768
+# Where Triton is missing (the CPU), the tile is folded with torch ops (`_forward_tile` / `_backward_tile`) that hold
+# several fp32 copies of the tile at once. Measured with PeakMemory on the CPU (scripts/validate_estimator.py):
+# the forward holds ~3 fp32 tiles (z, exp, exp·z), the backward ~6 (y, log_p, p, grad, the one-hot float, a product).
+CPU_TILE_FP32_FWD = 3
+CPU_TILE_FP32_BWD = 6
+# transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
+# cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
+HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
+# Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
+# measures NVML device use minus torch's reserved bytes.
+CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
+# torch aten/src/ATen/cuda/CublasHandlePool.cpp getChosenWorkspaceSize: 32 MiB per handle on Hopper (4 MiB before),
+# plus the cuBLASLt workspace of the same size.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
+# Caching allocator: block rounding (512 B / 2 MiB segments) and fragmentation of the transient tensors, as a
+# fraction of the transient peak. Assumed from typical reserved/allocated ratios of 1.05–1.15 in training.
+ALLOCATOR_FRACTION = 0.10
+
+LossImpl = Literal["trl_fused", "hf_full", "chunked"]
+Device = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs that change memory, independent of the recipe dataclasses (see `setup_from_recipe`)."""
+
+    quantization: Literal["nf4", "int8", "none"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    adapter: Literal["lora", "full"] = "lora"
+    lora_r: int = 16
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    optimizer: str = "paged_adamw_8bit"
+    gradient_checkpointing: bool = True
+    micro_batch_size: int = 1
+    max_seq_len: int = 1024
+    activation_offloading: bool = False
+    loss_impl: LossImpl = "trl_fused"
+    loss_chunk_tokens: int = 1024  # memory.chunked_loss: tokens per chunk
+    device: Device = "cuda"
+    safety_margin_gb: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.max_seq_len
+
+
+@dataclass
+class Component:
+    name: str
+    bytes: float
+    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host"]
+    source: str
+
+    @property
+    def gb(self) -> float:
+        return self.bytes / GB
+
+
+@dataclass
+class Estimate:
+    components: list[Component]
+    setup: Setup
+    model_peak_bytes: float  # live tensor bytes at the peak: what PeakMemory measures
+    overhead_bytes: float  # CUDA context, workspaces, allocator (0 on the CPU)
+    peak_phase: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.model_peak_bytes + self.overhead_bytes
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / GB
+
+    def by_name(self) -> dict[str, float]:
+        return {c.name: c.bytes for c in self.components}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "predicted_peak_gb": round(self.peak_gb, 3),
+            "model_peak_gb": round(self.model_peak_bytes / GB, 3),
+            "overhead_gb": round(self.overhead_bytes / GB, 3),
+            "peak_phase": self.peak_phase,
+            "components": [
+                {"name": c.name, "gb": round(c.gb, 4), "phase": c.phase, "source": c.source} for c in self.components
+            ],
+            "setup": asdict(self.setup),
+        }
+
+
+def setup_from_recipe(recipe, device: Device = "cuda") -> Setup:
+    """The memory-relevant knobs of a `Recipe` (duck-typed: any object with the same sections)."""
+    m, a, mem = recipe.model, recipe.adapter, recipe.memory
+    return Setup(
+        quantization=m.quantization,
+        double_quant=m.double_quant,
+        compute_dtype=m.compute_dtype,
+        attn_implementation=m.attn_implementation,
+        adapter=a.kind,
+        lora_r=a.r,
+        lora_dropout=a.dropout,
+        lora_targets=tuple(a.target_modules),
+        optimizer=recipe.optimizer.name,
+        gradient_checkpointing=mem.gradient_checkpointing,
+        micro_batch_size=mem.micro_batch_size,
+        max_seq_len=mem.max_seq_len,
+        activation_offloading=mem.activation_offloading,
+        # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
+        # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
+        loss_impl="chunked" if mem.chunked_loss else "trl_fused",
+        device=device,
+        safety_margin_gb=mem.safety_margin_gb,
+    )
+
+
+# -- static state -----------------------------------------------------------------------------------------------
+def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
+    """(numel, bytes per element) of each trainable tensor."""
+    if s.adapter == "full":
+        c = DTYPE_BYTES[s.compute_dtype]
+        out: list[tuple[int, int]] = []
+        for lin in arch.linears:
+            out += [(lin.in_features * lin.out_features, c)] * arch.num_layers
+            if lin.bias:
+                out += [(lin.out_features, c)] * arch.num_layers
+        norm_size = arch.hidden_size * (2 if arch.norm == "layer" else 1)
+        out += [(norm_size, c)] * (arch.num_layers * arch.norms_per_layer + 1)
+        if arch.qk_norm:
+            out += [(arch.head_dim, c)] * (2 * arch.num_layers)
+        out.append((arch.embedding_params, c))
+        if arch.lm_head_params:
+            out.append((arch.lm_head_params, c))
+        return out
+    # peft LoRA: A is r × in, B is out × r, fp32 (autocast_adapter_dtype=True in lowmem_ft.train.model)
+    out = []
+    for lin in lora_linears(arch, s):
+        out += [(s.lora_r * lin.in_features, 4), (lin.out_features * s.lora_r, 4)] * arch.num_layers
+    return out
+
+
+def lora_linears(arch: Architecture, s: Setup) -> list[Linear]:
+    targets = arch.lora_targets(list(s.lora_targets))
+    return targets
+
+
+def weight_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
+    """(quantized linears, 16-bit rest, description) of the base weights."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    n_lin = arch.num_layers * sum(lin.in_features * lin.out_features for lin in arch.linears)
+    n_rest = arch.total_params - n_lin  # embeddings, lm_head (once if tied), norms, biases
+    if s.quantization == "nf4":
+        bits = NF4_DQ_BITS if s.double_quant else NF4_BITS
+        return n_lin * bits / 8, n_rest * c, f"NF4 {bits:.3f} bit/param (bitsandbytes quantize_4bit, block 64)"
+    if s.quantization == "int8":
+        rows = arch.num_layers * sum(lin.out_features for lin in arch.linears)
+        return n_lin + rows * INT8_ROW_SCALE_BYTES, n_rest * c, "int8 + fp32 row scales (bnb Linear8bitLt)"
+    return n_lin * c, n_rest * c, f"{s.compute_dtype} ({c} B/param)"
+
+
+def optimizer_state_bytes(tensors: list[tuple[int, int]], optimizer: str, device: Device) -> tuple[float, float]:
+    """(on device, paged = may leave the device) bytes of optimizer states for these trainable tensors."""
+    on_device = paged = 0.0
+    for numel, elem in tensors:
+        if optimizer == "adamw_torch":
+            on_device += 2 * numel * elem  # torch AdamW: exp_avg, exp_avg_sq zeros_like(param) → param dtype
+        elif optimizer == "adafactor":
+            on_device += 4 * numel**0.5 * 2 if numel > 1 else 4  # factored row+col (approx. square), fp32
+        else:
+            eight_bit = "8bit" in optimizer and numel >= BNB_MIN_8BIT_SIZE
+            blocks = -(-numel // BNB_BLOCK)
+            size = 2 * numel + 2 * 4 * blocks if eight_bit else 2 * 4 * numel
+            if optimizer.startswith("paged") and device == "cuda" and numel >= BNB_PAGED_MIN:
+                paged += size
+            else:
+                on_device += size
+    return on_device, paged
+
+
+def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: Device) -> tuple[float, str]:
+    """Temporaries the optimizer step allocates (measured on the CPU; read from torch/optim/adamw.py on CUDA)."""
+    if not tensors:
+        return 0.0, ""
+    largest = max(n * e for n, e in tensors)
+    if optimizer == "adamw_torch":
+        if device == "cuda":  # _multi_tensor_adamw: exp_avg_sq_sqrt = torch._foreach_sqrt(...) → one copy of all
+            return sum(n * e for n, e in tensors), "torch AdamW foreach: one param-sized sqrt buffer"
+        return 2 * largest, "torch AdamW single-tensor (CPU): sqrt and divide temporaries of the largest tensor"
+    if optimizer == "adafactor":
+        return 2 * largest, "Adafactor update temporaries of the largest tensor"
+    # bitsandbytes: CUDA kernels update in place; the CPU fallback dequantizes a tensor's states to fp32.
+    if device == "cuda":
+        return 0.0, "bitsandbytes fused kernel, in place"
+    big = max(n for n, _ in tensors)
+    return 4 * 4 * big, "bitsandbytes CPU fallback: fp32 copies of the largest tensor's states (measured)"
+
+
+# -- activations ------------------------------------------------------------------------------------------------
+def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
+    """Bytes one decoder layer keeps for backward per token, without checkpointing (autograd's saved tensors).
+
+    Read from the modeling code (modeling_llama/qwen2 RMSNorm upcast, RoPE, MLP), torch's autograd formulas (a
+    frozen weight makes its op keep no input) and peft lora/layer.py Linear.forward (input cast to fp32, dropout
+    mask, lora_A input and output).
+    """
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, i = arch.hidden_size, arch.intermediate_size
+    q = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    full = s.adapter == "full"
+    # RMSNorm: hidden.to(float32) is kept (pow and mul both need it) + rsqrt per token; with a trainable weight the
+    # normalized c-byte input of `weight *` is kept too.
+    per_norm = 4 * h + 4 + (c * h if full else 0)
+    total = arch.norms_per_layer * per_norm
+    # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
+    # linears (q/k/v, gate/up) are one tensor.
+    if full:
+        inputs = {id(lin): lin.in_features for lin in arch.linears}
+        shared = {}
+        for lin in arch.linears:
+            shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
+        total += c * sum(shared.values())
+        del inputs
+    else:
+        # LoRA on a linear: x.to(fp32) (4 B) → dropout keeps its bool mask (1 B) and lora_A keeps the fp32 dropped
+        # input (4 B) and lora_B keeps lora_A's output (4 B × r). Each adapted linear does this on its own.
+        drop = 1 if s.lora_dropout > 0 else 0
+        for lin in lora_linears(arch, s):
+            total += (4 + drop) * lin.in_features + 4 * s.lora_r
+    # Attention (SDPA flash/efficient, or flash_attention_2): q, k, v, output (c bytes) + fp32 logsumexp per head.
+    # With a padding mask (micro batch > 1) transformers repeats k/v to all heads (sdpa_attention.py repeat_kv).
+    kv_kept = q if (s.micro_batch_size > 1 and s.attn_implementation == "sdpa") else kv
+    total += c * (2 * q + 2 * kv_kept) + 4 * arch.num_heads
+    # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).
+    total += 3 * c * i if arch.mlp == "gated" else c * i
+    return total
+
+
+def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
+    """Eager attention keeps softmax probabilities (and dropout-free: the matmul input) b·heads·s² in c bytes ×2."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    return 2 * c * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+
+
+def backward_working_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token: the gradient buffers alive while one layer backpropagates (grad of the hidden state, of the MLP
+    intermediates in c bytes, and LoRA's fp32 input gradients). Measured (scripts/validate_estimator.py)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, i = arch.hidden_size, arch.intermediate_size
+    return 3 * c * i + 2 * c * h + (0 if s.adapter == "full" else 4 * i)
+
+
+def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
+    """Peak working set of the logits and the loss (beyond the saved final hidden state)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    v, h = arch.vocab_size, arch.hidden_size
+    if s.loss_impl == "hf_full":
+        return n * v * (
+            c + HF_LOSS_BYTES_PER_LOGIT
+        ), "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
+    if s.loss_impl == "chunked":
+        k = min(n, s.loss_chunk_tokens)
+        return k * v * (c + HF_LOSS_BYTES_PER_LOGIT) + 4 * n * h, f"one chunk of {k} tokens × vocab, fp32"
+    tile = min(n, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK)
+    fp32_tiles = CPU_TILE_FP32_BWD if s.device == "cpu" else 0
+    # backward: fp32 grad_hidden (N × h), the mm tile, and (full fine-tuning) an fp32 lm_head gradient accumulator
+    grad_w = 4 * v * h if s.adapter == "full" else 0
+    return (
+        4 * n * h + c * tile + 4 * fp32_tiles * tile + grad_w,
+        "TRL fused LM head: tiles of 4096 tokens × 32768 vocab, fp32 grad_hidden (no full logits)",
+    )
+
+
+def estimate(arch: Architecture, s: Setup) -> Estimate:
+    """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    t = s.tokens
+    comps: list[Component] = []
+    notes: list[str] = []
+
+    w_lin, w_rest, w_desc = weight_bytes(arch, s)
+    comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
+    rest_what = "embeddings + lm_head" if not arch.tie_embeddings else "tied embeddings (once)"
+    comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
+    trainable = _trainable_tensors(arch, s)
+    n_train = sum(n for n, _ in trainable)
+    if s.adapter == "lora":
+        comps.append(Component("LoRA parameters (fp32)", 4 * n_train, "static", "peft autocast_adapter_dtype=True"))
+    grads = sum(n * e for n, e in trainable)
+    comps.append(Component("gradients", grads, "static", "one per trainable parameter, in its dtype"))
+    states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
+    comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
+    if paged:
+        comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
+        notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
+    static = sum(x.bytes for x in comps if x.phase == "static")
+
+    # forward/backward
+    layer = layer_activation_bytes(arch, s) * t
+    boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
+    if s.gradient_checkpointing:
+        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
+        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
+        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
+        if s.activation_offloading:
+            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
+        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
+        acts = kept + layer
+    else:
+        acts = arch.num_layers * layer + boundary
+        comps.append(Component("activations, all layers", acts, "forward/backward", "autograd saved tensors"))
+    if s.attn_implementation == "eager":
+        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
+        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
+        acts += eager
+    # final norm (fp32 upcast kept) and the final hidden state the loss keeps, c bytes
+    head_in = (4 + 2 * c) * arch.hidden_size * t
+    comps.append(Component("final norm + loss input", head_in, "forward/backward", "RMSNorm upcast, head input"))
+    loss, loss_src = loss_bytes(arch, s)
+    comps.append(Component("logits / loss working set", loss, "forward/backward", loss_src))
+    bwd = backward_working_bytes(arch, s) * t
+    comps.append(Component("backward gradient buffers", bwd, "forward/backward", "one layer's grads in flight"))
+    dequant = 0.0
+    if s.quantization in ("nf4", "int8"):
+        dequant = c * max(lin.in_features * lin.out_features for lin in arch.linears)
+        comps.append(Component("dequantization buffer", dequant, "forward/backward", "largest linear in 16-bit"))
+    fwd_bwd = acts + head_in + max(loss, bwd) + dequant
+
+    step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device)
+    comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", step_src))
+
+    model_peak = static + max(fwd_bwd, step_temp)
+    phase = "forward/backward" if fwd_bwd >= step_temp else "optimizer step"
+    overhead = 0.0
+    if s.device == "cuda":
+        alloc = ALLOCATOR_FRACTION * max(fwd_bwd, step_temp)
+        comps.append(Component("CUDA context", CUDA_CONTEXT_BYTES, "overhead", "assumed (see CUDA_CONTEXT_BYTES)"))
+        comps.append(Component("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES, "overhead", "torch CublasHandlePool"))
+        comps.append(Component("allocator rounding/fragmentation", alloc, "overhead", "10% of transient peak"))
+        overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + alloc
+    return Estimate(comps, s, model_peak, overhead, phase, notes)

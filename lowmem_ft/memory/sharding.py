@@ -1,0 +1,212 @@
+"""Per-device memory under data parallelism: what DDP, ZeRO-1/2/3 and FSDP leave on each GPU (no torch import).
+
+The one idea: a training process holds a few kinds of model state — base weights, trainable weights, their
+gradients, fp32 master copies and optimizer states — and each strategy either replicates a kind on every device or
+divides it over N; full sharding (FSDP FULL_SHARD, ZeRO-3) then gathers one unit (a decoder layer) back at a time.
+Activations are per device already (the micro batch is per device) and pass through unchanged. Offloading moves
+states to host memory, where they still count, per process and per node.
+
+Inputs are bytes for the whole model (`ModelStates`), so the same functions serve QLoRA (4-bit frozen base, fp32
+LoRA) and DeepSpeed's own full fine-tune model. `tests/memory/test_sharding.py` reproduces the numbers of
+DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+(deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, deepspeedai/DeepSpeed master).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+# torch FSDP BackwardPrefetch.BACKWARD_PRE (torch/distributed/fsdp/api.py, the default accelerate writes): "at the
+# peak, it holds the current set of parameters, next set of parameters, and current set of gradients". DeepSpeed's
+# ZeRO-3 estimator counts one layer's 16-bit parameters and gradients (4 × largest_layer_params).
+FSDP_UNITS_GATHERED = 2
+ZERO3_UNITS_GATHERED = 1
+# DeepSpeed estimators: "additional_buffer_factor=1.5" on host memory (pinned buffers, fragmentation).
+DS_HOST_BUFFER_FACTOR = 1.5
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """What one process would hold for the whole model on a single device, split by kind (bytes).
+
+    `trainable_params` counts the parameters that get gradients; the per-parameter byte sizes say how each kind is
+    stored. Frozen weights (a QLoRA base: NF4 bytes + quantization constants + 16-bit embeddings and norms) get no
+    gradients and no optimizer state.
+    """
+
+    frozen_weight_bytes: float = 0.0
+    trainable_params: float = 0.0
+    weight_bytes_per_param: float = 2.0  # trainable weights as stored: bf16 full fine-tune 2, fp32 LoRA 4
+    grad_bytes_per_param: float = 2.0  # the gradient backward produces, in the weight's dtype
+    grad_accum_bytes_per_param: float = 0.0  # DeepSpeed's fp32 gradient partition next to 16-bit weights: 4
+    master_bytes_per_param: float = 0.0  # fp32 master weights of 16-bit trainable weights (mixed precision): 4
+    optimizer_bytes_per_param: float = 8.0  # AdamW fp32 m and v: 8; bitsandbytes 8-bit: ~2
+    largest_unit_params: float = 0.0  # parameters of the largest unit gathered at once (a decoder layer)
+    largest_unit_bytes: float = 0.0  # its bytes as stored (NF4 layer: ~0.52 B/param); 0 → params × weight bytes
+    largest_unit_trainable_params: float = 0.0  # of which trainable (their gradients are gathered too)
+
+    @property
+    def unit_bytes(self) -> float:
+        return self.largest_unit_bytes or self.largest_unit_params * self.weight_bytes_per_param
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """Bytes on one device (and on the host, per process) for a strategy; every field is per process."""
+
+    strategy: Strategy
+    gpus: int
+    weights: float
+    gradients: float
+    optimizer: float  # optimizer states + fp32 master weights + fp32 gradient partition (what the step needs)
+    gathered: float  # unsharded unit(s) in flight (full shard only)
+    comm_buffers: float  # DDP gradient buckets
+    activations: float
+    host: float  # offloaded to host memory, per process
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def device_bytes(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.gathered + self.comm_buffers + self.activations
+
+    def host_per_node(self, gpus_per_node: int, buffer_factor: float = 1.0) -> float:
+        return self.host * gpus_per_node * buffer_factor
+
+
+def per_device(
+    states: ModelStates,
+    strategy: Strategy,
+    gpus: int,
+    *,
+    activations: float = 0.0,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> DeviceShare:
+    """Bytes per device of `states` trained on `gpus` devices with `strategy`.
+
+    - ddp: everything replicated, plus DDP's gradient buckets (torch DistributedDataParallel
+      `gradient_as_bucket_view=False`, the default accelerate and transformers keep: "the saved memory size will be
+      equal to the total gradients size" when it is True, so False costs one more copy of the gradients).
+    - zero1: optimizer states (with fp32 master and gradient partition) ÷ N; weights and gradients replicated.
+    - zero2: gradients ÷ N too.
+    - zero3 / fsdp (full shard): weights ÷ N as well, plus the largest unit gathered back at once.
+    - offload_optimizer (ZeRO only; FSDP offloads parameters and optimizer together, see `offload_params`): the
+      optimizer part and the gradient partition live on the host; DeepSpeed's estimators keep only the 16-bit
+      weights (and the gathered unit) on the GPU.
+    - offload_params (ZeRO-3 / FSDP only): the weight shard lives on the host too.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    if gpus < 1:
+        raise ValueError("gpus must be at least 1")
+    full_shard = strategy in ("zero3", "fsdp")
+    if offload_params and not full_shard:
+        raise ValueError(f"parameter offload needs a full-shard strategy (zero3, fsdp), not {strategy}")
+    if offload_optimizer and strategy == "ddp":
+        raise ValueError("optimizer offload needs ZeRO or FSDP; DDP keeps the optimizer on the device")
+    p = states.trainable_params
+    n = float(gpus)
+    weights = states.frozen_weight_bytes + p * states.weight_bytes_per_param
+    grads = p * states.grad_bytes_per_param
+    step_state = p * (
+        states.grad_accum_bytes_per_param + states.master_bytes_per_param + states.optimizer_bytes_per_param
+    )
+    notes: list[str] = []
+    gathered = comm = host = 0.0
+
+    if strategy == "ddp":
+        comm = grads
+    if strategy in ("zero1", "zero2", "zero3", "fsdp"):
+        step_state /= n
+    if strategy in ("zero2", "zero3", "fsdp"):
+        grads /= n
+    if full_shard:
+        weights /= n
+        units = ZERO3_UNITS_GATHERED if strategy == "zero3" else FSDP_UNITS_GATHERED
+        unit_grads = states.largest_unit_trainable_params * states.grad_bytes_per_param
+        gathered = units * states.unit_bytes + unit_grads
+        if strategy == "zero3":
+            # stage3.py: 4 × largest_layer_params = the layer's 16-bit parameters and gradients; and its 18 bytes
+            # per parameter (2 params16 + 4 grads32 + 4 params32 + 8 Adam) carry no persistent 16-bit gradient
+            # partition: gradients are reduce-scattered straight into the fp32 partition.
+            grads = 0.0
+        notes.append(f"{units} unit(s) of {states.unit_bytes / 1e9:.3g} GB gathered at once")
+
+    if offload_optimizer:
+        host += step_state
+        step_state = 0.0
+        # ZeRO-Offload copies each reduced gradient partition into the host buffer (stage_1_and_2.py
+        # `async_accumulate_grad_in_cpu_via_gpu` / stage3 offload): no 16-bit gradient partition stays on GPU.
+        grads = 0.0
+    if offload_params:
+        host += weights
+        weights = 0.0
+    return DeviceShare(
+        strategy=strategy,
+        gpus=gpus,
+        weights=weights,
+        gradients=grads,
+        optimizer=step_state,
+        gathered=gathered,
+        comm_buffers=comm,
+        activations=activations,
+        host=host,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        notes=tuple(notes),
+    )
+
+
+def deepspeed_states(total_params: float, largest_layer_params: float = 0.0) -> ModelStates:
+    """DeepSpeed's estimator model: fp16/bf16 weights and gradients, fp32 master, fp32 gradient partition, Adam.
+
+    stage_1_and_2.py: "18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit".
+    """
+    return ModelStates(
+        trainable_params=total_params,
+        weight_bytes_per_param=2,
+        grad_bytes_per_param=2,
+        grad_accum_bytes_per_param=4,
+        master_bytes_per_param=4,
+        optimizer_bytes_per_param=8,
+        largest_unit_params=largest_layer_params,
+        largest_unit_trainable_params=largest_layer_params,
+    )
+
+
+# (strategy, offload_optimizer, offload_params) in the order `choose` tries them. FSDP's CPU offload moves
+# parameters, gradients and the optimizer step to the host together (torch FSDP CPUOffload(offload_params=True)).
+CANDIDATES: tuple[tuple[Strategy, bool, bool], ...] = (
+    ("ddp", False, False),
+    ("fsdp", False, False),
+    ("fsdp", True, True),
+)
+
+
+def choose(
+    states: ModelStates,
+    gpus: int,
+    budget_bytes: float,
+    *,
+    activations: float = 0.0,
+    candidates: tuple[tuple[Strategy, bool, bool], ...] = CANDIDATES,
+) -> tuple[DeviceShare, bool]:
+    """The first candidate whose bytes per device fit `budget_bytes`.
+
+    DDP first: when the model fits whole on each device, replication costs no communication beyond the gradient
+    all-reduce. Returns (share, fits); when nothing fits, the candidate with the fewest device bytes and False.
+    """
+    shares = [
+        per_device(states, s, gpus, activations=activations, offload_optimizer=oo, offload_params=op)
+        for s, oo, op in candidates
+    ]
+    for share in shares:
+        if share.device_bytes <= budget_bytes:
+            return share, True
+    return min(shares, key=lambda s: s.device_bytes), False

@@ -1,0 +1,265 @@
+"""Training on several devices: the accelerate configuration for a strategy, the checks before launch, the launch.
+
+The one idea: lowmem-ft has no distributed runtime of its own. `train --gpus N` writes the resolved recipe and an
+accelerate config (DDP, FSDP full shard, DeepSpeed ZeRO-2/3) into the run directory and hands the run to
+`accelerate launch` (torchrun underneath), whose processes run `lowmem-ft train --run-dir RUN_DIR` — the same
+single build path as one device. Combinations the installed libraries cannot run fail here, in one line, before
+anything starts.
+
+Without CUDA the processes are CPU ranks on the gloo backend: accelerate 1.15 starts N local processes only for
+MULTI_GPU / FSDP / DeepSpeed configs (commands/launch.py `launch_command`: MULTI_CPU goes to the one-process or
+mpirun `simple_launcher`), so the config says MULTI_GPU with `use_cpu: true`, and the trainer's `use_cpu` makes each
+process a gloo rank (state.py `_prepare_backend`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.recipe.load import dump
+from lowmem_ft.recipe.schema import Recipe
+
+Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
+REQUESTED: tuple[str, ...] = ("auto", "ddp", "fsdp", "zero2", "zero3")
+# recipe optimizers that run on the CPU when offloaded: bitsandbytes 8-bit and paged optimizers are CUDA kernels
+CPU_OPTIMIZERS = ("adamw_torch", "adafactor")
+
+
+@dataclass
+class LaunchPlan:
+    """How a multi-process run is launched; written to the run directory as launch.json."""
+
+    gpus: int  # processes per node
+    nodes: int = 1
+    strategy: str = "ddp"  # ddp | fsdp | zero2 | zero3 (resolved)
+    offload: bool = False  # optimizer states (ZeRO) / parameters + optimizer (FSDP) in host memory
+    cpu: bool = False  # no CUDA: CPU processes on gloo
+    reason: str = ""
+    accelerate_args: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_launch(
+    recipe: Recipe,
+    *,
+    gpus: int,
+    nodes: int = 1,
+    strategy: str = "auto",
+    offload: bool = False,
+    accelerate_args: list[str] | None = None,
+) -> LaunchPlan:
+    """Resolve the strategy and check that the installed stack can run it; a UserError says why not."""
+    if gpus < 1 or nodes < 1:
+        raise UserError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
+    if strategy not in REQUESTED:
+        raise UserError(f"--strategy {strategy}: choose one of {', '.join(REQUESTED)}")
+    devices = cuda_devices()
+    cpu = devices == 0
+    if not cpu and gpus > devices:
+        raise UserError(f"--gpus {gpus}: this machine has {devices} CUDA device(s); pass --gpus {devices} or fewer")
+    reason = "as asked (--strategy)"
+    if strategy == "auto":
+        strategy, reason = auto_strategy(recipe, offload)
+    plan = LaunchPlan(gpus, nodes, strategy, offload, cpu, reason, list(accelerate_args or []))
+    check(recipe, plan)
+    return plan
+
+
+def auto_strategy(recipe: Recipe, offload: bool) -> tuple[str, str]:
+    """DDP unless something asks for sharding: offload needs it, and a full fine-tune replicates 16+ B/param.
+
+    The per-device memory arithmetic for choosing by fit lives in `lowmem_ft.memory.sharding.choose`; until the
+    planner passes it the model's states, this is the rule of thumb it would reach for adapters (LoRA states are
+    small, so replicating them costs little).
+    """
+    if offload:
+        return "fsdp", "offload asked: FSDP offloads parameters and optimizer states to host memory"
+    if recipe.adapter.kind == "full":
+        return "fsdp", "full fine-tune: weights, gradients and optimizer states sharded over the devices"
+    return "ddp", "adapters: the base model and the LoRA states fit whole on each device"
+
+
+def check(recipe: Recipe, plan: LaunchPlan) -> None:
+    """One clear error for each combination the installed versions cannot run."""
+    s, m = plan.strategy, recipe.model
+    if s in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"--strategy {s} needs DeepSpeed, which is not installed: pip install deepspeed")
+    if plan.cpu and s != "ddp":
+        raise UserError(
+            f"--strategy {s} needs CUDA GPUs: without them accelerate runs plain DDP CPU processes "
+            "(it ignores FSDP on the CPU and DeepSpeed needs an accelerator); use --strategy ddp"
+        )
+    if s != "ddp" and m.quantization == "int8":
+        raise UserError(
+            f"--strategy {s} cannot shard model.quantization=int8 (bitsandbytes int8 weights have no float storage "
+            "dtype to shard); use --set model.quantization=nf4 or --strategy ddp"
+        )
+    if plan.offload and s == "ddp":
+        raise UserError("--offload needs a sharded strategy (DDP keeps everything on the device); use --strategy fsdp")
+    if plan.offload and recipe.optimizer.name not in CPU_OPTIMIZERS:
+        raise UserError(
+            f"--offload runs the optimizer step on the CPU, which optimizer.name={recipe.optimizer.name} cannot "
+            "(bitsandbytes 8-bit/paged optimizers are CUDA kernels); use --set optimizer.name=adamw_torch"
+        )
+    if plan.nodes > 1 and not any("main_process_ip" in a for a in plan.accelerate_args):
+        raise UserError(
+            f"--nodes {plan.nodes} needs the address of the first node: add --accelerate-arg=--main_process_ip=HOST "
+            "(and --accelerate-arg=--machine_rank=R on node R)"
+        )
+
+
+def layer_class(recipe: Recipe) -> str:
+    """The decoder layer class FSDP wraps as one unit: the model class's `_no_split_modules` (built on `meta`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_ft.train.model import load_config
+
+    config = load_config(recipe)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    names = list(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise UserError(
+            f"model '{recipe.model.name_or_path}' does not name its layer class (_no_split_modules), so FSDP cannot "
+            "wrap it layer by layer; use --strategy ddp or zero3"
+        )
+    return ",".join(names)
+
+
+def mixed_precision(recipe: Recipe, plan: LaunchPlan) -> str:
+    """What `run.sft_config` will ask the trainer for, so accelerate's setting agrees with it."""
+    if plan.cpu:
+        return "no"
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(recipe.model.compute_dtype, "no")
+
+
+def accelerate_config(recipe: Recipe, plan: LaunchPlan, layer_cls: str | None = None) -> dict[str, Any]:
+    """The accelerate config file (the keys `accelerate config` writes, accelerate 1.15 config_args.py)."""
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": "MULTI_GPU",
+        "mixed_precision": mixed_precision(recipe, plan),
+        "num_machines": plan.nodes,
+        "num_processes": plan.world_size,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": plan.cpu,
+    }
+    if plan.nodes == 1:
+        config["main_process_port"] = 0  # launch.py prepare_multi_gpu_env: 0 picks a free port
+    lora = recipe.adapter.kind == "lora"
+    if plan.strategy == "fsdp":
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            # FSDP1: transformers' Trainer applies peft's LoRA wrap policy and the 4-bit storage dtype only on the
+            # FSDP1 path (trainer.py _prepare_for_training → distributed/fsdp.py update_fsdp_plugin_peft).
+            "fsdp_version": 1,
+            "fsdp_sharding_strategy": "FULL_SHARD",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_cls,
+            "fsdp_backward_prefetch": "BACKWARD_PRE",
+            "fsdp_forward_prefetch": False,
+            # rank 0 reads the weights, the others get them by broadcast (needs sync_module_states)
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_sync_module_states": True,
+            # peft's FSDP-QLoRA config keeps flat parameters (use_orig_params false): its wrap policy gives the
+            # trainable LoRA leaves their own units, so no flat parameter mixes frozen and trainable weights.
+            "fsdp_use_orig_params": not lora,
+            "fsdp_offload_params": plan.offload,
+            # resumable sharded checkpoints; run.py switches to FULL_STATE_DICT for the final save
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            # checkpointing is set on the model (model.prepare_for_training), not by FSDP a second time
+            "fsdp_activation_checkpointing": False,
+        }
+    elif plan.strategy in ("zero2", "zero3"):
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {
+            "zero_stage": 3 if plan.strategy == "zero3" else 2,
+            "offload_optimizer_device": "cpu" if plan.offload else "none",
+            "offload_param_device": "none",
+            "gradient_accumulation_steps": recipe.memory.gradient_accumulation,
+            "gradient_clipping": recipe.optimizer.max_grad_norm,
+            # ZeRO-3 builds the model already partitioned (peft's DeepSpeed QLoRA guide: zero3_init_flag true)
+            "zero3_init_flag": plan.strategy == "zero3",
+            "zero3_save_16bit_model": plan.strategy == "zero3",
+        }
+    return config
+
+
+def launcher() -> list[str]:
+    """`accelerate` next to this Python (the venv's), else the module form."""
+    script = Path(sys.executable).parent / "accelerate"
+    return [str(script), "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def launch_command(run_dir: Path, plan: LaunchPlan) -> list[str]:
+    return [
+        *launcher(),
+        "--config_file",
+        str(run_dir / "accelerate.yaml"),
+        *plan.accelerate_args,
+        "-m",
+        "lowmem_ft",
+        "train",
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
+def prepare(run_dir: Path, recipe: Recipe, plan: LaunchPlan, choice: dict, resume: bool) -> list[str]:
+    """Write recipe.yaml, accelerate.yaml and launch.json into `run_dir`; return the launch command."""
+    layer_cls = layer_class(recipe) if plan.strategy == "fsdp" else None
+    config = accelerate_config(recipe, plan, layer_cls)
+    (run_dir / "recipe.yaml").write_text(
+        dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
+    )
+    header = (
+        f"# accelerate config of run {run_dir.name}: {plan.strategy} on {plan.world_size} process(es)"
+        + (" (CPU, gloo)" if plan.cpu else "")
+        + "\n"
+    )
+    (run_dir / "accelerate.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    cmd = launch_command(run_dir, plan)
+    info = {"plan": asdict(plan), "choice": choice, "resume": resume, "command": shlex.join(cmd)}
+    (run_dir / "launch.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return cmd
+
+
+def read_launch(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "launch.json"
+    if not (run_dir / "recipe.yaml").is_file() or not path.is_file():
+        raise UserError(f"--run-dir {run_dir}: not a prepared run (needs recipe.yaml and launch.json from --gpus)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def run(cmd: list[str]) -> int:
+    """Run `accelerate launch`; its processes print their own progress."""
+    env = dict(os.environ)
+    # the children import this checkout of lowmem_ft, wherever they start
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(cmd, env=env, check=False).returncode

@@ -1,0 +1,127 @@
+"""Parameter counts from the architecture description against real transformers models and published totals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.arch import Architecture, catalog, load_architecture
+
+
+def _transformers_count(config: dict) -> int:
+    """Parameters of the transformers model built from `config` on the meta device (no memory, exact shapes)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+SMALL = {
+    "qwen2": {
+        "model_type": "qwen2",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    },
+    "qwen2-tied": {
+        "model_type": "qwen2",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": True,
+    },
+    "llama": {
+        "model_type": "llama",
+        "vocab_size": 777,
+        "hidden_size": 96,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "attention_bias": True,
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "vocab_size": 500,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
+    "phi3": {
+        "model_type": "phi3",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SMALL))
+def test_small_configs_match_transformers(kind):
+    config = SMALL[kind]
+    assert Architecture.from_config(config).total_params == _transformers_count(config)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(catalog()) if catalog()[n]["config"]["model_type"] != "qwen"])
+def test_catalog_matches_transformers_exactly(name):
+    """Full-size catalog configs built on the meta device: same count as our arithmetic."""
+    config = catalog()[name]["config"]
+    assert load_architecture(name).total_params == _transformers_count(config)
+
+
+@pytest.mark.parametrize("name", sorted(catalog()))
+def test_catalog_matches_published_totals(name):
+    published = catalog()[name]["published_params"]
+    assert load_architecture(name).total_params == pytest.approx(published, rel=1e-4)
+
+
+def test_qwen_v1_remote_code_blocks():
+    arch = load_architecture("Qwen/Qwen-7B-Chat")  # the chat variant maps to the base entry
+    assert arch.remote_code and arch.model_type == "qwen"
+    assert arch.linear_names == ["c_attn", "c_proj", "w1", "w2"]
+    assert arch.intermediate_size == 11008
+
+
+def test_local_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMALL["llama"]))
+    arch = load_architecture(str(tmp_path))
+    assert arch.num_kv_heads == 3 and arch.head_dim == 16
+
+
+def test_unknown_model_offline_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="offline catalog"):
+        load_architecture("nobody/no-such-model")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        load_architecture(str(tmp_path))

@@ -1,0 +1,78 @@
+"""The planner: fits under the budget, prefers fewer savings, keeps what the user fixed, explains failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.arch import load_architecture
+from lowmem_ft.memory.estimate import Setup, estimate
+from lowmem_ft.memory.planner import LengthProfile, max_seq_len, plan
+from lowmem_ft.recipe.load import resolve
+
+QWEN7 = load_architecture("Qwen/Qwen2.5-7B")
+
+
+def _plan(vram, tier, overrides=None, **kw):
+    overrides = {"model": {"name_or_path": "Qwen/Qwen2.5-7B"}, **(overrides or {})}
+    return plan(QWEN7, vram, resolve(tier, overrides), fixed=overrides, **kw)
+
+
+@pytest.mark.parametrize(("vram", "tier"), [(8, "8gb"), (24, "24gb"), (40, "40gb")])
+def test_plan_fits_budget(vram, tier):
+    p = _plan(vram, tier)
+    assert p.fits and p.estimate.peak_gb <= vram - p.margin_gb
+    eff = resolve(tier).memory
+    assert p.recipe.memory.micro_batch_size * p.recipe.memory.gradient_accumulation >= (
+        eff.micro_batch_size * eff.gradient_accumulation
+    )
+    assert set(p.reasons) >= {"quantization", "gradient_checkpointing", "micro_batch_size", "max_seq_len"}
+
+
+def test_more_vram_means_fewer_savings():
+    small, big = _plan(24, "24gb"), _plan(80, "40gb")
+    assert big.recipe.model.quantization == "none"
+    assert not big.recipe.memory.gradient_checkpointing
+    assert small.recipe.memory.gradient_checkpointing or small.recipe.model.quantization != "none"
+
+
+def test_fixed_keys_are_kept():
+    p = _plan(40, "40gb", {"memory": {"gradient_checkpointing": True, "micro_batch_size": 1}})
+    assert p.recipe.memory.gradient_checkpointing and p.recipe.memory.micro_batch_size == 1
+    assert "set by you" in p.reasons["gradient_checkpointing"]
+
+
+def test_profile_picks_p99_length():
+    p = _plan(24, "24gb", profile={"p50": 200, "p99": 900, "max": 3000})
+    assert p.recipe.memory.max_seq_len == 960
+    assert LengthProfile.from_any({"p99": 5}).p99 == 5
+
+
+def test_nothing_fits_says_what_would():
+    with pytest.raises(UserError, match=r"needs .* GB at seq 8192 even with NF4.*--seq-len \d+"):
+        _plan(8, "8gb", seq_len=8192)
+    big = load_architecture("Qwen/Qwen2.5-72B")
+    with pytest.raises(UserError, match="smaller model"):
+        plan(big, 8, resolve("8gb", {"model": {"name_or_path": "Qwen/Qwen2.5-72B"}}))
+
+
+def test_savers_buy_context():
+    base = {"model": {"name_or_path": "Qwen/Qwen2.5-7B"}, "memory": {"micro_batch_size": 1}}
+    no_savers = {**base, "memory": {"micro_batch_size": 1, "activation_offloading": False, "chunked_loss": False}}
+    start = resolve("24gb", base)
+    assert max_seq_len(QWEN7, 24, start, base, limit=65536) > max_seq_len(QWEN7, 24, start, no_savers, limit=65536)
+
+
+def test_estimate_components_respond_to_knobs():
+    s = Setup(max_seq_len=2048)
+    e = estimate(QWEN7, s).by_name()
+    weights = QWEN7.num_layers * sum(lin.in_features * lin.out_features for lin in QWEN7.linears)  # biases stay 16-bit
+    assert e["base weights (linears)"] == pytest.approx(weights * 4.127 / 8, rel=1e-3)
+    no_dq = estimate(QWEN7, Setup(double_quant=False)).by_name()["base weights (linears)"]
+    assert no_dq == pytest.approx(weights * 4.5 / 8, rel=1e-6)
+    hf = estimate(QWEN7, Setup(max_seq_len=2048, loss_impl="hf_full")).by_name()["logits / loss working set"]
+    assert hf > 10 * e["logits / loss working set"]  # full fp32 logits vs TRL's tiles
+    off = estimate(QWEN7, Setup(max_seq_len=2048, activation_offloading=True)).by_name()
+    assert off["checkpointed layer inputs (offloaded to host)"] == 0
+    full = estimate(QWEN7, Setup(adapter="full", quantization="none", optimizer="adamw_torch")).by_name()
+    assert full["optimizer states (adamw_torch)"] == pytest.approx(4 * QWEN7.total_params, rel=1e-6)

@@ -1,0 +1,147 @@
+"""Per-device arithmetic against DeepSpeed's published ZeRO estimators, and what each strategy divides."""
+
+import pytest
+
+from lowmem_ft.memory.sharding import ModelStates, choose, deepspeed_states, per_device
+
+GIB = 2**30
+
+
+# DeepSpeed's estimators, transcribed from deepspeedai/DeepSpeed master (deepspeed/runtime/zero/stage_1_and_2.py
+# `estimate_zero2_model_states_mem_needs`, stage3.py `estimate_zero3_model_states_mem_needs`, zero_init=True).
+def ds_zero2(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, additional_buffer_factor=1.5):
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def ds_zero3(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+             cpu_offload_params=True, additional_buffer_factor=1.5):  # fmt: skip
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        cpu_mem = None  # a loading buffer (largest layer × GPUs), not a training state: not modelled
+    return cpu_mem, int(gpu_mem)
+
+
+CASES = [  # (total params, largest layer params, gpus per node, nodes)
+    (7_615_616_512, 544_997_376, 1, 1),  # Qwen2.5-7B-sized: embedding is the largest layer
+    (7_615_616_512, 544_997_376, 4, 1),
+    (72_706_203_648, 1_245_708_288, 8, 1),
+    (72_706_203_648, 1_245_708_288, 8, 2),
+    (2_783_500_000, 65_500_000, 2, 1),
+]
+
+
+@pytest.mark.parametrize("params,largest,gpus,nodes", CASES)
+@pytest.mark.parametrize("offload_optimizer,offload_params", [(False, False), (True, False), (True, True)])
+def test_zero3_matches_deepspeed(params, largest, gpus, nodes, offload_optimizer, offload_params):
+    world = gpus * nodes
+    share = per_device(
+        deepspeed_states(params, largest),
+        "zero3",
+        world,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+    cpu, gpu = ds_zero3(params, largest, gpus, nodes, offload_optimizer, offload_params)
+    assert share.device_bytes == pytest.approx(gpu, abs=1)
+    if cpu is not None:
+        assert share.host_per_node(gpus, buffer_factor=1.5) == pytest.approx(cpu, rel=1e-12)
+
+
+@pytest.mark.parametrize("params,largest,gpus,nodes", CASES)
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero2_matches_deepspeed(params, largest, gpus, nodes, offload):
+    share = per_device(deepspeed_states(params, largest), "zero2", gpus * nodes, offload_optimizer=offload)
+    cpu, gpu = ds_zero2(params, gpus, nodes, offload)
+    assert share.device_bytes == pytest.approx(gpu, abs=1)
+    if offload and nodes == 1 and gpus <= 4:
+        # DeepSpeed's max(4 × GPUs, 16): above 4 GPUs, each process's fp32 copy at load time dominates
+        assert share.host_per_node(gpus, buffer_factor=1.5) == pytest.approx(cpu, rel=1e-12)
+
+
+def test_published_t0_3b_table():
+    """transformers docs (deepspeed.md), `estimate_zero3_model_states_mem_needs_all_live` on bigscience/T0_3B:
+    "2783M total params, 65M largest layer params" (printed truncated; midpoints used), GB = GiB, 2 decimals."""
+    states = deepspeed_states(2_783_500_000, 65_500_000)
+    published = {  # gpus: [(offload_param, offload_optimizer, per-CPU GB, per-GPU GB)]
+        1: [(True, True, 70.00, 0.25), (False, True, 62.23, 5.43), (False, False, None, 46.91)],
+        2: [(True, True, 70.00, 0.25), (False, True, 62.23, 2.84), (False, False, None, 23.58)],
+    }
+    for gpus, rows in published.items():
+        for op, oo, cpu_gb, gpu_gb in rows:
+            share = per_device(states, "zero3", gpus, offload_optimizer=oo, offload_params=op)
+            assert share.device_bytes / GIB == pytest.approx(gpu_gb, abs=0.01)
+            if cpu_gb is not None:
+                assert share.host_per_node(gpus, 1.5) / GIB == pytest.approx(cpu_gb, abs=0.02)
+
+
+def qlora_70b() -> ModelStates:
+    """A QLoRA 72B-like model: ~40 GB NF4 base, 0.2 B fp32 LoRA params with 8-bit Adam (2 B/param)."""
+    return ModelStates(
+        frozen_weight_bytes=40e9,
+        trainable_params=0.2e9,
+        weight_bytes_per_param=4,
+        grad_bytes_per_param=4,
+        optimizer_bytes_per_param=2,
+        largest_unit_params=0.97e9,
+        largest_unit_bytes=0.52e9,
+        largest_unit_trainable_params=2.5e6,
+    )
+
+
+def test_what_each_strategy_divides():
+    s, n = qlora_70b(), 4
+    ddp, z2, fsdp = (per_device(s, k, n) for k in ("ddp", "zero2", "fsdp"))
+    assert ddp.weights == pytest.approx(40e9 + 0.8e9)
+    assert ddp.comm_buffers == pytest.approx(ddp.gradients)  # DDP buckets: one more copy of the gradients
+    assert z2.weights == ddp.weights and z2.gradients == pytest.approx(ddp.gradients / n)
+    assert z2.optimizer == pytest.approx(ddp.optimizer / n)
+    assert fsdp.weights == pytest.approx(ddp.weights / n)
+    # BACKWARD_PRE: two units' parameters and one unit's gradients gathered at once
+    assert fsdp.gathered == pytest.approx(2 * 0.52e9 + 2.5e6 * 4)
+    off = per_device(s, "fsdp", n, offload_optimizer=True, offload_params=True)
+    assert off.weights == off.gradients == off.optimizer == 0
+    assert off.host == pytest.approx(fsdp.weights + ddp.optimizer / n)
+
+
+def test_activations_pass_through_per_device():
+    for strategy in ("ddp", "zero3", "fsdp"):
+        assert per_device(qlora_70b(), strategy, 8, activations=3e9).activations == 3e9
+
+
+def test_choose_prefers_ddp_when_the_model_fits_and_shards_when_not():
+    small = ModelStates(
+        frozen_weight_bytes=5e9, trainable_params=40e6, weight_bytes_per_param=4, grad_bytes_per_param=4
+    )
+    share, fits = choose(small, 4, 24e9, activations=2e9)
+    assert fits and share.strategy == "ddp"
+    share, fits = choose(qlora_70b(), 4, 24e9, activations=2e9)
+    assert fits and share.strategy == "fsdp" and not share.offload_params
+    assert share.device_bytes < 24e9 < per_device(qlora_70b(), "ddp", 4, activations=2e9).device_bytes
+    share, fits = choose(qlora_70b(), 2, 8e9, activations=2e9)
+    assert fits and share.offload_params  # 20 GB of base per device is too much: offload it
+    share, fits = choose(qlora_70b(), 2, 2e9, activations=2e9)
+    assert not fits and share.offload_params  # nothing fits: the smallest candidate
+
+
+def test_invalid_combinations():
+    with pytest.raises(ValueError, match="full-shard"):
+        per_device(qlora_70b(), "zero2", 2, offload_params=True)
+    with pytest.raises(ValueError, match="DDP"):
+        per_device(qlora_70b(), "ddp", 2, offload_optimizer=True)

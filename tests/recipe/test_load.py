@@ -1,0 +1,99 @@
+import pytest
+
+from lowmem_ft.errors import ConfigError, UserError
+from lowmem_ft.recipe.load import dump, resolve, shipped_recipes
+from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.recipe.select import choose_recipe, tier_for_vram
+
+
+@pytest.mark.parametrize("name", sorted(shipped_recipes()))
+def test_every_shipped_recipe_loads_validates_and_documents_its_command(name):
+    recipe = resolve(name)
+    assert isinstance(recipe, Recipe)
+    first_lines = shipped_recipes()[name].read_text().splitlines()[:3]
+    assert any("lowmem-ft train" in line for line in first_lines if line.startswith("#"))
+
+
+def test_tiers_inherit_base_and_override_it():
+    base, small = resolve("base"), resolve("8gb")
+    assert small.adapter.r == 8 and base.adapter.r == 16
+    assert small.model.quantization == base.model.quantization == "nf4"  # inherited
+    assert small.adapter.target_modules == base.adapter.target_modules
+
+
+def test_precedence_defaults_then_yaml_then_set(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: 24gb\nmemory:\n  micro_batch_size: 3\n")
+    recipe = resolve(path, ["memory.micro_batch_size=5", "optimizer.lr=1e-5"])
+    assert recipe.memory.micro_batch_size == 5  # --set beats the YAML
+    assert recipe.memory.max_seq_len == 2048  # from 24gb
+    assert recipe.optimizer.lr == 1e-5
+    assert recipe.training.seed == 42  # schema default via base
+    assert resolve(path).memory.micro_batch_size == 3  # YAML beats 24gb
+
+
+def test_misspelled_key_names_the_nearest_key():
+    with pytest.raises(ConfigError, match=r"did you mean 'memory.micro_batch_size'"):
+        resolve("8gb", ["memory.micro_batchsize=2"])
+
+
+def test_key_in_the_wrong_section_says_where_it_belongs():
+    with pytest.raises(ConfigError, match=r"'lr' belongs under 'optimizer.lr'"):
+        resolve(None, {"memory": {"lr": 0.1}})
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as info:
+        resolve(
+            None, {"memroy": {}, "adapter": {"r": "big"}, "optimizer": {"name": "sgd"}, "training": {"max_steps": 0}}
+        )
+    problems = info.value.problems
+    assert len(problems) == 4
+    assert any("did you mean 'memory'" in p for p in problems)
+    assert any("'adapter.r' must be an integer" in p for p in problems)
+    assert any("'optimizer.name' must be one of" in p for p in problems)
+    assert any("training.max_steps" in p for p in problems)
+
+
+def test_full_finetune_of_quantized_weights_is_rejected():
+    with pytest.raises(ConfigError, match="full cannot train nf4"):
+        resolve("8gb", ["adapter.kind=full"])
+
+
+def test_malformed_set_is_an_error():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        resolve("8gb", ["max_steps=5"])
+
+
+def test_unknown_recipe_suggests_a_shipped_one():
+    with pytest.raises(UserError, match="did you mean '24gb'"):
+        resolve("24g")
+
+
+def test_base_loop_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(UserError, match="loops back"):
+        resolve(tmp_path / "a.yaml")
+
+
+def test_dump_round_trips(tmp_path):
+    recipe = resolve("24gb", ["training.max_steps=7"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump(recipe))
+    assert resolve(path) == recipe
+
+
+@pytest.mark.parametrize(("vram", "tier"), [(8, "8gb"), (12, "8gb"), (24, "24gb"), (39.5, "24gb"), (80, "40gb")])
+def test_tier_is_the_largest_not_above_the_target(vram, tier):
+    assert tier_for_vram(vram) == tier
+
+
+def test_no_tier_below_the_smallest():
+    with pytest.raises(UserError, match="no recipe tier fits"):
+        tier_for_vram(4)
+
+
+def test_choose_needs_a_target_or_a_recipe():
+    with pytest.raises(UserError, match="--vram"):
+        choose_recipe(vram_gb=None, recipe=None, overrides={})
