@@ -82,7 +82,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if s.get("allocator_peak_gb") is not None and s["measure"] != "allocator peak":
         lines[0] += f"; allocator peak {s['allocator_peak_gb']:.2f} GB"
     predicted = s.get("predicted_peak_gb")
-    if predicted:
+    if predicted and s["measure"] == "host RSS":  # a GPU prediction is no yardstick for host memory
+        lines.append(f"  predicted peak {predicted:.2f} GB (GPU; not comparable without CUDA)")
+    elif predicted:
         error = (s["measured_peak_gb"] - predicted) / predicted
         lines.append(f"  predicted peak {predicted:.2f} GB (measured {error:+.1%})")
     else:

@@ -198,6 +198,13 @@ def validate(recipe: Recipe) -> list[str]:
             problems.append(f"'memory.{key}' must be at least 1, got {getattr(m, key)}")
     if m.safety_margin_gb < 0:
         problems.append(f"'memory.safety_margin_gb' must be ≥ 0, got {m.safety_margin_gb}")
+    if m.activation_offloading and not m.gradient_checkpointing:
+        # transformers offloads the inputs of checkpointed layers (activation_checkpointing_enable(offload=True));
+        # without checkpointing there is nothing it offloads.
+        problems.append(
+            "'memory.activation_offloading' offloads checkpointed layer inputs and needs "
+            "memory.gradient_checkpointing=true; turn checkpointing on or offloading off"
+        )
     if a.kind == "lora" and a.r < 1:
         problems.append(f"'adapter.r' must be at least 1, got {a.r}")
     if a.kind == "full" and recipe.model.quantization != "none":

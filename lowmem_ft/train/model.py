@@ -120,6 +120,25 @@ def load_model(recipe: Recipe):
         raise UserError(_hub_hint(m.name_or_path, exc)) from None
 
 
+def _offload(recipe: Recipe) -> bool:
+    """memory.activation_offloading, where there is a device to offload from.
+
+    transformers pins the host copies (`save_on_cpu(pin_memory=True)`), which a CPU-only torch cannot allocate
+    ("pin_memory=True requires a CUDA or other accelerator backend"); there the activations already live in host
+    memory, so there is nothing to move. TRL's `activation_offloading` is not used: it fails without an
+    accelerator too (`current_accelerator().type` on None), offloads every saved tensor rather than the
+    checkpointed layer inputs, and wraps only the trainer's step, not this build path the estimator harness uses.
+    """
+    import torch
+
+    if not recipe.memory.activation_offloading:
+        return False
+    if not torch.accelerator.is_available():
+        log.warning("memory.activation_offloading: no accelerator, activations already live in host memory")
+        return False
+    return True
+
+
 def prepare_for_training(model, recipe: Recipe):
     """Lean k-bit preparation: freeze the base in its storage dtype, checkpointing without the fp32 upcast."""
     full = recipe.adapter.kind == "full"
@@ -129,7 +148,7 @@ def prepare_for_training(model, recipe: Recipe):
         # transformers 5.x: activation_checkpointing_enable(offload=True) keeps the checkpointed layer inputs in
         # pinned host memory (torch's save_on_cpu) — the recipe's memory.activation_offloading.
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}, offload=recipe.memory.activation_offloading
+            activation_checkpointing_kwargs={"use_reentrant": False}, offload=_offload(recipe)
         )
         # Frozen embeddings give checkpointed layers inputs without grad; make them require it so the
         # recomputed layers backpropagate into the adapters (what peft's helper does, minus the upcast).

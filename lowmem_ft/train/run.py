@@ -247,6 +247,7 @@ def train(
     from transformers import set_seed
 
     from lowmem_ft.train.guard import cap_process_memory, configure_allocator, out_of_memory_outside_step
+    from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
     allocator = configure_allocator()  # before the first CUDA allocation
@@ -307,6 +308,10 @@ def train(
         processing_class=tokenizer,
     )
     _keep_adapters_fp32(trainer.model, recipe)
+    if recipe.memory.chunked_loss:
+        # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours answers
+        # the same loss call instead.
+        install_loss_head(trainer.model, chunked=True)
     started = time.time()
     try:
         output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
