@@ -163,7 +163,7 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
     ax.set_title(title or "memory")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="best", fontsize="small")  # away from the curve and the budget line
     fig.tight_layout()
     return fig
 
