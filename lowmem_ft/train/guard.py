@@ -138,12 +138,12 @@ def split_batch(inputs: dict[str, Any], rows: int) -> list[dict[str, Any]]:
     """
     import torch
 
-    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"cannot split a batch whose tensors disagree on the batch size: {sorted(sizes)}")
-    (batch,) = sizes
-    if rows >= batch:
+    batch = inputs["input_ids" if "input_ids" in inputs else "labels"].shape[0]
+    if rows >= batch:  # also every padding-free / packed batch: one row, with per-sequence tensors beside it
         return [inputs]
+    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if sizes != {batch}:
+        raise ValueError(f"cannot split a batch whose tensors disagree on the batch size: {sorted(sizes)}")
     return [
         {k: v[start : start + rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in inputs.items()}
         for start in range(0, batch, rows)

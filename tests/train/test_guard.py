@@ -36,6 +36,9 @@ def test_split_batch_keeps_rows_in_order_and_shares_non_batch_values():
     assert split_batch(batch, 8) == [batch]
     with pytest.raises(ValueError, match="disagree"):
         split_batch({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(3, 3)}, 1)
+    # a packed (padding-free) batch is one row with per-sequence tensors beside it: nothing to split
+    packed = {"input_ids": torch.zeros(1, 9), "position_ids": torch.zeros(1, 9), "cu_seq_lens_q": torch.zeros(3)}
+    assert split_batch(packed, 1) == [packed]
 
 
 def test_label_count_matches_the_trainers_causal_shift():
