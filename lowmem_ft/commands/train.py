@@ -16,7 +16,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", help="hub id or local directory of the base model (model.name_or_path)")
     p.add_argument("--data", help="training data, JSONL (data.path)")
-    p.add_argument("--vram", type=float, metavar="GB", help="GPU memory to fit in, in GB (e.g. 8, 24, 40)")
+    p.add_argument(
+        "--vram",
+        type=float,
+        metavar="GB",
+        help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
+    )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
     p.add_argument(
         "--set",

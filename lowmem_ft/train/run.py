@@ -2,14 +2,13 @@
 
 The run directory (`runs/<name>/`) is the contract with every later command (`report`, `generate`, `merge`,
 `--resume`): `recipe.yaml` (fully resolved), `run.json` (what was asked and chosen), `adapter/` (adapter +
-tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json` and `log_history.jsonl`.
+tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json`, `log_history.jsonl`, and `memory.jsonl` + `memory.png` (the monitor).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -20,6 +19,7 @@ from typing import Any
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,6 @@ def eval_batch_size(recipe: Recipe) -> int:
     the planner can pick a larger one from the eval logits peak here.
     """
     return recipe.memory.eval_batch_size or recipe.memory.micro_batch_size
-
-
-def add_perplexity(logs: dict[str, float]) -> None:
-    """Perplexity = exp(mean token cross-entropy), next to every eval loss."""
-    if "eval_loss" in logs:
-        try:
-            logs["eval_perplexity"] = math.exp(logs["eval_loss"])
-        except OverflowError:
-            logs["eval_perplexity"] = float("inf")
 
 
 def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[str]):
@@ -204,18 +195,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _trainer_class():
-    """TRL's SFTTrainer, logging eval perplexity beside eval loss (W&B, log_history and the best-model metric)."""
-    from trl import SFTTrainer
-
-    class Trainer(SFTTrainer):
-        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-            add_perplexity(logs)
-            super().log(logs, start_time)
-
-    return Trainer
-
-
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
@@ -250,6 +229,36 @@ def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
     return run_dir
 
 
+def make_trainer(
+    recipe: Recipe,
+    choice: dict[str, Any],
+    run_dir: Path,
+    budget_gb: float | None,
+    use_wandb: bool,
+    callbacks: list | None = None,
+):
+    """`MemorySafeSFTTrainer` bound to its guard and monitor; call the result with the SFTTrainer arguments."""
+    from functools import partial
+
+    from lowmem_ft.train.guard import OOMGuard
+    from lowmem_ft.train.monitor import MemoryMonitor
+    from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+
+    m = recipe.memory
+    guard = OOMGuard(m.micro_batch_size, m.gradient_accumulation, checkpointing=m.gradient_checkpointing)
+    margin = choice.get("safety_margin_gb")
+    monitor = MemoryMonitor(
+        run_dir,
+        predicted_peak_gb=choice.get("predicted_peak_gb"),
+        budget_gb=budget_gb,
+        margin_gb=m.safety_margin_gb if margin is None else margin,
+        guard=guard,
+        use_wandb=use_wandb,
+        write=is_main_process(),  # under `train --gpus` rank 0 writes memory.jsonl (of its own device)
+    )
+    return partial(MemorySafeSFTTrainer, guard=guard, monitor=monitor, callbacks=[monitor, *(callbacks or [])])
+
+
 def train(
     recipe: Recipe,
     run_dir: Path,
@@ -259,9 +268,14 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
+    import torch
+    from transformers import set_seed
+
+    from lowmem_ft.train.guard import cap_process_memory, configure_allocator, out_of_memory_outside_step
     from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
+    allocator = configure_allocator()  # before the first CUDA allocation
     main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
     if main:
         (run_dir / "recipe.yaml").write_text(
@@ -277,9 +291,15 @@ def train(
         os.environ.setdefault("WANDB_PROJECT", recipe.logging.wandb_project)
         os.environ.setdefault("WANDB_DIR", str(run_dir.resolve()))
 
+    if resume and (run_dir / "run.json").is_file():  # keep the plan (prediction, budget) of the original run
+        choice = {**json.loads((run_dir / "run.json").read_text()).get("choice", {}), **(choice or {})}
+    choice = choice or {}
+    budget_gb = cap_process_memory(choice.get("vram_gb"))
     # The training arguments come first: under DeepSpeed ZeRO-3 they register the config that makes
     # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
+    # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
+    set_seed(recipe.training.seed)
     model = build_model(recipe)
     data_summary["batching"] = _packing(recipe, model, args)
     checkpoint = last_checkpoint(run_dir) if resume else None
@@ -292,7 +312,8 @@ def train(
         "name": run_dir.name,
         "model": recipe.model.name_or_path,
         "data": data_summary,
-        "choice": choice or {},
+        "choice": choice,
+        "allocator": allocator,
         "resumed_from": str(checkpoint) if checkpoint else None,
         "versions": _versions(),
         **trainable_summary(model),
@@ -313,13 +334,12 @@ def train(
     if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
 
-    trainer = _trainer_class()(
+    trainer = make_trainer(recipe, choice, run_dir, budget_gb, bool(report_to), callbacks)(
         model=model,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        callbacks=callbacks,
     )
     _keep_adapters_fp32(trainer.model, recipe)
     if recipe.memory.chunked_loss:
@@ -327,7 +347,15 @@ def train(
         # the same loss call instead.
         install_loss_head(trainer.model, chunked=True)
     started = time.time()
-    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    try:
+        output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except torch.OutOfMemoryError as exc:  # outside a micro batch (optimizer step, save): no safe step down
+        raise out_of_memory_outside_step(trainer, exc) from None
+    finally:
+        trainer.monitor.close()
+        if main:
+            _, memory_summary = write_report(run_dir)
+            print(memory_summary)
     elapsed = time.time() - started
 
     out_dir = run_dir / ("model" if recipe.adapter.kind == "full" else "adapter")
