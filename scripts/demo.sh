@@ -7,5 +7,13 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 [ -f models/tiny-qwen2/config.json ] || python scripts/build_tiny_model.py
-lowmem-ft train --vram 8 --model models/tiny-qwen2 --data examples/chat.jsonl --name demo-$(date +%Y%m%d-%H%M%S) \
+name=demo-$(date +%Y%m%d-%H%M%S)
+lowmem-ft train --vram 8 --model models/tiny-qwen2 --data examples/chat.jsonl --name "$name" \
   --set training.max_steps=30 --set training.logging_steps=5 --set optimizer.lr=2e-3 --set training.save_steps=10
+cat <<EOF
+
+Next steps (after . .venv/bin/activate):
+  lowmem-ft doctor                                    # can this machine train? each failed check says its fix
+  lowmem-ft generate runs/$name --prompt hi    # try the fine-tune, streaming tokens
+  lowmem-ft merge runs/$name --output merged/  # a standalone model that loads without peft
+EOF

@@ -16,7 +16,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", help="hub id or local directory of the base model (model.name_or_path)")
     p.add_argument("--data", help="training data, JSONL (data.path)")
-    p.add_argument("--vram", type=float, metavar="GB", help="GPU memory to fit in, in GB (e.g. 8, 24, 40)")
+    p.add_argument(
+        "--vram",
+        type=float,
+        metavar="GB",
+        help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
+    )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
     p.add_argument(
         "--set",
@@ -86,13 +91,15 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from lowmem_ft.errors import UserError
     from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.recipe.select import choose_recipe
     from lowmem_ft.train.run import last_checkpoint, prepare_run_dir, train
 
+    if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
+        os.environ["WANDB_MODE"] = "disabled"
     if args.run_dir:
         return _run_launched(Path(args.run_dir))
     overrides = flag_overrides(args)
@@ -105,13 +112,7 @@ def run(args: argparse.Namespace) -> int:
         recipe = resolve(run_dir / "recipe.yaml", overrides)
         choice = {"how": "resume", "recipe": str(run_dir / "recipe.yaml")}
     else:
-        recipe, choice = choose_recipe(vram_gb=args.vram, recipe=args.recipe, overrides=overrides)
-        if not recipe.model.name_or_path:
-            raise UserError("no model given; pass --model HUB_ID_OR_PATH")
-        if not recipe.data.path:
-            raise UserError("no training data given; pass --data FILE.jsonl")
-        if not Path(recipe.data.path).is_file():
-            raise UserError(f"data file {recipe.data.path} does not exist; pass --data PATH to a JSONL file")
+        recipe, choice = choose(args, overrides)
     if (args.gpus or 1) > 1 or args.nodes > 1:
         return _launch(args, recipe, choice, run_dir=Path(args.resume) if args.resume else None)
     if not args.resume:
@@ -119,6 +120,40 @@ def run(args: argparse.Namespace) -> int:
     result = train(recipe, run_dir, resume=bool(args.resume), choice=choice)
     _print_done(result.metrics, result.run_dir)
     return 0
+
+
+def choose(args: argparse.Namespace, overrides: dict):
+    """The recipe for a new run and the record of why: planned for --vram from the data's length profile."""
+    from lowmem_ft.recipe.select import choose_recipe
+
+    profile = _data_profile(args, overrides) if args.vram is not None else None
+    recipe, choice = choose_recipe(vram_gb=args.vram, recipe=args.recipe, overrides=overrides, profile=profile)
+    _check_inputs(recipe)
+    return recipe, choice
+
+
+def _check_inputs(recipe) -> None:
+    from pathlib import Path
+
+    from lowmem_ft.errors import UserError
+
+    if not recipe.model.name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    if not recipe.data.path:
+        raise UserError("no training data given; pass --data FILE.jsonl")
+    if not Path(recipe.data.path).is_file():
+        raise UserError(f"data file {recipe.data.path} does not exist; pass --data PATH to a JSONL file")
+
+
+def _data_profile(args: argparse.Namespace, overrides: dict):
+    """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training)."""
+    from lowmem_ft.data import length_profile
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.recipe.select import tier_for_vram
+
+    start = resolve(args.recipe or tier_for_vram(args.vram, strict=False), overrides)
+    _check_inputs(start)
+    return length_profile(start)
 
 
 def _print_done(m: dict, run_dir) -> None:

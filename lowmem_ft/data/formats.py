@@ -15,6 +15,8 @@ from typing import Any
 
 from lowmem_ft.errors import UserError
 
+FORMATS = ("auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca")
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")  # go through the chat template
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -68,12 +70,18 @@ def _messages(turns: Any, key: str, role_key: str, content_key: str, roles: dict
         where = f"{key}[{i}]"
         if not isinstance(turn, dict):
             raise BadLine(f"'{where}' must be an object, got {type(turn).__name__}")
-        role = turn.get(role_key)
-        if role not in roles:
+        if role_key not in turn:
+            raise BadLine(f"missing field '{where}.{role_key}'")
+        role = turn[role_key]
+        if not isinstance(role, str) or role not in roles:
             raise BadLine(f"'{where}.{role_key}' is {role!r}; expected one of {', '.join(sorted(roles))}")
-        content = turn.get(content_key)
+        if content_key not in turn:
+            raise BadLine(f"missing field '{where}.{content_key}'")
+        content = turn[content_key]
         if not isinstance(content, str):
             raise BadLine(f"'{where}.{content_key}' must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise BadLine(f"field '{where}.{content_key}' is empty")
         out.append({"role": roles[role], "content": content})
     if not any(m["role"] == "assistant" for m in out):
         raise BadLine(f"field '{key}' has no assistant turn to learn from")
@@ -109,6 +117,10 @@ def load_jsonl(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data file {path} does not exist; pass --data PATH to a JSONL file")
+    if fmt not in FORMATS:
+        raise UserError(f"unknown data format {fmt!r}; use one of auto, {', '.join(FORMATS[1:])}")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line")
     records: list[dict] = []
     skipped: list[str] = []
     detected = None if fmt == "auto" else fmt
@@ -136,6 +148,6 @@ def load_jsonl(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False
                     raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None
                 skipped.append(f"{where}: {exc}")
     if not records:
-        why = f" ({len(skipped)} bad lines skipped)" if skipped else ""
+        why = f" ({len(skipped)} bad lines skipped)" if skipped else " (only blank lines)"
         raise UserError(f"{path}: no usable records{why}; the file must hold JSON lines of training samples")
     return LoadedData(records=records, format=detected or fmt, skipped=skipped)

@@ -196,8 +196,17 @@ def validate(recipe: Recipe) -> list[str]:
     for key in ("micro_batch_size", "gradient_accumulation", "max_seq_len"):
         if getattr(m, key) < 1:
             problems.append(f"'memory.{key}' must be at least 1, got {getattr(m, key)}")
+    if m.eval_batch_size < 0:
+        problems.append(f"'memory.eval_batch_size' must be ≥ 0 (0 = automatic), got {m.eval_batch_size}")
     if m.safety_margin_gb < 0:
         problems.append(f"'memory.safety_margin_gb' must be ≥ 0, got {m.safety_margin_gb}")
+    if m.activation_offloading and not m.gradient_checkpointing:
+        # transformers offloads the inputs of checkpointed layers (activation_checkpointing_enable(offload=True));
+        # without checkpointing there is nothing it offloads.
+        problems.append(
+            "'memory.activation_offloading' offloads checkpointed layer inputs and needs "
+            "memory.gradient_checkpointing=true; turn checkpointing on or offloading off"
+        )
     if a.kind == "lora" and a.r < 1:
         problems.append(f"'adapter.r' must be at least 1, got {a.r}")
     if a.kind == "full" and recipe.model.quantization != "none":

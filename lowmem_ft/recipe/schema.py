@@ -83,9 +83,20 @@ class MemorySection:
     max_seq_len: int = _f(1024, "Longest sequence in tokens; longer samples follow data.truncate.")
     safety_margin_gb: float = _f(1.0, "VRAM kept free below the target, for the allocator and for spikes.")
     activation_offloading: bool = _f(
-        False, "Offload checkpointed activations to host memory (TRL activation_offloading)."
+        False,
+        "Keep the checkpointed layer inputs in pinned host memory (transformers' offload=True, torch save_on_cpu); "
+        "needs gradient_checkpointing.",
     )
-    chunked_loss: bool = _f(False, "Compute the loss in token chunks without materializing full fp32 logits.")
+    chunked_loss: bool = _f(
+        False,
+        "Compute the loss in token chunks, recomputing each chunk's logits in backward, instead of over full fp32 "
+        "logits (lowmem_ft.train.losses).",
+    )
+    eval_batch_size: int = _f(
+        0,
+        "Samples per evaluation forward; 0 = chosen automatically (today: micro_batch_size). Eval keeps no "
+        "gradients or optimizer states, but its logits are a peak of their own.",
+    )
 
 
 @dataclass

@@ -54,16 +54,10 @@ def load_config(recipe: Recipe):
 
 
 def load_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
+    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none)."""
+    from lowmem_ft.data.tokenize import load_tokenizer as load
 
-    name = recipe.model.name_or_path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(_hub_hint(name, exc)) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load(recipe.model.name_or_path, recipe.model.trust_remote_code)
 
 
 def quantization_config(recipe: Recipe):
@@ -84,19 +78,21 @@ def quantization_config(recipe: Recipe):
     return None
 
 
-def device_map() -> dict[str, Any] | None:
-    """One process, one device: the local CUDA device when there is one, else the CPU."""
+def device_map(device: str | None = None) -> dict[str, Any] | None:
+    """One process, one device: the local CUDA device when there is one (or `device` says so), else the CPU."""
     import os
 
     import torch
 
-    if torch.cuda.is_available():
+    if device == "cpu":
+        return None
+    if device == "cuda" or torch.cuda.is_available():
         return {"": int(os.environ.get("LOCAL_RANK", 0))}
     return None
 
 
-def load_model(recipe: Recipe):
-    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device."""
+def load_model(recipe: Recipe, device: str | None = None):
+    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
     from transformers import AutoModelForCausalLM
 
     load_config(recipe)  # a clear error before any weight is read
@@ -105,7 +101,7 @@ def load_model(recipe: Recipe):
         dtype=torch_dtype(m.compute_dtype),
         attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
-        device_map=device_map(),
+        device_map=device_map(device),
     )
     bnb = quantization_config(recipe)
     if bnb is not None:
@@ -120,6 +116,25 @@ def load_model(recipe: Recipe):
         raise UserError(_hub_hint(m.name_or_path, exc)) from None
 
 
+def _offload(recipe: Recipe) -> bool:
+    """memory.activation_offloading, where there is a device to offload from.
+
+    transformers pins the host copies (`save_on_cpu(pin_memory=True)`), which a CPU-only torch cannot allocate
+    ("pin_memory=True requires a CUDA or other accelerator backend"); there the activations already live in host
+    memory, so there is nothing to move. TRL's `activation_offloading` is not used: it fails without an
+    accelerator too (`current_accelerator().type` on None), offloads every saved tensor rather than the
+    checkpointed layer inputs, and wraps only the trainer's step, not this build path the estimator harness uses.
+    """
+    import torch
+
+    if not recipe.memory.activation_offloading:
+        return False
+    if not torch.accelerator.is_available():
+        log.warning("memory.activation_offloading: no accelerator, activations already live in host memory")
+        return False
+    return True
+
+
 def prepare_for_training(model, recipe: Recipe):
     """Lean k-bit preparation: freeze the base in its storage dtype, checkpointing without the fp32 upcast."""
     full = recipe.adapter.kind == "full"
@@ -129,7 +144,7 @@ def prepare_for_training(model, recipe: Recipe):
         # transformers 5.x: activation_checkpointing_enable(offload=True) keeps the checkpointed layer inputs in
         # pinned host memory (torch's save_on_cpu) — the recipe's memory.activation_offloading.
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}, offload=recipe.memory.activation_offloading
+            activation_checkpointing_kwargs={"use_reentrant": False}, offload=_offload(recipe)
         )
         # Frozen embeddings give checkpointed layers inputs without grad; make them require it so the
         # recomputed layers backpropagate into the adapters (what peft's helper does, minus the upcast).

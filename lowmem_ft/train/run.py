@@ -2,7 +2,7 @@
 
 The run directory (`runs/<name>/`) is the contract with every later command (`report`, `generate`, `merge`,
 `--resume`): `recipe.yaml` (fully resolved), `run.json` (what was asked and chosen), `adapter/` (adapter +
-tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json` and `log_history.jsonl`.
+tokenizer; `model/` for full fine-tunes), `checkpoints/` (resumable), `metrics.json`, `log_history.jsonl`, and `memory.jsonl` + `memory.png` (the monitor).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data import load_jsonl
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import dump, resolve
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,29 @@ def wandb_mode(recipe: Recipe) -> str:
     mode = recipe.logging.wandb_mode
     if mode != "auto":
         return mode
-    try:
-        import wandb
+    return "online" if wandb_logged_in() else "offline"
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY") or wandb.api.api_key)
-    except Exception:  # wandb unavailable or unconfigured: no login
-        logged_in = False
-    return "online" if logged_in else "offline"
+
+def wandb_logged_in() -> bool:
+    """An API key in WANDB_API_KEY or in ~/.netrc for the W&B host (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        # wandb's own netrc reader; `wandb.api.api_key` reads the same but is deprecated (and warns) in wandb 0.2x
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))
+    except Exception:  # wandb unavailable, moved, or a malformed netrc: no usable login
+        return False
+
+
+def eval_batch_size(recipe: Recipe) -> int:
+    """Samples per evaluation forward: the recipe's `memory.eval_batch_size`, or automatic when it is 0.
+
+    Automatic is the micro batch for now, which always fits (eval holds no gradients or optimizer states);
+    the planner can pick a larger one from the eval logits peak here.
+    """
+    return recipe.memory.eval_batch_size or recipe.memory.micro_batch_size
 
 
 def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[str]):
@@ -89,20 +105,28 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     cuda = torch.cuda.is_available()
     bf16 = cuda and recipe.model.compute_dtype == "bfloat16" and torch.cuda.is_bf16_supported()
     fp16 = cuda and recipe.model.compute_dtype == "float16"
+    save_steps = t.save_steps
+    if has_eval and save_steps != t.eval_steps:
+        # The best checkpoint can only be kept if one is saved at every evaluation: transformers records a best
+        # step only when checkpoint-<step> exists (Trainer._save_checkpoint), so saves follow the eval cadence.
+        log.info("saving a checkpoint at every evaluation (every %d steps) to keep the best one", t.eval_steps)
+        save_steps = t.eval_steps
     return SFTConfig(
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=m.micro_batch_size,
-        per_device_eval_batch_size=m.micro_batch_size,
+        per_device_eval_batch_size=eval_batch_size(recipe),
         gradient_accumulation_steps=m.gradient_accumulation,
         # Checkpointing is set on the model by `prepare_for_training` (same build path as the estimator
         # harness); the trainer must not wrap it again.
         gradient_checkpointing=False,
         max_length=m.max_seq_len,
-        truncation_mode=d.truncate if d.truncate in ("keep_start", "keep_end") else "keep_start",
+        # lowmem_ft.data has tokenized, masked (labels) and fitted every sample to max_length already, so TRL's
+        # truncation is a no-op and its completion/assistant masking is not needed.
+        truncation_mode="keep_start",
         packing=d.packing,
-        completion_only_loss=False
-        if d.train_on_prompt
-        else None,  # None: TRL masks the prompt of prompt/completion data
+        packing_strategy="bfd",  # keeps sample boundaries; TRL turns padding_free on for it
+        train_sampling_strategy="random" if d.packing else "group_by_length",
+        completion_only_loss=False,
         assistant_only_loss=False,
         optim=OPTIM_NAMES[o.name],
         learning_rate=o.lr,
@@ -117,10 +141,13 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
         logging_steps=t.logging_steps,
         logging_first_step=True,
         save_strategy="steps",
-        save_steps=t.save_steps,
+        save_steps=save_steps,
         save_total_limit=t.save_total_limit,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=t.eval_steps if has_eval else None,
+        load_best_model_at_end=has_eval,
+        metric_for_best_model="eval_loss" if has_eval else None,
+        greater_is_better=False if has_eval else None,
         bf16=bf16,
         fp16=fp16,
         use_cpu=not cuda,
@@ -135,40 +162,25 @@ def sft_config(recipe: Recipe, run_dir: Path, has_eval: bool, report_to: list[st
     )
 
 
-def _datasets(recipe: Recipe):
-    """Train (and eval) `datasets.Dataset`s of TRL records, and a summary for run.json."""
-    from datasets import Dataset
+def _datasets(recipe: Recipe, tokenizer):
+    """Train (and eval) datasets, tokenized and fitted to the token budget, and the data summary for run.json."""
+    from lowmem_ft.data.prepare import prepare_datasets
 
-    d = recipe.data
-    if d.truncate in ("drop", "chunk"):
-        raise UserError(f"data.truncate={d.truncate} is not supported yet; use keep_start or keep_end")
-    train = load_jsonl(d.path, d.format, d.skip_bad_lines)
-    summary: dict[str, Any] = {
-        "path": d.path,
-        "format": train.format,
-        "records": len(train.records),
-        "skipped_lines": train.skipped,
-    }
-    for line in train.skipped:
-        log.warning("skipped %s", line)
-    records = train.records
-    eval_records: list[dict] = []
-    if d.eval_path:
-        eval_records = load_jsonl(d.eval_path, d.format, d.skip_bad_lines).records
-    elif d.eval_fraction > 0:
-        n_eval = max(1, int(len(records) * d.eval_fraction))
-        eval_records, records = records[-n_eval:], records[:-n_eval]
-    summary["train_records"] = len(records)
-    summary["eval_records"] = len(eval_records)
-    if train.format in ("messages", "sharegpt", "alpaca") and not d.train_on_prompt:
-        summary["loss_on"] = "assistant turns"
-    elif train.format == "prompt_completion" and not d.train_on_prompt:
-        summary["loss_on"] = "completion"
-    else:
-        summary["loss_on"] = "all tokens"
-    train_ds = Dataset.from_list(records)
-    eval_ds = Dataset.from_list(eval_records) if eval_records else None
-    return train_ds, eval_ds, summary, train.format
+    return prepare_datasets(recipe, tokenizer)
+
+
+def _packing(recipe: Recipe, model, args) -> dict[str, Any]:
+    """Pack only where the attention keeps samples apart; otherwise fall back to length-grouped batches."""
+    from lowmem_ft.data.prepare import packing_support
+
+    if not recipe.data.packing:
+        return {"packing": False, "batches": "length-grouped"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ok, why = packing_support(base.config._attn_implementation, type(base).__module__)
+    if not ok:
+        log.warning("data.packing: %s; training unpacked with length-grouped batches instead", why)
+        args.packing, args.padding_free, args.train_sampling_strategy = False, False, "group_by_length"
+    return {"packing": ok, "how": why, "batches": "packed (bfd, padding-free)" if ok else "length-grouped"}
 
 
 def _versions() -> dict[str, str]:
@@ -217,6 +229,36 @@ def prepare_run_dir(recipe: Recipe, name: str | None, resume: bool) -> Path:
     return run_dir
 
 
+def make_trainer(
+    recipe: Recipe,
+    choice: dict[str, Any],
+    run_dir: Path,
+    budget_gb: float | None,
+    use_wandb: bool,
+    callbacks: list | None = None,
+):
+    """`MemorySafeSFTTrainer` bound to its guard and monitor; call the result with the SFTTrainer arguments."""
+    from functools import partial
+
+    from lowmem_ft.train.guard import OOMGuard
+    from lowmem_ft.train.monitor import MemoryMonitor
+    from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+
+    m = recipe.memory
+    guard = OOMGuard(m.micro_batch_size, m.gradient_accumulation, checkpointing=m.gradient_checkpointing)
+    margin = choice.get("safety_margin_gb")
+    monitor = MemoryMonitor(
+        run_dir,
+        predicted_peak_gb=choice.get("predicted_peak_gb"),
+        budget_gb=budget_gb,
+        margin_gb=m.safety_margin_gb if margin is None else margin,
+        guard=guard,
+        use_wandb=use_wandb,
+        write=is_main_process(),  # under `train --gpus` rank 0 writes memory.jsonl (of its own device)
+    )
+    return partial(MemorySafeSFTTrainer, guard=guard, monitor=monitor, callbacks=[monitor, *(callbacks or [])])
+
+
 def train(
     recipe: Recipe,
     run_dir: Path,
@@ -226,17 +268,21 @@ def train(
     callbacks: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into `run_dir` (already created); `choice` records how the recipe was chosen."""
-    from trl import SFTTrainer
+    import torch
+    from transformers import set_seed
 
+    from lowmem_ft.train.guard import cap_process_memory, configure_allocator, out_of_memory_outside_step
+    from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
 
+    allocator = configure_allocator()  # before the first CUDA allocation
     main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
     if main:
         (run_dir / "recipe.yaml").write_text(
             dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
         )
-    train_ds, eval_ds, data_summary, fmt = _datasets(recipe)
     tokenizer = load_tokenizer(recipe)
+    train_ds, eval_ds, data_summary = _datasets(recipe, tokenizer)
 
     mode = wandb_mode(recipe)
     report_to = [] if mode == "disabled" else ["wandb"]
@@ -245,12 +291,17 @@ def train(
         os.environ.setdefault("WANDB_PROJECT", recipe.logging.wandb_project)
         os.environ.setdefault("WANDB_DIR", str(run_dir.resolve()))
 
+    if resume and (run_dir / "run.json").is_file():  # keep the plan (prediction, budget) of the original run
+        choice = {**json.loads((run_dir / "run.json").read_text()).get("choice", {}), **(choice or {})}
+    choice = choice or {}
+    budget_gb = cap_process_memory(choice.get("vram_gb"))
     # The training arguments come first: under DeepSpeed ZeRO-3 they register the config that makes
     # `from_pretrained` build the model already partitioned (transformers integrations/deepspeed.py).
     args = sft_config(recipe, run_dir, has_eval=eval_ds is not None, report_to=report_to)
+    # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
+    set_seed(recipe.training.seed)
     model = build_model(recipe)
-    if fmt in ("messages", "sharegpt", "alpaca"):
-        args.assistant_only_loss = not recipe.data.train_on_prompt
+    data_summary["batching"] = _packing(recipe, model, args)
     checkpoint = last_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise UserError(
@@ -261,28 +312,50 @@ def train(
         "name": run_dir.name,
         "model": recipe.model.name_or_path,
         "data": data_summary,
-        "choice": choice or {},
+        "choice": choice,
+        "allocator": allocator,
         "resumed_from": str(checkpoint) if checkpoint else None,
         "versions": _versions(),
         **trainable_summary(model),
     }
+    if eval_ds is not None:
+        run_info["eval"] = {
+            "records": len(eval_ds),
+            "batch_size": args.per_device_eval_batch_size,
+            "batch_size_from": "recipe" if recipe.memory.eval_batch_size else "auto (micro_batch_size)",
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+            "best_by": "eval_loss",
+        }
     if main:
         write_json(run_dir / "run.json", run_info)
+        write_json(run_dir / "data_report.json", data_summary)
     # the plan --vram chose (or checked); the monitor compares the measured curve with it
     if main and choice and "predicted_peak_gb" in choice:
         write_json(run_dir / "plan.json", choice)
 
-    trainer = SFTTrainer(
+    trainer = make_trainer(recipe, choice, run_dir, budget_gb, bool(report_to), callbacks)(
         model=model,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        callbacks=callbacks,
     )
     _keep_adapters_fp32(trainer.model, recipe)
+    if recipe.memory.chunked_loss:
+        # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours answers
+        # the same loss call instead.
+        install_loss_head(trainer.model, chunked=True)
     started = time.time()
-    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    try:
+        output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except torch.OutOfMemoryError as exc:  # outside a micro batch (optimizer step, save): no safe step down
+        raise out_of_memory_outside_step(trainer, exc) from None
+    finally:
+        trainer.monitor.close()
+        if main:
+            _, memory_summary = write_report(run_dir)
+            print(memory_summary)
     elapsed = time.time() - started
 
     out_dir = run_dir / ("model" if recipe.adapter.kind == "full" else "adapter")
@@ -302,9 +375,18 @@ def train(
         "wall_seconds": round(elapsed, 2),
         "wandb_mode": mode,
     }
-    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
-    if eval_losses:
-        metrics["last_eval_loss"] = eval_losses[-1]
+    evals = [h for h in history if "eval_loss" in h]
+    if evals:
+        metrics["last_eval_loss"] = evals[-1]["eval_loss"]
+        metrics["last_eval_perplexity"] = evals[-1]["eval_perplexity"]
+        best = min(evals, key=lambda h: h["eval_loss"])
+        metrics["best_eval_loss"] = best["eval_loss"]
+        metrics["best_eval_perplexity"] = best["eval_perplexity"]
+        metrics["best_step"] = best["step"]
+        # What load_best_model_at_end loaded, hence what was saved to adapter/ (or model/) above.
+        best_dir = trainer.state.best_model_checkpoint
+        metrics["best_checkpoint"] = best_dir
+        metrics["saved_weights"] = f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step"
     if main:
         write_json(run_dir / "metrics.json", metrics)
         with (run_dir / "log_history.jsonl").open("w", encoding="utf-8") as handle:

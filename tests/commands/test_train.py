@@ -31,8 +31,7 @@ def qlora_result(tmp_path_factory, tiny_model):
     in-process, so the test can look at the trained model object itself.
     """
     from lowmem_ft.cli import build_parser
-    from lowmem_ft.commands.train import flag_overrides
-    from lowmem_ft.recipe.select import choose_recipe
+    from lowmem_ft.commands.train import choose, flag_overrides
     from lowmem_ft.train.run import prepare_run_dir, train
 
     out = tmp_path_factory.mktemp("runs")
@@ -45,7 +44,7 @@ def qlora_result(tmp_path_factory, tiny_model):
         "--set", "model.quantization=nf4", "--set", "memory.gradient_checkpointing=true",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
-    recipe, choice = choose_recipe(vram_gb=args.vram, recipe=None, overrides=flag_overrides(args))
+    recipe, choice = choose(args, flag_overrides(args))
     return train(recipe, prepare_run_dir(recipe, args.name, resume=False), choice=choice)
 
 
@@ -69,6 +68,9 @@ def test_qlora_run_writes_the_run_directory(qlora_run):
     assert run["choice"]["recipe"] == "8gb" and run["choice"]["how"] == "plan"
     plan = json.loads((qlora_run / "plan.json").read_text())
     assert plan["predicted_peak_gb"] <= plan["budget_gb"] and plan["vram_gb"] == 8
+    # the planner sized the sequence from the data's length profile (examples/chat.jsonl: p99 49 tokens)
+    assert "p99 49" in plan["reasons"]["max_seq_len"]
+    assert 49 <= recipe.memory.max_seq_len < 512
     assert run["data"]["format"] == "messages" and run["data"]["loss_on"] == "assistant turns"
 
 
@@ -134,7 +136,7 @@ def test_bad_jsonl_line_names_file_and_line(capsys, tmp_path, tiny_model):
 
 def test_unknown_model(capsys, tmp_path, chat_data):
     err = _one_line_error(capsys, _train(tmp_path, "no/such-model", chat_data))
-    assert "model 'no/such-model'" in err
+    assert "'no/such-model'" in err
 
 
 def test_typo_in_set(capsys, tmp_path, tiny_model, chat_data):

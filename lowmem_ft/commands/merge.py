@@ -1,0 +1,121 @@
+"""`lowmem-ft merge RUN_DIR --output DIR`: fold the LoRA adapter into the base and save a standalone model.
+
+The one memory trap: a QLoRA base is 4-bit, and merging into 4-bit weights would round the adapter's update
+away (and not load without bitsandbytes). So the base is always reloaded in 16-bit for the merge — params × 2
+bytes, which can be several times what training held — on the GPU when it fits, else on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lowmem_ft.errors import UserError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="merge a run's LoRA adapter into its base and save a standalone model",
+        description="Reload RUN_DIR's base in 16-bit (never into 4-bit weights), merge the adapter, and save "
+        "safetensors shards + tokenizer to --output: a model transformers loads without peft.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `lowmem-ft train` (runs/<name>)")
+    p.add_argument("--output", required=True, metavar="DIR", help="where to save the merged model (new or empty)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where to merge; auto uses the GPU when the 16-bit base fits in its free memory, else the CPU",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype of the merged weights (default: the recipe's model.compute_dtype)",
+    )
+    p.add_argument("--base", metavar="PATH", help="the base model, if it is no longer where training found it")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    p.set_defaults(func=run)
+
+
+def count_parameters(recipe) -> int:
+    """Parameters of the base from its config alone (built on the meta device: no weight is read or allocated)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_ft.train.model import load_config
+
+    config = load_config(recipe)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _choose_device(requested: str, needed: int) -> tuple[str, str]:
+    """(device, why): the GPU when the merge fits in its free memory, else the CPU."""
+    from lowmem_ft.finetuned import resolve_device
+    from lowmem_ft.memory.inference import human
+
+    device = resolve_device(requested)
+    if device == "cpu":
+        return "cpu", "requested" if requested == "cpu" else "no CUDA GPU"
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    if free >= needed:
+        return "cuda", f"{human(free)} free on the GPU"
+    if requested == "cuda":
+        raise UserError(
+            f"--device cuda: the merge needs {human(needed)} but the GPU has {human(free)} free; use --device cpu"
+        )
+    return "cpu", f"the GPU has {human(free)} free, the merge needs {human(needed)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowmem_ft.finetuned import load_finetuned, load_tokenizer_of, open_run
+    from lowmem_ft.memory.inference import human
+
+    run_ = open_run(args.run_dir, base=args.base)
+    if run_.full:
+        raise UserError(
+            f"{args.run_dir} is a full fine-tune: {run_.weights_dir} already is a standalone model; load it directly"
+        )
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not empty; pick a new directory")
+
+    trained = run_.recipe.model
+    dtype = args.dtype or trained.compute_dtype
+    recipe = run_.base_recipe(quantization="none", compute_dtype=dtype)
+    params = count_parameters(recipe)
+    weights = params * DTYPE_BYTES[dtype]
+    adapter = (run_.weights_dir / "adapter_model.safetensors").stat().st_size
+    # merge_and_unload(safe_merge=True) clones one module's weight at a time: the peak is the base + adapter.
+    needed = weights + adapter
+    device, why = _choose_device(args.device, needed)
+    storage = f"trained on {trained.quantization}, reloaded in {dtype}" if trained.quantization != "none" else dtype
+    print(f"merge plan: base {run_.base} ({params:,} params, {storage}) = {human(weights)} + adapter {human(adapter)}")
+    if device == "cuda":
+        print(f"  device memory {human(needed)}; host memory up to one shard ({args.max_shard_size}) while saving")
+    else:
+        print(f"  on the CPU ({why}): host memory {human(needed)}, no device memory")
+    if trained.quantization != "none":
+        print(
+            f"  note: the adapter learned against {trained.quantization}-rounded weights and is merged into the "
+            f"{dtype} originals (the usual QLoRA export); compare outputs with `lowmem-ft generate`"
+        )
+
+    model = load_finetuned(run_, recipe, device)
+    merged = model.merge_and_unload(safe_merge=True)
+    output.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(output, max_shard_size=args.max_shard_size)
+    load_tokenizer_of(run_).save_pretrained(output)
+    shards = sorted(p.name for p in output.glob("*.safetensors"))
+    print(
+        f"merged model saved to {output} ({len(shards)} safetensors shard{'s' if len(shards) != 1 else ''} + tokenizer)"
+    )
+    print(f"  load it with AutoModelForCausalLM.from_pretrained({str(output)!r}) — no peft needed", file=sys.stdout)
+    return 0

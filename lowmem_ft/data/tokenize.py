@@ -1,0 +1,243 @@
+"""Tokenizing TRL records into `input_ids` + `labels`, batched through `datasets`, cached by content.
+
+We tokenize ourselves (rather than letting `SFTTrainer` do it) for three reasons: the length profile and the
+token budget must see exactly the tokens training sees; TRL has no `drop` / `chunk` truncation and drops
+fully-masked samples without saying so; and TRL maps one example at a time, while a batched map hands whole
+batches to the fast tokenizer. The output is what TRL's `_prepare_dataset` accepts as already processed
+(`input_ids` + `labels`, see trl/trainer/sft_trainer.py): it skips its own tokenization and label building, and
+its collator uses the labels as they are.
+
+The masking follows TRL: text → loss on every token (EOS appended); prompt/completion → the completion starts
+where the tokenized prompt and prompt+completion diverge (`trl.data_utils.common_prefix_length`), EOS appended to
+the completion; chat → the tokenizer's chat template, assistant tokens from its `{% generation %}` markers
+(`return_assistant_tokens_mask`), patched by TRL's `get_training_chat_template` where the template lacks them,
+ChatML when the tokenizer has no template at all. `train_on_prompt` keeps every label.
+
+The cache key is a hash of the file bytes, the tokenizer (its serialized vocabulary/normalizer/post-processor and
+chat template) and the options that change tokens or labels, so a second run on the same data and tokenizer
+loads the tokenized dataset from disk instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_ft.data.formats import CHAT_FORMATS, load_jsonl
+from lowmem_ft.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # bump when the tokenization below changes what it produces
+BATCH_SIZE = 1000
+
+
+def cache_root() -> Path:
+    """Where tokenized datasets are kept: $LOWMEM_FT_CACHE, else ~/.cache/lowmem-ft."""
+    env = os.environ.get("LOWMEM_FT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lowmem-ft"
+
+
+@dataclass
+class Tokenized:
+    """A tokenized data file: `dataset` has `input_ids` and `labels` (-100 where no loss), untruncated."""
+
+    dataset: Any  # datasets.Dataset
+    format: str
+    skipped: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # "tokenizer", "tokenizer (TRL training version)", "ChatML (default)"
+    cache_dir: Path | None = None
+    from_cache: bool = False
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The model's tokenizer (pad token = EOS when it has none, as TRL does)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"cannot load the tokenizer of {name_or_path!r} ({str(exc).splitlines()[0]}); pass --model a local "
+            "model directory or a Hub id that is reachable"
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def ensure_chat_template(tokenizer) -> str:
+    """Give a tokenizer without a chat template ChatML (as Qwen uses it); returns where the template came from."""
+    if tokenizer.chat_template:
+        return "tokenizer"
+    from lowmem_ft.tiny import CHATML_TEMPLATE
+
+    tokenizer.chat_template = CHATML_TEMPLATE
+    log.warning("the tokenizer has no chat template; formatting chat data as ChatML")
+    return "ChatML (default)"
+
+
+def training_chat_template(tokenizer, train_on_prompt: bool) -> tuple[str | None, str]:
+    """The template to render with (None: the tokenizer's own) and a description of it.
+
+    Assistant-only loss needs `{% generation %}` markers; TRL ships training versions of the common templates.
+    """
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    source = ensure_chat_template(tokenizer)
+    if train_on_prompt or has_generation_markers(tokenizer.chat_template):
+        return None, source
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:
+        raise UserError(
+            "the tokenizer's chat template has no {% generation %} markers and TRL has no training version of it, "
+            "so assistant tokens cannot be told apart; set --set data.train_on_prompt=true to train on every token"
+        ) from None
+    return patched, f"{source} (TRL training version)"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A stable hash of everything in the tokenizer that changes token ids."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: datasets' pickle-based hasher
+        from datasets.fingerprint import Hasher
+
+        h.update(Hasher.hash(tokenizer).encode())
+    template = tokenizer.chat_template
+    h.update(json.dumps([type(tokenizer).__name__, template, tokenizer.eos_token, tokenizer.bos_token]).encode())
+    return h.hexdigest()
+
+
+def cache_key(path: str | Path, tokenizer, fmt: str, train_on_prompt: bool, skip_bad_lines: bool) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            h.update(block)
+    h.update(
+        json.dumps([CACHE_VERSION, fmt, train_on_prompt, skip_bad_lines, tokenizer_fingerprint(tokenizer)]).encode()
+    )
+    return h.hexdigest()[:24]
+
+
+# ---- batched tokenizers, one per record shape; each returns {"input_ids", "labels"} lists -------------------
+
+
+def _text_batch(batch: dict, tokenizer, eos: str) -> dict:
+    texts = [t if t.endswith(eos) else t + eos for t in batch["text"]]
+    ids = tokenizer(texts)["input_ids"]
+    return {"input_ids": ids, "labels": [list(x) for x in ids]}
+
+
+def _prompt_completion_batch(batch: dict, tokenizer, eos: str, train_on_prompt: bool) -> dict:
+    from trl.data_utils import common_prefix_length
+
+    completions = [c if c.endswith(eos) else c + eos for c in batch["completion"]]
+    prompt_ids = tokenizer(batch["prompt"])["input_ids"]
+    full_ids = tokenizer([p + c for p, c in zip(batch["prompt"], completions, strict=True)])["input_ids"]
+    labels = []
+    for p, ids in zip(prompt_ids, full_ids, strict=True):
+        n = 0 if train_on_prompt else common_prefix_length(p, ids)
+        labels.append([-100] * n + ids[n:])
+    return {"input_ids": full_ids, "labels": labels}
+
+
+def _chat_batch(batch: dict, tokenizer, template: str | None, train_on_prompt: bool) -> dict:
+    out = tokenizer.apply_chat_template(
+        batch["messages"],
+        chat_template=template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=not train_on_prompt,
+    )
+    ids = out["input_ids"]
+    if train_on_prompt:
+        return {"input_ids": ids, "labels": [list(x) for x in ids]}
+    labels = [
+        [t if m else -100 for t, m in zip(x, mask, strict=True)]
+        for x, mask in zip(ids, out["assistant_masks"], strict=True)
+    ]
+    return {"input_ids": ids, "labels": labels}
+
+
+def tokenize_records(records: list[dict], fmt: str, tokenizer, train_on_prompt: bool, template: str | None = None):
+    """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map."""
+    from datasets import Dataset
+
+    ds = Dataset.from_list(records)
+    eos = tokenizer.eos_token or ""
+    if fmt == "text":
+        fn, kwargs = _text_batch, {"tokenizer": tokenizer, "eos": eos}
+    elif fmt == "prompt_completion":
+        fn, kwargs = _prompt_completion_batch, {"tokenizer": tokenizer, "eos": eos, "train_on_prompt": train_on_prompt}
+    elif fmt in CHAT_FORMATS:
+        fn = _chat_batch
+        kwargs = {"tokenizer": tokenizer, "template": template, "train_on_prompt": train_on_prompt}
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    return ds.map(
+        fn,
+        batched=True,
+        batch_size=BATCH_SIZE,
+        fn_kwargs=kwargs,
+        remove_columns=ds.column_names,
+        load_from_cache_file=False,  # our own cache below is keyed by content; datasets' is keyed by arrow files
+        desc=f"Tokenizing {fmt}",
+    )
+
+
+def tokenize_file(
+    path: str | Path,
+    tokenizer,
+    *,
+    fmt: str = "auto",
+    train_on_prompt: bool = False,
+    skip_bad_lines: bool = False,
+    use_cache: bool = True,
+) -> Tokenized:
+    """Read, validate and tokenize one JSONL file, or load it from the content-keyed cache."""
+    from datasets import load_from_disk
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist; pass --data PATH to a JSONL file")
+    cache_dir = cache_root() / "tokenized" / cache_key(path, tokenizer, fmt, train_on_prompt, skip_bad_lines)
+    meta_path = cache_dir / "meta.json"
+    if use_cache and meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            ds = load_from_disk(str(cache_dir / "dataset"))
+            log.info("tokenized %s loaded from cache %s", path, cache_dir)
+            if meta["format"] in CHAT_FORMATS:
+                ensure_chat_template(tokenizer)  # the saved tokenizer must carry the template trained with
+            return Tokenized(ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, from_cache=True)
+        except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
+            log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    loaded = load_jsonl(path, fmt, skip_bad_lines)
+    template, source = None, None
+    if loaded.format in CHAT_FORMATS:
+        template, source = training_chat_template(tokenizer, train_on_prompt)
+    ds = tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template)
+    if use_cache:
+        tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        ds.save_to_disk(str(tmp / "dataset"))
+        meta = {"source": str(path), "format": loaded.format, "skipped": loaded.skipped, "chat_template": source}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        try:
+            tmp.rename(cache_dir)  # atomic: a half-written entry is never read
+        except OSError:  # another process (a rank of `train --gpus`) got there first with the same content
+            shutil.rmtree(tmp, ignore_errors=True)
+            return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir)
+        ds = load_from_disk(str(cache_dir / "dataset"))
+    return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir if use_cache else None)

@@ -1,0 +1,407 @@
+"""Continuous memory monitoring of a training run: one sample at every phase boundary, into memory.jsonl and W&B.
+
+The one idea: read memory where it changes — after each forward, each backward, each optimizer step, each
+evaluation and each checkpoint save — and reset the CUDA peak counter at every sample, so each record's `peak_gb`
+is the highest allocation *since the previous sample*: the phase that peaked is known, not guessed.
+
+Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; every `*_gb` key in memory.jsonl):
+- `allocated_gb`, `reserved_gb`, `peak_gb`: torch's caching allocator (`torch.cuda.memory_allocated`,
+  `memory_reserved`, `max_memory_allocated`); `fragmentation_gb` = reserved − allocated.
+- `device_used_gb`, `device_total_gb`: NVML, which also sees the CUDA context, other processes and memory torch's
+  allocator does not own (bitsandbytes' paged optimizer states live in CUDA unified memory).
+- `rss_gb`: host resident set size (psutil) — the only figure without CUDA, so the same code runs on the CPU.
+
+Reading these is host-side bookkeeping (no device synchronisation), so a sample costs microseconds; the measured
+overhead is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
+
+The monitor also watches the safety margin (headroom under the budget; warns once naming what grew, then asks the
+guard to step the batch down before an OOM comes) and warns once per phase when allocated memory grows step after
+step (a leak).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+GB = 1e9  # decimal, like lowmem_ft.memory.estimate.GB
+LEAK_STEPS = 8  # consecutive optimizer steps of growth at one phase before a leak is suspected
+LEAK_MIN_GB = 0.064  # ... and at least this much growth: below it, allocator noise (block rounding)
+TRAIN_PHASES = ("forward", "backward", "optimizer")
+
+
+class MemoryReader:
+    """Reads the figures above; without CUDA only `rss_gb`. Call it to get one sample (resets the CUDA peak)."""
+
+    def __init__(self, device: int | None = None):
+        import psutil
+        import torch
+
+        self._torch = torch
+        self._process = psutil.Process(os.getpid())
+        # Linux: RSS from a kept-open /proc/self/statm (one pread, ~5 µs) instead of psutil's open/read/close
+        # (~70 µs measured on the 2-core CI machine) — the difference is most of a CPU sample's cost.
+        self._statm = None
+        try:
+            self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+            self._page = os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            self._statm = None
+        self.cuda = torch.cuda.is_available()
+        self.device = (torch.cuda.current_device() if device is None else device) if self.cuda else None
+        self._nvml = None
+        if self.cuda:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                # torch's own CUDA_VISIBLE_DEVICES → NVML index mapping (torch/cuda/__init__.py, used by
+                # torch.cuda.device_memory_used); the handle is kept so a sample is one NVML call.
+                index = torch.cuda._get_nvml_device_index(self.device)
+                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+            except Exception as exc:  # no NVML (driver/container): the allocator figures still stand
+                log.debug("NVML unavailable: %s", exc)
+
+    def _rss(self) -> int:
+        if self._statm is not None:
+            return int(os.pread(self._statm, 128, 0).split()[1]) * self._page  # fields: size resident shared ...
+        return self._process.memory_info().rss
+
+    def __call__(self) -> dict[str, float]:
+        out = {"rss_gb": self._rss() / GB}
+        if self.cuda:
+            cuda = self._torch.cuda
+            allocated = cuda.memory_allocated(self.device)
+            reserved = cuda.memory_reserved(self.device)
+            peak = cuda.max_memory_allocated(self.device)
+            cuda.reset_peak_memory_stats(self.device)
+            out |= {
+                "allocated_gb": allocated / GB,
+                "reserved_gb": reserved / GB,
+                "peak_gb": max(peak, allocated) / GB,
+                "fragmentation_gb": (reserved - allocated) / GB,
+            }
+            if self._nvml is not None:
+                pynvml, handle = self._nvml
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                out |= {"device_used_gb": info.used / GB, "device_total_gb": info.total / GB}
+        return {k: round(v, 5) for k, v in out.items()}
+
+
+def used_gb(sample: dict[str, Any]) -> float | None:
+    """Memory a sample holds against the budget: the allocator's high-water mark plus what NVML sees beyond it
+    (CUDA context, other processes, unified memory) — all of it counts against a card of the budget's size."""
+    if "reserved_gb" not in sample:
+        return None
+    held = max(sample["reserved_gb"], sample.get("peak_gb", 0.0))
+    beyond = max(0.0, sample.get("device_used_gb", sample["reserved_gb"]) - sample["reserved_gb"])
+    return held + beyond
+
+
+def growth(now: dict[str, Any], then: dict[str, Any]) -> tuple[str, float]:
+    """The component that grew most between two samples, and by how much (GB)."""
+    parts = {
+        "allocated tensors": lambda s: s.get("allocated_gb", 0.0),
+        "allocator fragmentation (reserved − allocated)": lambda s: s.get("fragmentation_gb", 0.0),
+        "transient peak above allocated": lambda s: s.get("peak_gb", 0.0) - s.get("allocated_gb", 0.0),
+        "memory outside torch's allocator (NVML)": lambda s: (
+            max(0.0, s.get("device_used_gb", 0.0) - s.get("reserved_gb", 0.0)) if "device_used_gb" in s else 0.0
+        ),
+    }
+    name, grew = max(((n, f(now) - f(then)) for n, f in parts.items()), key=lambda kv: kv[1])
+    return name, grew
+
+
+def breakdown(sample: dict[str, Any]) -> str:
+    """One line of the memory figures of a sample, for error messages."""
+    keys = [
+        ("allocated_gb", "allocated"),
+        ("reserved_gb", "reserved"),
+        ("fragmentation_gb", "fragmentation"),
+        ("device_used_gb", "device used"),
+        ("rss_gb", "host RSS"),
+    ]
+    parts = [f"{label} {sample[k]:.2f} GB" for k, label in keys if k in sample]
+    if "device_total_gb" in sample:
+        parts[-1:-1] = [f"device total {sample['device_total_gb']:.2f} GB"]
+    return ", ".join(parts)
+
+
+class MemoryMonitor(TrainerCallback):
+    """Samples memory at phase boundaries into `run_dir/memory.jsonl` and W&B `memory/*`.
+
+    Args:
+        run_dir: where memory.jsonl goes (appended to, so a resumed run continues its curve).
+        predicted_peak_gb: the planner's prediction, drawn and logged next to the measurement.
+        budget_gb: the memory the run must fit in (the `--vram` target, else the device's total).
+        margin_gb: headroom to keep under the budget.
+        guard: `OOMGuard` asked to step the batch down when headroom keeps falling under the margin.
+        reader: returns one sample's figures; `MemoryReader()` by default (tests pass synthetic ones).
+        use_wandb: log to the active W&B run (transformers' WandbCallback starts it).
+        write: write memory.jsonl (False on the non-zero ranks of a multi-GPU run).
+
+    The budget is the `--vram` target itself (else the device's total); the planner's `budget_gb` in plan.json is
+    this minus the margin — the bottom edge of the margin band.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        predicted_peak_gb: float | None = None,
+        budget_gb: float | None = None,
+        margin_gb: float = 1.0,
+        guard=None,
+        reader: Callable[[], dict[str, float]] | None = None,
+        use_wandb: bool = False,
+        info: dict[str, Any] | None = None,
+        write: bool = True,
+    ):
+        self.path = Path(run_dir) / "memory.jsonl"
+        self.predicted_peak_gb = predicted_peak_gb
+        self.budget_gb = budget_gb
+        self.margin_gb = margin_gb
+        self.guard = guard
+        self.reader = reader or MemoryReader()
+        self.use_wandb = use_wandb
+        self.info = info or {}
+        self.write = write
+        self.state = None
+        self._file = None
+        self._t0 = time.perf_counter()
+        self._step_samples: list[dict[str, Any]] = []
+        self._first: dict[str, dict[str, Any]] = {}  # first sample of each phase: the baseline "what grew" compares to
+        self._margin_warned_at: float | None = None  # headroom when the margin warning was given
+        self._by_phase: dict[str, list[float]] = {}  # allocated at the last sample of each step, per phase
+        self._leak_warned: set[str] = set()
+        self.events: list[dict[str, Any]] = []
+        self._hooks: list = []
+
+    # -- recording ------------------------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self.write:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")
+
+    def _step(self, phase: str) -> int:
+        """The optimizer step a sample belongs to: the one in progress for train phases, the finished one after."""
+        done = self.state.global_step if self.state is not None else 0
+        return done + 1 if phase in TRAIN_PHASES else done
+
+    def sample(self, phase: str, **extra: Any) -> dict[str, Any]:
+        """Read memory now, record it, check margin and leaks; returns the record."""
+        record = {"step": self._step(phase), "phase": phase, "t": round(time.perf_counter() - self._t0, 4)}
+        if self.guard is not None:
+            record["micro_batch"] = self.guard.sub_batch
+        record |= self.reader()
+        record |= extra
+        self._write(record)
+        self._step_samples.append(record)
+        self._check_margin(record)
+        return record
+
+    def event(self, kind: str, message: str, level: int = logging.WARNING, **info: Any) -> dict[str, Any]:
+        """Record something that happened (OOM recovered, margin warning, leak) in memory.jsonl, W&B and the log."""
+        step = info.pop("step", None) or self._step("forward")  # default: the step in progress
+        record = {"event": kind, "step": step, "t": round(time.perf_counter() - self._t0, 4)}
+        record |= info
+        record["message"] = message
+        self.events.append(record)
+        self._write(record)
+        if self._file is not None:
+            self._file.flush()
+        log.log(level, message)
+        run = self._wandb_run()
+        if run is not None:
+            counts: dict[str, int] = {}
+            for e in self.events:
+                counts[e["event"]] = counts.get(e["event"], 0) + 1
+            run.summary[f"memory/events/{kind}"] = counts[kind]
+            run.log({f"memory/events/{kind}": counts[kind], "train/global_step": record["step"]})
+        return record
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # -- model hooks ----------------------------------------------------------------------------------------------
+    def attach(self, model) -> None:
+        """Sample at the end of every forward (train micro batches and eval batches alike)."""
+
+        def after_forward(module, args, output):
+            self.sample("forward" if module.training else "eval_forward")
+
+        self._hooks.append(model.register_forward_hook(after_forward))
+
+    # -- margin and leaks -----------------------------------------------------------------------------------------
+    def headroom_gb(self, sample: dict[str, Any]) -> float | None:
+        used = used_gb(sample)
+        if used is None or self.budget_gb is None:
+            return None
+        return self.budget_gb - used
+
+    def _check_margin(self, sample: dict[str, Any]) -> None:
+        headroom = self.headroom_gb(sample)
+        phase = sample["phase"]
+        first = self._first.setdefault(phase, sample)
+        if headroom is None or headroom >= self.margin_gb:
+            return
+        if self._margin_warned_at is None:
+            what, grew = growth(sample, first)
+            self._margin_warned_at = headroom
+            self.event(
+                "margin",
+                f"memory headroom {headroom:.2f} GB is under the {self.margin_gb:g} GB safety margin of the "
+                f"{self.budget_gb:g} GB budget at step {sample['step']} ({phase}); {what} grew {grew:+.2f} GB "
+                f"since step {first['step']}",
+                headroom_gb=round(headroom, 4),
+                grew=what,
+                grew_gb=round(grew, 4),
+            )
+            return
+        # Still falling after the warning, and below half the margin: the next spike is an OOM. Step the batch
+        # down now (same effective batch and sample order as an OOM recovery, without losing the step).
+        if headroom < min(self._margin_warned_at, self.margin_gb / 2) and self.guard is not None:
+            action = self.guard.step_down()
+            self._margin_warned_at = headroom
+            if action is not None:
+                self.event(
+                    "margin_action",
+                    f"memory headroom still falling ({headroom:.2f} GB): {action} before an out-of-memory error",
+                    headroom_gb=round(headroom, 4),
+                    action=action,
+                    **self.guard.describe(),
+                )
+
+    def _check_leak(self) -> None:
+        last: dict[str, dict[str, Any]] = {}
+        for s in self._step_samples:
+            if s["phase"] in TRAIN_PHASES and "allocated_gb" in s:
+                last[s["phase"]] = s
+        for phase, s in last.items():
+            series = self._by_phase.setdefault(phase, [])
+            series.append(s["allocated_gb"])
+            del series[: -(LEAK_STEPS + 1)]
+            if phase in self._leak_warned or len(series) <= LEAK_STEPS:
+                continue
+            rising = all(b > a for a, b in zip(series, series[1:], strict=False))
+            if rising and series[-1] - series[0] >= LEAK_MIN_GB:
+                self._leak_warned.add(phase)
+                self.event(
+                    "leak",
+                    f"allocated memory after {phase} grew in each of the last {LEAK_STEPS} steps "
+                    f"({series[0]:.2f} → {series[-1]:.2f} GB): something keeps tensors alive across steps "
+                    "(a loss kept with its graph, an ever-growing list of outputs?)",
+                    step=self.state.global_step,
+                    phase=phase,
+                    from_gb=series[0],
+                    to_gb=series[-1],
+                )
+
+    # -- W&B --------------------------------------------------------------------------------------------------------
+    def _wandb_run(self):
+        if not self.use_wandb:
+            return None
+        try:
+            import wandb
+        except ImportError:
+            return None
+        return wandb.run
+
+    def _log_step(self, step: int) -> None:
+        samples = [s for s in self._step_samples if s["step"] == step]
+        run = self._wandb_run()
+        if not samples or run is None:
+            return
+        metrics: dict[str, float] = {"train/global_step": step}
+        for key in ("peak_gb", "reserved_gb", "device_used_gb", "rss_gb", "fragmentation_gb"):
+            values = [s[key] for s in samples if key in s]
+            if values:
+                metrics[f"memory/{key}"] = max(values)
+        for s in samples:  # allocated at each phase boundary: the sawtooth's corners
+            if "allocated_gb" in s:
+                metrics[f"memory/allocated_gb/{s['phase']}"] = s["allocated_gb"]
+        headrooms = [h for h in map(self.headroom_gb, samples) if h is not None]
+        if headrooms:
+            metrics["memory/headroom_gb"] = min(headrooms)
+        if "micro_batch" in samples[-1]:
+            metrics["memory/micro_batch"] = samples[-1]["micro_batch"]
+        run.log(metrics)
+
+    def _wandb_config(self) -> None:
+        run = self._wandb_run()
+        if run is None:
+            return
+        plan = {
+            "memory/predicted_peak_gb": self.predicted_peak_gb,
+            "memory/budget_gb": self.budget_gb,
+            "memory/safety_margin_gb": self.margin_gb,
+        }
+        run.config.update({k: v for k, v in plan.items() if v is not None}, allow_val_change=True)
+        for key, value in plan.items():
+            if value is not None:
+                run.summary[key] = value
+        run.define_metric("memory/*", step_metric="train/global_step")
+
+    # -- TrainerCallback ------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.state = state
+        self._write(
+            {
+                "event": "start",
+                "step": state.global_step,
+                "predicted_peak_gb": self.predicted_peak_gb,
+                "budget_gb": self.budget_gb,
+                "safety_margin_gb": self.margin_gb,
+                "cuda": "allocated_gb" in self.reader(),
+                **self.info,
+                **(self.guard.describe() if self.guard is not None else {}),
+            }
+        )
+        self._wandb_config()
+        if model is not None and not self._hooks:
+            self.attach(model)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.sample("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._check_leak()
+        self._log_step(state.global_step)
+        self._step_samples = [s for s in self._step_samples if s["step"] > state.global_step]
+        if self._file is not None:
+            self._file.flush()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.sample("eval")
+
+    def on_save(self, args, state, control, **kwargs):
+        self.sample("save")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        run = self._wandb_run()
+        if run is not None:
+            from lowmem_ft.report import load_memory, summarize
+
+            if self._file is not None:
+                self._file.flush()
+            summary = summarize(*load_memory(self.path.parent))
+            for key in ("measured_peak_gb", "peak_phase", "peak_step"):
+                if summary.get(key) is not None:
+                    run.summary[f"memory/{key}"] = summary[key]

@@ -1,0 +1,80 @@
+"""`lowmem-ft doctor` on this CPU machine: real checks pass, missing pieces fail with a fix, exit codes follow."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from lowmem_ft.cli import main
+from lowmem_ft.commands import doctor
+
+
+def _json(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main(["doctor", "--json", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_cpu_machine_can_train_and_reports_no_gpu(capsys, tmp_path):
+    rc, report = _json(capsys, "--output-dir", str(tmp_path / "runs"))
+    checks = {c["name"]: c for c in report["checks"]}
+    if "GPU" in checks:  # this machine (the CPU build of torch): a warning, training still runs
+        assert checks["GPU"]["status"] == "warn" and "no CUDA GPU" in checks["GPU"]["detail"]
+        assert checks["GPU"]["fix"]
+    assert rc == 0 and report["can_train"]
+    assert checks["bitsandbytes 4-bit"]["status"] == "ok"
+    assert checks["bitsandbytes 8-bit"]["status"] == "ok" and "uint8" in checks["bitsandbytes 8-bit"]["detail"]
+    assert checks["attention"]["status"] == "ok"
+    assert "offline mode" in checks["Hub"]["detail"]  # conftest sets HF_HUB_OFFLINE=1
+    assert str(tmp_path / "runs") in checks["disk"]["detail"]
+    assert {"python", "torch / CUDA", "W&B"} <= checks.keys()
+
+
+def test_table_output(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "lowmem-ft doctor" in out and "bitsandbytes 4-bit" in out and "training can run" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_require_gpu_without_one_fails_with_a_fix(capsys):
+    rc, report = _json(capsys, "--require-gpu")
+    gpu = next(c for c in report["checks"] if c["name"] == "GPU")
+    assert rc == 2 and not report["can_train"]
+    assert gpu["status"] == "fail" and "CUDA build of torch" in gpu["fix"]
+
+
+def test_broken_4bit_kernel_fails(monkeypatch, capsys):
+    import bitsandbytes as bnb
+
+    # a backend whose dequantization disagrees with its matmul: an import check would pass, the real op does not
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda data, state: torch.zeros(64, 64))
+    rc, report = _json(capsys)
+    check = next(c for c in report["checks"] if c["name"] == "bitsandbytes 4-bit")
+    assert rc == 2 and check["status"] == "fail"
+    assert "off by" in check["detail"] and "model.quantization=none" in check["fix"]
+
+
+def test_full_disk_fails(monkeypatch, capsys, tmp_path):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    rc, report = _json(capsys, "--output-dir", str(tmp_path / "not" / "yet"))
+    check = next(c for c in report["checks"] if c["name"] == "disk")
+    assert rc == 2 and check["status"] == "fail" and "--output-dir" in check["fix"]
+
+
+def test_hub_probe_gives_up_within_its_timeout(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # a TEST-NET-1 address (RFC 5737): never answers, so only the timeout ends the probe
+    monkeypatch.setattr(constants, "ENDPOINT", "https://192.0.2.1")
+    started = time.monotonic()
+    check = doctor.check_hub()
+    assert time.monotonic() - started < doctor.HUB_TIMEOUT_S + 1
+    assert check.status == "warn" and "192.0.2.1 not reachable" in check.detail and "HF_HUB_OFFLINE" in check.fix

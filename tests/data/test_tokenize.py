@@ -1,0 +1,109 @@
+"""Tokenization: labels mask prompts as TRL would, ChatML without a template, and the content-keyed cache."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from lowmem_ft.data import tokenize as tk
+from lowmem_ft.data.formats import load_jsonl
+from tests.data.conftest import FORMAT_FILES, fixture
+
+
+def trl_prepare(records, tokenizer, tmp_path, *, completion_only: bool, assistant_only: bool):
+    """TRL's own preprocessing (SFTTrainer._prepare_dataset) of the same records, without building a trainer."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        max_length=None,
+        assistant_only_loss=assistant_only,
+        completion_only_loss=completion_only,
+        report_to=[],
+        use_cpu=True,
+    )
+    owner = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
+    return SFTTrainer._prepare_dataset(owner, Dataset.from_list(records), tokenizer, args, False, None, "train")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_FILES))
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_labels_match_trl_preprocessing(fmt, train_on_prompt, tokenizer, tmp_path):
+    records = load_jsonl(fixture(FORMAT_FILES[fmt])).records
+    ours = tk.tokenize_records(records, fmt, tokenizer, train_on_prompt)
+    chat = fmt in ("messages", "sharegpt", "alpaca")
+    theirs = trl_prepare(
+        records,
+        tokenizer,
+        tmp_path,
+        completion_only=fmt == "prompt_completion" and not train_on_prompt,
+        assistant_only=chat and not train_on_prompt,
+    )
+    assert ours["input_ids"] == theirs["input_ids"]
+    assert ours["labels"] == theirs["labels"]
+
+
+def test_prompt_tokens_have_label_minus_100(tokenizer):
+    records = [{"prompt": "What is 2 plus 3?", "completion": " 2 plus 3 is 5."}]
+    row = tk.tokenize_records(records, "prompt_completion", tokenizer, train_on_prompt=False)[0]
+    n_prompt = len(tokenizer("What is 2 plus 3?")["input_ids"])
+    assert row["labels"][:n_prompt] == [-100] * n_prompt
+    assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:]
+    assert tokenizer.decode(row["input_ids"][n_prompt:]) == " 2 plus 3 is 5.<|im_end|>"
+
+
+def test_chat_loss_only_on_assistant_turns(tokenizer):
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D."},
+        {"role": "user", "content": "And blue?"},
+        {"role": "assistant", "content": "B L U E."},
+    ]
+    row = tk.tokenize_records([{"messages": msgs}], "messages", tokenizer, train_on_prompt=False)[0]
+    trained = [t for t in row["labels"] if t != -100]
+    assert tokenizer.decode(trained) == "R E D.<|im_end|>B L U E.<|im_end|>"
+    assert row["labels"][0] == -100
+
+
+def test_tokenizer_without_template_gets_chatml(tokenizer):
+    tokenizer.chat_template = None
+    template, source = tk.training_chat_template(tokenizer, train_on_prompt=False)
+    assert source == "ChatML (default)" and template is None  # ChatML carries its own generation markers
+    row = tk.tokenize_records(load_jsonl(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
+    assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\nSpell the word.<|im_end|>")
+
+
+def test_template_without_markers_and_no_trl_version_is_a_user_error(tokenizer):
+    from lowmem_ft.errors import UserError
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(UserError, match="train_on_prompt=true"):
+        tk.training_chat_template(tokenizer, train_on_prompt=False)
+    assert tk.training_chat_template(tokenizer, train_on_prompt=True) == (None, "tokenizer")
+
+
+def test_second_run_loads_from_cache(tokenizer, tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    shutil.copy(fixture("messages.jsonl"), data)
+    first = tk.tokenize_file(data, tokenizer)
+    assert not first.from_cache
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(tk, "tokenize_records", no_tokenizing)
+    second = tk.tokenize_file(data, tokenizer)
+    assert second.from_cache and second.format == "messages"
+    assert second.dataset["input_ids"] == first.dataset["input_ids"]
+    assert second.dataset["labels"] == first.dataset["labels"]
+    # Different content or different masking → a different key, so tokenized again.
+    with pytest.raises(AssertionError, match="tokenized again"):
+        tk.tokenize_file(data, tokenizer, train_on_prompt=True)
+    data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        tk.tokenize_file(data, tokenizer)

@@ -1,0 +1,204 @@
+"""The memory monitor: samples, safety margin, leak warning (synthetic readings), and W&B offline metrics."""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lowmem_ft.train.guard import OOMGuard
+from lowmem_ft.train.monitor import LEAK_STEPS, MemoryMonitor, MemoryReader, growth, used_gb
+
+
+def cuda_like(allocated: float, reserved: float, peak: float | None = None, used: float | None = None) -> dict:
+    return {
+        "allocated_gb": allocated,
+        "reserved_gb": reserved,
+        "peak_gb": allocated if peak is None else peak,
+        "fragmentation_gb": reserved - allocated,
+        "device_used_gb": reserved + 0.5 if used is None else used,
+        "device_total_gb": 80.0,
+        "rss_gb": 3.0,
+    }
+
+
+class Script:
+    """A reader that returns the next scripted sample."""
+
+    def __init__(self, samples):
+        self.samples = list(samples)
+
+    def __call__(self):
+        return self.samples.pop(0)
+
+
+def monitor_with(tmp_path, samples, **kw) -> MemoryMonitor:
+    monitor = MemoryMonitor(tmp_path, reader=Script(samples), **kw)
+    monitor.state = SimpleNamespace(global_step=0)
+    return monitor
+
+
+def records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+
+
+def test_reader_without_cuda_reports_host_memory_only():
+    sample = MemoryReader()()
+    assert set(sample) == {"rss_gb"} and 0.01 < sample["rss_gb"] < 64
+
+
+def test_used_counts_allocator_high_water_and_memory_outside_it():
+    # held: max(reserved 6, peak 7) = 7; NVML sees 1.5 beyond reserved (context, other processes)
+    assert used_gb(cuda_like(5, 6, peak=7, used=7.5)) == pytest.approx(8.5)
+    assert used_gb({"rss_gb": 1.0}) is None
+    assert growth(cuda_like(5, 9), cuda_like(5, 6))[0].startswith("allocator fragmentation")
+    assert growth(cuda_like(8, 9), cuda_like(5, 6))[0] == "allocated tensors"
+
+
+def test_margin_warns_once_naming_what_grew_then_steps_down(tmp_path):
+    guard = OOMGuard(micro_batch=4, gradient_accumulation=2, checkpointing=True)
+    monitor = monitor_with(
+        tmp_path,
+        [
+            cuda_like(5.0, 6.0),  # headroom 10 − 6.5 = 3.5
+            cuda_like(5.0, 8.8),  # 0.7 < margin 1: warn, fragmentation grew 2.8
+            cuda_like(5.0, 8.9),  # still under, not yet under half the margin: no second warning
+            cuda_like(5.0, 9.2),  # 0.3 < 0.5: act
+        ],
+        budget_gb=10.0,
+        margin_gb=1.0,
+        guard=guard,
+    )
+    for _ in range(4):
+        monitor.sample("backward")
+    kinds = [e["event"] for e in monitor.events]
+    assert kinds == ["margin", "margin_action"]
+    warning, action = monitor.events
+    assert warning["grew"].startswith("allocator fragmentation") and warning["grew_gb"] == pytest.approx(2.8)
+    assert "0.70 GB is under the 1 GB safety margin" in warning["message"]
+    assert guard.sub_batch == 2 and action["micro_batch"] == 2 and action["gradient_accumulation"] == 4
+    monitor.close()
+    assert [r["event"] for r in records(tmp_path) if "event" in r] == ["margin", "margin_action"]
+    assert [r["micro_batch"] for r in records(tmp_path) if "phase" in r] == [4, 4, 4, 4]
+
+
+def test_no_margin_events_without_device_figures(tmp_path):
+    monitor = monitor_with(tmp_path, [{"rss_gb": 7.9}] * 3, budget_gb=8.0, margin_gb=1.0)
+    for _ in range(3):
+        monitor.sample("forward")
+    assert monitor.events == []
+
+
+def run_steps(monitor, allocated_by_step):
+    args = control = None
+    for step, allocated in enumerate(allocated_by_step):
+        monitor.state.global_step = step
+        monitor.sample("forward")
+        monitor.on_optimizer_step(args, monitor.state, control)
+        monitor.state.global_step = step + 1
+        monitor.on_step_end(args, monitor.state, control)
+        del allocated
+
+
+def leak_monitor(tmp_path, optimizer_allocated):
+    samples = []
+    for a in optimizer_allocated:
+        samples += [cuda_like(4.0, 6.0), cuda_like(a, 6.0)]  # forward flat, optimizer as given
+    return monitor_with(tmp_path, samples, budget_gb=80.0)
+
+
+def test_leak_warning_when_allocated_grows_every_step_at_one_phase(tmp_path):
+    growing = [2.0 + 0.02 * i for i in range(LEAK_STEPS + 2)]
+    monitor = leak_monitor(tmp_path, growing)
+    run_steps(monitor, growing)
+    leaks = [e for e in monitor.events if e["event"] == "leak"]
+    assert len(leaks) == 1 and leaks[0]["phase"] == "optimizer"  # once, and not for the flat forward
+    assert leaks[0]["step"] == LEAK_STEPS + 1
+
+
+def test_no_leak_warning_for_noise_or_small_growth(tmp_path):
+    noisy = [2.0, 2.1, 2.05, 2.2, 2.1, 2.3, 2.2, 2.4, 2.3, 2.5, 2.4]  # grows, but not step after step
+    small = [2.0 + 0.001 * i for i in range(LEAK_STEPS + 2)]  # step after step, but under LEAK_MIN_GB
+    for name, series in (("noisy", noisy), ("small", small)):
+        monitor = leak_monitor(tmp_path / name, series)
+        run_steps(monitor, series)
+        assert monitor.events == [], name
+
+
+def wandb_records(run_dir):
+    """Records of an offline W&B run file: wandb-core's LevelDB-style log (32 KiB blocks of chunks with a 7-byte
+    header: crc32, length, type FULL/FIRST/MIDDLE/LAST) after a 7-byte file header, each a `Record` protobuf."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending, block = 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def items(updates) -> dict:
+    """key → value of W&B history/config/summary items (a key with '/' may come as `nested_key`)."""
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in updates}
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, monkeypatch):
+    import torch
+
+    from tests.train.tiny_runs import tiny_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = tiny_run(
+            tiny_model,
+            "tests/data/numbered.jsonl",
+            tmp_path / "runs",
+            "wb",
+            "training.max_steps=2",
+            choice={"vram_gb": 8, "predicted_peak_gb": 5.5, "safety_margin_gb": 1.0},
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert result.metrics["wandb_mode"] == "offline"
+    history, config, summary = [], {}, {}
+    for record in wandb_records(tmp_path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append(items(record.history.item))
+        elif kind == "config":
+            config |= items(record.config.update)
+        elif kind == "summary":
+            summary |= items(record.summary.update)
+    memory_rows = [h for h in history if "memory/rss_gb" in h]
+    assert [h["train/global_step"] for h in memory_rows] == [1, 2]
+    assert all(0 < h["memory/rss_gb"] < 64 and h["memory/micro_batch"] == 4 for h in memory_rows)
+    assert config["memory/predicted_peak_gb"] == 5.5 and config["memory/budget_gb"] == 8
+    assert config["memory/safety_margin_gb"] == 1.0
+    assert summary["memory/predicted_peak_gb"] == 5.5
+    assert summary["memory/peak_phase"] in ("forward", "backward", "optimizer", "save")
+    phases = {r.get("phase") for r in map(json.loads, (result.run_dir / "memory.jsonl").read_text().splitlines())}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert (result.run_dir / "memory.png").stat().st_size > 10_000

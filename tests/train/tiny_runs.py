@@ -1,0 +1,105 @@
+"""Small CPU training runs of the embedded model, and a fault injector that raises OOMs from model hooks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+# Fast and deterministic on the CPU: 16-bit storage off (float32), short sequences, no dropout, constant LR
+# (no warmup step with LR 0, so every step moves the weights), micro batch 4 × accumulation 2.
+FAST = [
+    "model.quantization=none",
+    "model.compute_dtype=float32",
+    "memory.max_seq_len=48",
+    "memory.gradient_checkpointing=false",
+    "memory.micro_batch_size=4",
+    "memory.gradient_accumulation=2",
+    "optimizer.name=adamw_torch",
+    "optimizer.lr=0.01",
+    "optimizer.warmup_ratio=0",
+    "optimizer.schedule=constant",
+    "adapter.dropout=0",
+    "training.max_steps=3",
+    "training.save_steps=100",
+    "training.logging_steps=1",
+]
+
+
+def tiny_sets(model: str, data: str, out: Path, *extra: str) -> list[str]:
+    return [f"model.name_or_path={model}", f"data.path={data}", f"training.output_dir={out}", *FAST, *extra]
+
+
+def tiny_run(model: str, data: str, out: Path, name: str, *extra: str, callbacks=None, choice=None):
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.train.run import prepare_run_dir, train
+
+    recipe = resolve("8gb", tiny_sets(model, data, out, *extra))
+    run_dir = prepare_run_dir(recipe, name, resume=False)
+    return train(recipe, run_dir, choice=choice or {"how": "test", "vram_gb": 8}, callbacks=callbacks)
+
+
+def memory_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "memory.jsonl").read_text().splitlines() if line.strip()]
+
+
+class FaultInjector(TrainerCallback):
+    """Raises `torch.OutOfMemoryError` where `fail(step, rows, training)` says, and records consumed sample ids.
+
+    A forward pre-hook sees each forward's rows; it raises before the forward runs (as an OOM in the first
+    allocation would) or records the rows' sample ids (the index of the row's tokens in the train dataset), so
+    `ids` lists the samples whose forward actually ran, in order. `fail_backward(step)` raises from the backward
+    of the first decoder layer (the last one backward reaches), when later layers' adapter gradients are already
+    accumulated.
+    """
+
+    def __init__(
+        self,
+        fail: Callable[[int, int, bool], bool] | None = None,
+        fail_backward: Callable[[int], bool] | None = None,
+    ):
+        self.fail = fail
+        self.fail_backward = fail_backward
+        self.ids: list[int] = []
+        self.raised: list[tuple[int, int, bool]] = []
+        self.state = None
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self.state = state
+        for i, row in enumerate(train_dataloader.dataset["input_ids"]):
+            self._index.setdefault(tuple(row), i)
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        layer = model.get_base_model().model.layers[0]
+        layer.register_full_backward_pre_hook(self._before_backward)
+
+    def _before_forward(self, module, args, kwargs):
+        step = self.state.global_step + 1
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        if self.fail is not None and self.fail(step, ids.shape[0], module.training):
+            self.raised.append((step, ids.shape[0], module.training))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        if module.training:
+            self.ids += [self._index[tuple(row[m.bool()].tolist())] for row, m in zip(ids, mask, strict=True)]
+
+    def _before_backward(self, module, grad_output):
+        step = self.state.global_step + 1
+        if self.fail_backward is not None and self.fail_backward(step):
+            self.raised.append((step, -1, True))
+            raise torch.OutOfMemoryError("CUDA out of memory in backward (injected by the test)")
+
+
+def once(*triggers: tuple[int, int]) -> Callable[[int, int, bool], bool]:
+    """Fail a training forward once for each (step, rows) trigger."""
+    pending = list(triggers)
+
+    def fail(step: int, rows: int, training: bool) -> bool:
+        if training and (step, rows) in pending:
+            pending.remove((step, rows))
+            return True
+        return False
+
+    return fail
