@@ -53,6 +53,13 @@ TRL_VOCAB_CHUNK = 32768
 # needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
+# memory.chunked_loss (lowmem_ft/train/losses.py CHUNK_FP32_BYTES, chunk_tokens_for): a chunk holds at most 64 MiB
+# of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary). Its working set, measured with PeakMemory in
+# scripts/bench_savers.py (fp32 compute, V 151,936, 2,047 tokens, benchmarks/savers_cpu.md): 0.185 GB = k·V·(c + 7)
+# — the chunk's logits in the compute dtype, an fp32 copy and exp(), less than the 12 B/logit of the full loss
+# because only per-token statistics outlive a chunk. bf16 compute is assumed to follow the same form (unmeasured).
+CHUNK_FP32_BYTES = 64 * 2**20
+CHUNK_BYTES_PER_LOGIT = 7
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
@@ -106,7 +113,7 @@ class Setup:
     max_seq_len: int = 1024
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
-    loss_chunk_tokens: int = 1024  # memory.chunked_loss: tokens per chunk
+    loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -359,9 +366,9 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
         b = n * v * (c + HF_LOSS_BYTES_PER_LOGIT)
         return b, b, "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
     if s.loss_impl == "chunked":
-        k = min(n, s.loss_chunk_tokens)
-        b = k * v * (c + HF_LOSS_BYTES_PER_LOGIT) + 4 * n * h
-        return b, b, f"one chunk of {k} tokens × vocab, fp32"
+        k = min(n, s.loss_chunk_tokens or max(1, CHUNK_FP32_BYTES // (4 * v)))
+        b = k * v * (c + CHUNK_BYTES_PER_LOGIT) + 4 * n * h
+        return b, b, f"one chunk of {k} tokens × vocab (lowmem_ft/train/losses.py), fp32 hidden gradient"
     rows, cols = min(n, TRL_TOKEN_CHUNK), min(v, TRL_VOCAB_CHUNK)
     tile = rows * cols
     mm_buf = c * rows * TRL_VOCAB_CHUNK
