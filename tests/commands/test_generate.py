@@ -20,7 +20,12 @@ def run_dir(tiny_model, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("runs")
     argv = ["train", "--vram", "8", "--model", tiny_model, "--data", CHAT, "--name", "g", "--no-wandb"]
     # the planner would pick 16-bit weights for a tiny model: fix QLoRA (kept as given) so merge reloads NF4 in 16-bit
-    for kv in ("model.quantization=nf4", "training.max_steps=3", "memory.gradient_accumulation=1", "optimizer.lr=0.003"):
+    for kv in (
+        "model.quantization=nf4",
+        "training.max_steps=3",
+        "memory.gradient_accumulation=1",
+        "optimizer.lr=0.003",
+    ):
         argv += ["--set", kv]
     assert main([*argv, "--set", f"training.output_dir={out}"]) == 0
     return str(out / "g")
