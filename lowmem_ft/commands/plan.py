@@ -17,7 +17,14 @@ def add_parser(sub) -> None:
     p.add_argument("--vram", type=float, required=True, metavar="GB", help="GPU memory to fit in, in GB")
     p.add_argument("--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (memory.max_seq_len)")
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (1 for now)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs to train on; the plan is per device")
+    p.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "ddp", "fsdp", "zero2", "zero3"],
+        help="with --gpus N: auto picks DDP when the model fits per device, else FSDP, then FSDP + CPU offload",
+    )
+    p.add_argument("--offload", action="store_true", default=None, help="plan with optimizer states in host RAM")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -43,7 +50,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--seq-len {args.seq_len}: must be at least 16 tokens")
     overrides = merge(parse_overrides(args.overrides), {"model": {"name_or_path": args.model}})
     result = plan_recipe(
-        vram_gb=args.vram, recipe=args.recipe, overrides=overrides, seq_len=args.seq_len, gpus=args.gpus
+        vram_gb=args.vram,
+        recipe=args.recipe,
+        overrides=overrides,
+        seq_len=args.seq_len,
+        gpus=args.gpus,
+        strategy=args.strategy,
+        offload=args.offload,
     )
     if args.output:
         Path(args.output).write_text(
@@ -64,8 +77,10 @@ def print_plan(result) -> None:
 
     est = result.estimate
     r = result.recipe
+    where = f"{result.vram_gb:g} GB" if result.gpus == 1 else f"{result.gpus} × {result.vram_gb:g} GB, per device"
+    how = "" if result.gpus == 1 else f" ({result.strategy}{' + offload' if result.offload else ''})"
     title = (
-        f"{r.model.name_or_path} on {result.vram_gb:g} GB: {r.adapter.kind}"
+        f"{r.model.name_or_path} on {where}{how}: {r.adapter.kind}"
         f"{'' if r.model.quantization == 'none' else ' + ' + r.model.quantization}, "
         f"batch {r.memory.micro_batch_size}×{r.memory.gradient_accumulation}, seq {r.memory.max_seq_len}"
     )
@@ -74,13 +89,18 @@ def print_plan(result) -> None:
     table.add_column("GB", justify="right")
     table.add_column("when")
     for c in est.components:
-        if c.bytes <= 0:
+        if c.bytes <= 0 or c.phase == "host":
             continue
         table.add_row(c.name, f"{c.gb:.2f}", c.phase)
     table.add_section()
     table.add_row("predicted peak", f"{est.peak_gb:.2f}", f"at the {est.peak_phase}")
     table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
     table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.fits else "DOES NOT FIT")
+    host = [c for c in est.components if c.phase == "host" and c.bytes > 0]
+    if host:
+        table.add_section()
+        for c in host:
+            table.add_row(c.name, f"{c.gb:.2f}", "host RAM, not on the device")
     console = Console()
     console.print(table)
     for knob, why in result.reasons.items():

@@ -127,7 +127,15 @@ def choose(args: argparse.Namespace, overrides: dict):
     from lowmem_ft.recipe.select import choose_recipe
 
     profile = _data_profile(args, overrides) if args.vram is not None else None
-    recipe, choice = choose_recipe(vram_gb=args.vram, recipe=args.recipe, overrides=overrides, profile=profile)
+    recipe, choice = choose_recipe(
+        vram_gb=args.vram,
+        recipe=args.recipe,
+        overrides=overrides,
+        profile=profile,
+        gpus=(args.gpus or 1) * args.nodes,  # the plan is per device; the world size divides the shards
+        strategy=args.strategy,
+        offload=args.offload or None,  # not given: the planner may offload as its last step
+    )
     _check_inputs(recipe)
     return recipe, choice
 
@@ -175,11 +183,19 @@ def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
         strategy=args.strategy,
         offload=args.offload,
         accelerate_args=args.accelerate_args,
+        planned=choice,
     )
     resume = run_dir is not None
     if run_dir is None:
         run_dir = prepare_run_dir(recipe, args.name, resume=False)
-    choice = {**choice, "gpus": plan.gpus, "nodes": plan.nodes, "strategy": plan.strategy, "why": plan.reason}
+    choice = {
+        **choice,
+        "gpus": plan.gpus,
+        "nodes": plan.nodes,
+        "strategy": plan.strategy,
+        "offload": plan.offload,
+        "why": plan.reason,
+    }
     cmd = launch.prepare(run_dir, recipe, plan, choice, resume)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")

@@ -17,7 +17,8 @@ from typing import Any
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, estimate, setup_from_recipe
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, setup_from_recipe
+from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
 from lowmem_ft.recipe.load import build, to_dict
 from lowmem_ft.recipe.schema import Recipe
 
@@ -28,6 +29,16 @@ from lowmem_ft.recipe.schema import Recipe
 # Chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
 COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05}
 SEQ_ROUND = 64  # max_seq_len is rounded up to a multiple of this (kernel-friendly shapes)
+# Strategies the planner tries in order for `--gpus N` (strategy, offload): replication first (only the gradient
+# all-reduce), then full sharding (an all-gather per layer), then host offload (PCIe copies every step) — each step
+# saves device memory at a cost in speed. A user-given --strategy keeps its strategy; offload stays a further step.
+STAGES: dict[str, tuple[tuple[str, bool], ...]] = {
+    "auto": (("ddp", False), ("fsdp", False), ("fsdp", True)),
+    "ddp": (("ddp", False),),
+    "fsdp": (("fsdp", False), ("fsdp", True)),
+    "zero2": (("zero2", False), ("zero2", True)),
+    "zero3": (("zero3", False), ("zero3", True)),
+}
 
 
 @dataclass
@@ -54,6 +65,9 @@ class Plan:
     vram_gb: float
     gpus: int
     reasons: dict[str, str] = field(default_factory=dict)
+    strategy: str = "single"  # single (one device) | ddp | fsdp | zero2 | zero3
+    offload: bool = False
+    share: DeviceShare | None = None  # the per-device split of the model states (gpus > 1)
 
     @property
     def margin_gb(self) -> float:
@@ -81,11 +95,39 @@ class Plan:
             "safety_margin_gb": self.margin_gb,
             "headroom_gb": round(self.headroom_gb, 3),
             "fits": self.fits,
+            "strategy": self.strategy,
+            "offload": self.offload,
+            **({"per_device": _share_dict(self.share)} if self.share is not None else {}),
             **self.estimate.to_dict(),
             "reasons": self.reasons,
             "notes": self.estimate.notes,
             "recipe": to_dict(self.recipe),
         }
+
+
+def _share_dict(share: DeviceShare) -> dict[str, Any]:
+    """Per-device GB of each kind of model state (estimate components say the same, named for the table)."""
+    keys = ("weights", "gradients", "optimizer", "gathered", "comm_buffers", "activations", "host")
+    out: dict[str, Any] = {f"{k}_gb": round(getattr(share, k) / GB, 4) for k in keys}
+    return {**out, "offload_optimizer": share.offload_optimizer, "offload_params": share.offload_params}
+
+
+def per_device_estimate(
+    arch: Architecture, s: Setup, gpus: int, strategy: str, offload: bool
+) -> tuple[Estimate, DeviceShare | None]:
+    """The estimate of one device: the single-device estimate when gpus == 1, else the strategy's share."""
+    est = estimate(arch, s)
+    if gpus == 1:
+        return est, None
+    full_shard = strategy in ("zero3", "fsdp")
+    share = per_device(
+        states_of(arch, s),
+        strategy,  # type: ignore[arg-type]
+        gpus,
+        offload_optimizer=offload,
+        offload_params=offload and strategy == "fsdp" and full_shard,  # FSDP CPUOffload moves both together
+    )
+    return device_estimate(arch, est, share), share
 
 
 def _get(d: dict, dotted: str) -> Any:
@@ -98,9 +140,60 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     d.setdefault(section, {})[key] = value
 
 
-def check(recipe: Recipe, arch: Architecture, vram_gb: float, gpus: int = 1) -> Plan:
-    """The estimate of a given recipe against a VRAM target (for `--recipe R --vram N`)."""
-    return Plan(recipe, estimate(arch, setup_from_recipe(recipe)), vram_gb, gpus, {"recipe": "as given"})
+def check(
+    recipe: Recipe, arch: Architecture, vram_gb: float, gpus: int = 1, strategy: str = "auto", offload: bool = False
+) -> Plan:
+    """The estimate of a given recipe against a VRAM target (for `--recipe R --vram N`): with several GPUs, the
+    first strategy stage that fits (else the last one tried)."""
+    s = setup_from_recipe(recipe)
+    if gpus == 1:
+        return Plan(recipe, estimate(arch, s), vram_gb, gpus, {"recipe": "as given"})
+    budget = vram_gb - recipe.memory.safety_margin_gb
+    tried = []
+    for strat, off in _stages(strategy, offload, recipe.optimizer.name, recipe.model.quantization):
+        est, share = per_device_estimate(arch, s, gpus, strat, off)
+        tried.append((strat, off, est, share))
+        if est.peak_gb <= budget:
+            break
+    strat, off, est, share = tried[-1]
+    reasons = {"recipe": "as given", "strategy": _strategy_reason(strat, off, strategy, gpus, tried, budget)}
+    return Plan(recipe, est, vram_gb, gpus, reasons, strat, off, share)
+
+
+def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantization: str | None) -> list:
+    """Strategy stages to try; offload only where the optimizer can step on the host, sharding not for int8."""
+    if strategy not in STAGES:
+        raise UserError(f"--strategy {strategy}: choose one of {', '.join(STAGES)}")
+    stages = [
+        (st, off)
+        for st, off in STAGES[strategy]
+        if (offload is None or off == offload)
+        and not (off and optimizer is not None and optimizer not in OFFLOAD_OPTIMIZERS)
+        and not (st != "ddp" and quantization == "int8")  # bnb int8 weights have no float storage to shard
+    ]
+    if not stages:
+        raise UserError(
+            f"--strategy {strategy}{' --offload' if offload else ''}: no runnable combination "
+            f"(offload needs optimizer.name adamw_torch or adafactor; int8 weights cannot be sharded)"
+        )
+    return stages
+
+
+def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, budget: float) -> str:
+    """Why this strategy: the per-device need of each stage tried before it."""
+    verb = {"ddp": "DDP (a full copy per device)", "fsdp": "FSDP full shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+    name = verb[strat] + (" + CPU offload" if off else "")
+    before = [f"{verb[t[0]] + (' + offload' if t[1] else '')} needs {t[2].peak_gb:.1f} GB" for t in tried[:-1]]
+    last = tried[-1][2].peak_gb
+    fits = last <= budget
+    why = f"{name} on {gpus} devices: {last:.1f} GB per device " + (
+        f"fits the {budget:.1f} GB budget" if fits else f"OVER the {budget:.1f} GB budget"
+    )
+    if before:
+        why += f" ({'; '.join(before)} per device, over the budget)"
+    elif strat == "ddp" and fits:
+        why += " — the model fits whole on each device, so only gradients are all-reduced"
+    return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")
 
 
 def choose_seq_len(recipe: Recipe, seq_len: int | None, profile: Any, fixed: dict) -> tuple[int, str]:
@@ -221,14 +314,19 @@ def plan(
     seq_len: int | None = None,
     profile: Any = None,
     fixed: dict | None = None,
+    strategy: str = "auto",
+    offload: bool | None = None,
 ) -> Plan:
     """The fastest configuration starting from `start` whose predicted peak fits under `vram_gb` − margin.
 
-    `fixed` is the nested dict of keys the user set (`--set`/flags); they are kept as given. Raises UserError with
-    the smallest configuration's need and what would fit when nothing does.
+    `fixed` is the nested dict of keys the user set (`--set`/flags); they are kept as given. With `gpus` > 1 the
+    peak is per device, and the strategy stages (`STAGES[strategy]`) are tried in order: the first stage where some
+    configuration fits wins, so DDP is kept whenever the model fits whole on each device. `offload` None lets the
+    planner offload as a last stage; True/False fixes it. Raises UserError with the smallest configuration's need
+    and what would fit when nothing does.
     """
-    if gpus != 1:
-        raise UserError(f"--gpus {gpus}: planning for more than one GPU is not supported yet; use one GPU")
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be at least 1")
     fixed = fixed or {}
     length, seq_reason = choose_seq_len(start, seq_len, profile, fixed)
     base = to_dict(start)
@@ -244,25 +342,58 @@ def plan(
         target_reason = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
     effective = start.memory.micro_batch_size * start.memory.gradient_accumulation * gpus
     budget = vram_gb - start.memory.safety_margin_gb
-    scored = []
-    for cand in _candidates(base, fixed, arch):
-        rec = _with(base, cand, effective, gpus)
-        est = estimate(arch, setup_from_recipe(rec))
-        scored.append((_cost(cand), est.peak_gb, cand, rec, est))
-    fitting = [x for x in scored if x[1] <= budget]
-    if not fitting:
-        raise UserError(_nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed))
-    fitting.sort(key=lambda x: (x[0], x[1]))
-    _, _, cand, rec, est = fitting[0]
-    fits_without = {"quantization": any(x[2]["model.quantization"] == "none" for x in fitting)}
-    result = Plan(rec, est, vram_gb, gpus, _reasons(rec, start, fixed, seq_reason, fits_without))
-    result.reasons["adapter"] += target_reason
-    return result
+    stages = (
+        [("single", False)]
+        if gpus == 1
+        else _stages(strategy, offload, _get(fixed, "optimizer.name"), _get(fixed, "model.quantization"))
+    )
+    tried: list = []  # (strategy, offload, smallest estimate, share) of each stage, for the reason line
+    scored: list = []
+    for strat, off in stages:
+        stage_base = base
+        if off and _get(fixed, "optimizer.name") is None:
+            stage_base = copy.deepcopy(base)  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
+            stage_base["optimizer"]["name"] = "adamw_torch"
+        stage_scored = []
+        for cand in _candidates(stage_base, fixed, arch):
+            if strat not in ("single", "ddp") and cand["model.quantization"] == "int8":
+                continue
+            if off and cand["optimizer.name"] not in OFFLOAD_OPTIMIZERS:
+                continue
+            rec = _with(stage_base, cand, effective, gpus)
+            est, share = per_device_estimate(arch, setup_from_recipe(rec), gpus, strat, off)
+            stage_scored.append((_cost(cand), est.peak_gb, cand, rec, est, share))
+        if not stage_scored:
+            continue
+        scored = stage_scored
+        smallest = min(scored, key=lambda x: x[1])
+        tried.append((strat, off, smallest[4], smallest[5]))
+        fitting = [x for x in scored if x[1] <= budget]
+        if not fitting:
+            continue
+        # Offloaded weights and states cross PCIe every step, which dwarfs the other costs: fewest host bytes first.
+        fitting.sort(key=lambda x: (x[5].host if off else 0.0, x[0], x[1]))
+        _, _, cand, rec, est, share = fitting[0]
+        fits_without = {"quantization": any(x[2]["model.quantization"] == "none" for x in fitting)}
+        result = Plan(rec, est, vram_gb, gpus, _reasons(rec, start, fixed, seq_reason, fits_without), strat, off, share)
+        result.reasons["adapter"] += target_reason
+        if off and _get(fixed, "optimizer.name") is None:
+            result.reasons["optimizer"] = f"{rec.optimizer.name}: offloaded states step on the host (bnb's need CUDA)"
+        if gpus > 1:
+            tried[-1] = (strat, off, est, share)
+            result.reasons["strategy"] = _strategy_reason(strat, off, strategy, gpus, tried, budget)
+            result.reasons["micro_batch_size"] += f" per device; × {gpus} devices = {effective} per optimizer step"
+        return result
+    if not tried:
+        raise UserError(f"--strategy {strategy}: no configuration of {arch.name or 'the model'} can use it")
+    stage = f" per device with {_strategy_reason(*tried[-1][:2], strategy, gpus, tried, budget)}" if gpus > 1 else ""
+    raise UserError(_nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) + stage)
 
 
 def _nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) -> str:
     smallest = min(scored, key=lambda x: x[1])
     cand, est = smallest[2], smallest[4]
+    strat, off = ("single", False) if smallest[5] is None else (smallest[5].strategy, smallest[5].offload_optimizer)
     length = base["memory"]["max_seq_len"]
     savings = [
         "NF4" if cand["model.quantization"] == "nf4" else cand["model.quantization"],
@@ -277,7 +408,8 @@ def _nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) -
         mid = (lo + hi) // 2
         d = copy.deepcopy(base)
         d["memory"]["max_seq_len"] = mid
-        if estimate(arch, setup_from_recipe(_with(d, cand, effective, gpus))).peak_gb <= budget:
+        setup = setup_from_recipe(_with(d, cand, effective, gpus))
+        if per_device_estimate(arch, setup, gpus, strat, off)[0].peak_gb <= budget:
             fits_len, lo = mid, mid + 1
         else:
             hi = mid - 1

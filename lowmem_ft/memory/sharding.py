@@ -17,6 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.estimate import (
+    DTYPE_BYTES,
+    Component,
+    Estimate,
+    Setup,
+    _trainable_tensors,  # the estimate's own list of trainable tensors, so both count the same parameters
+    optimizer_state_bytes,
+    weight_bytes,
+)
+
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -48,6 +59,14 @@ class ModelStates:
     largest_unit_params: float = 0.0  # parameters of the largest unit gathered at once (a decoder layer)
     largest_unit_bytes: float = 0.0  # its bytes as stored (NF4 layer: ~0.52 B/param); 0 → params × weight bytes
     largest_unit_trainable_params: float = 0.0  # of which trainable (their gradients are gathered too)
+    # Never sharded: bitsandbytes keeps NF4 quantization constants in `Params4bit.quant_state`, not in a parameter,
+    # so FSDP's flat parameters (and ZeRO's partitions) leave them whole on every device.
+    replicated_bytes: float = 0.0
+    # FSDP's root unit (embeddings, final norm, lm_head outside the wrapped layers) stays gathered from forward to
+    # backward: torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard` "Do not free the root's parameters
+    # in the post-forward for FULL_SHARD".
+    resident_unit_bytes: float = 0.0
+    resident_unit_trainable_params: float = 0.0
 
     @property
     def unit_bytes(self) -> float:
@@ -113,6 +132,7 @@ def per_device(
     p = states.trainable_params
     n = float(gpus)
     weights = states.frozen_weight_bytes + p * states.weight_bytes_per_param
+    replicated = states.replicated_bytes
     grads = p * states.grad_bytes_per_param
     step_state = p * (
         states.grad_accum_bytes_per_param + states.master_bytes_per_param + states.optimizer_bytes_per_param
@@ -131,6 +151,9 @@ def per_device(
         units = ZERO3_UNITS_GATHERED if strategy == "zero3" else FSDP_UNITS_GATHERED
         unit_grads = states.largest_unit_trainable_params * states.grad_bytes_per_param
         gathered = units * states.unit_bytes + unit_grads
+        if strategy == "fsdp" and states.resident_unit_bytes:
+            gathered += states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
+            notes.append(f"root unit (embeddings, lm_head) of {states.resident_unit_bytes / 1e9:.3g} GB kept gathered")
         if strategy == "zero3":
             # stage3.py: 4 × largest_layer_params = the layer's 16-bit parameters and gradients; and its 18 bytes
             # per parameter (2 params16 + 4 grads32 + 4 params32 + 8 Adam) carry no persistent 16-bit gradient
@@ -150,7 +173,7 @@ def per_device(
     return DeviceShare(
         strategy=strategy,
         gpus=gpus,
-        weights=weights,
+        weights=weights + replicated,
         gradients=grads,
         optimizer=step_state,
         gathered=gathered,
@@ -210,3 +233,83 @@ def choose(
         if share.device_bytes <= budget_bytes:
             return share, True
     return min(shares, key=lambda s: s.device_bytes), False
+
+
+# -- from the single-device estimate ------------------------------------------------------------------------------
+# Optimizers that can step on the host once their states are offloaded: bitsandbytes 8-bit and paged optimizers are
+# CUDA kernels (bitsandbytes optim/optimizer.py dispatches to lib.cadam* / cpaged*), torch's run anywhere.
+OFFLOAD_OPTIMIZERS = ("adamw_torch", "adafactor")
+
+
+def states_of(arch: Architecture, s: Setup) -> ModelStates:
+    """The model states of `estimate(arch, s)`, split by kind, with the unit FSDP / ZeRO-3 gathers at once.
+
+    Same functions as the estimate, so the per-device figures add up to its static components when N = 1.
+    NF4 linears: the packed 4-bit weight (0.5 B/param, stored in a float `bnb_4bit_quant_storage` dtype so FSDP can
+    flatten it) is sharded; the rest of `weight_bytes` (absmax / double-quant constants) is replicated.
+    """
+    c = DTYPE_BYTES[s.compute_dtype]
+    w_lin, w_rest, _ = weight_bytes(arch, s)
+    n_lin = arch.linear_params
+    shardable_lin = n_lin / 2 if s.quantization == "nf4" else (n_lin if s.quantization == "int8" else w_lin)
+    replicated = w_lin - shardable_lin
+    trainable = _trainable_tensors(arch, s)
+    n_train = float(sum(n for n, _ in trainable)) or 1.0
+    train_bytes = sum(n * e for n, e in trainable)
+    opt_on_device, _paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
+    layer_norms = arch.num_layers * arch.norm_params * c
+    root_bytes = w_rest - layer_norms  # embeddings, lm_head (once if tied), final norm
+    if s.adapter == "full":
+        return ModelStates(
+            trainable_params=n_train,
+            weight_bytes_per_param=c,
+            grad_bytes_per_param=train_bytes / n_train,
+            optimizer_bytes_per_param=opt_on_device / n_train,
+            largest_unit_params=arch.block_params,
+            largest_unit_bytes=arch.block_params * c,
+            largest_unit_trainable_params=arch.block_params,
+            resident_unit_bytes=root_bytes,
+            resident_unit_trainable_params=root_bytes / c,
+        )
+    lora_per_layer = n_train / arch.num_layers
+    return ModelStates(
+        frozen_weight_bytes=shardable_lin + w_rest,
+        trainable_params=n_train,
+        weight_bytes_per_param=4,  # fp32 LoRA (peft autocast_adapter_dtype)
+        grad_bytes_per_param=train_bytes / n_train,
+        optimizer_bytes_per_param=opt_on_device / n_train,
+        largest_unit_params=arch.block_params + lora_per_layer,
+        largest_unit_bytes=(shardable_lin + layer_norms) / arch.num_layers + 4 * lora_per_layer,
+        largest_unit_trainable_params=lora_per_layer,
+        replicated_bytes=replicated,
+        resident_unit_bytes=root_bytes,
+    )
+
+
+def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Estimate:
+    """`est` (one device holding everything) with its static state replaced by `share`: the peak per device.
+
+    Transient terms (activations, loss, dequantization buffer, optimizer temporaries) are per device already: the
+    micro batch is per device. An offloaded optimizer steps on the host, so its temporaries are kept here as an
+    upper bound (small for adapters).
+    """
+    static = sum(c.bytes for c in est.components if c.phase == "static")
+    what = {"ddp": "replicated", "zero1": "replicated", "zero2": "replicated"}.get(share.strategy, "1/N shard")
+    n = share.gpus
+    per = [
+        Component(f"weights ({what}{' → host' if share.offload_params else ''})", share.weights, "static",
+                  f"{share.strategy} on {n} devices (lowmem_ft.memory.sharding)"),
+        Component("gradients", share.gradients, "static", f"{share.strategy}: " + (
+            "replicated" if share.strategy in ("ddp", "zero1") else "reduce-scattered, 1/N")),
+        Component("optimizer states", share.optimizer, "static",
+                  "replicated" if share.strategy == "ddp" else "1/N shard (ZeRO / FSDP)"),
+        Component("gathered units (all-gather)", share.gathered, "static", "; ".join(share.notes)),
+        Component("DDP gradient buckets", share.comm_buffers, "static", "gradient_as_bucket_view=False"),
+    ]  # fmt: skip
+    if share.host:
+        per.append(Component("offloaded to host (per process)", share.host, "host", "CPU offload"))
+    rest = [c for c in est.components if c.phase != "static"]
+    device_static = sum(c.bytes for c in per if c.phase == "static")
+    notes = [*est.notes, f"per device: {share.strategy} over {n} devices"]
+    return Estimate(per + rest, est.setup, est.model_peak_bytes - static + device_static, est.overhead_bytes,
+                    est.peak_phase, notes)  # fmt: skip

@@ -49,6 +49,8 @@ def plan_recipe(
     seq_len: int | None = None,
     profile=None,
     gpus: int = 1,
+    strategy: str = "auto",
+    offload: bool | None = None,
 ):
     """The plan for `vram_gb`: planned from the tier recipe, or (with `recipe`) that recipe checked as given."""
     from lowmem_ft.memory.arch import load_architecture
@@ -64,8 +66,11 @@ def plan_recipe(
             start = resolve(
                 start_name, {**overrides, "memory": {**overrides.get("memory", {}), "max_seq_len": seq_len}}
             )
-        return check(start, arch, vram_gb, gpus)
-    return plan(arch, vram_gb, start, gpus=gpus, seq_len=seq_len, profile=profile, fixed=overrides)
+        return check(start, arch, vram_gb, gpus, strategy, bool(offload))
+    return plan(
+        arch, vram_gb, start, gpus=gpus, seq_len=seq_len, profile=profile, fixed=overrides,
+        strategy=strategy, offload=offload,
+    )  # fmt: skip
 
 
 def choose_recipe(
@@ -74,17 +79,24 @@ def choose_recipe(
     recipe: str | None,
     overrides: dict,
     profile=None,
+    gpus: int = 1,
+    strategy: str = "auto",
+    offload: bool | None = None,
 ) -> tuple[Recipe, dict]:
     """The recipe a run uses and a record of why: `--recipe` as given, else planned for `--vram`.
 
     `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
-    planner. With `--vram`, the record carries the plan (`predicted_peak_gb`, `budget_gb`, components, reasons).
+    planner. With `--vram`, the record carries the plan (`predicted_peak_gb`, `budget_gb`, components, reasons);
+    with `gpus` > 1 the figures are per device and `strategy` / `offload` say how the run is sharded.
     """
     if recipe is None and vram_gb is None:
         raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
     if vram_gb is None:
         return resolve(recipe, overrides), {"how": "recipe", "recipe": recipe, "vram_gb": None}
-    result = plan_recipe(vram_gb=vram_gb, recipe=recipe, overrides=overrides, profile=profile)
+    result = plan_recipe(
+        vram_gb=vram_gb, recipe=recipe, overrides=overrides, profile=profile, gpus=gpus, strategy=strategy,
+        offload=offload,
+    )  # fmt: skip
     record = {k: v for k, v in result.to_dict().items() if k != "recipe"}
     if recipe is not None:
         if not result.fits:

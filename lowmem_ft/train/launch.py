@@ -27,13 +27,14 @@ from typing import Any, Literal
 import yaml
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS
 from lowmem_ft.recipe.load import dump
 from lowmem_ft.recipe.schema import Recipe
 
 Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
 REQUESTED: tuple[str, ...] = ("auto", "ddp", "fsdp", "zero2", "zero3")
 # recipe optimizers that run on the CPU when offloaded: bitsandbytes 8-bit and paged optimizers are CUDA kernels
-CPU_OPTIMIZERS = ("adamw_torch", "adafactor")
+CPU_OPTIMIZERS = OFFLOAD_OPTIMIZERS
 
 
 @dataclass
@@ -67,8 +68,13 @@ def plan_launch(
     strategy: str = "auto",
     offload: bool = False,
     accelerate_args: list[str] | None = None,
+    planned: dict | None = None,
 ) -> LaunchPlan:
-    """Resolve the strategy and check that the installed stack can run it; a UserError says why not."""
+    """Resolve the strategy and check that the installed stack can run it; a UserError says why not.
+
+    `planned` is the record of `choose_recipe`: with --vram (gpus > 1) the planner chose the strategy and offload
+    from the per-device memory model (`lowmem_ft.memory.planner`), and a user-given --strategy was checked there.
+    """
     if gpus < 1 or nodes < 1:
         raise UserError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
     if strategy not in REQUESTED:
@@ -78,7 +84,11 @@ def plan_launch(
     if not cpu and gpus > devices:
         raise UserError(f"--gpus {gpus}: this machine has {devices} CUDA device(s); pass --gpus {devices} or fewer")
     reason = "as asked (--strategy)"
-    if strategy == "auto":
+    planned = planned or {}
+    if planned.get("strategy") not in (None, "single"):
+        strategy, offload = planned["strategy"], bool(planned.get("offload"))
+        reason = planned.get("reasons", {}).get("strategy", reason)
+    elif strategy == "auto":
         strategy, reason = auto_strategy(recipe, offload)
     plan = LaunchPlan(gpus, nodes, strategy, offload, cpu, reason, list(accelerate_args or []))
     check(recipe, plan)
@@ -86,11 +96,8 @@ def plan_launch(
 
 
 def auto_strategy(recipe: Recipe, offload: bool) -> tuple[str, str]:
-    """DDP unless something asks for sharding: offload needs it, and a full fine-tune replicates 16+ B/param.
-
-    The per-device memory arithmetic for choosing by fit lives in `lowmem_ft.memory.sharding.choose`; until the
-    planner passes it the model's states, this is the rule of thumb it would reach for adapters (LoRA states are
-    small, so replicating them costs little).
+    """Without --vram there is no budget to plan against: DDP unless offload asks for sharding or a full fine-tune
+    replicates 16+ B/param. With --vram the planner's per-device choice is used instead (see `plan_launch`).
     """
     if offload:
         return "fsdp", "offload asked: FSDP offloads parameters and optimizer states to host memory"

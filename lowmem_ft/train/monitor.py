@@ -14,6 +14,12 @@ Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; eve
 Reading these is host-side bookkeeping (no device synchronisation), so a sample costs microseconds; the measured
 overhead is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
 
+Several processes (`train --gpus N`): every rank samples its own device. Rank 0 writes `memory.jsonl` (what the
+report reads), rank R > 0 writes `memory.rank{R}.jsonl` beside it — one writer per file, so no appends interleave
+across processes or nodes — and every record carries `rank`. W&B is rank 0's; at the end of training the ranks
+all-gather their run peaks (one collective), which rank 0 logs as `memory/rank{R}/peak_gb` and records in
+memory.jsonl as a `rank_peaks` event.
+
 The monitor also watches the safety margin (headroom under the budget; warns once naming what grew, then asks the
 guard to step the batch down before an OOM comes) and warns once per phase when allocated memory grows step after
 step (a leak).
@@ -97,6 +103,11 @@ class MemoryReader:
         return {k: round(v, 5) for k, v in out.items()}
 
 
+def memory_file(rank: int) -> str:
+    """memory.jsonl for rank 0 (and a single process), memory.rank{R}.jsonl for the others."""
+    return "memory.jsonl" if rank == 0 else f"memory.rank{rank}.jsonl"
+
+
 def used_gb(sample: dict[str, Any]) -> float | None:
     """Memory a sample holds against the budget: the allocator's high-water mark plus what NVML sees beyond it
     (CUDA context, other processes, unified memory) — all of it counts against a card of the budget's size."""
@@ -147,7 +158,8 @@ class MemoryMonitor(TrainerCallback):
         guard: `OOMGuard` asked to step the batch down when headroom keeps falling under the margin.
         reader: returns one sample's figures; `MemoryReader()` by default (tests pass synthetic ones).
         use_wandb: log to the active W&B run (transformers' WandbCallback starts it).
-        write: write memory.jsonl (False on the non-zero ranks of a multi-GPU run).
+        write: write the memory file at all.
+        rank, world_size: this process in a multi-process run (default: torchrun's RANK / WORLD_SIZE).
 
     The budget is the `--vram` target itself (else the device's total); the planner's `budget_gb` in plan.json is
     this minus the margin — the bottom edge of the margin band.
@@ -165,8 +177,14 @@ class MemoryMonitor(TrainerCallback):
         use_wandb: bool = False,
         info: dict[str, Any] | None = None,
         write: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
     ):
-        self.path = Path(run_dir) / "memory.jsonl"
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.path = Path(run_dir) / memory_file(self.rank)
+        self._tag = {"rank": self.rank} if self.world_size > 1 else {}  # single process: records as before
+        self.run_peak_gb = 0.0
         self.predicted_peak_gb = predicted_peak_gb
         self.budget_gb = budget_gb
         self.margin_gb = margin_gb
@@ -203,10 +221,12 @@ class MemoryMonitor(TrainerCallback):
     def sample(self, phase: str, **extra: Any) -> dict[str, Any]:
         """Read memory now, record it, check margin and leaks; returns the record."""
         record = {"step": self._step(phase), "phase": phase, "t": round(time.perf_counter() - self._t0, 4)}
+        record |= self._tag
         if self.guard is not None:
             record["micro_batch"] = self.guard.sub_batch
         record |= self.reader()
         record |= extra
+        self.run_peak_gb = max(self.run_peak_gb, record.get("peak_gb", record.get("rss_gb", 0.0)))
         self._write(record)
         self._step_samples.append(record)
         self._check_margin(record)
@@ -215,7 +235,7 @@ class MemoryMonitor(TrainerCallback):
     def event(self, kind: str, message: str, level: int = logging.WARNING, **info: Any) -> dict[str, Any]:
         """Record something that happened (OOM recovered, margin warning, leak) in memory.jsonl, W&B and the log."""
         step = info.pop("step", None) or self._step("forward")  # default: the step in progress
-        record = {"event": kind, "step": step, "t": round(time.perf_counter() - self._t0, 4)}
+        record = {"event": kind, "step": step, "t": round(time.perf_counter() - self._t0, 4), **self._tag}
         record |= info
         record["message"] = message
         self.events.append(record)
@@ -316,7 +336,7 @@ class MemoryMonitor(TrainerCallback):
 
     # -- W&B --------------------------------------------------------------------------------------------------------
     def _wandb_run(self):
-        if not self.use_wandb:
+        if not self.use_wandb or self.rank != 0:  # one W&B run: rank 0's (it carries the other ranks' peaks)
             return None
         try:
             import wandb
@@ -366,6 +386,7 @@ class MemoryMonitor(TrainerCallback):
             {
                 "event": "start",
                 "step": state.global_step,
+                **self._tag,
                 "predicted_peak_gb": self.predicted_peak_gb,
                 "budget_gb": self.budget_gb,
                 "safety_margin_gb": self.margin_gb,
@@ -394,7 +415,30 @@ class MemoryMonitor(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.sample("save")
 
+    def rank_peaks(self) -> list[float] | None:
+        """Every rank's run peak (GB; host RSS without CUDA), all-gathered: call on all ranks together."""
+        from torch import distributed as dist
+
+        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        peaks: list[float] = [0.0] * dist.get_world_size()
+        dist.all_gather_object(peaks, self.run_peak_gb)
+        return peaks
+
     def on_train_end(self, args, state, control, **kwargs):
+        peaks = self.rank_peaks()
+        if peaks is not None and self.rank == 0:
+            self.event(
+                "rank_peaks",
+                "memory peak per rank: " + ", ".join(f"rank {r} {p:.2f} GB" for r, p in enumerate(peaks)),
+                level=logging.INFO,
+                step=state.global_step,
+                peaks_gb=peaks,
+            )
+            run = self._wandb_run()
+            if run is not None:
+                for r, p in enumerate(peaks):
+                    run.summary[f"memory/rank{r}/peak_gb"] = p
         run = self._wandb_run()
         if run is not None:
             from lowmem_ft.report import load_memory, summarize

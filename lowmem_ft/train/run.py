@@ -254,7 +254,7 @@ def make_trainer(
         margin_gb=m.safety_margin_gb if margin is None else margin,
         guard=guard,
         use_wandb=use_wandb,
-        write=is_main_process(),  # under `train --gpus` rank 0 writes memory.jsonl (of its own device)
+        # under `train --gpus` each rank writes its own device's file (memory.jsonl on rank 0, memory.rank{R}.jsonl)
     )
     return partial(MemorySafeSFTTrainer, guard=guard, monitor=monitor, callbacks=[monitor, *(callbacks or [])])
 

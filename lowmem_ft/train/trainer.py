@@ -15,21 +15,37 @@ the effective batch; and an eval OOM shrinks the train batch (transformers #3221
 - Batch 1 with checkpointing failing: save a checkpoint of the last completed optimizer step and raise
   `guard.OutOfMemory` (one line, exit 2) with the memory at the failure.
 - An OOM in evaluation halves the eval batch and retries the evaluation; the train batch is untouched.
+- Several processes (`train --gpus N`): after each micro batch attempt the ranks all-reduce which of them ran out
+  of memory (one small collective), so every rank steps down and redoes the same micro batch together. Under DDP
+  each attempt runs in `no_sync` and the gradients are averaged by one flat all-reduce once the optimizer step's
+  last micro batch succeeded everywhere: a rank that fails mid-backward would otherwise leave the others waiting in
+  DDP's bucket all-reduce. FSDP / ZeRO gather weights inside forward and backward, so there an OOM is agreed on
+  only when it leaves every rank's collectives complete (not the case for an OOM between two all-gathers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 from typing import Any
 
 import torch
+from torch import distributed as dist
 from trl import SFTTrainer
 
 from lowmem_ft.train.guard import OOMGuard, OutOfMemory, free_memory, label_count, split_batch
 from lowmem_ft.train.monitor import MemoryMonitor, breakdown
 
 log = logging.getLogger(__name__)
+# Test hook: "RANK:STEP" makes that rank raise an out-of-memory error once, after the forward of optimizer step STEP
+# (tests/train/test_launch.py: one rank fails, both must step down together).
+INJECT_OOM_ENV = "LOWMEM_FT_TEST_OOM"
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def add_perplexity(logs: dict[str, float]) -> None:
@@ -61,6 +77,8 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self._window_step = -1
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
         self._loss_weight = 1.0
+        inject = os.environ.get(INJECT_OOM_ENV, "")
+        self._inject = tuple(map(int, inject.split(":"))) if inject else None
 
     # -- training -------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -74,6 +92,9 @@ class MemorySafeSFTTrainer(SFTTrainer):
         if not model.training:
             return result
         self._grads_dirty = True  # the backward of this loss comes next
+        if self._inject is not None and self._inject == (self.monitor.rank, self.state.global_step + 1):
+            self._inject = None
+            raise torch.OutOfMemoryError(f"{INJECT_OOM_ENV}: injected out of memory")
         if self._loss_weight == 1.0:
             return result
         if return_outputs:
@@ -110,34 +131,67 @@ class MemorySafeSFTTrainer(SFTTrainer):
                 del values[lengths[key] :]
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
+    def _oom_ranks(self, failed: bool) -> list[int]:
+        """Ranks that ran out of memory in this attempt, agreed by all (one all-reduce of a world-sized flag)."""
+        flags = torch.zeros(world_size(), dtype=torch.int32, device=self.args.device)
+        flags[self.monitor.rank] = int(failed)
+        dist.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
+    def _average_gradients(self, model) -> None:
+        """DDP's gradient average, done once per optimizer step after every rank's micro batches succeeded."""
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= world_size()
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(synced)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._window_step != self.state.global_step:  # a new optimizer step: its gradients start from zero
             self._window, self._window_step, self._grads_dirty = [], self.state.global_step, False
+        several = world_size() > 1
+        ddp = several and isinstance(model, torch.nn.parallel.DistributedDataParallel)
         replay = False
         while True:
             saved = self._metric_state()
             failure: dict[str, Any] | None = None
             try:
-                if replay:
-                    model.zero_grad(set_to_none=True)
-                    self._grads_dirty = False
-                    for past_inputs, past_items in self._window:
-                        self._run_micro_batch(model, past_inputs, past_items)
-                    self._restore_metrics(saved)  # replayed batches were already counted
-                    saved = self._metric_state()
+                with model.no_sync() if ddp else contextlib.nullcontext():
+                    loss = self._attempt(model, inputs, num_items_in_batch, replay, saved)
                     replay = False
-                loss = self._run_micro_batch(model, inputs, num_items_in_batch)
-                break
             except torch.OutOfMemoryError as exc:
                 # Read memory while the failed step still holds it; keep no reference to the exception.
                 failure = {"error": str(exc).splitlines()[0][:200], **self.monitor.reader()}
+            if several:
+                ranks = self._oom_ranks(failure is not None)
+                if ranks and failure is None:  # this rank succeeded, another did not: redo it together
+                    failure = {"error": f"out of memory on rank {', '.join(map(str, ranks))}", **self.monitor.reader()}
+                if failure is not None:
+                    failure["ranks"] = ranks
+            if failure is None:
+                break
             self._restore_metrics(saved)
             replay = replay or self._grads_dirty
             free_memory()
             self._step_down(model, failure)
+        if ddp and self.accelerator.sync_gradients:
+            self._average_gradients(model)
         self._window.append((inputs, num_items_in_batch))
         self._grads_dirty = False
         return loss
+
+    def _attempt(self, model, inputs, num_items_in_batch, replay: bool, saved) -> torch.Tensor:
+        """One try at the micro batch: replay the optimizer step's earlier micro batches first if asked."""
+        if replay:
+            model.zero_grad(set_to_none=True)
+            self._grads_dirty = False
+            for past_inputs, past_items in self._window:
+                self._run_micro_batch(model, past_inputs, past_items)
+            self._restore_metrics(saved)  # replayed batches were already counted
+        return self._run_micro_batch(model, inputs, num_items_in_batch)
 
     def _step_down(self, model, failure: dict[str, Any]) -> None:
         before = self.guard.describe()

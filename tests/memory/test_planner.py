@@ -76,3 +76,58 @@ def test_estimate_components_respond_to_knobs():
     assert off["checkpointed layer inputs (offloaded to host)"] == 0
     full = estimate(QWEN7, Setup(adapter="full", quantization="none", optimizer="adamw_torch")).by_name()
     assert full["optimizer states (adamw_torch)"] == pytest.approx(4 * QWEN7.total_params, rel=1e-6)
+
+
+# -- several GPUs: the plan is per device ------------------------------------------------------------------------
+def _qlora(name):
+    overrides = {"model": {"name_or_path": name, "quantization": "nf4"}}
+    return load_architecture(name), resolve("24gb", overrides), overrides
+
+
+def test_72b_qlora_on_4x24_needs_fsdp():
+    arch, start, fixed = _qlora("Qwen/Qwen2.5-72B")
+    p = plan(arch, 24, start, fixed=fixed, gpus=4)
+    assert p.strategy == "fsdp" and not p.offload and p.fits
+    with pytest.raises(UserError, match="per device with DDP"):
+        plan(arch, 24, start, fixed=fixed, gpus=4, strategy="ddp")
+    # the NF4 base (~36 GB of packed weights + 5 GB of 16-bit embeddings/head) is divided over 4, constants are not
+    share = p.share
+    assert share is not None and 10 < share.weights / 1e9 < 12.5
+    assert p.to_dict()["per_device"]["gathered_gb"] > 5  # the root unit (embeddings + lm_head) stays gathered
+    assert "DDP" in p.reasons["strategy"] and "over the budget" in p.reasons["strategy"]
+
+
+def test_7b_qlora_on_2x24_stays_ddp():
+    arch, start, fixed = _qlora("Qwen/Qwen2.5-7B")
+    p = plan(arch, 24, start, fixed=fixed, gpus=2)
+    assert p.strategy == "ddp" and p.fits and "fits whole" in p.reasons["strategy"]
+    one = plan(arch, 24, start, fixed=fixed)
+    # DDP keeps everything of one device and adds its gradient buckets (one more copy of the LoRA gradients)
+    grads = one.estimate.by_name()["gradients"]
+    assert p.share.comm_buffers == pytest.approx(grads)
+    assert p.recipe.memory.gradient_accumulation * 2 * p.recipe.memory.micro_batch_size >= (
+        one.recipe.memory.gradient_accumulation * one.recipe.memory.micro_batch_size
+    )
+
+
+def test_per_device_states_add_up_on_one_device():
+    """With N = 1 the split of the states is the single-device estimate's static part, kind by kind."""
+    from lowmem_ft.memory.sharding import per_device, states_of
+
+    arch = load_architecture("Qwen/Qwen2.5-7B")
+    for setup in (Setup(max_seq_len=512), Setup(quantization="none", adapter="full", optimizer="adamw_torch")):
+        est = estimate(arch, setup)
+        static = sum(c.bytes for c in est.components if c.phase == "static")
+        share = per_device(states_of(arch, setup), "zero1", 1)  # zero1 on 1 device: no buckets, nothing gathered
+        assert share.weights + share.gradients + share.optimizer == pytest.approx(static, rel=1e-9)
+
+
+def test_offload_is_the_last_step_and_moves_states_to_host():
+    arch, start, fixed = _qlora("Qwen/Qwen2.5-72B")
+    fixed = {**fixed, "memory": {"max_seq_len": 1024}}
+    p = plan(arch, 16, start, fixed=fixed, gpus=2)
+    assert p.strategy == "fsdp" and p.offload
+    assert p.recipe.optimizer.name == "adamw_torch"  # bitsandbytes optimizers cannot step on the host
+    assert p.share.host > 0 and p.share.weights < 2e9  # only the replicated NF4 constants stay
+    with pytest.raises(UserError, match="FSDP full shard"):
+        plan(arch, 16, start, fixed=fixed, gpus=2, offload=False)

@@ -12,6 +12,7 @@ from lowmem_ft.cli import main
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train import launch
+from lowmem_ft.train.trainer import INJECT_OOM_ENV
 
 DATA = str(Path(__file__).parents[2] / "examples" / "chat.jsonl")
 
@@ -27,9 +28,15 @@ def _argv(out, tiny_model, *extra):
 
 
 @pytest.mark.slow
-def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd):
-    """QLoRA (NF4 base, the 8 GB recipe) under DDP: two gloo ranks through `accelerate launch`, one run dir."""
-    assert main(_argv(tmp_path, tiny_model, "--gpus", "2", "--name", "ddp")) == 0
+def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd, monkeypatch):
+    """QLoRA (NF4 base, the 8 GB recipe) under DDP: two gloo ranks through `accelerate launch`, one run dir.
+
+    Rank 1 runs out of memory once (injected after the forward of step 2): both ranks must step down together and
+    finish the same steps, each logging its own memory file.
+    """
+    monkeypatch.setenv(INJECT_OOM_ENV, "1:2")
+    argv = _argv(tmp_path, tiny_model, "--gpus", "2", "--name", "ddp", "--set", "memory.micro_batch_size=2")
+    assert main(argv) == 0
     out = capfd.readouterr().out  # the launched processes write to the file descriptors
     run = tmp_path / "ddp"
     assert f"relaunch by hand: {launch.launcher()[0]}" in out
@@ -51,6 +58,21 @@ def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd):
     assert json.loads((run / "run.json").read_text())["choice"]["gpus"] == 2
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in adapter.items())  # B starts at zero: it trained
+
+    # per-rank memory logs: rank-tagged records, the OOM of rank 1 stepped both ranks down at step 2
+    for rank, name in ((0, "memory.jsonl"), (1, "memory.rank1.jsonl")):
+        records = [json.loads(line) for line in (run / name).read_text().splitlines()]
+        assert records and all(r["rank"] == rank for r in records), name
+        oom = [r for r in records if r.get("event") == "oom_recovered"]
+        assert len(oom) == 1 and oom[0]["step"] == 2 and oom[0]["memory"]["ranks"] == [1], name
+        assert "micro batch 2 → 1" in oom[0]["action"]
+        assert max(r["step"] for r in records if "phase" in r) == 2
+        after = [r for r in records if r.get("phase") == "forward" and r["t"] > oom[0]["t"]]
+        assert after and {r["micro_batch"] for r in after} == {1}  # the redone micro batch ran as 2 × 1 row
+    peaks = [
+        r for r in map(json.loads, (run / "memory.jsonl").read_text().splitlines()) if r.get("event") == "rank_peaks"
+    ]
+    assert len(peaks) == 1 and len(peaks[0]["peaks_gb"]) == 2 and min(peaks[0]["peaks_gb"]) > 0
 
 
 @pytest.fixture
