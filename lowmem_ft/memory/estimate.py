@@ -471,3 +471,29 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         comps.append(Component("allocator rounding/fragmentation", alloc, "overhead", "10% of transient peak"))
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + alloc
     return Estimate(comps, s, model_peak, overhead, phase, notes, phases)
+
+
+def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
+    """Peak of one evaluation forward during training, overheads included: the eval batch size's memory.
+
+    Evaluation runs under `torch.no_grad()` between optimizer steps, so the static memory is the training one minus
+    the gradients (transformers' Trainer zeroes them with `set_to_none`), and nothing is kept for backward: the
+    working set is one layer's tensors in flight (bounded by what that layer saves when training — the same
+    tensors, created and freed in turn), the residual stream and layer output, the final norm and loss input, and
+    the forward of the loss (TRL's fused head also runs in evaluation). Derived from the calibrated training terms,
+    not measured on its own.
+    """
+    from dataclasses import replace
+
+    train = estimate(arch, s)
+    static = sum(x.bytes for x in train.components if x.phase == "static" and x.name != "gradients")
+    es = replace(s, micro_batch_size=batch, gradient_checkpointing=False, activation_offloading=False, lora_dropout=0.0)
+    c, t = DTYPE_BYTES[s.compute_dtype], es.tokens
+    loss_fwd, _, _ = loss_bytes(arch, es)
+    dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
+    working = layer_activation_bytes(arch, es) * t + 2 * c * arch.hidden_size * t + head_saved_bytes(arch, es) * t
+    transient = working + loss_fwd + dequant
+    overhead = 0.0
+    if s.device == "cuda":
+        overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_FRACTION * transient
+    return static + transient + overhead

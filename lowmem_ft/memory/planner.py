@@ -17,7 +17,7 @@ from typing import Any
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, setup_from_recipe
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, setup_from_recipe
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
 from lowmem_ft.recipe.load import build, to_dict
 from lowmem_ft.recipe.schema import Recipe
@@ -379,6 +379,7 @@ def plan(
         result.reasons["adapter"] += target_reason
         if off and _get(fixed, "optimizer.name") is None:
             result.reasons["optimizer"] = f"{rec.optimizer.name}: offloaded states step on the host (bnb's need CUDA)"
+        result.reasons["eval_batch_size"] = _choose_eval_batch(arch, rec, budget, fixed, gpus)
         if gpus > 1:
             tried[-1] = (strat, off, est, share)
             result.reasons["strategy"] = _strategy_reason(strat, off, strategy, gpus, tried, budget)
@@ -388,6 +389,23 @@ def plan(
         raise UserError(f"--strategy {strategy}: no configuration of {arch.name or 'the model'} can use it")
     stage = f" per device with {_strategy_reason(*tried[-1][:2], strategy, gpus, tried, budget)}" if gpus > 1 else ""
     raise UserError(_nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) + stage)
+
+
+def _choose_eval_batch(arch: Architecture, rec: Recipe, budget_gb: float, fixed: dict, gpus: int) -> str:
+    """Set `rec.memory.eval_batch_size`: the largest of 8×, 4×, 2×, 1× the micro batch (at most 64) whose eval
+    forward fits the budget — evaluation keeps no activations for backward, so it can batch wider than training."""
+    m = rec.memory
+    if _get(fixed, "memory.eval_batch_size"):
+        return f"{m.eval_batch_size} (set by you)"
+    if gpus > 1:
+        m.eval_batch_size = m.micro_batch_size
+        return f"{m.micro_batch_size}: the micro batch (per-device eval planning is not modelled for sharded runs)"
+    setup = setup_from_recipe(rec)
+    need = {b: eval_peak_bytes(arch, setup, b) / GB for b in {min(64, m.micro_batch_size * f) for f in (8, 4, 2, 1)}}
+    m.eval_batch_size = max((b for b, gb in need.items() if gb <= budget_gb), default=m.micro_batch_size)
+    return (
+        f"{m.eval_batch_size}: eval forward needs {need[m.eval_batch_size]:.2f} GB (no gradients or saved activations)"
+    )
 
 
 def _nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) -> str:

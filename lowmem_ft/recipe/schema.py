@@ -94,7 +94,7 @@ class MemorySection:
     )
     eval_batch_size: int = _f(
         0,
-        "Samples per evaluation forward; 0 = chosen automatically (today: micro_batch_size). Eval keeps no "
+        "Samples per evaluation forward; 0 = automatic (the planner's choice under --vram, else micro_batch_size). Eval keeps no "
         "gradients or optimizer states, but its logits are a peak of their own.",
     )
 

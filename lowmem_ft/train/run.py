@@ -88,11 +88,8 @@ def wandb_logged_in() -> bool:
 
 
 def eval_batch_size(recipe: Recipe) -> int:
-    """Samples per evaluation forward: the recipe's `memory.eval_batch_size`, or automatic when it is 0.
-
-    Automatic is the micro batch for now, which always fits (eval holds no gradients or optimizer states);
-    the planner can pick a larger one from the eval logits peak here.
-    """
+    """Samples per evaluation forward: the recipe's `memory.eval_batch_size` (under `--vram` the planner sets it from
+    the eval forward's peak, `memory.planner._choose_eval_batch`), or the micro batch when it is 0."""
     return recipe.memory.eval_batch_size or recipe.memory.micro_batch_size
 
 

@@ -131,3 +131,26 @@ def test_offload_is_the_last_step_and_moves_states_to_host():
     assert p.share.host > 0 and p.share.weights < 2e9  # only the replicated NF4 constants stay
     with pytest.raises(UserError, match="FSDP full shard"):
         plan(arch, 16, start, fixed=fixed, gpus=2, offload=False)
+
+
+def test_eval_batch_is_the_widest_whose_eval_forward_fits():
+    from lowmem_ft.memory.estimate import GB, eval_peak_bytes, setup_from_recipe
+
+    arch = load_architecture("Qwen/Qwen2.5-7B")
+    p = plan(arch, 24, resolve("24gb"))
+    m = p.recipe.memory
+    assert m.eval_batch_size >= m.micro_batch_size
+    setup = setup_from_recipe(p.recipe)
+    assert eval_peak_bytes(arch, setup, m.eval_batch_size) / GB <= p.budget_gb
+    wider = min(64, m.eval_batch_size * 2)
+    if wider > m.eval_batch_size and wider <= 8 * m.micro_batch_size:
+        assert eval_peak_bytes(arch, setup, wider) / GB > p.budget_gb
+    # no gradients or saved activations: an eval forward at the training batch needs less than the training step
+    assert eval_peak_bytes(arch, setup, m.micro_batch_size) < p.estimate.peak_bytes
+    assert "eval forward needs" in p.reasons["eval_batch_size"]
+
+
+def test_eval_batch_set_by_the_user_is_kept():
+    p = plan(load_architecture("Qwen/Qwen2.5-7B"), 24, resolve("24gb", {"memory": {"eval_batch_size": 3}}),
+             fixed={"memory": {"eval_batch_size": 3}})  # fmt: skip
+    assert p.recipe.memory.eval_batch_size == 3 and "set by you" in p.reasons["eval_batch_size"]
