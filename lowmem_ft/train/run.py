@@ -319,7 +319,8 @@ def train(
         run_info["eval"] = {
             "records": len(eval_ds),
             "batch_size": args.per_device_eval_batch_size,
-            "batch_size_from": "recipe" if recipe.memory.eval_batch_size else "auto (micro_batch_size)",
+            "batch_size_from": choice.get("reasons", {}).get("eval_batch_size")
+            or ("recipe" if recipe.memory.eval_batch_size else "micro_batch_size"),
             "eval_steps": args.eval_steps,
             "save_steps": args.save_steps,
             "best_by": "eval_loss",
