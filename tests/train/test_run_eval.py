@@ -68,7 +68,7 @@ def test_train_with_held_out_eval_keeps_best_checkpoint(tiny_model, chat_data, t
     assert info["eval"] == {
         "records": 24,
         "batch_size": 3,
-        "batch_size_from": "recipe",
+        "batch_size_from": "3 (set by you)",
         "eval_steps": 2,
         "save_steps": 2,
         "best_by": "eval_loss",
