@@ -317,6 +317,40 @@ def plan(
     strategy: str = "auto",
     offload: bool | None = None,
 ) -> Plan:
+    """`plan_once`, and when the data's p99 length (the planner's own choice) does not fit, the longest length
+    that does: longer samples then follow `data.truncate`, and the reason line says how many that cuts."""
+    kw = dict(gpus=gpus, strategy=strategy, offload=offload)
+    try:
+        return plan_once(arch, vram_gb, start, seq_len=seq_len, profile=profile, fixed=fixed, **kw)
+    except UserError:
+        if profile is None or seq_len or _get(fixed or {}, "memory.max_seq_len"):
+            raise
+        wanted, _ = choose_seq_len(start, None, profile, fixed or {})
+        fit = max_seq_len(arch, vram_gb, start, fixed or {}, limit=wanted, **kw)
+        if not fit:
+            raise
+    result = plan_once(arch, vram_gb, start, seq_len=fit, fixed=fixed, **kw)
+    prof = LengthProfile.from_any(profile)
+    cut = ""
+    if hasattr(profile, "over"):  # lowmem_ft.data.LengthProfile knows every sample's length
+        samples, tokens = profile.over(fit)
+        cut = f"; {samples} samples longer, {tokens} tokens beyond it (data.truncate={start.data.truncate})"
+    result.reasons["max_seq_len"] = f"{fit} tokens: the longest that fits (p99 {prof.p99} does not){cut}"
+    return result
+
+
+def plan_once(
+    arch: Architecture,
+    vram_gb: float,
+    start: Recipe,
+    *,
+    gpus: int = 1,
+    seq_len: int | None = None,
+    profile: Any = None,
+    fixed: dict | None = None,
+    strategy: str = "auto",
+    offload: bool | None = None,
+) -> Plan:
     """The fastest configuration starting from `start` whose predicted peak fits under `vram_gb` − margin.
 
     `fixed` is the nested dict of keys the user set (`--set`/flags); they are kept as given. With `gpus` > 1 the
@@ -443,13 +477,13 @@ def _nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) -
     )
 
 
-def max_seq_len(arch: Architecture, vram_gb: float, start: Recipe, fixed: dict, limit: int = 262144) -> int:
+def max_seq_len(arch: Architecture, vram_gb: float, start: Recipe, fixed: dict, limit: int = 262144, **kw: Any) -> int:
     """The longest max_seq_len (multiple of 16) for which the planner finds a fitting configuration, else 0."""
     lo, hi, best = 16, limit, 0
     while lo <= hi:
         mid = (lo + hi) // 2 // 16 * 16 or 16
         try:
-            plan(arch, vram_gb, start, seq_len=mid, fixed=fixed)
+            plan_once(arch, vram_gb, start, seq_len=mid, fixed=fixed, **kw)
             best, lo = mid, mid + 16
         except UserError:
             hi = mid - 16

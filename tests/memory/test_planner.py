@@ -154,3 +154,20 @@ def test_eval_batch_set_by_the_user_is_kept():
     p = plan(load_architecture("Qwen/Qwen2.5-7B"), 24, resolve("24gb", {"memory": {"eval_batch_size": 3}}),
              fixed={"memory": {"eval_batch_size": 3}})  # fmt: skip
     assert p.recipe.memory.eval_batch_size == 3 and "set by you" in p.reasons["eval_batch_size"]
+
+
+def test_p99_too_long_for_the_budget_plans_the_longest_length_that_fits():
+    from lowmem_ft.data.profile import LengthProfile as DataProfile
+
+    profile = DataProfile.from_lengths([500] * 90 + [30_000] * 10)  # p99 30,000 tokens: far over 8 GB
+    p = plan(QWEN7, 8, resolve("8gb"), profile=profile)
+    length = p.recipe.memory.max_seq_len
+    assert p.fits and 500 <= length < 30_000
+    assert "the longest that fits (p99 30000 does not); 10 samples longer" in p.reasons["max_seq_len"]
+    with pytest.raises(UserError):  # one more step of 16 tokens no longer fits
+        plan(QWEN7, 8, resolve("8gb"), seq_len=length + 16)
+
+
+def test_a_length_the_user_fixed_is_not_shortened():
+    with pytest.raises(UserError, match="needs .* at seq 30000"):
+        plan(QWEN7, 8, resolve("8gb"), seq_len=30_000, profile={"p99": 100, "max": 100})
