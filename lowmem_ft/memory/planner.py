@@ -310,16 +310,14 @@ def plan(
     vram_gb: float,
     start: Recipe,
     *,
-    gpus: int = 1,
     seq_len: int | None = None,
     profile: Any = None,
     fixed: dict | None = None,
-    strategy: str = "auto",
-    offload: bool | None = None,
+    **kw: Any,
 ) -> Plan:
-    """`plan_once`, and when the data's p99 length (the planner's own choice) does not fit, the longest length
-    that does: longer samples then follow `data.truncate`, and the reason line says how many that cuts."""
-    kw = dict(gpus=gpus, strategy=strategy, offload=offload)
+    """`plan_once` (same arguments; `kw`: gpus, strategy, offload), and when the data's p99 length (the planner's
+    own choice) does not fit, the longest length that does: longer samples then follow `data.truncate`, and the
+    reason line says how many that cuts."""
     try:
         return plan_once(arch, vram_gb, start, seq_len=seq_len, profile=profile, fixed=fixed, **kw)
     except UserError:
