@@ -142,12 +142,85 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     return phases
 
 
-def predict(model_dir: Path, p: Point) -> Estimate:
+def _nvml_used() -> float:
+    """Bytes in use on the first visible GPU, all processes and non-torch allocations included (NVML)."""
+    import os
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    index = int(visible) if visible.isdigit() else 0
+    return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+
+
+def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dict[str, float]:
+    """The same two optimizer steps on the CUDA device, full size, under the `--vram` cap, measured three ways.
+
+    `allocated` (torch.cuda.max_memory_allocated) is the live tensor bytes the model predicts without overheads;
+    `reserved` (max_memory_reserved) adds the caching allocator's rounding and fragmentation; `device` (NVML used
+    minus what was used before the model, sampled after each phase) adds the CUDA context and cuBLAS workspaces.
+    Returns those peaks in bytes plus `exact` (PeakMemory's live bytes) for the CPU-style comparison.
+    """
+    import torch
+    from transformers import Trainer, TrainingArguments
+    from trl.trainer.utils import add_fused_lm_head
+
+    from lowmem_ft.train.guard import cap_process_memory
+    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.model import build_model
+
+    before = _nvml_used()  # other processes, before this one creates its CUDA context
+    cap_process_memory(vram_gb)
+    recipe = recipe_for(model_dir, p)
+    torch.manual_seed(0)
+    model = build_model(recipe)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+    model.train()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer])
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    optimizer = cls(trainable, **kwargs)
+    vocab = base.config.vocab_size
+    device_peak = 0.0
+    torch.cuda.reset_peak_memory_stats()
+    with PeakMemory(device="cuda") as pm:
+        for step, micro in ((1, 1), (2, 1), (2, 2)):
+            ids = torch.randint(0, vocab, (p.batch, p.seq), device="cuda")
+            mask = torch.ones_like(ids)
+            if p.batch > 1:
+                mask[-1, : p.seq // 4] = 0
+            out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+            device_peak = max(device_peak, _nvml_used() - before)
+            loss.backward()
+            del out, loss
+            device_peak = max(device_peak, _nvml_used() - before)
+            if micro == step:
+                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        device_peak = max(device_peak, _nvml_used() - before)
+        result = {
+            "exact": float(pm.peak_bytes),
+            "allocated": float(torch.cuda.max_memory_allocated()),
+            "reserved": float(torch.cuda.max_memory_reserved()),
+            "device": device_peak,
+        }
+    del model, base, optimizer, trainable, pm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def predict(model_dir: Path, p: Point, device: str = "cpu") -> Estimate:
     recipe = recipe_for(model_dir, p)
     config = json.loads((model_dir / "lowmem_config.json").read_text())
     arch = Architecture.from_config(config, name=p.arch)
-    # the CPU run has no device overheads; quantization/activations/loss terms take their CPU forms
-    return estimate(arch, setup_from_recipe(recipe, device="cpu"))
+    # on the CPU there are no device overheads, and quantization/activations/loss terms take their CPU forms
+    return estimate(arch, setup_from_recipe(recipe, device=device))
 
 
 def run_point(model_dir: Path, p: Point) -> Point:
