@@ -12,10 +12,12 @@ run stops with a checkpoint (`OutOfMemory`).
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lowmem_ft.errors import UserError
@@ -128,6 +130,27 @@ class OOMGuard:
             self.checkpointing = True
             return "activation checkpointing switched on (micro batch already 1)"
         return None
+
+
+def restore_step_down(guard: OOMGuard, run_dir: Path) -> dict[str, Any] | None:
+    """On `--resume`, continue with the step-down the run had reached (its last `oom_recovered` event in
+    memory.jsonl), so a resumed run does not hit the same OOM again. Returns the restored state, or None."""
+    path = Path(run_dir) / "memory.jsonl"
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash that ended the run
+            continue
+        if record.get("event") == "oom_recovered" and isinstance(record.get("after"), dict):
+            last = record["after"]
+    if last is None:
+        return None
+    guard.sub_batch = min(guard.micro_batch, int(last.get("micro_batch", guard.sub_batch)))
+    guard.checkpointing = guard.checkpointing or bool(last.get("gradient_checkpointing"))
+    return guard.describe()
 
 
 def split_batch(inputs: dict[str, Any], rows: int) -> list[dict[str, Any]]:

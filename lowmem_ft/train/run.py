@@ -268,9 +268,15 @@ def train(
     import torch
     from transformers import set_seed
 
-    from lowmem_ft.train.guard import cap_process_memory, configure_allocator, out_of_memory_outside_step
+    from lowmem_ft.train.guard import (
+        cap_process_memory,
+        configure_allocator,
+        out_of_memory_outside_step,
+        restore_step_down,
+    )
     from lowmem_ft.train.losses import install_loss_head
     from lowmem_ft.train.model import build_model, load_tokenizer, trainable_summary
+    from lowmem_ft.train.trainer import enable_checkpointing
 
     allocator = configure_allocator()  # before the first CUDA allocation
     main = is_main_process()  # under `train --gpus`, only rank 0 writes the run directory
@@ -340,6 +346,10 @@ def train(
         processing_class=tokenizer,
     )
     _keep_adapters_fp32(trainer.model, recipe)
+    if resume and (restored := restore_step_down(trainer.guard, run_dir)) is not None:
+        if restored["gradient_checkpointing"] and not recipe.memory.gradient_checkpointing:
+            enable_checkpointing(trainer.model)
+        log.info("resuming with the step-down the run had reached after an OOM: %s", restored)
     if recipe.memory.chunked_loss:
         # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours answers
         # the same loss call instead.

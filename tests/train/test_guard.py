@@ -74,3 +74,20 @@ def test_cap_makes_the_allocator_raise_past_the_target():
             torch.empty(int((target + 0.5) * guard.GB), dtype=torch.uint8, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_resume_restores_the_last_step_down(tmp_path):
+    import json
+
+    g = OOMGuard(micro_batch=4, gradient_accumulation=2, checkpointing=False)
+    assert guard.restore_step_down(g, tmp_path) is None  # no memory.jsonl: nothing to restore
+    records = [
+        {"step": 1, "phase": "forward"},
+        {"event": "oom_recovered", "step": 2, "after": {"micro_batch": 2, "gradient_checkpointing": False}},
+        {"event": "oom_recovered", "step": 5, "after": {"micro_batch": 1, "gradient_checkpointing": True}},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"event": "oom_recov'  # cut short by a crash
+    (tmp_path / "memory.jsonl").write_text(text)
+    restored = guard.restore_step_down(g, tmp_path)
+    assert g.sub_batch == 1 and g.checkpointing
+    assert restored["gradient_accumulation"] == 8 and restored["effective_batch"] == 8  # effective batch kept
