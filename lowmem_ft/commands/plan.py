@@ -16,6 +16,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="hub id (offline catalog or Hub config.json) or local directory")
     p.add_argument("--vram", type=float, required=True, metavar="GB", help="GPU memory to fit in, in GB")
     p.add_argument("--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (memory.max_seq_len)")
+    p.add_argument(
+        "--data",
+        metavar="FILE.jsonl",
+        help="size max_seq_len from this data's token lengths (p99), as train --vram does; needs the tokenizer",
+    )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs to train on; the plan is per device")
     p.add_argument(
@@ -49,11 +54,21 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 16:
         raise UserError(f"--seq-len {args.seq_len}: must be at least 16 tokens")
     overrides = merge(parse_overrides(args.overrides), {"model": {"name_or_path": args.model}})
+    profile = None
+    if args.data:
+        from lowmem_ft.data import length_profile
+        from lowmem_ft.recipe.select import start_recipe
+
+        if not Path(args.data).is_file():
+            raise UserError(f"--data {args.data}: no such file; pass a JSONL file")
+        overrides = merge(overrides, {"data": {"path": args.data}})
+        profile = length_profile(start_recipe(args.vram, args.recipe, overrides))
     result = plan_recipe(
         vram_gb=args.vram,
         recipe=args.recipe,
         overrides=overrides,
         seq_len=args.seq_len,
+        profile=profile,
         gpus=args.gpus,
         strategy=args.strategy,
         offload=args.offload,

@@ -156,10 +156,9 @@ def _check_inputs(recipe) -> None:
 def _data_profile(args: argparse.Namespace, overrides: dict):
     """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training)."""
     from lowmem_ft.data import length_profile
-    from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.recipe.select import tier_for_vram
+    from lowmem_ft.recipe.select import start_recipe
 
-    start = resolve(args.recipe or tier_for_vram(args.vram, strict=False), overrides)
+    start = start_recipe(args.vram, args.recipe, overrides)
     _check_inputs(start)
     return length_profile(start)
 

@@ -41,6 +41,11 @@ def tier_for_vram(vram_gb: float, strict: bool = True) -> str:
     return tiers[max(fitting)]
 
 
+def start_recipe(vram_gb: float, recipe: str | None, overrides: dict) -> Recipe:
+    """Where planning starts: `--recipe` if given, else the tier for `vram_gb`, with the overrides applied."""
+    return resolve(recipe or tier_for_vram(vram_gb, strict=False), overrides)
+
+
 def plan_recipe(
     *,
     vram_gb: float,
@@ -57,7 +62,7 @@ def plan_recipe(
     from lowmem_ft.memory.planner import check, plan
 
     start_name = recipe or tier_for_vram(vram_gb, strict=False)
-    start = resolve(start_name, overrides)
+    start = start_recipe(vram_gb, recipe, overrides)
     if not start.model.name_or_path:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)

@@ -44,3 +44,16 @@ def test_plan_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     del started  # the < 0.5 s target is measured in benchmarks, not here
+
+
+def test_plan_sizes_the_sequence_from_the_data(tiny_model, chat_data, capsys):
+    assert main(["plan", "--vram", "8", "--model", tiny_model, "--data", chat_data, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recipe"]["memory"]["max_seq_len"] == 64  # examples/chat.jsonl: p99 49, rounded up to 64
+    assert "p99 49" in out["reasons"]["max_seq_len"]
+
+
+def test_plan_with_missing_data_is_one_line(tiny_model, capsys):
+    assert main(["plan", "--vram", "8", "--model", tiny_model, "--data", "nope.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "nope.jsonl: no such file" in err and len(err.strip().splitlines()) == 1
