@@ -13,6 +13,7 @@ or the measurement it comes from (`scripts/validate_estimator.py`, CPU, exact li
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -240,15 +241,15 @@ def weight_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
 def optimizer_state_bytes(tensors: list[tuple[int, int]], optimizer: str, device: Device) -> tuple[float, float]:
     """(on device, paged = may leave the device) bytes of optimizer states for these trainable tensors."""
     on_device = paged = 0.0
-    for numel, elem in tensors:
+    for (numel, elem), count in Counter(tensors).items():  # a model repeats a few shapes many times
         if optimizer == "adamw_torch":
-            on_device += 2 * numel * elem  # torch AdamW: exp_avg, exp_avg_sq zeros_like(param) → param dtype
+            on_device += count * 2 * numel * elem  # torch AdamW: exp_avg, exp_avg_sq zeros_like(param) → param dtype
         elif optimizer == "adafactor":
-            on_device += 4 * numel**0.5 * 2 if numel > 1 else 4  # factored row+col (approx. square), fp32
+            on_device += count * (4 * numel**0.5 * 2 if numel > 1 else 4)  # factored row+col (approx. square), fp32
         else:
             eight_bit = "8bit" in optimizer and numel >= BNB_MIN_8BIT_SIZE
             blocks = -(-numel // BNB_BLOCK)
-            size = 2 * numel + 2 * 4 * blocks if eight_bit else 2 * 4 * numel
+            size = count * (2 * numel + 2 * 4 * blocks if eight_bit else 2 * 4 * numel)
             if optimizer.startswith("paged") and device == "cuda" and numel >= BNB_PAGED_MIN:
                 paged += size
             else:

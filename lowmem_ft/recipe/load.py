@@ -7,6 +7,7 @@ nearest valid key, or the section it belongs under.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import types
 import typing
@@ -140,6 +141,7 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
     return value, None
 
 
+@functools.cache  # get_type_hints is slow, and the planner builds hundreds of recipes
 def _section_fields(section: str) -> dict[str, Any]:
     hints = typing.get_type_hints(SECTIONS[section])
     return {f.name: hints[f.name] for f in fields(SECTIONS[section])}

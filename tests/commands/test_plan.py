@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from lowmem_ft.cli import main
 from lowmem_ft.recipe.load import resolve
@@ -35,15 +34,15 @@ def test_plan_too_big_exits_2(capsys):
 
 
 def test_plan_imports_no_torch():
+    """`plan` is pure arithmetic: it must not pay torch's or transformers' import (its latency is benchmarked in
+    scripts/bench_plan.py, not timed here)."""
     code = (
-        "import sys, time; t=time.time(); from lowmem_ft.cli import main; "
+        "import sys; from lowmem_ft.cli import main; "
         "main(['plan','--vram','24','--model','Qwen/Qwen-7B','--json']); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
     )
-    started = time.time()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    del started  # the < 0.5 s target is measured in benchmarks, not here
 
 
 def test_plan_sizes_the_sequence_from_the_data(tiny_model, chat_data, capsys):
