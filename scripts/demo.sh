@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, build the embedded tiny Qwen2 model, and fine-tune it with the 8 GB recipe on the example chat data.
+# Set up, build the embedded tiny Qwen2 model, and fine-tune it for an 8 GB target (--vram 8) on the example chat data.
 #   bash scripts/demo.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
