@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from lowmem_ft.errors import UserError
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from lowmem_ft.memory.estimate import DTYPE_BYTES
 
 
 def add_parser(sub) -> None:

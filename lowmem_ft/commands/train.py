@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lowmem_ft.errors import UserError
-    from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.train.run import last_checkpoint, prepare_run_dir, train
+    from lowmem_ft.train.run import last_checkpoint, load_run_recipe, prepare_run_dir, train
 
     if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
         os.environ["WANDB_MODE"] = "disabled"
@@ -105,11 +104,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args)
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / "recipe.yaml").is_file():
-            raise UserError(f"--resume {run_dir}: not a run directory (no recipe.yaml)")
+        recipe = load_run_recipe(run_dir, overrides)
         if last_checkpoint(run_dir) is None:
             raise UserError(f"--resume {run_dir}: no checkpoint saved yet; start the run again without --resume")
-        recipe = resolve(run_dir / "recipe.yaml", overrides)
         choice = {"how": "resume", "recipe": str(run_dir / "recipe.yaml")}
     else:
         recipe, choice = choose(args, overrides)
@@ -207,12 +204,11 @@ def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
 
 def _run_launched(run_dir) -> int:
     """One process of a launched run: train in the prepared run directory."""
-    from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.launch import read_launch
-    from lowmem_ft.train.run import last_checkpoint, train
+    from lowmem_ft.train.run import last_checkpoint, load_run_recipe, train
 
     info = read_launch(run_dir)
-    recipe = resolve(run_dir / "recipe.yaml")
+    recipe = load_run_recipe(run_dir)
     # a relaunch by hand after a crash continues from the last checkpoint, as `--resume` would
     resume = last_checkpoint(run_dir) is not None
     result = train(recipe, run_dir, resume=resume, choice=info["choice"])

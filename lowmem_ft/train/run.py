@@ -55,11 +55,11 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> Recipe:
+def load_run_recipe(run_dir: str | Path, overrides: list[str] | dict | None = None) -> Recipe:
     """The resolved recipe a run directory was trained with, plus any new `--set` overrides."""
     path = Path(run_dir) / "recipe.yaml"
     if not path.is_file():
-        raise UserError(f"{run_dir} is not a lowmem-ft run directory (no recipe.yaml); pass runs/<name>")
+        raise UserError(f"{run_dir}: not a run directory (no recipe.yaml); pass runs/<name>")
     return resolve(path, overrides)
 
 
