@@ -228,3 +228,48 @@ def test_a_stream_yields_the_same_records(tmp_path):
 
 def test_formats_still_detected_for_every_fixture():
     assert read(fixture("sharegpt.jsonl")).format == "sharegpt"
+
+
+# ---- the hostile inputs of issue #16, through both commands that read data ----------------------------------------
+
+
+def command(name: str, data: str, tiny_model: str, tmp_path) -> list[str]:
+    if name == "train":
+        return ["train", "--vram", "8", "--model", tiny_model, "--data", data, "--no-wandb",
+                "--set", f"training.output_dir={tmp_path / 'runs'}"]  # fmt: skip
+    return ["data", "stats", data, "--model", tiny_model]
+
+
+def one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["train", "data"])
+def test_deeply_nested_json_is_one_line_naming_the_line(name, tmp_path, tiny_model, capsys):
+    from lowmem_ft.cli import main
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "fine"}\n' + DEEP + "\n", encoding="utf-8")
+    err = one_line_error(capsys, main(command(name, str(path), tiny_model, tmp_path)))
+    assert f"{path}:2: JSON nested deeper than Python's JSON reader allows" in err
+
+
+@pytest.mark.parametrize("name", ["train", "data"])
+def test_an_unreadable_file_is_one_line_through_the_cli(name, tmp_path, tiny_model, capsys, monkeypatch):
+    """Simulated PermissionError (the tests run as root), as in test_an_unreadable_file_is_one_line."""
+    from lowmem_ft.cli import main
+
+    path = tmp_path / "secret.jsonl"
+    path.write_text('{"text": "hi"}\n', encoding="utf-8")
+    real_open = builtins.open
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    err = one_line_error(capsys, main(command(name, str(path), tiny_model, tmp_path)))
+    assert f"cannot read data file {path} (Permission denied); check that it is readable" in err
