@@ -312,10 +312,16 @@ def check_source(recipe) -> list[DataSource]:
             "data.streaming: a stream has no length, so the number of steps is unknown; set training.max_steps "
             "(e.g. --set training.max_steps=1000)"
         )
-    if d.streaming and not (d.eval_path or d.eval_split) and d.eval_fraction > 0:
+    if d.streaming and d.eval_fraction > 0:
         raise UserError(
             "data.eval_fraction holds out part of the data, which needs all of it in memory; with data.streaming "
             "name the evaluation data in data.eval_path or data.eval_split"
+        )
+    if d.eval_fraction > 0 and (d.eval_path or d.eval_split):
+        given = "data.eval_path" if d.eval_path else "data.eval_split"
+        raise UserError(
+            f"data.eval_fraction={d.eval_fraction:g} and {given} both name evaluation data; set one of them "
+            "(data.eval_fraction holds out part of the training data)"
         )
     eval_source_of(recipe)
     return sources

@@ -148,7 +148,9 @@ class DataSection:
     eval_split: str = _f(
         "", "Split of the evaluation data: of eval_path, or of `path` when eval_path is empty (e.g. test, validation)."
     )
-    eval_fraction: float = _f(0.0, "Fraction of the training data held out for evaluation when eval_path is empty.")
+    eval_fraction: float = _f(
+        0.0, "Fraction of the training data held out for evaluation (instead of eval_path or eval_split)."
+    )
 
 
 @dataclass

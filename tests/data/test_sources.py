@@ -151,6 +151,12 @@ def test_streaming_needs_max_steps_and_no_eval_fraction():
     assert check_source(recipe(f"data.path={text}", "data.streaming=true", "training.max_steps=5"))[0].streaming
 
 
+def test_eval_fraction_and_an_eval_source_are_not_both_taken():
+    text = fixture("text.jsonl")
+    with pytest.raises(UserError, match=r"data\.eval_fraction=0\.1 and data\.eval_path both name evaluation data"):
+        check_source(recipe(f"data.path={text}", f"data.eval_path={text}", "data.eval_fraction=0.1"))
+
+
 def test_eval_source(tmp_path):
     text = fixture("text.jsonl")
     assert eval_source_of(recipe(f"data.path={text}")) is None
