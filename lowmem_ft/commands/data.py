@@ -147,6 +147,8 @@ def _print_text(label: str, data, profile, skipped: list[str], cuts: list[tuple[
     for part in data.parts:
         if part.unused_columns:
             print(f"{part.source.label}: columns not used: {', '.join(part.unused_columns)}")
+        if part.source.ignored:
+            print(f"{part.source.label}: not data files, not read: {', '.join(part.source.ignored)}")
     if skipped:
         print(f"skipped {len(skipped)} bad lines:")
         for line in skipped:

@@ -133,6 +133,8 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
             log.warning("skipped %s", line)
         if part.unused_columns:
             log.info("%s: columns not used: %s", part.source.label, ", ".join(part.unused_columns))
+        if part.source.ignored:
+            log.info("%s: not data files, not read: %s", part.source.label, ", ".join(part.source.ignored))
     profile = data.profile()
     train_ds, eval_ds, eval_part, eval_source = data.dataset, None, None, eval_source_of(recipe)
     if eval_source is not None:

@@ -88,8 +88,11 @@ def test_stats_of_a_directory_split_and_a_saved_dataset(tiny_model, tmp_path, ca
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text(Path(KNOWN).read_text())
     (tmp_path / "d" / "test.jsonl").write_text('{"text": "the owl"}\n')
+    (tmp_path / "d" / "train-notes.txt").write_text("not data")
     assert main(["data", "stats", str(tmp_path / "d"), "--model", tiny_model]) == 0
-    assert "20 samples, format text, 230 tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "20 samples, format text, 230 tokens" in out
+    assert f"{tmp_path / 'd'}: not data files, not read: {tmp_path / 'd' / 'train-notes.txt'}" in out
     assert main(["data", "stats", str(tmp_path / "d"), "--model", tiny_model, "--split", "test", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["count"] == 1 and out["sources"][0]["kind"] == "dir" and out["sources"][0]["split"] == "test"

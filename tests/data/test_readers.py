@@ -273,3 +273,57 @@ def test_an_unreadable_file_is_one_line_through_the_cli(name, tmp_path, tiny_mod
     monkeypatch.setattr(builtins, "open", refusing_open)
     err = one_line_error(capsys, main(command(name, str(path), tiny_model, tmp_path)))
     assert f"cannot read data file {path} (Permission denied); check that it is readable" in err
+
+
+# ---- Hub data sets: the same load_dataset call; its answers simulated here (no network in the tests) -------------
+
+
+def fake_hub(monkeypatch, answer):
+    """Make `datasets.load_dataset` answer as the Hub would, recording the call."""
+    import datasets
+
+    from lowmem_ft.data import readers
+
+    calls = []
+
+    def load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    readers.load_hub.cache_clear()
+    return calls
+
+
+def test_a_hub_data_set_is_read_through_load_dataset_with_rows_named(monkeypatch):
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"question": "q", "answer": "a"}, {"question": "q2", "answer": ""}])
+    calls = fake_hub(monkeypatch, ds)
+    source = resolve_source("org/qa", subset="en", split="test", columns=QA_COLUMNS)
+    with pytest.raises(UserError, match=r"org/qa \[en/test\] row 1: field 'completion' is empty"):
+        read_records(source)
+    assert calls[0] == ("org/qa", {"name": "en", "split": "test", "streaming": False})
+    assert content_id(source) == "hub:" + ds._fingerprint
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        (ValueError("BuilderConfig 'xx' not found. Available: ['en', 'de']"), "data.subset: cannot load org/qa"),
+        (ValueError("Unknown split \"dev\". Should be one of ['train', 'test']."), "data.split: cannot load org/qa"),
+        ("not found", "data org/qa: no such data set on the Hugging Face Hub (or it is private or gated"),
+    ],
+)
+def test_hub_answers_are_one_line(monkeypatch, error, words):
+    from datasets.exceptions import DatasetNotFoundError
+
+    fake_hub(
+        monkeypatch,
+        DatasetNotFoundError("Dataset 'org/qa' doesn't exist on the Hub") if error == "not found" else error,
+    )
+    with pytest.raises(UserError) as info:
+        read_records(resolve_source("org/qa"))
+    assert words in str(info.value) and "\n" not in str(info.value)
