@@ -8,7 +8,8 @@ would cut a conversation into pieces whose later parts have lost their prompt, s
 
 A sample left with no loss tokens (e.g. `keep_start` cut away the whole completion) teaches nothing; TRL would
 drop it silently, so we drop it here and count it. Every sample's fate goes into the report, which the run
-directory keeps as `data_report.json`.
+directory keeps as `data_report.json`. A stream (`data.streaming`) is fitted lazily by the same rules
+(`fit_stream`); its report is counted on its first samples (`lowmem_ft.data.prepare`).
 """
 
 from __future__ import annotations

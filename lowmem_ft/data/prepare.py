@@ -17,12 +17,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_ft.data import tokenize
 from lowmem_ft.data.budget import apply_budget, check_budget, describe, fit_stream
 from lowmem_ft.data.formats import CHAT_FORMATS
 from lowmem_ft.data.mix import mix_datasets, mix_record, mix_streams
 from lowmem_ft.data.profile import LengthProfile, lengths_of
 from lowmem_ft.data.sources import DataSource, check_source, eval_source_of, sources_of
-from lowmem_ft.data.tokenize import STREAM_HEAD, Tokenized, tokenize_source
+from lowmem_ft.data.tokenize import Tokenized, tokenize_source
 from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def load_training_data(recipe, tokenizer, sources: list[DataSource] | None = Non
     weights, seed = [s.weight for s in sources], recipe.training.seed
     datasets = [p.dataset for p in parts]
     if d.streaming:
-        dataset, sampled, counts = mix_streams(datasets, weights, d.mix_strategy, seed, STREAM_HEAD)
+        dataset, sampled, counts = mix_streams(datasets, weights, d.mix_strategy, seed, tokenize.STREAM_HEAD)
         sizes = [None] * len(parts)
     else:
         dataset, counts = mix_datasets(datasets, weights, d.mix_strategy, seed)
@@ -128,24 +129,9 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
     d, max_len = recipe.data, recipe.memory.max_seq_len
     check_budget(max_len, d.truncate, d.overlap)
     data = load_training_data(recipe, tokenizer, check_source(recipe))
-    for part in data.parts:
-        for line in part.skipped:
-            log.warning("skipped %s", line)
-        if part.unused_columns:
-            log.info("%s: columns not used: %s", part.source.label, ", ".join(part.unused_columns))
-        if part.source.ignored:
-            log.info("%s: not data files, not read: %s", part.source.label, ", ".join(part.source.ignored))
+    _log_parts(data)
     profile = data.profile()
-    train_ds, eval_ds, eval_part, eval_source = data.dataset, None, None, eval_source_of(recipe)
-    if eval_source is not None:
-        eval_part = tokenize_source(
-            eval_source, tokenizer, train_on_prompt=d.train_on_prompt, skip_bad_lines=d.skip_bad_lines
-        )
-        eval_ds, eval_source = eval_part.dataset, eval_part.source.label
-    elif d.eval_fraction > 0:
-        keep, held = held_out_split(len(train_ds), d.eval_fraction, recipe.training.seed)
-        train_ds, eval_ds = train_ds.select(keep), train_ds.select(held)
-        eval_source = f"held out {d.eval_fraction:g} of {data.label} (seed {recipe.training.seed})"
+    train_ds, eval_ds, eval_part, eval_source = _split_eval(recipe, data, tokenizer)
     fmt = next((f for f in data.formats if f != "text"), "text")  # chunking is for plain text only
     if data.streaming:
         _, report = apply_budget(data.sampled, max_len, d.truncate, d.overlap, fmt)
@@ -161,6 +147,31 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
     summary = _summary(recipe, data, profile, report, eval_part, eval_report)
     summary["eval_source"] = eval_source
     return train_ds, eval_ds, summary
+
+
+def _log_parts(data: TrainingData) -> None:
+    for part in data.parts:
+        for line in part.skipped:
+            log.warning("skipped %s", line)
+        if part.unused_columns:
+            log.info("%s: columns not used: %s", part.source.label, ", ".join(part.unused_columns))
+        if part.source.ignored:
+            log.info("%s: not data files, not read: %s", part.source.label, ", ".join(part.source.ignored))
+
+
+def _split_eval(recipe, data: TrainingData, tokenizer) -> tuple[Any, Any, Tokenized | None, str | None]:
+    """(train data, eval data or None, the tokenized eval source, where eval data came from), before the budget."""
+    d = recipe.data
+    source = eval_source_of(recipe)
+    if source is not None:
+        part = tokenize_source(source, tokenizer, train_on_prompt=d.train_on_prompt, skip_bad_lines=d.skip_bad_lines)
+        return data.dataset, part.dataset, part, source.label
+    if d.eval_fraction > 0:
+        seed = recipe.training.seed
+        keep, held = held_out_split(len(data.dataset), d.eval_fraction, seed)
+        where = f"held out {d.eval_fraction:g} of {data.label} (seed {seed})"
+        return data.dataset.select(keep), data.dataset.select(held), None, where
+    return data.dataset, None, None, None
 
 
 def _summary(recipe, data: TrainingData, profile, report, eval_part, eval_report) -> dict[str, Any]:

@@ -84,9 +84,9 @@ def _parse_object(text: str, what: str) -> dict | BadLine:
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
-    if os.stat(path).st_size == 0:
-        raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line")
     with open_binary(path) as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line")
         lines = enumerate(handle, start=1)
         while True:
             try:

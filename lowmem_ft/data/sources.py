@@ -172,7 +172,13 @@ def _directory(path: Path, base: dict, split_key: str) -> DataSource:
     key, split = base["key"], base["split"]
     if (path / dc.DATASETDICT_JSON_FILENAME).is_file():
         _no_subset(path, base)
-        splits = json.loads((path / dc.DATASETDICT_JSON_FILENAME).read_text(encoding="utf-8")).get("splits", [])
+        try:
+            splits = json.loads((path / dc.DATASETDICT_JSON_FILENAME).read_text(encoding="utf-8"))["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(
+                f"{path}/{dc.DATASETDICT_JSON_FILENAME} is not a readable save_to_disk index ({exc}); save the data "
+                "set again with save_to_disk"
+            ) from None
         if split not in splits:
             raise UserError(
                 f"{key}.{split_key}={split!r}: the saved data set {path} has the splits {', '.join(splits)}; "
