@@ -1,8 +1,11 @@
-"""`lowmem-ft data stats FILE --model M`: what the data is in tokens, and what a token budget would cut.
+"""`lowmem-ft data stats SOURCE --model M`: what the data is in tokens, and what a token budget would cut.
 
-Tokenizes FILE exactly as `train` does (same formats, chat template, masking and content-keyed cache, so a later
-`train` on the same data does not tokenize again) and prints the sample count, p50/p90/p99/max token lengths, a
-histogram, and for each candidate max length how many samples and tokens keep_start/keep_end would cut.
+SOURCE is anything `train --data` takes (a JSONL / JSON / Parquet / CSV / TSV file, a directory of them, a
+save_to_disk directory, a Hub id), and `--recipe` / `--set data.*` give the rest of the data section (a data.mix,
+streaming). It is tokenized exactly as `train` does (same sources, formats, chat template, masking, mix and
+content-keyed cache, so a later `train` on the same data does not tokenize again) and the command prints the sample
+count, p50/p90/p99/max token lengths, a histogram, and for each candidate max length how many samples and tokens
+keep_start/keep_end would cut. A stream is profiled on its first samples, and the output says so.
 """
 
 from __future__ import annotations
@@ -17,24 +20,79 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "data",
         help="inspect training data: token-length profile and what a max length would cut",
-        description="Inspect JSONL training data. `data stats FILE --model M` prints its token-length profile.",
+        description="Inspect training data. `data stats SOURCE --model M` prints its token-length profile.",
     )
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
     s = dsub.add_parser(
         "stats",
-        help="token-length profile of a data file",
+        help="token-length profile of a data set",
         description="Sample count, token-length p50/p90/p99/max, a histogram, and what a max length would cut. "
         "Tokenized with MODEL's tokenizer exactly as `train` does.",
     )
-    s.add_argument("file", help="JSONL data file")
-    s.add_argument("--model", required=True, help="hub id or local directory whose tokenizer counts the tokens")
+    s.add_argument(
+        "source",
+        nargs="?",
+        help="data file (.jsonl .json .parquet .csv .tsv), directory of them, save_to_disk directory or Hub id "
+        "org/name (data.path; omit it when --recipe or --set gives data.path or data.mix)",
+    )
+    s.add_argument("--model", help="hub id or local directory whose tokenizer counts the tokens (model.name_or_path)")
     s.add_argument("--max-len", type=int, metavar="N", help="show what a max length of N tokens would cut")
-    s.add_argument("--format", choices=FORMATS, default="auto", help="force the data format (default: detect)")
+    s.add_argument("--split", help="split of a Hub data set, saved DatasetDict or directory (data.split)")
+    s.add_argument("--subset", help="configuration of a Hub data set (data.subset)")
+    s.add_argument(
+        "--column",
+        dest="columns",
+        action="append",
+        default=[],
+        metavar="OURS=THEIRS",
+        help="map one of our fields to the data set's column, repeatable (data.columns), e.g. --column prompt=question",
+    )
+    s.add_argument("--streaming", action="store_true", help="read as a stream; profile its first samples")
+    s.add_argument("--format", choices=FORMATS, help="force the data format (default: detect)")
     s.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and report them")
     s.add_argument("--train-on-prompt", action="store_true", help="count loss tokens on prompts too")
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's tokenizer code")
+    s.add_argument("--recipe", metavar="NAME_OR_FILE", help="take the data (and model) keys from this recipe")
+    s.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one recipe key, repeatable (e.g. --set 'data.mix=[{path: a.jsonl, weight: 3}, {path: b.csv}]')",
+    )
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
     s.set_defaults(func=run)
+
+
+def _recipe(args: argparse.Namespace):
+    """The recipe whose data section the command reads: --recipe < --set < the dedicated flags."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.recipe.load import merge, parse_overrides, resolve
+
+    data: dict = {}
+    for item in args.columns:
+        ours, sep, theirs = item.partition("=")
+        if not sep or not ours or not theirs:
+            raise UserError(f"--column {item!r}: expected OURS=THEIRS, e.g. --column prompt=question")
+        data.setdefault("columns", {})[ours] = theirs
+    given = {
+        "path": args.source,
+        "split": args.split,
+        "subset": args.subset,
+        "format": args.format,
+        "streaming": args.streaming or None,
+        "skip_bad_lines": args.skip_bad_lines or None,
+        "train_on_prompt": args.train_on_prompt or None,
+    }
+    data.update({k: v for k, v in given.items() if v is not None})
+    model = {"name_or_path": args.model} if args.model else {}
+    if args.trust_remote_code:
+        model["trust_remote_code"] = True
+    recipe = resolve(args.recipe, merge(parse_overrides(args.overrides), {"data": data, "model": model}))
+    if not recipe.model.name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH (its tokenizer counts the tokens)")
+    return recipe
 
 
 def _candidates(profile, max_len: int | None) -> list[int]:
@@ -50,37 +108,50 @@ def _candidates(profile, max_len: int | None) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowmem_ft.data.profile import profile_of
-    from lowmem_ft.data.tokenize import load_tokenizer, tokenize_file
+    from lowmem_ft.data.prepare import load_training_data
+    from lowmem_ft.data.tokenize import load_tokenizer
+    from lowmem_ft.errors import UserError
 
     if args.max_len is not None and args.max_len < 1:
-        from lowmem_ft.errors import UserError
-
         raise UserError(f"--max-len must be at least 1, got {args.max_len}")
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    tok = tokenize_file(
-        args.file,
-        tokenizer,
-        fmt=args.format,
-        train_on_prompt=args.train_on_prompt,
-        skip_bad_lines=args.skip_bad_lines,
-    )
-    profile = profile_of(tok)
+    recipe = _recipe(args)
+    tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    data = load_training_data(recipe, tokenizer)
+    profile = data.profile()
     cuts = [(n, *profile.over(n)) for n in _candidates(profile, args.max_len)]
+    skipped = [line for p in data.parts for line in p.skipped]
     if args.json:
         out = {
-            "file": args.file,
-            "format": tok.format,
-            "skipped_lines": tok.skipped,
+            "file": args.source or data.label,
+            "format": data.format,
+            "sources": [
+                {**p.source.to_dict(), "format": p.format, "unused_columns": p.unused_columns} for p in data.parts
+            ],
+            "mix": data.mix,
+            "skipped_lines": skipped,
             **profile.to_dict(),
             "cuts": [{"max_len": n, "samples_over": s, "tokens_cut": t} for n, s, t in cuts],
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{args.file}: {profile.count} samples, format {tok.format}, {profile.total_tokens} tokens")
-    if tok.skipped:
-        print(f"skipped {len(tok.skipped)} bad lines:")
-        for line in tok.skipped:
+    _print_text(args.source or data.label, data, profile, skipped, cuts)
+    return 0
+
+
+def _print_text(label: str, data, profile, skipped: list[str], cuts: list[tuple[int, int, int]]) -> None:
+    what = f"the first {profile.sampled} samples of the stream" if profile.sampled else f"{profile.count} samples"
+    print(f"{label}: {what}, format {data.format}, {profile.total_tokens} tokens")
+    if data.mix:
+        parts = [f"{r['source']} {r['samples']} ({100 * r['share']:.0f} %)" for r in data.mix["sources"]]
+        print(f"mix ({data.mix['strategy']}, seed {data.mix['seed']}, {data.mix['counted']}): {', '.join(parts)}")
+    for part in data.parts:
+        if part.unused_columns:
+            print(f"{part.source.label}: columns not used: {', '.join(part.unused_columns)}")
+        if part.source.ignored:
+            print(f"{part.source.label}: not data files, not read: {', '.join(part.source.ignored)}")
+    if skipped:
+        print(f"skipped {len(skipped)} bad lines:")
+        for line in skipped:
             print(f"  {line}")
     print(
         f"tokens per sample: p50 {profile.p50}  p90 {profile.p90}  p99 {profile.p99}  max {profile.max}  "
@@ -100,4 +171,3 @@ def run(args: argparse.Namespace) -> int:
             f"  {n:>8} {samples:>13} {100 * samples / profile.count:>9.1f}% {tokens:>11} "
             f"{100 * tokens / max(profile.total_tokens, 1):>8.1f}%"
         )
-    return 0

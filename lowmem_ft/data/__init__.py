@@ -1,7 +1,9 @@
-"""Training data: reading JSONL in the common formats, tokenizing it (cached), fitting it into the token budget,
-and its length profile for the planner."""
+"""Training data: where it comes from (files, directories, saved and Hub data sets; mixes), reading and validating
+it in the common formats, tokenizing it (cached), fitting it into the token budget, and its length profile for the
+planner."""
 
 from lowmem_ft.data.formats import LoadedData, load_jsonl
 from lowmem_ft.data.profile import LengthProfile, length_profile
+from lowmem_ft.data.sources import DataSource, check_source
 
-__all__ = ["LengthProfile", "LoadedData", "length_profile", "load_jsonl"]
+__all__ = ["DataSource", "LengthProfile", "LoadedData", "check_source", "length_profile", "load_jsonl"]

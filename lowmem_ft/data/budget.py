@@ -8,7 +8,8 @@ would cut a conversation into pieces whose later parts have lost their prompt, s
 
 A sample left with no loss tokens (e.g. `keep_start` cut away the whole completion) teaches nothing; TRL would
 drop it silently, so we drop it here and count it. Every sample's fate goes into the report, which the run
-directory keeps as `data_report.json`.
+directory keeps as `data_report.json`. A stream (`data.streaming`) is fitted lazily by the same rules
+(`fit_stream`); its report is counted on its first samples (`lowmem_ft.data.prepare`).
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ def apply_budget(dataset, max_len: int, truncate: str, overlap: int, fmt: str) -
     import numpy as np
     import pyarrow.compute as pc
 
+    from lowmem_ft.data.profile import lengths_of
+
     check_budget(max_len, truncate, overlap, fmt)
-    tokens_in = int(pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0)
+    tokens_in = sum(lengths_of(dataset))  # of this dataset's rows (a held-out split is a view over a larger table)
     fitted = dataset.map(
         _fit_batch,
         batched=True,
@@ -141,3 +144,19 @@ def describe(report: dict[str, Any]) -> str:
             parts.append(f"{report[key]} {label}")
     parts.append(f"{report['tokens_lost']} tokens lost")
     return ", ".join(parts)
+
+
+def _kept(batch: dict) -> list[bool]:
+    return [fate in ("kept", "truncated", "chunked") for fate in batch["fate"]]
+
+
+def fit_stream(dataset, max_len: int, truncate: str, overlap: int, fmt: str):
+    """A stream (IterableDataset) fitted lazily by the same rules; what it cuts is counted on its head (prepare)."""
+    check_budget(max_len, truncate, overlap, fmt)
+    fitted = dataset.map(
+        _fit_batch,
+        batched=True,
+        fn_kwargs={"max_len": max_len, "truncate": truncate, "overlap": overlap},
+        remove_columns=["input_ids", "labels"],
+    )
+    return fitted.filter(_kept, batched=True).remove_columns(["fate", "lost", "piece"])

@@ -1,19 +1,18 @@
-"""Reading JSONL training data in the common shapes, turned into the records TRL's SFTTrainer takes.
+"""Training records in the common shapes, validated and turned into the records TRL's SFTTrainer takes.
 
-Each file is one format (auto-detected from its first record, or forced with `data.format`):
+Each data set is one format (auto-detected from its first record, or forced with `data.format`):
 text → {"text"}; prompt/completion → {"prompt", "completion"}; messages / ShareGPT conversations / alpaca →
-{"messages"} (chat data goes through the tokenizer's chat template). A bad line is a `UserError` naming
-`file:line` and the field; with skip_bad_lines it is skipped and reported instead. Nothing is dropped silently.
+{"messages"} (chat data goes through the tokenizer's chat template). `convert` is the one place a record is
+validated: a bad record is a `BadLine` naming the field, which the reader (`lowmem_ft.data.readers`) turns into a
+`UserError` naming `file:line` (or the row); with skip_bad_lines it is skipped and reported instead. Nothing is
+dropped silently.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from lowmem_ft.errors import UserError
 
 FORMATS = ("auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca")
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")  # go through the chat template
@@ -30,6 +29,7 @@ class LoadedData:
     records: list[dict[str, Any]]
     format: str
     skipped: list[str] = field(default_factory=list)  # "file:line: why" for each skipped line
+    unused_columns: list[str] = field(default_factory=list)  # columns of the data that the format does not read
 
 
 def detect_format(record: dict[str, Any]) -> str:
@@ -113,41 +113,9 @@ def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 def load_jsonl(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> LoadedData:
-    """Read and validate a JSONL file; every record is converted for TRL or the run stops at the first bad line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data file {path} does not exist; pass --data PATH to a JSONL file")
-    if fmt not in FORMATS:
-        raise UserError(f"unknown data format {fmt!r}; use one of auto, {', '.join(FORMATS[1:])}")
-    if path.stat().st_size == 0:
-        raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line")
-    records: list[dict] = []
-    skipped: list[str] = []
-    detected = None if fmt == "auto" else fmt
-    with path.open("rb") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise BadLine(f"not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise BadLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-                if not isinstance(record, dict):
-                    raise BadLine(f"each line must be a JSON object, got {type(record).__name__}")
-                if detected is None:
-                    detected = detect_format(record)
-                records.append(convert(record, detected))
-            except BadLine as exc:
-                if not skip_bad_lines:
-                    raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None
-                skipped.append(f"{where}: {exc}")
-    if not records:
-        why = f" ({len(skipped)} bad lines skipped)" if skipped else " (only blank lines)"
-        raise UserError(f"{path}: no usable records{why}; the file must hold JSON lines of training samples")
-    return LoadedData(records=records, format=detected or fmt, skipped=skipped)
+    """Read and validate one data file (JSONL, or any kind `lowmem_ft.data.sources` resolves); every record is
+    converted for TRL or the run stops at the first bad line."""
+    from lowmem_ft.data.readers import read_records  # readers build on this module
+    from lowmem_ft.data.sources import resolve_source
+
+    return read_records(resolve_source(str(path), fmt=fmt), skip_bad_lines)

@@ -1,20 +1,29 @@
 """From the recipe's data keys to the datasets `SFTTrainer` trains on, with the account of what was done to them.
 
-read + validate (formats) → tokenize, cached (tokenize) → fit into the token budget (budget) → TRL. The eval split
-is cut from the tokenized data before the budget, so train and eval are fitted the same way. The summary is what
-`run.json` keeps under "data" and `data_report.json` keeps in full.
+sources, checked (sources) → read + validate each (readers, formats) → tokenize, cached (tokenize) → mix by weight
+(mix) → eval split → fit into the token budget (budget) → TRL. The eval split is cut from the tokenized data before
+the budget, so train and eval are fitted the same way. The summary is what `run.json` keeps under "data" and
+`data_report.json` keeps in full.
+
+A stream (`data.streaming`) takes the same steps lazily, as training reads it: its length profile and budget
+account come from its first samples (`tokenize.STREAM_HEAD`, said so in the summary), it is shuffled through a
+seeded buffer (the trainer cannot sample an IterableDataset), and evaluation data is read whole.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from typing import Any
 
-from lowmem_ft.data.budget import apply_budget, check_budget, describe
+from lowmem_ft.data import tokenize
+from lowmem_ft.data.budget import apply_budget, check_budget, describe, fit_stream
 from lowmem_ft.data.formats import CHAT_FORMATS
-from lowmem_ft.data.profile import profile_of
-from lowmem_ft.data.tokenize import tokenize_file
+from lowmem_ft.data.mix import mix_datasets, mix_record, mix_streams
+from lowmem_ft.data.profile import LengthProfile, lengths_of
+from lowmem_ft.data.sources import DataSource, check_source, eval_source_of, sources_of
+from lowmem_ft.data.tokenize import Tokenized, tokenize_source
 from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -40,10 +49,64 @@ def packing_support(attn_implementation: str, model_module: str | None = None) -
     return True, f"{attn_implementation} with a block-diagonal causal mask built from reset position ids"
 
 
-def _loss_on(fmt: str, train_on_prompt: bool) -> str:
-    if train_on_prompt or fmt == "text":
-        return "all tokens"
-    return "assistant turns" if fmt in CHAT_FORMATS else "completion"
+STREAM_SHUFFLE_BUFFER = 1000  # samples; datasets' default for IterableDataset.shuffle
+
+
+def _loss_on(formats: list[str], train_on_prompt: bool) -> str:
+    def one(fmt: str) -> str:
+        if train_on_prompt or fmt == "text":
+            return "all tokens"
+        return "assistant turns" if fmt in CHAT_FORMATS else "completion"
+
+    return ", ".join(dict.fromkeys(one(f) for f in formats))
+
+
+@dataclass
+class TrainingData:
+    """The training sources, tokenized, and (for data.mix) mixed: what the profile and the run both read."""
+
+    parts: list[Tokenized]  # one per source, in recipe order
+    dataset: Any  # Dataset; an IterableDataset when streaming
+    sampled: Any  # the Dataset the length profile reads: `dataset` itself, or a stream's first samples
+    mix: dict[str, Any] | None = None
+    streaming: bool = False
+
+    @property
+    def formats(self) -> list[str]:
+        return list(dict.fromkeys(p.format for p in self.parts))
+
+    @property
+    def format(self) -> str:
+        return self.formats[0] if len(self.formats) == 1 else "mixed: " + ", ".join(self.formats)
+
+    @property
+    def label(self) -> str:
+        return self.parts[0].source.label if len(self.parts) == 1 else "the mix"
+
+    def profile(self) -> LengthProfile:
+        return LengthProfile.from_lengths(lengths_of(self.sampled), sampled=len(self.sampled) if self.streaming else 0)
+
+
+def load_training_data(recipe, tokenizer, sources: list[DataSource] | None = None) -> TrainingData:
+    """Every training source of `recipe` read, validated and tokenized (cached), mixed by weight for data.mix."""
+    d = recipe.data
+    sources = sources or sources_of(recipe)
+    opts = {"train_on_prompt": d.train_on_prompt, "skip_bad_lines": d.skip_bad_lines}
+    parts = [tokenize_source(source, tokenizer, **opts) for source in sources]
+    if not d.mix:
+        return TrainingData(parts, parts[0].dataset, parts[0].sampled, None, d.streaming)
+    weights, seed = [s.weight for s in sources], recipe.training.seed
+    datasets = [p.dataset for p in parts]
+    if d.streaming:
+        dataset, sampled, counts = mix_streams(datasets, weights, d.mix_strategy, seed, tokenize.STREAM_HEAD)
+        sizes = [None] * len(parts)
+    else:
+        dataset, counts = mix_datasets(datasets, weights, d.mix_strategy, seed)
+        sampled, sizes = dataset, [len(ds) for ds in datasets]
+    labels = [s.label for s in sources]
+    mix = mix_record(labels, sizes, weights, counts, d.mix_strategy, seed, d.streaming)
+    log.info("data.mix: %s", ", ".join(f"{r['source']} {r['samples']}" for r in mix["sources"]))
+    return TrainingData(parts, dataset, sampled, mix, d.streaming)
 
 
 def held_out_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -65,41 +128,84 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
     """Train dataset, eval dataset (or None) and the data summary for the run directory."""
     d, max_len = recipe.data, recipe.memory.max_seq_len
     check_budget(max_len, d.truncate, d.overlap)
-    train = tokenize_file(
-        d.path, tokenizer, fmt=d.format, train_on_prompt=d.train_on_prompt, skip_bad_lines=d.skip_bad_lines
-    )
-    for line in train.skipped:
-        log.warning("skipped %s", line)
-    profile = profile_of(train)
-    train_ds, eval_ds, eval_skipped = train.dataset, None, []
-    if d.eval_path:
-        ev = tokenize_file(
-            d.eval_path, tokenizer, fmt=d.format, train_on_prompt=d.train_on_prompt, skip_bad_lines=d.skip_bad_lines
-        )
-        eval_ds, eval_skipped = ev.dataset, ev.skipped
-    elif d.eval_fraction > 0:
-        keep, held = held_out_split(len(train_ds), d.eval_fraction, recipe.training.seed)
-        train_ds, eval_ds = train_ds.select(keep), train_ds.select(held)
-    train_ds, report = apply_budget(train_ds, max_len, d.truncate, d.overlap, train.format)
-    log.info("data: %s", describe(report))
+    data = load_training_data(recipe, tokenizer, check_source(recipe))
+    _log_parts(data)
+    profile = data.profile()
+    train_ds, eval_ds, eval_part, eval_source = _split_eval(recipe, data, tokenizer)
+    fmt = next((f for f in data.formats if f != "text"), "text")  # chunking is for plain text only
+    if data.streaming:
+        _, report = apply_budget(data.sampled, max_len, d.truncate, d.overlap, fmt)
+        report["counted_on"] = f"the first {len(data.sampled)} samples of the stream"
+        train_ds = fit_stream(train_ds, max_len, d.truncate, d.overlap, fmt)
+        train_ds = train_ds.shuffle(seed=recipe.training.seed, buffer_size=STREAM_SHUFFLE_BUFFER)
+    else:
+        train_ds, report = apply_budget(train_ds, max_len, d.truncate, d.overlap, fmt)
+    log.info("data%s: %s", " (first samples of the stream)" if data.streaming else "", describe(report))
     eval_report = None
     if eval_ds is not None:
-        eval_ds, eval_report = apply_budget(eval_ds, max_len, d.truncate, d.overlap, train.format)
-    summary: dict[str, Any] = {
+        eval_ds, eval_report = apply_budget(eval_ds, max_len, d.truncate, d.overlap, fmt)
+    summary = _summary(recipe, data, profile, report, eval_part, eval_report)
+    summary["eval_source"] = eval_source
+    return train_ds, eval_ds, summary
+
+
+def _log_parts(data: TrainingData) -> None:
+    for part in data.parts:
+        for line in part.skipped:
+            log.warning("skipped %s", line)
+        if part.unused_columns:
+            log.info("%s: columns not used: %s", part.source.label, ", ".join(part.unused_columns))
+        if part.source.ignored:
+            log.info("%s: not data files, not read: %s", part.source.label, ", ".join(part.source.ignored))
+
+
+def _split_eval(recipe, data: TrainingData, tokenizer) -> tuple[Any, Any, Tokenized | None, str | None]:
+    """(train data, eval data or None, the tokenized eval source, where eval data came from), before the budget."""
+    d = recipe.data
+    source = eval_source_of(recipe)
+    if source is not None:
+        part = tokenize_source(source, tokenizer, train_on_prompt=d.train_on_prompt, skip_bad_lines=d.skip_bad_lines)
+        return data.dataset, part.dataset, part, source.label
+    if d.eval_fraction > 0:
+        seed = recipe.training.seed
+        keep, held = held_out_split(len(data.dataset), d.eval_fraction, seed)
+        where = f"held out {d.eval_fraction:g} of {data.label} (seed {seed})"
+        return data.dataset.select(keep), data.dataset.select(held), None, where
+    return data.dataset, None, None, None
+
+
+def _summary(recipe, data: TrainingData, profile, report, eval_part, eval_report) -> dict[str, Any]:
+    d = recipe.data
+    return {
         "path": d.path,
-        "eval_source": d.eval_path
-        or (f"held out {d.eval_fraction:g} of {d.path} (seed {recipe.training.seed})" if d.eval_fraction else None),
-        "format": train.format,
-        "chat_template": train.chat_template,
-        "records": len(train.dataset),
-        "skipped_lines": train.skipped,
-        "eval_skipped_lines": eval_skipped,
-        "train_records": report["samples_in"],
+        "sources": [_part_summary(p, data.streaming) for p in data.parts],
+        "mix": data.mix,
+        "streaming": (
+            {"profile_and_budget_from": len(data.sampled), "shuffle_buffer": STREAM_SHUFFLE_BUFFER}
+            if data.streaming
+            else False
+        ),
+        "format": data.format,
+        "chat_template": next((p.chat_template for p in data.parts if p.chat_template), None),
+        "records": None if data.streaming else len(data.dataset),
+        "skipped_lines": [line for p in data.parts for line in p.skipped],
+        "eval_skipped_lines": eval_part.skipped if eval_part else [],
+        "train_records": None if data.streaming else report["samples_in"],
         "eval_records": eval_report["samples_in"] if eval_report else 0,
-        "loss_on": _loss_on(train.format, d.train_on_prompt),
-        "tokenized_from_cache": train.from_cache,
+        "loss_on": _loss_on(data.formats, d.train_on_prompt),
+        "tokenized_from_cache": all(p.from_cache for p in data.parts),
         "profile": profile.to_dict(),
         "budget": report,
         "eval_budget": eval_report,
     }
-    return train_ds, eval_ds, summary
+
+
+def _part_summary(part: Tokenized, streaming: bool) -> dict[str, Any]:
+    return {
+        **part.source.to_dict(),
+        "format": part.format,
+        "records": None if streaming else len(part.dataset),
+        "skipped": len(part.skipped),
+        "unused_columns": part.unused_columns,
+        "tokenized_from_cache": part.from_cache,
+    }

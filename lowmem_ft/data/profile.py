@@ -18,7 +18,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LengthProfile:
-    """Token lengths of one data file (untruncated)."""
+    """Token lengths of the training data (untruncated)."""
 
     count: int
     p50: int
@@ -31,6 +31,7 @@ class LengthProfile:
         default_factory=list
     )  # (upper bound in tokens, samples ≤ it and > the previous)
     lengths: tuple[int, ...] = field(default=(), repr=False, compare=False)  # every sample's length, for over()
+    sampled: int = 0  # 0: every sample; N: only the first N samples of a stream (data.streaming) were measured
 
     def __getitem__(self, key: str):  # the planner may read it as a mapping: profile["p99"]
         return getattr(self, key)
@@ -47,7 +48,7 @@ class LengthProfile:
         return d
 
     @classmethod
-    def from_lengths(cls, lengths) -> LengthProfile:
+    def from_lengths(cls, lengths, sampled: int = 0) -> LengthProfile:
         import numpy as np
 
         arr = np.asarray(list(lengths), dtype=np.int64)
@@ -76,6 +77,7 @@ class LengthProfile:
             total_tokens=int(arr.sum()),
             histogram=histogram,
             lengths=tuple(int(x) for x in arr),
+            sampled=sampled,
         )
 
 
@@ -83,7 +85,12 @@ def lengths_of(dataset) -> list[int]:
     """Token count of every row of a tokenized dataset (arrow, no Python loop over tokens)."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+    lengths = pc.list_value_length(dataset.data.column("input_ids"))
+    # A select() / shuffle() view (held-out splits, data.mix) keeps the whole table and an indices mapping over it
+    # (datasets' own layout); its rows are the table's rows taken in that order.
+    if dataset._indices is not None:
+        lengths = pc.take(lengths, dataset._indices.column(0))
+    return lengths.to_pylist()
 
 
 def length_profile(
@@ -97,26 +104,39 @@ def length_profile(
 ) -> LengthProfile:
     """The length profile of the recipe's training data (or of `path`), tokenized as training tokenizes it.
 
-    Either `length_profile(recipe)` (data.path, model tokenizer, data.format/train_on_prompt/skip_bad_lines from the
-    recipe) or `length_profile(path=..., tokenizer=...)`; explicit arguments override the recipe's.
+    Either `length_profile(recipe)` (its data sources, mixed as data.mix mixes them, the model's tokenizer, the
+    recipe's data options) or `length_profile(path=..., tokenizer=...)`; explicit arguments override the recipe's.
+    A stream's profile is of its first samples (`sampled`).
     """
+    from dataclasses import replace
+
+    from lowmem_ft.data.prepare import load_training_data
     from lowmem_ft.data.tokenize import load_tokenizer, tokenize_file
 
-    if recipe is not None:
-        d = recipe.data
-        path = path or d.path
-        fmt = fmt or d.format
-        train_on_prompt = d.train_on_prompt if train_on_prompt is None else train_on_prompt
-        skip_bad_lines = d.skip_bad_lines if skip_bad_lines is None else skip_bad_lines
-        tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
-    if path is None or tokenizer is None:
-        raise TypeError("length_profile needs a recipe, or path= and tokenizer=")
-    tok = tokenize_file(
-        path, tokenizer, fmt=fmt or "auto", train_on_prompt=bool(train_on_prompt), skip_bad_lines=bool(skip_bad_lines)
-    )
-    return profile_of(tok)
+    if recipe is None:
+        if path is None or tokenizer is None:
+            raise TypeError("length_profile needs a recipe, or path= and tokenizer=")
+        tok = tokenize_file(
+            path,
+            tokenizer,
+            fmt=fmt or "auto",
+            train_on_prompt=bool(train_on_prompt),
+            skip_bad_lines=bool(skip_bad_lines),
+        )
+        return profile_of(tok)
+    given = {
+        "path": path and str(path),
+        "format": fmt,
+        "train_on_prompt": train_on_prompt,
+        "skip_bad_lines": skip_bad_lines,
+    }
+    data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
+    tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    return load_training_data(replace(recipe, data=data), tokenizer).profile()
 
 
 def profile_of(tokenized) -> LengthProfile:
     """Profile of a `Tokenized` result (lengths read from its arrow column; the tokens themselves are cached)."""
+    if tokenized.head is not None:  # a stream: its first samples
+        return LengthProfile.from_lengths(lengths_of(tokenized.head), sampled=len(tokenized.head))
     return LengthProfile.from_lengths(lengths_of(tokenized.dataset))

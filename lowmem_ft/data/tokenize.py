@@ -13,9 +13,12 @@ the completion; chat → the tokenizer's chat template, assistant tokens from it
 (`return_assistant_tokens_mask`), patched by TRL's `get_training_chat_template` where the template lacks them,
 ChatML when the tokenizer has no template at all. `train_on_prompt` keeps every label.
 
-The cache key is a hash of the file bytes, the tokenizer (its serialized vocabulary/normalizer/post-processor and
-chat template) and the options that change tokens or labels, so a second run on the same data and tokenizer
-loads the tokenized dataset from disk instead of tokenizing again.
+The cache key is a hash of what the source holds (`readers.content_id`: the file bytes, a saved or Hub data set's
+fingerprint), how it is read (kind, split, subset, columns, format), the tokenizer (its serialized
+vocabulary/normalizer/post-processor and chat template) and the options that change tokens or labels, so a second
+run on the same data and tokenizer loads the tokenized dataset from disk instead of tokenizing again. A stream
+(`data.streaming`) is tokenized lazily as training reads it and is not cached; its first `STREAM_HEAD` samples are
+tokenized up front, for the format and the length profile.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data.formats import CHAT_FORMATS, load_jsonl
+from lowmem_ft.data.formats import CHAT_FORMATS
+from lowmem_ft.data.readers import RecordReader, content_id, read_records, record_stream
+from lowmem_ft.data.sources import DataSource, resolve_source
 from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the tokenization below changes what it produces
+CACHE_VERSION = 2  # bump when the tokenization below changes what it produces (2: keyed by source, not file)
 BATCH_SIZE = 1000
+STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
 
 
 def cache_root() -> Path:
@@ -46,14 +52,22 @@ def cache_root() -> Path:
 
 @dataclass
 class Tokenized:
-    """A tokenized data file: `dataset` has `input_ids` and `labels` (-100 where no loss), untruncated."""
+    """A tokenized data source: `dataset` has `input_ids` and `labels` (-100 where no loss), untruncated."""
 
-    dataset: Any  # datasets.Dataset
+    dataset: Any  # datasets.Dataset; an IterableDataset for a stream
     format: str
     skipped: list[str] = field(default_factory=list)
     chat_template: str | None = None  # "tokenizer", "tokenizer (TRL training version)", "ChatML (default)"
     cache_dir: Path | None = None
     from_cache: bool = False
+    source: DataSource | None = None
+    unused_columns: list[str] = field(default_factory=list)  # the data's columns no format field reads
+    head: Any = None  # a stream's first STREAM_HEAD samples, tokenized (a Dataset); None when not a stream
+
+    @property
+    def sampled(self) -> Any:
+        """What the length profile is computed from: all of the data, or a stream's head."""
+        return self.dataset if self.head is None else self.head
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
@@ -118,13 +132,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(path: str | Path, tokenizer, fmt: str, train_on_prompt: bool, skip_bad_lines: bool) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            h.update(block)
+def cache_key(source: DataSource, content: str, tokenizer, train_on_prompt: bool, skip_bad_lines: bool) -> str:
+    """Key of a tokenized source: its content id, how it is read, the tokenizer and the options."""
+    how = [source.kind, source.split, source.subset, list(source.columns), source.format]
+    h = hashlib.sha256(content.encode())
     h.update(
-        json.dumps([CACHE_VERSION, fmt, train_on_prompt, skip_bad_lines, tokenizer_fingerprint(tokenizer)]).encode()
+        json.dumps([CACHE_VERSION, how, train_on_prompt, skip_bad_lines, tokenizer_fingerprint(tokenizer)]).encode()
     )
     return h.hexdigest()[:24]
 
@@ -169,21 +182,24 @@ def _chat_batch(batch: dict, tokenizer, template: str | None, train_on_prompt: b
     return {"input_ids": ids, "labels": labels}
 
 
+def _batch_fn(fmt: str, tokenizer, train_on_prompt: bool, template: str | None):
+    """The batched tokenizer for a record shape, and its keyword arguments."""
+    eos = tokenizer.eos_token or ""
+    if fmt == "text":
+        return _text_batch, {"tokenizer": tokenizer, "eos": eos}
+    if fmt == "prompt_completion":
+        return _prompt_completion_batch, {"tokenizer": tokenizer, "eos": eos, "train_on_prompt": train_on_prompt}
+    if fmt in CHAT_FORMATS:
+        return _chat_batch, {"tokenizer": tokenizer, "template": template, "train_on_prompt": train_on_prompt}
+    raise ValueError(f"unknown format {fmt!r}")
+
+
 def tokenize_records(records: list[dict], fmt: str, tokenizer, train_on_prompt: bool, template: str | None = None):
     """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map."""
     from datasets import Dataset
 
     ds = Dataset.from_list(records)
-    eos = tokenizer.eos_token or ""
-    if fmt == "text":
-        fn, kwargs = _text_batch, {"tokenizer": tokenizer, "eos": eos}
-    elif fmt == "prompt_completion":
-        fn, kwargs = _prompt_completion_batch, {"tokenizer": tokenizer, "eos": eos, "train_on_prompt": train_on_prompt}
-    elif fmt in CHAT_FORMATS:
-        fn = _chat_batch
-        kwargs = {"tokenizer": tokenizer, "template": template, "train_on_prompt": train_on_prompt}
-    else:
-        raise ValueError(f"unknown format {fmt!r}")
+    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template)
     return ds.map(
         fn,
         batched=True,
@@ -204,40 +220,103 @@ def tokenize_file(
     skip_bad_lines: bool = False,
     use_cache: bool = True,
 ) -> Tokenized:
-    """Read, validate and tokenize one JSONL file, or load it from the content-keyed cache."""
+    """Read, validate and tokenize one data file (or directory, saved or Hub data set), or load it from the cache."""
+    source = resolve_source(str(path), fmt=fmt)
+    return tokenize_source(
+        source, tokenizer, train_on_prompt=train_on_prompt, skip_bad_lines=skip_bad_lines, use_cache=use_cache
+    )
+
+
+def tokenize_source(
+    source: DataSource, tokenizer, *, train_on_prompt: bool = False, skip_bad_lines: bool = False, use_cache=True
+) -> Tokenized:
+    """Read, validate and tokenize one source, or load it from the content-keyed cache; a stream is tokenized lazily."""
     from datasets import load_from_disk
 
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data file {path} does not exist; pass --data PATH to a JSONL file")
-    cache_dir = cache_root() / "tokenized" / cache_key(path, tokenizer, fmt, train_on_prompt, skip_bad_lines)
-    meta_path = cache_dir / "meta.json"
-    if use_cache and meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            ds = load_from_disk(str(cache_dir / "dataset"))
-            log.info("tokenized %s loaded from cache %s", path, cache_dir)
-            if meta["format"] in CHAT_FORMATS:
-                ensure_chat_template(tokenizer)  # the saved tokenizer must carry the template trained with
-            return Tokenized(ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, from_cache=True)
-        except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
-            log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    loaded = load_jsonl(path, fmt, skip_bad_lines)
-    template, source = None, None
+    if source.streaming:
+        return tokenize_stream(source, tokenizer, train_on_prompt=train_on_prompt, skip_bad_lines=skip_bad_lines)
+    key = cache_key(source, content_id(source), tokenizer, train_on_prompt, skip_bad_lines)
+    cache_dir = cache_root() / "tokenized" / key
+    if use_cache and (cached := _from_cache(cache_dir, source, tokenizer)) is not None:
+        return cached
+    loaded = read_records(source, skip_bad_lines)
+    template, chat = None, None
     if loaded.format in CHAT_FORMATS:
-        template, source = training_chat_template(tokenizer, train_on_prompt)
+        template, chat = training_chat_template(tokenizer, train_on_prompt)
     ds = tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template)
-    if use_cache:
-        tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
+    result = Tokenized(ds, loaded.format, loaded.skipped, chat, None, False, source, loaded.unused_columns)
+    if not use_cache:
+        return result
+    tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp / "dataset"))
+    meta = {
+        "source": source.to_dict(),
+        "format": loaded.format,
+        "skipped": loaded.skipped,
+        "chat_template": chat,
+        "unused_columns": loaded.unused_columns,
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    try:
+        tmp.rename(cache_dir)  # atomic: a half-written entry is never read
+    except OSError:  # another process (a rank of `train --gpus`) got there first with the same content
         shutil.rmtree(tmp, ignore_errors=True)
-        ds.save_to_disk(str(tmp / "dataset"))
-        meta = {"source": str(path), "format": loaded.format, "skipped": loaded.skipped, "chat_template": source}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        try:
-            tmp.rename(cache_dir)  # atomic: a half-written entry is never read
-        except OSError:  # another process (a rank of `train --gpus`) got there first with the same content
-            shutil.rmtree(tmp, ignore_errors=True)
-            return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir)
+        result.cache_dir = cache_dir
+        return result
+    result.dataset, result.cache_dir = load_from_disk(str(cache_dir / "dataset")), cache_dir
+    return result
+
+
+def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | None:
+    from datasets import load_from_disk
+
+    meta_path = cache_dir / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
         ds = load_from_disk(str(cache_dir / "dataset"))
-    return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir if use_cache else None)
+        log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
+        if meta["format"] in CHAT_FORMATS:
+            ensure_chat_template(tokenizer)  # the saved tokenizer must carry the template trained with
+        return Tokenized(
+            ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, source, meta["unused_columns"]
+        )
+    except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
+        log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return None
+
+
+TOKEN_COLUMNS = ("input_ids", "labels")
+
+
+def tokenize_stream(source: DataSource, tokenizer, *, train_on_prompt: bool = False, skip_bad_lines: bool = False):
+    """A stream tokenized as training reads it (an IterableDataset), with its first STREAM_HEAD samples tokenized now.
+
+    The head fixes the format (detected from the first record, as for a file) and gives the length profile.
+    """
+    import itertools
+
+    from datasets import Features, List, Value
+
+    reader = RecordReader(source, skip_bad_lines)
+    head_records = list(itertools.islice(reader, STREAM_HEAD))
+    if not head_records:
+        why = f" ({len(reader.skipped)} bad rows skipped)" if reader.skipped else ""
+        raise UserError(f"{source.label}: no usable records{why}; it must hold training samples")
+    fmt = reader.format
+    template, chat = None, None
+    if fmt in CHAT_FORMATS:
+        template, chat = training_chat_template(tokenizer, train_on_prompt)
+    head = tokenize_records(head_records, fmt, tokenizer, train_on_prompt, template)
+    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template)
+    features = Features({name: List(Value("int64")) for name in TOKEN_COLUMNS})
+    stream = (
+        record_stream(source, fmt, skip_bad_lines)
+        .map(fn, batched=True, batch_size=BATCH_SIZE, fn_kwargs=kwargs)
+        .select_columns(list(TOKEN_COLUMNS))  # the record's own columns (text, messages, ...) are not trained on
+        .cast(features)  # known features: a stream can be interleaved with others (data.mix)
+    )
+    return Tokenized(stream, fmt, reader.skipped, chat, None, False, source, reader.unused_columns(), head=head)

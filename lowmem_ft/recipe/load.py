@@ -120,6 +120,17 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
             if _type_problem(v, inner)[1]:
                 return value, f"must be a list of {inner.__name__}, got {value!r}"
         return value, None
+    if origin is dict:  # e.g. data.columns: dict[str, str]; values are checked (and coerced) like fields
+        key_tp, value_tp = get_args(tp)
+        if not isinstance(value, dict):
+            return value, f"must be a mapping ({{key: value, ...}}), got {value!r}"
+        out = {}
+        for k, v in value.items():
+            v, problem = _type_problem(v, value_tp)
+            if not isinstance(k, key_tp) or problem:
+                return value, f"must map {key_tp.__name__} to {getattr(value_tp, '__name__', value_tp)}, got {value!r}"
+            out[k] = v
+        return out, None
     if tp is bool:
         return value, None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if tp is int:

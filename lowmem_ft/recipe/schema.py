@@ -8,7 +8,7 @@ dataclasses in (see `lowmem_ft.recipe.load`); `lowmem-ft recipes show NAME` prin
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 Quantization = Literal["nf4", "int8", "none"]
 DType = Literal["bfloat16", "float16", "float32"]
@@ -19,12 +19,15 @@ Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca"]
 Truncate = Literal["keep_start", "keep_end", "drop", "chunk"]
 WandbMode = Literal["online", "offline", "disabled", "auto"]
+MixStrategy = Literal["undersample", "oversample"]
 
 
 def _f(default, help: str, **kw):
     """A dataclass field whose `help` is its documentation (printed by `recipes show --help-keys`)."""
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    if isinstance(default, dict):
+        return field(default_factory=lambda d=default: dict(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -101,7 +104,35 @@ class MemorySection:
 
 @dataclass
 class DataSection:
-    path: str = _f("", "Training data, JSONL. `--data` sets it.")
+    path: str = _f(
+        "",
+        "Training data: a JSONL / JSON / Parquet / CSV / TSV file, a directory of them, a `save_to_disk` directory, "
+        "or a Hugging Face Hub data set id (org/name). `--data` sets it.",
+    )
+    split: str = _f(
+        "train", "Split to train on: of a Hub data set, a saved DatasetDict, or a directory with train/test files."
+    )
+    subset: str = _f("", "Configuration name of a Hub data set that has several (load_dataset's `name`).")
+    columns: dict[str, str] = _f(
+        {},
+        "Our field names mapped to the data set's own columns, e.g. {prompt: question, completion: answer}; "
+        "applied before the format is detected.",
+    )
+    mix: list[dict[str, Any]] = _f(
+        [],
+        "Train on several data sets instead of `path`: a list of {path, weight, split, subset, columns, format} "
+        "(unset keys take this section's values); weights are shares of the mixed samples, drawn with training.seed.",
+    )
+    mix_strategy: MixStrategy = _f(
+        "undersample",
+        "undersample: no sample repeats, the mix is as large as the scarcest source (for its weight) allows; "
+        "oversample: every sample is used, sources short of their share repeat samples.",
+    )
+    streaming: bool = _f(
+        False,
+        "Read the data as a stream (data sets larger than memory): not cached, the length profile comes from the "
+        "first samples, and training.max_steps must be set.",
+    )
     format: DataFormat = _f("auto", "Record shape; auto detects text, prompt/completion, messages, sharegpt, alpaca.")
     train_on_prompt: bool = _f(
         False, "Also compute the loss on prompt / user tokens (default: completion / assistant only)."
@@ -110,8 +141,16 @@ class DataSection:
     overlap: int = _f(128, "Tokens shared by consecutive chunks when truncate is chunk.")
     packing: bool = _f(False, "Pack several samples into one max_seq_len sequence (no attention across samples).")
     skip_bad_lines: bool = _f(False, "Skip malformed lines (and report them) instead of stopping.")
-    eval_path: str = _f("", "Evaluation data, JSONL (default: none, or eval_fraction of the training data).")
-    eval_fraction: float = _f(0.0, "Fraction of the training data held out for evaluation when eval_path is empty.")
+    eval_path: str = _f(
+        "",
+        "Evaluation data, any source `path` takes (default: none, eval_split, or eval_fraction of the training data).",
+    )
+    eval_split: str = _f(
+        "", "Split of the evaluation data: of eval_path, or of `path` when eval_path is empty (e.g. test, validation)."
+    )
+    eval_fraction: float = _f(
+        0.0, "Fraction of the training data held out for evaluation (instead of eval_path or eval_split)."
+    )
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,107 @@ def test_bad_line_is_one_line_exit_2(tiny_model, tmp_path, capsys):
     assert main(["data", "stats", str(path), "--model", tiny_model, "--skip-bad-lines"]) == 0
     out = capsys.readouterr().out
     assert "skipped 1 bad lines:" in out and f"{path}:2: field 'text' is empty" in out
+
+
+def _one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _qa_parquet(path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "question": f"What is {i} plus 1?", "answer": f" {i + 1}."} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_stats_of_parquet_with_its_own_columns(tiny_model, tmp_path, capsys):
+    path = _qa_parquet(tmp_path / "qa.parquet")
+    argv = [
+        "data",
+        "stats",
+        path,
+        "--model",
+        tiny_model,
+        "--column",
+        "prompt=question",
+        "--column",
+        "completion=answer",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}: 4 samples, format prompt_completion, ")
+    assert f"{path}: columns not used: id" in out
+    assert main(["data", "stats", path, "--model", tiny_model, "--column", "prompt"]) == 2
+    assert "--column 'prompt': expected OURS=THEIRS" in capsys.readouterr().err
+
+
+def test_stats_of_a_directory_split_and_a_saved_dataset(tiny_model, tmp_path, capsys):
+    from datasets import Dataset, DatasetDict
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text(Path(KNOWN).read_text())
+    (tmp_path / "d" / "test.jsonl").write_text('{"text": "the owl"}\n')
+    (tmp_path / "d" / "train-notes.txt").write_text("not data")
+    assert main(["data", "stats", str(tmp_path / "d"), "--model", tiny_model]) == 0
+    out = capsys.readouterr().out
+    assert "20 samples, format text, 230 tokens" in out
+    assert f"{tmp_path / 'd'}: not data files, not read: {tmp_path / 'd' / 'train-notes.txt'}" in out
+    assert main(["data", "stats", str(tmp_path / "d"), "--model", tiny_model, "--split", "test", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["count"] == 1 and out["sources"][0]["kind"] == "dir" and out["sources"][0]["split"] == "test"
+    rows = [json.loads(line) for line in Path(KNOWN).read_text().splitlines()]
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    assert main(["data", "stats", str(tmp_path / "saved"), "--model", tiny_model]) == 0
+    assert "20 samples, format text, 230 tokens" in capsys.readouterr().out
+
+
+def test_stats_of_a_mix_prints_what_each_source_gave(tiny_model, tmp_path, capsys):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"the cat {i}"}) + "\n" for i in range(5)))
+    mix = f"data.mix=[{{path: {KNOWN}, weight: 3}}, {{path: {other}, weight: 1}}]"
+    assert main(["data", "stats", "--model", tiny_model, "--set", mix]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the mix: 20 samples, format text, ")  # 15 of 20 + all 5: 3 to 1
+    assert f"mix (undersample, seed 42, in the mix): {KNOWN} 15 (75 %), {other} 5 (25 %)" in out
+
+
+def test_stats_of_a_stream_says_it_profiled_the_first_samples(tiny_model, capsys, monkeypatch):
+    import lowmem_ft.data.tokenize as tk
+
+    monkeypatch.setattr(tk, "STREAM_HEAD", 8)
+    assert main(["data", "stats", KNOWN, "--model", tiny_model, "--streaming"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{KNOWN}: the first 8 samples of the stream, format text, ")
+
+
+def test_a_hub_id_without_network_is_one_line(tiny_model, capsys):
+    err = _one_line_error(capsys, main(["data", "stats", "someorg/some-data", "--model", tiny_model]))
+    assert "data someorg/some-data is not a local path, so it is read as a Hugging Face Hub data set id" in err
+    assert "the Hub is unreachable (offline mode is on, HF_HUB_OFFLINE=1)" in err
+
+
+def test_an_empty_directory_names_what_was_looked_for(tiny_model, tmp_path, capsys):
+    err = _one_line_error(capsys, main(["data", "stats", str(tmp_path), "--model", tiny_model]))
+    assert f"{tmp_path} holds no data files (.jsonl, .json, .parquet, .csv, .tsv)" in err
+
+
+def test_a_very_long_line_is_profiled_truthfully(tiny_model, tmp_path, capsys):
+    """One ~1 MB sample (issue #16 saw the planner pick max_seq_len 984272 for a 5 MB one): the profile reports its
+    true token count, as the tokenizer counts it, and nothing fails."""
+    from lowmem_ft.data.tokenize import load_tokenizer
+
+    words = ["the", "cat", "dog", "red", "blue", "owl", "fox", "bee"]
+    text = " ".join(words[i * 7 % 8] for i in range(200_000))
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"text": "a short one"}) + "\n" + json.dumps({"text": text}) + "\n")
+    tokenizer = load_tokenizer(tiny_model)
+    expected = len(tokenizer(text + tokenizer.eos_token)["input_ids"])
+    assert expected > 100_000
+    assert main(["data", "stats", str(path), "--model", tiny_model, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["count"] == 2 and out["max"] == expected
+    assert out["cuts"][-1]["max_len"] >= expected and out["cuts"][-1]["samples_over"] == 0
