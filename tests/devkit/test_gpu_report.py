@@ -29,13 +29,23 @@ def point(vram: int, reserved_scale: float, outside: float) -> tuple[dict, model
     sample["device"] = reserved + outside
     phases = {label: dict(sample) for label in ("static", "backward 2.1", "forward 2.2", "backward 2.2", "optimizer 2")}
     phases["backward 2.1"]["allocated"] = est.phases["static"]
-    measured = {"exact": alloc, "allocated": alloc, "reserved": reserved, "device": reserved + outside, "phases": phases}
+    measured = {
+        "exact": alloc,
+        "allocated": alloc,
+        "reserved": reserved,
+        "device": reserved + outside,
+        "phases": phases,
+    }
     return rec | {"status": "ok", "seconds": 12.0, "measured": measured}, est
 
 
 @pytest.fixture
 def results(tmp_path):
-    probe = {"kind": "probe", "device": "cuda", "context": {"allocated": 512, "reserved": 2 * MiB, "device": 2 * MiB + 5e8}}
+    probe = {
+        "kind": "probe",
+        "device": "cuda",
+        "context": {"allocated": 512, "reserved": 2 * MiB, "device": 2 * MiB + 5e8},
+    }
     probe["cublas"] = {
         "bf16 mm": {"kept_allocated": 32 * MiB, "kept_outside": 8 * MiB},
         "fp32 mm": {"kept_allocated": 0, "kept_outside": 0},

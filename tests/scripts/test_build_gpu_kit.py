@@ -110,7 +110,7 @@ def test_kit_installs_as_gpu_check_installs_it_and_imports(tmp_path):
     modules = {"bitsandbytes": "bitsandbytes", "trl": "trl", "datasets": "datasets", "dill": "dill"}
     modules |= {"transformers": "transformers", "peft": "peft", "accelerate": "accelerate"}
     names = [modules[p["name"]] for p in portable if p["name"] in modules]
-    code = "import importlib, json; print(json.dumps({n: importlib.import_module(n).__file__ for n in %r}))" % names
+    code = f"import importlib, json; print(json.dumps({{n: importlib.import_module(n).__file__ for n in {names!r}}}))"
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     files = json.loads(out.stdout.strip().splitlines()[-1])
