@@ -3,7 +3,7 @@
 # kit here (python scripts/build_gpu_kit.py), then call the device tool once:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpukit"], timeout_s=600)
 # It installs the carried wheels, runs every step under a 450 s deadline (devkit/gpu_check.py) and leaves in $OUT:
-# results.jsonl, estimator_gpu.md, runs.tar, gpu_check.log. Here, every step end to end at toy sizes on the CPU:
+# results.jsonl, estimator_gpu.md, runs.tar, gpu_check.log, nvidia-smi.txt. Here, every step at toy sizes on the CPU:
 #   bash scripts/gpu_check.sh --cpu-smoke [--out DIR]
 # Other options go to `python -m devkit.gpu_check run` (--deadline S, --only probe,points,train,context).
 set -uo pipefail
