@@ -154,13 +154,31 @@ def _nvml_used() -> float:
     return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
 
 
-def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dict[str, float]:
+def _cuda_sample(before: float) -> dict[str, float]:
+    """Allocator figures now and their peaks since the last reset, and NVML device use minus `before`."""
+    import torch
+
+    torch.cuda.synchronize()
+    sample = {
+        "peak_allocated": float(torch.cuda.max_memory_allocated()),
+        "peak_reserved": float(torch.cuda.max_memory_reserved()),
+        "allocated": float(torch.cuda.memory_allocated()),
+        "reserved": float(torch.cuda.memory_reserved()),
+        "device": _nvml_used() - before,
+    }
+    torch.cuda.reset_peak_memory_stats()
+    return sample
+
+
+def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dict[str, Any]:
     """The same two optimizer steps on the CUDA device, full size, under the `--vram` cap, measured three ways.
 
     `allocated` (torch.cuda.max_memory_allocated) is the live tensor bytes the model predicts without overheads;
     `reserved` (max_memory_reserved) adds the caching allocator's rounding and fragmentation; `device` (NVML used
     minus what was used before the model, sampled after each phase) adds the CUDA context and cuBLAS workspaces.
-    Returns those peaks in bytes plus `exact` (PeakMemory's live bytes) for the CPU-style comparison.
+    Returns those peaks in bytes plus `exact` (PeakMemory's live bytes) for the CPU-style comparison, and `phases`:
+    label → `_cuda_sample` taken at the end of each phase ("static" after the build, then "forward n.k",
+    "backward n.k", "optimizer n" as `measure` labels them), each with the allocator's peaks within that phase.
     """
     import torch
     from transformers import Trainer, TrainingArguments
@@ -183,8 +201,8 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     trainable = [q for q in model.parameters() if q.requires_grad]
     optimizer = cls(trainable, **kwargs)
     vocab = base.config.vocab_size
-    device_peak = 0.0
     torch.cuda.reset_peak_memory_stats()
+    phases = {"static": _cuda_sample(before)}
     with PeakMemory(device="cuda") as pm:
         for step, micro in ((1, 1), (2, 1), (2, 2)):
             ids = torch.randint(0, vocab, (p.batch, p.seq), device="cuda")
@@ -193,21 +211,21 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
                 mask[-1, : p.seq // 4] = 0
             out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
             loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
-            device_peak = max(device_peak, _nvml_used() - before)
+            phases[f"forward {step}.{micro}"] = _cuda_sample(before)
             loss.backward()
             del out, loss
-            device_peak = max(device_peak, _nvml_used() - before)
+            phases[f"backward {step}.{micro}"] = _cuda_sample(before)
             if micro == step:
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        device_peak = max(device_peak, _nvml_used() - before)
+                phases[f"optimizer {step}"] = _cuda_sample(before)
         result = {
             "exact": float(pm.peak_bytes),
-            "allocated": float(torch.cuda.max_memory_allocated()),
-            "reserved": float(torch.cuda.max_memory_reserved()),
-            "device": device_peak,
+            "allocated": max(s["peak_allocated"] for s in phases.values()),
+            "reserved": max(s["peak_reserved"] for s in phases.values()),
+            "device": max(s["device"] for s in phases.values()),
+            "phases": phases,
         }
     del model, base, optimizer, trainable, pm
     gc.collect()
