@@ -3,7 +3,7 @@
     python scripts/max_context.py [--out benchmarks/max_context.md]
 
 Pure arithmetic over the memory model (no GPU): for each model and VRAM target, the longest max_seq_len for which
-`lowmem_ft.memory.planner.plan` finds a configuration (NF4 LoRA, batch 1, gradient checkpointing allowed) that fits
+`lowmem_ft.memory.planner.plan` finds a setup (NF4 LoRA, batch 1, gradient checkpointing allowed) that fits
 under VRAM − the tier's margin; "savers" additionally allows activation offloading and the chunked loss.
 """
 
@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowmem_ft.memory.arch import load_architecture  # noqa: E402
-from lowmem_ft.memory.planner import max_seq_len  # noqa: E402
+from lowmem_ft.memory.planner import Request, max_seq_len  # noqa: E402
+from lowmem_ft.memory.target import Target  # noqa: E402
+from lowmem_ft.planning import fixed_knobs, setup_from_recipe, tier_for_vram  # noqa: E402
 from lowmem_ft.recipe.load import resolve  # noqa: E402
-from lowmem_ft.recipe.select import tier_for_vram  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B"]
 PUBLISHED = {("meta-llama/Llama-3.1-8B", 24): "5,789", ("meta-llama/Llama-3.1-8B", 40): "12,264"}
@@ -41,9 +43,14 @@ def main(argv=None) -> int:
                 "memory": {"micro_batch_size": 1},
             }
             start = resolve(tier_for_vram(vram), fixed)
-            plain = {**fixed, "memory": {**fixed["memory"], "activation_offloading": False, "chunked_loss": False}}
-            without = max_seq_len(arch, vram, start, plain)
-            with_savers = max_seq_len(arch, vram, start, fixed)
+            request = Request(
+                setup_from_recipe(start),
+                Target(vram, start.memory.safety_margin_gb),
+                start.memory.gradient_accumulation,
+                fixed=fixed_knobs(fixed),
+            )
+            without = max_seq_len(arch, replace(request, fixed=request.fixed | {"activation_offloading", "loss_impl"}))
+            with_savers = max_seq_len(arch, request)
             lines.append(f"| {name} | {vram} GB | {without:,} | {with_savers:,} | {PUBLISHED.get((name, vram), '—')} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines)
