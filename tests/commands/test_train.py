@@ -31,8 +31,8 @@ def qlora_result(tmp_path_factory, tiny_model):
     in-process, so the test can look at the trained model object itself.
     """
     from lowmem_ft.cli import build_parser
-    from lowmem_ft.commands.train import choose, flag_overrides
-    from lowmem_ft.train.run import prepare_run_dir, train
+    from lowmem_ft.commands.train import choose, flag_overrides, new_run
+    from lowmem_ft.train.run import train
 
     out = tmp_path_factory.mktemp("runs")
     data = str(Path(__file__).parents[2] / "examples" / "chat.jsonl")
@@ -45,7 +45,7 @@ def qlora_result(tmp_path_factory, tiny_model):
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     recipe, choice = choose(args, flag_overrides(args))
-    return train(recipe, prepare_run_dir(recipe, args.name, resume=False), choice=choice)
+    return train(recipe, new_run(recipe, args.name), choice=choice)
 
 
 @pytest.fixture(scope="module")
