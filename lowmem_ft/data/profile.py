@@ -1,4 +1,7 @@
-"""The data's token-length profile: what the planner needs to pick a sequence length, and what `data stats` prints.
+"""The data's token-length profile: what planning needs to pick a sequence length, and what `data stats` prints.
+
+The one `LengthProfile` of the package: `lowmem_ft.planning` sizes `memory.max_seq_len` from its p99 (and says
+how many samples a shorter length cuts, `over`).
 
 Lengths come from the same tokenization as training (`lowmem_ft.data.tokenize`, chat template and EOS
 included), before any truncation, so the profile says what the data *is*; `over(max_len)` says what a given budget
@@ -31,9 +34,6 @@ class LengthProfile:
         default_factory=list
     )  # (upper bound in tokens, samples ≤ it and > the previous)
     lengths: tuple[int, ...] = field(default=(), repr=False, compare=False)  # every sample's length, for over()
-
-    def __getitem__(self, key: str):  # the planner may read it as a mapping: profile["p99"]
-        return getattr(self, key)
 
     def over(self, max_len: int) -> tuple[int, int]:
         """(samples longer than max_len, tokens beyond max_len in them) — what keep_start/keep_end would cut."""

@@ -39,7 +39,8 @@ def qlora_result(tmp_path_factory, tiny_model):
     argv = [
         "train", "--vram", "8", "--model", tiny_model, "--data", data, "--no-wandb", "--name", "qlora",
         "--set", f"training.output_dir={out}", "--set", "optimizer.lr=5e-3", "--set", "training.logging_steps=1",
-        "--set", "memory.gradient_accumulation=2", "--set", "training.max_steps=8", "--set", "training.save_steps=4",
+        "--set", "memory.gradient_accumulation=2", "--set", "memory.micro_batch_size=1",
+        "--set", "training.max_steps=8", "--set", "training.save_steps=4",
         # the planner would pick 16-bit weights for a tiny model; fixed keys make it QLoRA and are kept as given
         "--set", "model.quantization=nf4", "--set", "memory.gradient_checkpointing=true",
     ]  # fmt: skip

@@ -13,7 +13,6 @@ def test_profile_of_known_lengths():
     assert p.histogram == [(8, 50), (16, 0), (32, 0), (64, 0), (128, 40), (256, 0), (512, 9), (1024, 1)]
     assert p.over(300) == (1, 700)
     assert p.over(99) == (50, 40 * 1 + 9 * 201 + 901)
-    assert p["p99"] == p.p99  # the planner may read it as a mapping
 
 
 def test_length_profile_of_a_file_counts_training_tokens(tokenizer, tiny_model):

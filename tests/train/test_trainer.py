@@ -200,3 +200,21 @@ def test_a_packed_micro_batch_steps_down_at_sample_boundaries(tiny_model, tmp_pa
     assert tokens[0] == whole and len(tokens) == 1 + 2 + 4  # one forward, then two, then four pieces
     assert sum(tokens[1:3]) == sum(tokens[3:]) == whole and max(tokens[1:]) < whole
     _assert_same(results)
+
+
+def test_resume_continues_at_the_step_down_saved_in_the_checkpoint(tiny_model, tmp_path):
+    """The guard's state rides in each checkpoint (transformers' ExportableState); --resume reads it from there, not
+    by parsing memory.jsonl."""
+    from lowmem_ft.cli import main
+
+    injector = FaultInjector(fail=once((2, 4)))
+    first = tiny_run(tiny_model, DATA, tmp_path, "resumed", "training.max_steps=2", "training.save_steps=2",
+                     callbacks=[injector])  # fmt: skip
+    state = json.loads((first.run_dir / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["MemoryGuard"]["attributes"]["halvings"] == 1
+    (first.run_dir / "memory.jsonl").unlink()  # nothing to parse: the checkpoint alone carries the step-down
+    assert main(["train", "--resume", str(first.run_dir), "--no-wandb", "--set", "training.max_steps=3"]) == 0
+    records = memory_records(first.run_dir)
+    assert records[0]["event"] == "start" and records[0]["micro_batch"] == 2 and records[0]["pieces"] == 2
+    assert {r["micro_batch"] for r in records if r.get("phase") == "forward"} == {2}
+    assert not [r for r in records if r.get("event") == "oom_recovered"]
