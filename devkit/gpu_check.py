@@ -86,14 +86,9 @@ def planner_longest_context(model: str, vram_gb: float, limit: int = 262144) -> 
     """The planner's longest trainable max_seq_len for `model` (catalog id or directory) at `vram_gb`: QLoRA,
     batch 1, checkpointing / offloading / chunked loss as the planner chooses (scripts/max_context.py's "with
     savers"); 0 when nothing fits."""
-    from lowmem_ft.memory.arch import load_architecture
-    from lowmem_ft.memory.planner import max_seq_len
-    from lowmem_ft.recipe.load import merge, resolve
-    from lowmem_ft.recipe.select import tier_for_vram
+    from lowmem_ft.planning import longest_context
 
-    fixed = merge(CONTEXT_FIXED, {"model": {"name_or_path": model}})
-    start = resolve(tier_for_vram(vram_gb), fixed)
-    return max_seq_len(load_architecture(model), vram_gb, start, fixed, limit=limit)
+    return longest_context(model, vram_gb, CONTEXT_FIXED, limit=limit)
 
 
 def context_overrides(seq: int) -> list[str]:
@@ -438,6 +433,7 @@ def run_cli(results: Path, kind: str, run_dir: Path, tar: Path, data: dict[str, 
     """`lowmem_ft.cli.main(argv)` — the `lowmem-ft` command — in this process beside a `Sampler`, then its
     plan.json and memory.jsonl against what was sampled, as one record; the run's small files go into `tar`."""
     from lowmem_ft import cli
+    from lowmem_ft.rundir import RunDir
 
     baseline = nvml_used()  # before this process creates its CUDA context
     write_text_data(Path(data["model"]), Path(data["path"]), *data["shape"])
@@ -455,24 +451,35 @@ def run_cli(results: Path, kind: str, run_dir: Path, tar: Path, data: dict[str, 
     record["config"] = json.loads((Path(data["model"]) / "config.json").read_text())
     append(results, record)
     with tarfile.open(tar, "a") as archive:
-        for name in ("plan.json", "run.json", "metrics.json", "memory.jsonl", "recipe.yaml", "data_report.json"):
-            if (run_dir / name).is_file():
-                archive.add(run_dir / name, arcname=f"{kind}/{name}")
+        run = RunDir(run_dir)
+        files = (
+            run.plan_file,
+            run.info_file,
+            run.metrics_file,
+            run.memory_file(),
+            run.recipe_file,
+            run.data_report_file,
+        )
+        for path in files:
+            if path.is_file():
+                archive.add(path, arcname=f"{kind}/{path.name}")
     return 0 if rc == 0 else 1
 
 
 def run_dir_summary(run_dir: Path) -> dict[str, Any]:
     """plan.json, the resolved recipe, metrics and memory.jsonl's peaks and events of a run directory."""
-    from lowmem_ft.report import load_memory
+    from lowmem_ft.rundir import RunDir
 
+    run = RunDir(run_dir)
     out: dict[str, Any] = {}
-    for name in ("plan.json", "metrics.json"):
-        if (run_dir / name).is_file():
-            out[name.split(".")[0]] = json.loads((run_dir / name).read_text())
-    if (run_dir / "recipe.yaml").is_file():
-        out["recipe"] = (run_dir / "recipe.yaml").read_text()
-    if (run_dir / "memory.jsonl").is_file():
-        _, samples, events = load_memory(run_dir)
+    for key, record in (("plan", run.read_plan()), ("metrics", run.read_metrics())):
+        if record is not None:
+            out[key] = record
+    if run.recipe_file.is_file():
+        out["recipe"] = run.recipe_file.read_text()
+    if run.memory_file().is_file():
+        log = run.memory_log()
+        samples, events = log.samples, log.events
         keys = ("peak_gb", "allocated_gb", "reserved_gb", "device_used_gb", "rss_gb")
         out["memory"] = {k: max(s[k] for s in samples if k in s) for k in keys if any(k in s for s in samples)}
         out["memory"]["samples"] = len(samples)

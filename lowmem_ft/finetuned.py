@@ -33,14 +33,13 @@ class FinishedRun:
 
 def open_run(run_dir: str | Path, base: str | None = None) -> FinishedRun:
     """The run in `run_dir`, or a UserError saying what is missing. `base` overrides where the base model is."""
-    from lowmem_ft.train.run import load_run_recipe
+    from lowmem_ft.rundir import RunDir
 
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist; pass runs/<name> of a finished `lowmem-ft train`")
-    recipe = load_run_recipe(path)
+    run = RunDir.existing(run_dir)
+    path = run.path
+    recipe = run.read_recipe()
     full = recipe.adapter.kind == "full"
-    weights = path / ("model" if full else "adapter")
+    weights = run.weights(full)
     if not weights.is_dir():
         raise UserError(
             f"{path} has no {weights.name}/ (the run did not finish); "

@@ -1,15 +1,17 @@
 """The memory report of a run directory: `memory.png` and a console summary, from `memory.jsonl` alone.
 
-The one idea: the plot and the summary are drawn from the run directory, never from a live trainer, so the same
-code serves the end of `train` and `lowmem-ft report RUN_DIR` for any run, finished or crashed. Measured peak,
-the planner's predicted peak and the budget are shown together, in decimal GB.
+The one idea: the plot and the summary are drawn from the run directory (`RunDir.memory_log`, which tolerates the
+cut last line of a crashed run), never from a live trainer, so the same code serves the end of `train` and
+`lowmem-ft report RUN_DIR` for any run, finished or crashed. Measured peak, the planner's predicted peak, the VRAM and
+the budget (VRAM − safety margin) are shown together, in decimal GB.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from lowmem_ft.rundir import MemoryLog, RunDir
 
 # What "measured peak" means in order of preference: the whole card as NVML sees it, else the allocator's peak,
 # else (no CUDA) the host's resident set.
@@ -17,23 +19,9 @@ PEAK_KEYS = [("device_used_gb", "device used (NVML)"), ("peak_gb", "allocator pe
 
 
 def load_memory(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(start record, samples, events) of `run_dir/memory.jsonl`; the start record is the latest one."""
-    path = Path(run_dir) / "memory.jsonl"
-    header: dict[str, Any] = {}
-    samples: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if record.get("event") == "start":
-                header = record
-            elif "event" in record:
-                events.append(record)
-            else:
-                samples.append(record)
-    return header, samples, events
+    """(start record, samples, events) of a run directory's memory.jsonl."""
+    log = RunDir(run_dir).memory_log()
+    return log.start, log.samples, log.events
 
 
 def _peak_key(samples: list[dict[str, Any]]) -> tuple[str, str]:
@@ -47,6 +35,7 @@ def summarize(header: dict[str, Any], samples: list[dict[str, Any]], events: lis
     """Measured peak (and where), predicted peak, budget, margin, events by kind."""
     out: dict[str, Any] = {
         "predicted_peak_gb": header.get("predicted_peak_gb"),
+        "vram_gb": header.get("vram_gb"),
         "budget_gb": header.get("budget_gb"),
         "safety_margin_gb": header.get("safety_margin_gb"),
         "samples": len(samples),
@@ -91,8 +80,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("  predicted peak: none (the plan gave no prediction)")
     if s.get("budget_gb") is not None:
         lines.append(
-            f"  budget {s['budget_gb']:g} GB, safety margin {s.get('safety_margin_gb') or 0:g} GB, "
-            f"headroom at the peak {s['headroom_gb']:.2f} GB"
+            f"  budget {s['budget_gb']:g} GB (VRAM {s.get('vram_gb') or 0:g} − safety margin "
+            f"{s.get('safety_margin_gb') or 0:g}), headroom at the peak {s['headroom_gb']:.2f} GB"
         )
     if s["events"]:
         lines.append("  events: " + ", ".join(f"{k} ×{n}" for k, n in sorted(s["events"].items())))
@@ -139,11 +128,12 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
         points = [(x, s[key]) for x, s in zip(xs, samples, strict=True) if key in s]
         if points:
             ax.plot(*zip(*points, strict=True), label=label, linewidth=1)
-    budget, margin, predicted = header.get("budget_gb"), header.get("safety_margin_gb"), header.get("predicted_peak_gb")
-    if budget is not None:
-        ax.axhline(budget, color="red", linewidth=1.5, label=f"budget {budget:g} GB")
-        if margin:
-            ax.axhspan(budget - margin, budget, color="red", alpha=0.12, label=f"safety margin {margin:g} GB")
+    vram, budget, predicted = header.get("vram_gb"), header.get("budget_gb"), header.get("predicted_peak_gb")
+    if vram is not None:
+        ax.axhline(vram, color="red", linewidth=1.5, label=f"VRAM {vram:g} GB")
+        if budget is not None and budget < vram:
+            label = f"safety margin {vram - budget:g} GB above the {budget:g} GB budget"
+            ax.axhspan(budget, vram, color="red", alpha=0.12, label=label)
     if predicted is not None:
         ax.axhline(predicted, color="black", linestyle="--", linewidth=1, label=f"predicted peak {predicted:.2f} GB")
     oom_label = {"oom_recovered": "OOM recovered", "oom_fatal": "OOM (stopped)", "margin_action": "margin action"}
@@ -169,10 +159,12 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:
-    """Draw `run_dir/memory.png` and return (its path, the console summary)."""
-    run_dir = Path(run_dir)
-    header, samples, events = load_memory(run_dir)
-    fig = plot(header, samples, events, title=f"memory of {run_dir.name}")
-    out = run_dir / "memory.png"
-    fig.savefig(out)
-    return out, format_summary(summarize(header, samples, events))
+    """Draw the run's memory.png and return (its path, the console summary)."""
+    run = RunDir(run_dir)
+    log: MemoryLog = run.memory_log()
+    fig = plot(log.start, log.samples, log.events, title=f"memory of {run.name}")
+    fig.savefig(run.memory_plot)
+    summary = format_summary(summarize(log.start, log.samples, log.events))
+    if log.unreadable:
+        summary += f"\n  ({log.unreadable} unreadable line(s) skipped: a run that crashed while writing)"
+    return run.memory_plot, summary

@@ -51,8 +51,9 @@ COMMON = [
 
 def timed_run(model: Path, out: Path, name: str, sets: list[str], steps: int) -> dict:
     from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.rundir import RunDir
     from lowmem_ft.train import monitor as monitor_module
-    from lowmem_ft.train.run import prepare_run_dir, train
+    from lowmem_ft.train.run import train
 
     costs: list[float] = []
     original = monitor_module.MemoryMonitor.sample
@@ -77,7 +78,7 @@ def timed_run(model: Path, out: Path, name: str, sets: list[str], steps: int) ->
                 *sets,
             ],
         )
-        result = train(recipe, prepare_run_dir(recipe, name, resume=False), choice={"how": "bench"})
+        result = train(recipe, RunDir.new(recipe.training.output_dir, name, recipe.model.name_or_path))
     finally:
         monitor_module.MemoryMonitor.sample = original
     runtime = result.metrics["train_runtime"]

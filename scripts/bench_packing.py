@@ -63,6 +63,7 @@ def main() -> int:
 
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.tiny import build_tiny_model
+    from lowmem_ft.train import args as args_mod
     from lowmem_ft.train import run as run_mod
 
     datasets.disable_progress_bars()
@@ -92,7 +93,7 @@ def main() -> int:
     profile = None
     for i, (mode, sets) in enumerate(MODES.items()):
         recipe = resolve("8gb", [*base_sets, *sets])
-        real_sft_config = run_mod.sft_config
+        real_sft_config = args_mod.sft_config
         if mode.endswith("random batches"):  # TRL's default sampler, for comparison
 
             def random_sampler(*a, real=real_sft_config, **kw):
@@ -100,14 +101,14 @@ def main() -> int:
                 cfg.train_sampling_strategy = "random"
                 return cfg
 
-            run_mod.sft_config = random_sampler
+            args_mod.sft_config = random_sampler
         run_dir = work / f"run{i}"
         run_dir.mkdir()
         counter = type("Counter", (CountPositions, TrainerCallback), {})()
         try:
             result = run_mod.train(recipe, run_dir, callbacks=[counter])
         finally:
-            run_mod.sft_config = real_sft_config
+            args_mod.sft_config = real_sft_config
         report = json.loads((run_dir / "data_report.json").read_text())
         profile = report["profile"]
         tokens = report["budget"]["tokens_out"]

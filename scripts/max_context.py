@@ -3,7 +3,7 @@
     python scripts/max_context.py [--out benchmarks/max_context.md]
 
 Pure arithmetic over the memory model (no GPU): for each model and VRAM target, the longest max_seq_len for which
-`lowmem_ft.memory.planner.plan` finds a configuration (NF4 LoRA, batch 1, gradient checkpointing allowed) that fits
+`lowmem_ft.memory.planner.plan` finds a setup (NF4 LoRA, batch 1, gradient checkpointing allowed) that fits
 under VRAM − the tier's margin; "savers" additionally allows activation offloading and the chunked loss.
 """
 
@@ -15,10 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowmem_ft.memory.arch import load_architecture  # noqa: E402
-from lowmem_ft.memory.planner import max_seq_len  # noqa: E402
-from lowmem_ft.recipe.load import resolve  # noqa: E402
-from lowmem_ft.recipe.select import tier_for_vram  # noqa: E402
+from lowmem_ft.planning import longest_context  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B"]
 PUBLISHED = {("meta-llama/Llama-3.1-8B", 24): "5,789", ("meta-llama/Llama-3.1-8B", 40): "12,264"}
@@ -33,17 +30,10 @@ def main(argv=None) -> int:
         "| --- | --- | --- | --- | --- |",
     ]
     for name in MODELS:
-        arch = load_architecture(name)
         for vram in (8, 24, 40):
-            fixed = {
-                "model": {"name_or_path": name, "quantization": "nf4"},
-                "adapter": {"kind": "lora"},
-                "memory": {"micro_batch_size": 1},
-            }
-            start = resolve(tier_for_vram(vram), fixed)
-            plain = {**fixed, "memory": {**fixed["memory"], "activation_offloading": False, "chunked_loss": False}}
-            without = max_seq_len(arch, vram, start, plain)
-            with_savers = max_seq_len(arch, vram, start, fixed)
+            fixed = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora"}, "memory": {"micro_batch_size": 1}}
+            without = longest_context(name, vram, fixed, savers=False)
+            with_savers = longest_context(name, vram, fixed)
             lines.append(f"| {name} | {vram} GB | {without:,} | {with_savers:,} | {PUBLISHED.get((name, vram), '—')} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines)

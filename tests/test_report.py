@@ -18,7 +18,8 @@ def write_memory(run_dir, records):
 
 
 def cuda_run(run_dir):
-    start = {"event": "start", "step": 0, "predicted_peak_gb": 17.5, "budget_gb": 24, "safety_margin_gb": 1.5}
+    start = {"event": "start", "step": 0, "predicted_peak_gb": 17.5, "vram_gb": 24, "safety_margin_gb": 1.5,
+             "budget_gb": 22.5}  # fmt: skip
     records = [start]
     for step in (1, 2, 3):
         for phase, alloc, peak in (("forward", 12, 15), ("backward", 9, 18 if step == 2 else 16), ("optimizer", 8, 9)):
@@ -42,12 +43,12 @@ def test_summary_compares_measured_predicted_budget(tmp_path):
     cuda_run(tmp_path)
     s = summarize(*load_memory(tmp_path))
     assert s["measure"] == "device used (NVML)" and s["measured_peak_gb"] == 19.6
-    assert s["allocator_peak_gb"] == 18 and s["headroom_gb"] == pytest.approx(4.4)
+    assert s["allocator_peak_gb"] == 18 and s["headroom_gb"] == pytest.approx(22.5 - 19.6)
     assert s["events"] == {"oom_recovered": 1}
     text = format_summary(s)
     assert "measured peak 19.60 GB (device used (NVML)) in forward of step 1; allocator peak 18.00 GB" in text
     assert "predicted peak 17.50 GB (measured +12.0%)" in text
-    assert "budget 24 GB, safety margin 1.5 GB, headroom at the peak 4.40 GB" in text
+    assert "budget 22.5 GB (VRAM 24 − safety margin 1.5), headroom at the peak 2.90 GB" in text
 
 
 def test_plot_draws_curves_budget_margin_prediction_and_events(tmp_path):
@@ -58,17 +59,18 @@ def test_plot_draws_curves_budget_margin_prediction_and_events(tmp_path):
     assert {"allocated", "peak since previous sample", "reserved", "device used (NVML)"} <= lines.keys()
     assert list(lines["allocated"].get_ydata()) == [12, 9, 8] * 3
     assert list(lines["allocated"].get_xdata())[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])  # inside step 1
-    assert set(lines["budget 24 GB"].get_ydata()) == {24}
+    assert set(lines["VRAM 24 GB"].get_ydata()) == {24}
     assert set(lines["predicted peak 17.50 GB"].get_ydata()) == {17.5}
     assert lines["predicted peak 17.50 GB"].get_linestyle() == "--"
     assert set(lines["OOM recovered"].get_xdata()) == {1.5}  # before step 2
-    (band,) = [p for p in ax.patches if p.get_label() == "safety margin 1.5 GB"]
+    (band,) = [p for p in ax.patches if p.get_label() == "safety margin 1.5 GB above the 22.5 GB budget"]
     assert isinstance(band, (Polygon, Rectangle))
     extent = band.get_extents().transformed(ax.transData.inverted())
     assert extent.y0 == pytest.approx(22.5) and extent.y1 == pytest.approx(24)
     assert band.get_facecolor()[:3] == to_rgba("red")[:3]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "budget 24 GB" in legend and "safety margin 1.5 GB" in legend and "predicted peak 17.50 GB" in legend
+    assert "VRAM 24 GB" in legend and "predicted peak 17.50 GB" in legend
+    assert "safety margin 1.5 GB above the 22.5 GB budget" in legend
 
 
 def test_write_report_saves_a_valid_png(tmp_path):
@@ -85,14 +87,21 @@ def test_cpu_run_plots_host_memory_and_says_so(tmp_path):
     write_memory(
         tmp_path,
         [
-            {"event": "start", "step": 0, "predicted_peak_gb": None, "budget_gb": 8, "safety_margin_gb": 1},
+            {
+                "event": "start",
+                "step": 0,
+                "predicted_peak_gb": None,
+                "vram_gb": 8,
+                "budget_gb": 7,
+                "safety_margin_gb": 1,
+            },
             {"step": 1, "phase": "forward", "rss_gb": 0.5},
             {"step": 1, "phase": "backward", "rss_gb": 0.6},
         ],
     )
     header, samples, events = load_memory(tmp_path)
     labels = [line.get_label() for line in plot(header, samples, events).axes[0].get_lines()]
-    assert labels == ["host RSS (no CUDA)", "budget 8 GB"]
+    assert labels == ["host RSS (no CUDA)", "VRAM 8 GB"]
     text = format_summary(summarize(header, samples, events))
     assert "0.60 GB (host RSS) in backward of step 1" in text and "no CUDA device" in text
     assert "predicted peak: none" in text

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
+
+from lowmem_ft.memory.planner import Requested
 
 
 def add_parser(sub) -> None:
@@ -15,7 +18,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, help="hub id (offline catalog or Hub config.json) or local directory")
     p.add_argument("--vram", type=float, required=True, metavar="GB", help="GPU memory to fit in, in GB")
-    p.add_argument("--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (memory.max_seq_len)")
+    p.add_argument(
+        "--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (fixes memory.max_seq_len)"
+    )
     p.add_argument(
         "--data",
         metavar="FILE.jsonl",
@@ -26,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--strategy",
         default="auto",
-        choices=["auto", "ddp", "fsdp", "zero2", "zero3"],
+        choices=get_args(Requested),
         help="with --gpus N: auto picks DDP when the model fits per device, else FSDP, then FSDP + CPU offload",
     )
     p.add_argument("--offload", action="store_true", default=None, help="plan with optimizer states in host RAM")
@@ -47,26 +52,24 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lowmem_ft.errors import UserError
+    from lowmem_ft.planning import choose_recipe, start_recipe
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
-    from lowmem_ft.recipe.select import plan_recipe
 
-    if args.seq_len is not None and args.seq_len < 16:
-        raise UserError(f"--seq-len {args.seq_len}: must be at least 16 tokens")
     overrides = merge(parse_overrides(args.overrides), {"model": {"name_or_path": args.model}})
+    origins = {"model.name_or_path": "--model", "data.path": "--data"}
     profile = None
     if args.data:
-        from lowmem_ft.data import length_profile
-        from lowmem_ft.recipe.select import start_recipe
+        from lowmem_ft.data import check_source, length_profile
 
-        if not Path(args.data).is_file():
-            raise UserError(f"--data {args.data}: no such file; pass a JSONL file")
         overrides = merge(overrides, {"data": {"path": args.data}})
-        profile = length_profile(start_recipe(args.vram, args.recipe, overrides))
-    result = plan_recipe(
+        start = start_recipe(args.vram, args.recipe, overrides, origins)
+        check_source(start)
+        profile = length_profile(start)
+    recipe, choice = choose_recipe(
         vram_gb=args.vram,
         recipe=args.recipe,
         overrides=overrides,
+        origins=origins,
         seq_len=args.seq_len,
         profile=profile,
         gpus=args.gpus,
@@ -75,23 +78,23 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.output:
         Path(args.output).write_text(
-            dump(result.recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), encoding="utf-8"
+            dump(recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), encoding="utf-8"
         )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(choice.plan_record(recipe), indent=2))
     else:
-        print_plan(result)
+        print_plan(choice.plan, recipe)
         if args.output:
             print(f"recipe written to {args.output} (lowmem-ft train --recipe {args.output} --data ...)")
     return 0
 
 
-def print_plan(result) -> None:
+def print_plan(result, r) -> None:
+    """The plan as a table of components, then one line per knob saying why."""
     from rich.console import Console
     from rich.table import Table
 
     est = result.estimate
-    r = result.recipe
     where = f"{result.vram_gb:g} GB" if result.gpus == 1 else f"{result.gpus} × {result.vram_gb:g} GB, per device"
     how = "" if result.gpus == 1 else f" ({result.strategy}{' + offload' if result.offload else ''})"
     title = (

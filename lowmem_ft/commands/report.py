@@ -17,16 +17,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from lowmem_ft.errors import UserError
     from lowmem_ft.report import write_report
+    from lowmem_ft.rundir import RunDir
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "memory.jsonl").is_file():
-        what = "does not exist" if not run_dir.exists() else "has no memory.jsonl (not a lowmem-ft run directory?)"
-        raise UserError(f"{run_dir} {what}; pass runs/NAME of a run started by lowmem-ft train")
-    png, summary = write_report(run_dir)
+    run = RunDir(args.run_dir)
+    if not run.memory_file().is_file():
+        what = "does not exist" if not run.path.exists() else "has no memory.jsonl (not a lowmem-ft run directory?)"
+        raise UserError(f"{run.path} {what}; pass runs/NAME of a run started by lowmem-ft train")
+    png, summary = write_report(run.path)
     print(summary)
     print(f"plot: {png}")
     return 0

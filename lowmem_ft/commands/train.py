@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
+from lowmem_ft.memory.planner import Requested
 from lowmem_ft.recipe.load import merge, parse_overrides
+from lowmem_ft.recipe.schema import DataFormat
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="fine-tune a model on JSONL data within a VRAM target",
+        help="fine-tune a model on your data within a VRAM target",
         description="Fine-tune MODEL on DATA. With --vram the recipe is chosen for that much GPU memory; "
         "--recipe uses a shipped recipe (8gb, 24gb, 40gb) or a YAML file; --set section.key=value overrides any key.",
     )
     p.add_argument("--model", help="hub id or local directory of the base model (model.name_or_path)")
-    p.add_argument("--data", help="training data, JSONL (data.path)")
+    p.add_argument(
+        "--data",
+        help="training data: a JSONL / JSON / Parquet / CSV file, a directory of them, a save_to_disk directory "
+        "or a Hub id (data.path)",
+    )
     p.add_argument(
         "--vram",
         type=float,
@@ -31,11 +38,16 @@ def add_parser(sub) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one recipe key; repeatable (e.g. --set training.max_steps=100)",
     )
-    p.add_argument("--name", help="run name; the run goes to <training.output_dir>/<name> (default: model-timestamp)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
-    p.add_argument("--eval-data", help="evaluation data, JSONL (data.eval_path)")
     p.add_argument(
-        "--format", help="force the data format (data.format): text, prompt_completion, messages, sharegpt, alpaca"
+        "--name",
+        help="run name (a name, not a path); the run goes to <training.output_dir>/<name> (default: model-timestamp)",
+    )
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--eval-data", help="evaluation data, any source --data takes (data.eval_path)")
+    p.add_argument(
+        "--format",
+        choices=[f for f in get_args(DataFormat) if f != "auto"],
+        help="force the data format (data.format); default: detect it",
     )
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines and report them")
     p.add_argument(
@@ -52,7 +64,7 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--strategy",
         default="auto",
-        choices=["auto", "ddp", "fsdp", "zero2", "zero3"],
+        choices=get_args(Requested),
         help="ddp: a full copy per GPU; fsdp / zero3: weights, gradients, optimizer sharded; zero2: optimizer and "
         "gradients sharded (default auto)",
     )
@@ -67,6 +79,18 @@ def add_parser(sub) -> None:
     )
     g.add_argument("--run-dir", help="train in RUN_DIR prepared by --gpus (what the launched processes run)")
     p.set_defaults(func=run)
+
+
+# The flag behind each recipe key a flag sets: errors about the value name the flag the user typed.
+FLAG_KEYS = {
+    "model.name_or_path": "--model",
+    "model.trust_remote_code": "--trust-remote-code",
+    "data.path": "--data",
+    "data.eval_path": "--eval-data",
+    "data.format": "--format",
+    "data.skip_bad_lines": "--skip-bad-lines",
+    "logging.wandb_mode": "--no-wandb",
+}
 
 
 def flag_overrides(args: argparse.Namespace) -> dict:
@@ -90,44 +114,72 @@ def flag_overrides(args: argparse.Namespace) -> dict:
     return merge(overrides, flags)
 
 
+def flag_origins(args: argparse.Namespace) -> dict[str, str]:
+    """The flags the user gave, by the recipe key each sets (for error messages)."""
+    given = {"--model": args.model, "--trust-remote-code": args.trust_remote_code, "--data": args.data,
+             "--eval-data": args.eval_data, "--format": args.format, "--skip-bad-lines": args.skip_bad_lines,
+             "--no-wandb": args.no_wandb}  # fmt: skip
+    return {key: flag for key, flag in FLAG_KEYS.items() if given[flag]}
+
+
 def run(args: argparse.Namespace) -> int:
     import os
-    from pathlib import Path
 
-    from lowmem_ft.errors import UserError
-    from lowmem_ft.train.run import last_checkpoint, load_run_recipe, prepare_run_dir, train
+    from lowmem_ft.train.run import train
 
     if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
         os.environ["WANDB_MODE"] = "disabled"
     if args.run_dir:
-        return _run_launched(Path(args.run_dir))
+        return _run_launched(args.run_dir)
     overrides = flag_overrides(args)
     if args.resume:
-        run_dir = Path(args.resume)
-        recipe = load_run_recipe(run_dir, overrides)
-        if last_checkpoint(run_dir) is None:
-            raise UserError(f"--resume {run_dir}: no checkpoint saved yet; start the run again without --resume")
-        choice = {"how": "resume", "recipe": str(run_dir / "recipe.yaml")}
+        run_dir, recipe, choice = resume(args.resume, overrides)
     else:
-        recipe, choice = choose(args, overrides)
+        run_dir, (recipe, choice) = None, choose(args, overrides)
     if (args.gpus or 1) > 1 or args.nodes > 1:
-        return _launch(args, recipe, choice, run_dir=Path(args.resume) if args.resume else None)
-    if not args.resume:
-        run_dir = prepare_run_dir(recipe, args.name, resume=False)
-    result = train(recipe, run_dir, resume=bool(args.resume), choice=choice)
+        return _launch(args, recipe, choice, run_dir)
+    run_dir = run_dir or new_run(recipe, args.name)
+    result = train(recipe, run_dir, choice=choice, resume=bool(args.resume))
     _print_done(result.metrics, result.run_dir)
     return 0
 
 
+def new_run(recipe, name: str | None):
+    """The run directory of a new run: `<training.output_dir>/<name>`."""
+    from lowmem_ft.rundir import RunDir
+
+    return RunDir.new(recipe.training.output_dir, name, recipe.model.name_or_path)
+
+
+def resume(path, overrides: dict | None = None):
+    """The one resume path (`--resume`, and a relaunch of `--gpus` ranks): the run's recipe (with any new `--set`) and
+    how it was chosen, continued from its last checkpoint."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.planning import Choice
+    from lowmem_ft.rundir import RunDir
+
+    run = RunDir.existing(path)
+    recipe = run.read_recipe(overrides)
+    if run.last_checkpoint() is None:
+        raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
+    # the plan of the original run (prediction, VRAM, margin) carries on
+    choice = (run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)).resumed(
+        str(run.recipe_file)
+    )
+    return run, recipe, choice
+
+
 def choose(args: argparse.Namespace, overrides: dict):
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile."""
-    from lowmem_ft.recipe.select import choose_recipe
+    from lowmem_ft.planning import choose_recipe
 
-    profile = _data_profile(args, overrides) if args.vram is not None else None
+    origins = flag_origins(args)
+    profile = _data_profile(args, overrides, origins) if args.vram is not None else None
     recipe, choice = choose_recipe(
         vram_gb=args.vram,
         recipe=args.recipe,
         overrides=overrides,
+        origins=origins,
         profile=profile,
         gpus=(args.gpus or 1) * args.nodes,  # the plan is per device; the world size divides the shards
         strategy=args.strategy,
@@ -138,24 +190,20 @@ def choose(args: argparse.Namespace, overrides: dict):
 
 
 def _check_inputs(recipe) -> None:
-    from pathlib import Path
-
+    from lowmem_ft.data import check_source
     from lowmem_ft.errors import UserError
 
     if not recipe.model.name_or_path:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
-    if not recipe.data.path:
-        raise UserError("no training data given; pass --data FILE.jsonl")
-    if not Path(recipe.data.path).is_file():
-        raise UserError(f"data file {recipe.data.path} does not exist; pass --data PATH to a JSONL file")
+    check_source(recipe)  # every data source resolved (file, directory, saved data set, Hub id), nothing read yet
 
 
-def _data_profile(args: argparse.Namespace, overrides: dict):
+def _data_profile(args: argparse.Namespace, overrides: dict, origins: dict[str, str]):
     """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training)."""
     from lowmem_ft.data import length_profile
-    from lowmem_ft.recipe.select import start_recipe
+    from lowmem_ft.planning import start_recipe
 
-    start = start_recipe(args.vram, args.recipe, overrides)
+    start = start_recipe(args.vram, args.recipe, overrides, origins)
     _check_inputs(start)
     return length_profile(start)
 
@@ -164,13 +212,12 @@ def _print_done(m: dict, run_dir) -> None:
     print(f"done: {m['global_step']} steps, loss {m['first_loss']:.4f} → {m['last_loss']:.4f}; run directory {run_dir}")
 
 
-def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
+def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     """--gpus N: check, write the run directory's launch files, print the relaunch command, run accelerate."""
     import shlex
 
     from lowmem_ft.errors import UserError
     from lowmem_ft.train import launch
-    from lowmem_ft.train.run import prepare_run_dir
 
     plan = launch.plan_launch(
         recipe,
@@ -181,18 +228,9 @@ def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
         accelerate_args=args.accelerate_args,
         planned=choice,
     )
-    resume = run_dir is not None
-    if run_dir is None:
-        run_dir = prepare_run_dir(recipe, args.name, resume=False)
-    choice = {
-        **choice,
-        "gpus": plan.gpus,
-        "nodes": plan.nodes,
-        "strategy": plan.strategy,
-        "offload": plan.offload,
-        "why": plan.reason,
-    }
-    cmd = launch.prepare(run_dir, recipe, plan, choice, resume)
+    resumed = run_dir is not None
+    run_dir = run_dir or new_run(recipe, args.name)
+    cmd = launch.prepare(run_dir, recipe, plan, choice, resumed)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
     print(f"relaunch by hand: {shlex.join(cmd)}")
@@ -202,16 +240,21 @@ def _launch(args: argparse.Namespace, recipe, choice: dict, run_dir) -> int:
     return 0  # rank 0 printed the "done" line
 
 
-def _run_launched(run_dir) -> int:
-    """One process of a launched run: train in the prepared run directory."""
-    from lowmem_ft.train.launch import read_launch
-    from lowmem_ft.train.run import last_checkpoint, load_run_recipe, train
+def _run_launched(path) -> int:
+    """One process of a launched run: train in the prepared run directory. A relaunch by hand after a crash
+    continues from the last checkpoint, through the same resume path as `--resume`."""
+    from lowmem_ft.planning import Choice
+    from lowmem_ft.rundir import RunDir
+    from lowmem_ft.train.run import train
 
-    info = read_launch(run_dir)
-    recipe = load_run_recipe(run_dir)
-    # a relaunch by hand after a crash continues from the last checkpoint, as `--resume` would
-    resume = last_checkpoint(run_dir) is not None
-    result = train(recipe, run_dir, resume=resume, choice=info["choice"])
+    run = RunDir(path)
+    info = run.read_launch()
+    checkpoint = run.last_checkpoint()
+    if checkpoint is not None:
+        run, recipe, choice = resume(run.path)
+    else:
+        recipe, choice = run.read_recipe(), Choice.from_dict(info["choice"])
+    result = train(recipe, run, choice=choice, resume=checkpoint is not None)
     if result.is_main:
-        _print_done(result.metrics, run_dir)
+        _print_done(result.metrics, run.path)
     return 0

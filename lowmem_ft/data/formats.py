@@ -11,7 +11,6 @@ dropped silently.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 FORMATS = ("auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca")
@@ -110,12 +109,3 @@ def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
             "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output")}]
         }
     raise BadLine(f"unknown format {fmt!r}")
-
-
-def load_jsonl(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> LoadedData:
-    """Read and validate one data file (JSONL, or any kind `lowmem_ft.data.sources` resolves); every record is
-    converted for TRL or the run stops at the first bad line."""
-    from lowmem_ft.data.readers import read_records  # readers build on this module
-    from lowmem_ft.data.sources import resolve_source
-
-    return read_records(resolve_source(str(path), fmt=fmt), skip_bad_lines)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lowmem_ft.data import tokenize
 from lowmem_ft.data.budget import apply_budget, check_budget, describe, fit_stream
 from lowmem_ft.data.formats import CHAT_FORMATS
 from lowmem_ft.data.mix import mix_datasets, mix_record, mix_streams
-from lowmem_ft.data.profile import LengthProfile, lengths_of
+from lowmem_ft.data.profile import LengthProfile, lengths_of, profile_of
 from lowmem_ft.data.sources import DataSource, check_source, eval_source_of, sources_of
 from lowmem_ft.data.tokenize import Tokenized, tokenize_source
 from lowmem_ft.errors import UserError
@@ -209,3 +210,44 @@ def _part_summary(part: Tokenized, streaming: bool) -> dict[str, Any]:
         "unused_columns": part.unused_columns,
         "tokenized_from_cache": part.from_cache,
     }
+
+
+def length_profile(
+    recipe=None,
+    *,
+    path: str | Path | None = None,
+    tokenizer=None,
+    fmt: str | None = None,
+    train_on_prompt: bool | None = None,
+    skip_bad_lines: bool | None = None,
+) -> LengthProfile:
+    """The length profile of the recipe's training data (or of `path`), tokenized as training tokenizes it.
+
+    Either `length_profile(recipe)` (its data sources, mixed as data.mix mixes them, the model's tokenizer, the
+    recipe's data options) or `length_profile(path=..., tokenizer=...)`; explicit arguments override the recipe's.
+    A stream's profile is of its first samples (`sampled`).
+    """
+    from dataclasses import replace
+
+    from lowmem_ft.data.tokenize import load_tokenizer, tokenize_file
+
+    if recipe is None:
+        if path is None or tokenizer is None:
+            raise TypeError("length_profile needs a recipe, or path= and tokenizer=")
+        tok = tokenize_file(
+            path,
+            tokenizer,
+            fmt=fmt or "auto",
+            train_on_prompt=bool(train_on_prompt),
+            skip_bad_lines=bool(skip_bad_lines),
+        )
+        return profile_of(tok)
+    given = {
+        "path": path and str(path),
+        "format": fmt,
+        "train_on_prompt": train_on_prompt,
+        "skip_bad_lines": skip_bad_lines,
+    }
+    data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
+    tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    return load_training_data(replace(recipe, data=data), tokenizer).profile()

@@ -1,4 +1,7 @@
-"""The data's token-length profile: what the planner needs to pick a sequence length, and what `data stats` prints.
+"""The data's token-length profile: what planning needs to pick a sequence length, and what `data stats` prints.
+
+The one `LengthProfile` of the package: `lowmem_ft.planning` sizes `memory.max_seq_len` from its p99 (and says
+how many samples a shorter length cuts, `over`).
 
 Lengths come from the same tokenization as training (`lowmem_ft.data.tokenize`, chat template and EOS
 included), before any truncation, so the profile says what the data *is*; `over(max_len)` says what a given budget
@@ -12,7 +15,6 @@ arrow length column instead of tokenizing again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -32,9 +34,6 @@ class LengthProfile:
     )  # (upper bound in tokens, samples ≤ it and > the previous)
     lengths: tuple[int, ...] = field(default=(), repr=False, compare=False)  # every sample's length, for over()
     sampled: int = 0  # 0: every sample; N: only the first N samples of a stream (data.streaming) were measured
-
-    def __getitem__(self, key: str):  # the planner may read it as a mapping: profile["p99"]
-        return getattr(self, key)
 
     def over(self, max_len: int) -> tuple[int, int]:
         """(samples longer than max_len, tokens beyond max_len in them) — what keep_start/keep_end would cut."""
@@ -91,48 +90,6 @@ def lengths_of(dataset) -> list[int]:
     if dataset._indices is not None:
         lengths = pc.take(lengths, dataset._indices.column(0))
     return lengths.to_pylist()
-
-
-def length_profile(
-    recipe=None,
-    *,
-    path: str | Path | None = None,
-    tokenizer=None,
-    fmt: str | None = None,
-    train_on_prompt: bool | None = None,
-    skip_bad_lines: bool | None = None,
-) -> LengthProfile:
-    """The length profile of the recipe's training data (or of `path`), tokenized as training tokenizes it.
-
-    Either `length_profile(recipe)` (its data sources, mixed as data.mix mixes them, the model's tokenizer, the
-    recipe's data options) or `length_profile(path=..., tokenizer=...)`; explicit arguments override the recipe's.
-    A stream's profile is of its first samples (`sampled`).
-    """
-    from dataclasses import replace
-
-    from lowmem_ft.data.prepare import load_training_data
-    from lowmem_ft.data.tokenize import load_tokenizer, tokenize_file
-
-    if recipe is None:
-        if path is None or tokenizer is None:
-            raise TypeError("length_profile needs a recipe, or path= and tokenizer=")
-        tok = tokenize_file(
-            path,
-            tokenizer,
-            fmt=fmt or "auto",
-            train_on_prompt=bool(train_on_prompt),
-            skip_bad_lines=bool(skip_bad_lines),
-        )
-        return profile_of(tok)
-    given = {
-        "path": path and str(path),
-        "format": fmt,
-        "train_on_prompt": train_on_prompt,
-        "skip_bad_lines": skip_bad_lines,
-    }
-    data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
-    tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
-    return load_training_data(replace(recipe, data=data), tokenizer).profile()
 
 
 def profile_of(tokenized) -> LengthProfile:

@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_ft.data.formats import BadLine, LoadedData, convert, detect_format
-from lowmem_ft.data.sources import FILE_KINDS, FORMAT_FIELDS, OPTIONAL_FIELDS, DataSource, open_binary
+from lowmem_ft.data.sources import (
+    FILE_KINDS,
+    FORMAT_FIELDS,
+    OPTIONAL_FIELDS,
+    DataSource,
+    open_binary,
+    resolve_source,
+)
 from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -376,3 +383,9 @@ def record_stream(source: DataSource, fmt: str, skip_bad_lines: bool = False):
         yield from RecordReader(source, skip_bad_lines, fmt=fmt, log_skips=True)
 
     return IterableDataset.from_generator(records)
+
+
+def load_file(path: str | Path, fmt: str = "auto", skip_bad_lines: bool = False) -> LoadedData:
+    """Read and validate one data file (JSONL, or any kind `lowmem_ft.data.sources` resolves); every record is
+    converted for TRL or the run stops at the first bad line."""
+    return read_records(resolve_source(str(path), fmt=fmt), skip_bad_lines)

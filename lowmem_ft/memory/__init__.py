@@ -1,1 +1,2 @@
-"""The memory model: architecture description, per-component peak estimate, and the planner (no torch here)."""
+"""The memory model: architecture description, per-component peak estimate, the target, and the planner over `Setup`
+variants (pure arithmetic: no torch, no recipe)."""

@@ -98,7 +98,7 @@ Device = Literal["cuda", "cpu"]
 
 @dataclass(frozen=True)
 class Setup:
-    """The knobs that change memory, independent of the recipe dataclasses (see `setup_from_recipe`)."""
+    """The knobs that change memory, independent of the recipe dataclasses (`lowmem_ft.planning.setup_from_recipe`)."""
 
     quantization: Literal["nf4", "int8", "none"] = "nf4"
     double_quant: bool = True
@@ -167,31 +167,6 @@ class Estimate:
             ],
             "setup": asdict(self.setup),
         }
-
-
-def setup_from_recipe(recipe, device: Device = "cuda") -> Setup:
-    """The memory-relevant knobs of a `Recipe` (duck-typed: any object with the same sections)."""
-    m, a, mem = recipe.model, recipe.adapter, recipe.memory
-    return Setup(
-        quantization=m.quantization,
-        double_quant=m.double_quant,
-        compute_dtype=m.compute_dtype,
-        attn_implementation=m.attn_implementation,
-        adapter=a.kind,
-        lora_r=a.r,
-        lora_dropout=a.dropout,
-        lora_targets=tuple(a.target_modules),
-        optimizer=recipe.optimizer.name,
-        gradient_checkpointing=mem.gradient_checkpointing,
-        micro_batch_size=mem.micro_batch_size,
-        max_seq_len=mem.max_seq_len,
-        activation_offloading=mem.activation_offloading,
-        # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
-        # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
-        loss_impl="chunked" if mem.chunked_loss else "trl_fused",
-        device=device,
-        safety_margin_gb=mem.safety_margin_gb,
-    )
 
 
 # -- static state -----------------------------------------------------------------------------------------------

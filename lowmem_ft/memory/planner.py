@@ -1,26 +1,28 @@
-"""The planner: the fastest recipe whose predicted peak fits under VRAM − margin (no torch import).
+"""The planner: the fastest setup whose predicted peak fits the budget (pure arithmetic over `Setup`; no recipe, no torch).
 
 One idea: every memory saving costs speed, so search the knobs (quantization, optimizer, checkpointing, activation
-offloading, chunked loss, micro batch with gradient accumulation keeping the effective batch) and keep the fitting
-configuration with the lowest estimated time per sample. The tier recipe (8/24/40 GB) is the starting point; knobs
-the user set (`--set`) are never changed. Sequence length comes from `--seq-len`, else from the data's length
-profile (shortest length covering p99), else the recipe.
+offloading, chunked loss, micro batch with gradient accumulation keeping the effective batch) as variants of the
+frozen `Setup` (`dataclasses.replace`) and keep the fitting variant with the lowest estimated time per sample.
+
+A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.planning`), the `Target` it must
+fit, and which knobs the user fixed (`Setup` field names, plus "gradient_accumulation" and "eval_batch_size"): those
+are never changed. The answer is a `Plan` record. Sequence length is the request's: choosing it from the data, and
+shortening it when the data's length cannot fit, is `lowmem_ft.planning`'s job (`max_seq_len` here finds the limit).
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, setup_from_recipe
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
-from lowmem_ft.recipe.load import build, to_dict
-from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.memory.target import Target
 
 # Relative step-time costs of each saving: rough, from published comparisons, used only to rank configurations.
 # Checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of forward+backward). NF4 dequantizes
@@ -28,10 +30,13 @@ from lowmem_ft.recipe.schema import Recipe
 # Offloading copies each layer input to host and back (≈ +10 % where the copy does not fully overlap).
 # Chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
 COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05}
-SEQ_ROUND = 64  # max_seq_len is rounded up to a multiple of this (kernel-friendly shapes)
+# The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
+# rounded up to cover the data, down to fit memory.
+SEQ_MULTIPLE = 16
 # Strategies the planner tries in order for `--gpus N` (strategy, offload): replication first (only the gradient
 # all-reduce), then full sharding (an all-gather per layer), then host offload (PCIe copies every step) — each step
 # saves device memory at a cost in speed. A user-given --strategy keeps its strategy; offload stays a further step.
+Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
 STAGES: dict[str, tuple[tuple[str, bool], ...]] = {
     "auto": (("ddp", False), ("fsdp", False), ("fsdp", True)),
     "ddp": (("ddp", False),),
@@ -39,43 +44,85 @@ STAGES: dict[str, tuple[tuple[str, bool], ...]] = {
     "zero2": (("zero2", False), ("zero2", True)),
     "zero3": (("zero3", False), ("zero3", True)),
 }
+assert tuple(STAGES) == get_args(Requested)
+# What the planner may change when the user did not fix it.
+KNOBS = frozenset(
+    {
+        "quantization",
+        "optimizer",
+        "gradient_checkpointing",
+        "activation_offloading",
+        "loss_impl",
+        "micro_batch_size",
+        "gradient_accumulation",
+        "eval_batch_size",
+        "lora_targets",
+    }
+)
+MAX_SEQ_LEN = 262144  # where `max_seq_len` starts its search
+STORAGE = {"nf4": "NF4", "int8": "int8", "none": "16-bit weights"}
 
 
-@dataclass
-class LengthProfile:
-    """Token lengths of the training samples (computed from the data by `lowmem_ft.data`)."""
-
-    p50: int = 0
-    p90: int = 0
-    p99: int = 0
-    max: int = 0
-
-    @classmethod
-    def from_any(cls, value: Any) -> LengthProfile:
-        if isinstance(value, LengthProfile):
-            return value
-        get = value.get if isinstance(value, dict) else lambda k, d=0: getattr(value, k, d)
-        return cls(**{k: int(get(k, 0) or 0) for k in ("p50", "p90", "p99", "max")})
+def round_seq_len(tokens: int, up: bool = True) -> int:
+    """`tokens` as a multiple of SEQ_MULTIPLE: up (to cover a length) or down (to stay within one)."""
+    steps = -(-tokens // SEQ_MULTIPLE) if up else tokens // SEQ_MULTIPLE
+    return steps * SEQ_MULTIPLE
 
 
-@dataclass
+@dataclass(frozen=True)
+class Request:
+    """What to plan: the starting setup, the target, and what the user fixed.
+
+    `gradient_accumulation` is the start's; with the start's micro batch and the device count it defines the
+    effective batch the planner keeps. `eval_batch_size` is the user's (0: the planner chooses). `fixed` holds the
+    names of the knobs the user set (`Setup` fields, "gradient_accumulation", "eval_batch_size"). `length_reason`
+    says why the start's `max_seq_len` was chosen (the plan's reason line for it).
+    """
+
+    start: Setup
+    target: Target
+    gradient_accumulation: int = 1
+    eval_batch_size: int = 0
+    fixed: frozenset[str] = frozenset()
+    strategy: Requested = "auto"
+    offload: bool | None = None
+    length_reason: str = ""
+
+    @property
+    def effective_batch(self) -> int:
+        return self.start.micro_batch_size * self.gradient_accumulation * self.target.gpus
+
+
+@dataclass(frozen=True)
 class Plan:
-    recipe: Recipe
+    """The planner's answer: the setup, its estimate against the target, and why each knob is what it is."""
+
+    setup: Setup
     estimate: Estimate
-    vram_gb: float
-    gpus: int
-    reasons: dict[str, str] = field(default_factory=dict)
+    target: Target
+    gradient_accumulation: int
+    eval_batch_size: int
+    reasons: Mapping[str, str] = field(default_factory=dict)
     strategy: str = "single"  # single (one device) | ddp | fsdp | zero2 | zero3
     offload: bool = False
     share: DeviceShare | None = None  # the per-device split of the model states (gpus > 1)
+    changeable: frozenset[str] = frozenset()  # the knobs the planner was allowed to change
+
+    @property
+    def vram_gb(self) -> float:
+        return self.target.vram_gb
 
     @property
     def margin_gb(self) -> float:
-        return self.recipe.memory.safety_margin_gb
+        return self.target.margin_gb
 
     @property
     def budget_gb(self) -> float:
-        return self.vram_gb - self.margin_gb
+        return self.target.budget_gb
+
+    @property
+    def gpus(self) -> int:
+        return self.target.gpus
 
     @property
     def headroom_gb(self) -> float:
@@ -85,23 +132,25 @@ class Plan:
     def fits(self) -> bool:
         return self.headroom_gb >= 0
 
+    @property
+    def effective_batch(self) -> int:
+        return self.setup.micro_batch_size * self.gradient_accumulation * self.gpus
+
     def to_dict(self) -> dict[str, Any]:
-        """What `plan --json` prints and `train` writes to plan.json (the monitor reads these keys)."""
+        """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.planning` adds)."""
         return {
-            "model": self.recipe.model.name_or_path,
-            "vram_gb": self.vram_gb,
-            "gpus": self.gpus,
-            "budget_gb": round(self.budget_gb, 3),
-            "safety_margin_gb": self.margin_gb,
+            **self.target.to_dict(),
             "headroom_gb": round(self.headroom_gb, 3),
             "fits": self.fits,
             "strategy": self.strategy,
             "offload": self.offload,
             **({"per_device": _share_dict(self.share)} if self.share is not None else {}),
             **self.estimate.to_dict(),
-            "reasons": self.reasons,
+            "gradient_accumulation": self.gradient_accumulation,
+            "eval_batch_size": self.eval_batch_size,
+            "reasons": dict(self.reasons),
             "notes": self.estimate.notes,
-            "recipe": to_dict(self.recipe),
+            "changeable": sorted(self.changeable),
         }
 
 
@@ -130,36 +179,7 @@ def per_device_estimate(
     return device_estimate(arch, est, share), share
 
 
-def _get(d: dict, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return d.get(section, {}).get(key)
-
-
-def _set(d: dict, dotted: str, value: Any) -> None:
-    section, key = dotted.split(".")
-    d.setdefault(section, {})[key] = value
-
-
-def check(
-    recipe: Recipe, arch: Architecture, vram_gb: float, gpus: int = 1, strategy: str = "auto", offload: bool = False
-) -> Plan:
-    """The estimate of a given recipe against a VRAM target (for `--recipe R --vram N`): with several GPUs, the
-    first strategy stage that fits (else the last one tried)."""
-    s = setup_from_recipe(recipe)
-    if gpus == 1:
-        return Plan(recipe, estimate(arch, s), vram_gb, gpus, {"recipe": "as given"})
-    budget = vram_gb - recipe.memory.safety_margin_gb
-    tried = []
-    for strat, off in _stages(strategy, offload, recipe.optimizer.name, recipe.model.quantization):
-        est, share = per_device_estimate(arch, s, gpus, strat, off)
-        tried.append((strat, off, est, share))
-        if est.peak_gb <= budget:
-            break
-    strat, off, est, share = tried[-1]
-    reasons = {"recipe": "as given", "strategy": _strategy_reason(strat, off, strategy, gpus, tried, budget)}
-    return Plan(recipe, est, vram_gb, gpus, reasons, strat, off, share)
-
-
+# -- strategies (several devices) --------------------------------------------------------------------------------
 def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantization: str | None) -> list:
     """Strategy stages to try; offload only where the optimizer can step on the host, sharding not for int8."""
     if strategy not in STAGES:
@@ -196,297 +216,331 @@ def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, 
     return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")
 
 
-def choose_seq_len(recipe: Recipe, seq_len: int | None, profile: Any, fixed: dict) -> tuple[int, str]:
-    if seq_len:
-        return seq_len, f"{seq_len} tokens, as --seq-len asked"
-    if _get(fixed, "memory.max_seq_len"):
-        return recipe.memory.max_seq_len, f"{recipe.memory.max_seq_len} tokens, as --set asked"
-    if profile is not None:
-        prof = LengthProfile.from_any(profile)
-        if prof.p99 > 0:
-            length = SEQ_ROUND * math.ceil(prof.p99 / SEQ_ROUND)
-            covers = "every sample" if prof.max and length >= prof.max else "99 % of samples (longer ones truncate)"
-            return length, f"{length} tokens covers {covers} (p99 {prof.p99}, max {prof.max})"
-    return recipe.memory.max_seq_len, f"{recipe.memory.max_seq_len} tokens from the recipe"
+def check(arch: Architecture, request: Request) -> Plan:
+    """The estimate of a setup as given (for `--recipe R --vram N`): with several devices, the first strategy stage
+    that fits (else the last one tried)."""
+    s, target = request.start, request.target
+    common = dict(
+        gradient_accumulation=request.gradient_accumulation,
+        eval_batch_size=request.eval_batch_size,
+        changeable=frozenset(),
+    )
+    if target.gpus == 1:
+        return Plan(s, estimate(arch, s), target, reasons={"recipe": "as given"}, **common)
+    tried = []
+    for strat, off in _stages(request.strategy, bool(request.offload), s.optimizer, s.quantization):
+        est, share = per_device_estimate(arch, s, target.gpus, strat, off)
+        tried.append((strat, off, est, share))
+        if est.peak_gb <= target.budget_gb:
+            break
+    strat, off, est, share = tried[-1]
+    why = _strategy_reason(strat, off, request.strategy, target.gpus, tried, target.budget_gb)
+    return Plan(s, est, target, reasons={"recipe": "as given", "strategy": why}, strategy=strat, offload=off,
+                share=share, **common)  # fmt: skip
 
 
-def _candidates(start: dict, fixed: dict, arch: Architecture) -> list[dict[str, Any]]:
-    """Knob settings to try; a knob the user fixed keeps its value."""
-    m0 = start["model"]
-    full = start["adapter"]["kind"] == "full"
+# -- the search --------------------------------------------------------------------------------------------------
+def _options(start: Setup, fixed: frozenset[str]) -> dict[str, list[Any]]:
+    """Values to try per knob; a knob the user fixed keeps its value."""
+    b0 = start.micro_batch_size
     options: dict[str, list[Any]] = {
-        "model.quantization": ["none"] if full else list(dict.fromkeys(["none", m0["quantization"], "nf4"])),
-        "optimizer.name": list(dict.fromkeys([start["optimizer"]["name"], "paged_adamw_8bit"])),
-        "memory.gradient_checkpointing": [False, True],
-        "memory.activation_offloading": [False, True],
-        "memory.chunked_loss": [False, True],
+        "quantization": ["none"]
+        if start.adapter == "full"
+        else list(dict.fromkeys(["none", start.quantization, "nf4"])),
+        "optimizer": list(dict.fromkeys([start.optimizer, "paged_adamw_8bit"])),
+        "gradient_checkpointing": [False, True],
+        "activation_offloading": [False, True],
+        "loss_impl": ["trl_fused", "chunked"],
+        "micro_batch_size": sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1)}),
     }
-    b0 = start["memory"]["micro_batch_size"]
-    options["memory.micro_batch_size"] = sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1)})
-    for key in options:
-        if _get(fixed, key) is not None:
-            options[key] = [_get(fixed, key)]
-    keys = list(options)
+    return {key: [getattr(start, key)] if key in fixed else values for key, values in options.items()}
+
+
+def _candidates(start: Setup, fixed: frozenset[str]) -> list[Setup]:
+    options = _options(start, fixed)
     out = []
-    for values in itertools.product(*(options[k] for k in keys)):
-        cand = dict(zip(keys, values, strict=True))
-        if cand["memory.activation_offloading"] and not cand["memory.gradient_checkpointing"]:
+    for values in itertools.product(*options.values()):
+        knobs = dict(zip(options, values, strict=True))
+        if knobs["activation_offloading"] and not knobs["gradient_checkpointing"]:
             continue  # offloading moves checkpointed inputs: it needs checkpointing
-        out.append(cand)
+        out.append(replace(start, **knobs))
     return out
 
 
-def _cost(c: dict[str, Any]) -> float:
+def _cost(s: Setup) -> float:
     """Estimated time per sample relative to a 16-bit, no-savings step at large batch."""
-    cost = COST.get(c["model.quantization"], 1.0)
-    for key, name in (
-        ("memory.gradient_checkpointing", "checkpointing"),
-        ("memory.activation_offloading", "offloading"),
-        ("memory.chunked_loss", "chunked_loss"),
+    cost = COST.get(s.quantization, 1.0)
+    for on, name in (
+        (s.gradient_checkpointing, "checkpointing"),
+        (s.activation_offloading, "offloading"),
+        (s.loss_impl == "chunked", "chunked_loss"),
     ):
-        if c[key]:
+        if on:
             cost *= COST[name]
     # small micro batches under-use the GPU: per-sample time ∝ 1 + 1/(2b) (a saturating curve, used for ranking)
-    return cost * (1 + 1 / (2 * c["memory.micro_batch_size"]))
+    return cost * (1 + 1 / (2 * s.micro_batch_size))
 
 
-def _with(start: dict, cand: dict[str, Any], effective: int, gpus: int) -> Recipe:
-    d = copy.deepcopy(start)
-    for key, value in cand.items():
-        _set(d, key, value)
-    b = d["memory"]["micro_batch_size"]
-    d["memory"]["gradient_accumulation"] = max(1, math.ceil(effective / (b * gpus)))
-    return build(d, source="plan")
+def _accumulation(request: Request, micro_batch: int) -> int:
+    """The fixed accumulation, else the one that keeps the request's effective batch."""
+    if "gradient_accumulation" in request.fixed:
+        return request.gradient_accumulation
+    return max(1, math.ceil(request.effective_batch / (micro_batch * request.target.gpus)))
 
 
-def _reasons(rec: Recipe, start: Recipe, fixed: dict, seq_reason: str, fits_without: dict[str, bool]) -> dict:
-    m, mem = rec.model, rec.memory
+@dataclass(frozen=True)
+class _Scored:
+    cost: float
+    setup: Setup
+    estimate: Estimate
+    share: DeviceShare | None
 
-    def why(key: str, text: str) -> str:
-        return "set by you (--set)" if _get(fixed, key) is not None else text
-
-    eff = mem.micro_batch_size * mem.gradient_accumulation
-    r = {
-        "quantization": why(
-            "model.quantization",
-            "16-bit weights fit: fastest"
-            if m.quantization == "none"
-            else f"{m.quantization}: 16-bit weights do not fit"
-            if not fits_without.get("quantization")
-            else f"{m.quantization}: 16-bit fits only with slower savings",
-        ),
-        "adapter": f"{rec.adapter.kind}"
-        + (f", rank {rec.adapter.r} from the recipe" if rec.adapter.kind == "lora" else " fine-tuning (recipe)"),
-        "optimizer": why(
-            "optimizer.name",
-            f"{rec.optimizer.name}"
-            + (" (from the recipe)" if rec.optimizer.name == start.optimizer.name else ": smaller states needed"),
-        ),
-        "gradient_checkpointing": why(
-            "memory.gradient_checkpointing",
-            "on: activations of all layers do not fit" if mem.gradient_checkpointing else "off: activations fit",
-        ),
-        "activation_offloading": why(
-            "memory.activation_offloading",
-            "on: checkpointed layer inputs do not fit on the device"
-            if mem.activation_offloading
-            else "off: not needed",
-        ),
-        "chunked_loss": why(
-            "memory.chunked_loss", "on: needed to fit" if mem.chunked_loss else "off: the loss fits without it"
-        ),
-        "micro_batch_size": why(
-            "memory.micro_batch_size",
-            f"{mem.micro_batch_size}: largest that fits with the fewest savings; "
-            f"accumulation {mem.gradient_accumulation} keeps the effective batch {eff}",
-        ),
-        "max_seq_len": seq_reason,
-    }
-    return r
+    @property
+    def peak_gb(self) -> float:
+        return self.estimate.peak_gb
 
 
-def plan(
-    arch: Architecture,
-    vram_gb: float,
-    start: Recipe,
-    *,
-    seq_len: int | None = None,
-    profile: Any = None,
-    fixed: dict | None = None,
-    **kw: Any,
-) -> Plan:
-    """`plan_once` (same arguments; `kw`: gpus, strategy, offload), and when the data's p99 length (the planner's
-    own choice) does not fit, the longest length that does: longer samples then follow `data.truncate`, and the
-    reason line says how many that cuts."""
-    try:
-        return plan_once(arch, vram_gb, start, seq_len=seq_len, profile=profile, fixed=fixed, **kw)
-    except UserError:
-        if profile is None or seq_len or _get(fixed or {}, "memory.max_seq_len"):
-            raise
-        wanted, _ = choose_seq_len(start, None, profile, fixed or {})
-        fit = max_seq_len(arch, vram_gb, start, fixed or {}, limit=wanted, **kw)
-        if not fit:
-            raise
-    result = plan_once(arch, vram_gb, start, seq_len=fit, fixed=fixed, **kw)
-    prof = LengthProfile.from_any(profile)
-    cut = ""
-    if hasattr(profile, "over"):  # lowmem_ft.data.LengthProfile knows every sample's length
-        samples, tokens = profile.over(fit)
-        cut = f"; {samples} samples longer, {tokens} tokens beyond it (data.truncate={start.data.truncate})"
-    result.reasons["max_seq_len"] = f"{fit} tokens: the longest that fits (p99 {prof.p99} does not){cut}"
-    return result
+def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
+    gpus = request.target.gpus
+    scored = []
+    for s in _candidates(start, request.fixed):
+        if strat not in ("single", "ddp") and s.quantization == "int8":
+            continue
+        if off and s.optimizer not in OFFLOAD_OPTIMIZERS:
+            continue
+        est, share = per_device_estimate(arch, s, gpus, strat, off)
+        scored.append(_Scored(_cost(s), s, est, share))
+    return scored
 
 
-def plan_once(
-    arch: Architecture,
-    vram_gb: float,
-    start: Recipe,
-    *,
-    gpus: int = 1,
-    seq_len: int | None = None,
-    profile: Any = None,
-    fixed: dict | None = None,
-    strategy: str = "auto",
-    offload: bool | None = None,
-) -> Plan:
-    """The fastest configuration starting from `start` whose predicted peak fits under `vram_gb` − margin.
+def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
+    """The request with LoRA on every linear when the start's target names match none of this model's."""
+    s = request.start
+    if s.adapter != "lora" or arch.lora_targets(list(s.lora_targets)):
+        return request, ""
+    if "lora_targets" in request.fixed:
+        raise UserError(
+            f"adapter.target_modules {list(s.lora_targets)} match no linear layer of {arch.name}; "
+            f"its linears are {', '.join(arch.linear_names)}"
+        )
+    why = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
+    return replace(request, start=replace(s, lora_targets=("all-linear",))), why
 
-    `fixed` is the nested dict of keys the user set (`--set`/flags); they are kept as given. With `gpus` > 1 the
-    peak is per device, and the strategy stages (`STAGES[strategy]`) are tried in order: the first stage where some
-    configuration fits wins, so DDP is kept whenever the model fits whole on each device. `offload` None lets the
-    planner offload as a last stage; True/False fixes it. Raises UserError with the smallest configuration's need
-    and what would fit when nothing does.
+
+def plan(arch: Architecture, request: Request) -> Plan:
+    """The fastest setup starting from `request.start` whose predicted peak fits the target's budget.
+
+    With several devices the peak is per device, and the strategy stages (`STAGES[request.strategy]`) are tried in
+    order: the first stage where some setup fits wins, so DDP is kept whenever the model fits whole on each device.
+    `request.offload` None lets the planner offload as a last stage; True/False fixes it. Raises UserError with the
+    smallest setup's need and what would fit when nothing does.
     """
+    gpus, budget = request.target.gpus, request.target.budget_gb
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1")
-    fixed = fixed or {}
-    length, seq_reason = choose_seq_len(start, seq_len, profile, fixed)
-    base = to_dict(start)
-    base["memory"]["max_seq_len"] = length
-    target_reason = ""
-    if start.adapter.kind == "lora" and not arch.lora_targets(start.adapter.target_modules):
-        if _get(fixed, "adapter.target_modules") is not None:
-            raise UserError(
-                f"adapter.target_modules {start.adapter.target_modules} match no linear layer of {arch.name}; "
-                f"its linears are {', '.join(arch.linear_names)}"
-            )
-        base["adapter"]["target_modules"] = ["all-linear"]
-        target_reason = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
-    effective = start.memory.micro_batch_size * start.memory.gradient_accumulation * gpus
-    budget = vram_gb - start.memory.safety_margin_gb
+    request, target_reason = _lora_targets(arch, request)
+    fixed = request.fixed
     stages = (
         [("single", False)]
         if gpus == 1
-        else _stages(strategy, offload, _get(fixed, "optimizer.name"), _get(fixed, "model.quantization"))
+        else _stages(
+            request.strategy,
+            request.offload,
+            request.start.optimizer if "optimizer" in fixed else None,
+            request.start.quantization if "quantization" in fixed else None,
+        )
     )
     tried: list = []  # (strategy, offload, smallest estimate, share) of each stage, for the reason line
-    scored: list = []
+    scored: list[_Scored] = []
     for strat, off in stages:
-        stage_base = base
-        if off and _get(fixed, "optimizer.name") is None:
-            stage_base = copy.deepcopy(base)  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
-            stage_base["optimizer"]["name"] = "adamw_torch"
-        stage_scored = []
-        for cand in _candidates(stage_base, fixed, arch):
-            if strat not in ("single", "ddp") and cand["model.quantization"] == "int8":
-                continue
-            if off and cand["optimizer.name"] not in OFFLOAD_OPTIMIZERS:
-                continue
-            rec = _with(stage_base, cand, effective, gpus)
-            est, share = per_device_estimate(arch, setup_from_recipe(rec), gpus, strat, off)
-            stage_scored.append((_cost(cand), est.peak_gb, cand, rec, est, share))
+        start = request.start
+        if off and "optimizer" not in fixed:  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
+            start = replace(start, optimizer="adamw_torch")
+        stage_scored = _score_stage(arch, request, start, strat, off)
         if not stage_scored:
             continue
         scored = stage_scored
-        smallest = min(scored, key=lambda x: x[1])
-        tried.append((strat, off, smallest[4], smallest[5]))
-        fitting = [x for x in scored if x[1] <= budget]
+        smallest = min(scored, key=lambda x: x.peak_gb)
+        tried.append((strat, off, smallest.estimate, smallest.share))
+        fitting = [x for x in scored if x.peak_gb <= budget]
         if not fitting:
             continue
         # Offloaded weights and states cross PCIe every step, which dwarfs the other costs: fewest host bytes first.
-        fitting.sort(key=lambda x: (x[5].host if off else 0.0, x[0], x[1]))
-        _, _, cand, rec, est, share = fitting[0]
-        fits_without = {"quantization": any(x[2]["model.quantization"] == "none" for x in fitting)}
-        result = Plan(rec, est, vram_gb, gpus, _reasons(rec, start, fixed, seq_reason, fits_without), strat, off, share)
-        result.reasons["adapter"] += target_reason
-        if off and _get(fixed, "optimizer.name") is None:
-            result.reasons["optimizer"] = f"{rec.optimizer.name}: offloaded states step on the host (bnb's need CUDA)"
-        result.reasons["eval_batch_size"] = _choose_eval_batch(arch, rec, budget, fixed, gpus)
+        fitting.sort(key=lambda x: (x.share.host if off else 0.0, x.cost, x.peak_gb))
+        best = fitting[0]
         if gpus > 1:
-            tried[-1] = (strat, off, est, share)
-            result.reasons["strategy"] = _strategy_reason(strat, off, strategy, gpus, tried, budget)
-            result.reasons["micro_batch_size"] += f" per device; × {gpus} devices = {effective} per optimizer step"
-        return result
+            tried[-1] = (strat, off, best.estimate, best.share)
+        return _plan_of(arch, request, best, fitting, strat, off, tried, target_reason)
     if not tried:
-        raise UserError(f"--strategy {strategy}: no configuration of {arch.name or 'the model'} can use it")
-    stage = f" per device with {_strategy_reason(*tried[-1][:2], strategy, gpus, tried, budget)}" if gpus > 1 else ""
-    raise UserError(_nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) + stage)
-
-
-def _choose_eval_batch(arch: Architecture, rec: Recipe, budget_gb: float, fixed: dict, gpus: int) -> str:
-    """Set `rec.memory.eval_batch_size`: the largest of 8×, 4×, 2×, 1× the micro batch (at most 64) whose eval
-    forward fits the budget — evaluation keeps no activations for backward, so it can batch wider than training."""
-    m = rec.memory
-    if _get(fixed, "memory.eval_batch_size"):
-        return f"{m.eval_batch_size} (set by you)"
+        raise UserError(f"--strategy {request.strategy}: no configuration of {arch.name or 'the model'} can use it")
+    stage = ""
     if gpus > 1:
-        m.eval_batch_size = m.micro_batch_size
-        return f"{m.micro_batch_size}: the micro batch (per-device eval planning is not modelled for sharded runs)"
-    setup = setup_from_recipe(rec)
-    need = {b: eval_peak_bytes(arch, setup, b) / GB for b in {min(64, m.micro_batch_size * f) for f in (8, 4, 2, 1)}}
-    m.eval_batch_size = max((b for b, gb in need.items() if gb <= budget_gb), default=m.micro_batch_size)
-    return (
-        f"{m.eval_batch_size}: eval forward needs {need[m.eval_batch_size]:.2f} GB (no gradients or saved activations)"
+        stage = f" per device with {_strategy_reason(*tried[-1][:2], request.strategy, gpus, tried, budget)}"
+    raise UserError(_nothing_fits(arch, request, scored) + stage + _what_fits_instead(arch, request))
+
+
+def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], strat, off, tried, target_reason) -> Plan:
+    """The Plan record of the chosen setup, with a reason per knob."""
+    s, gpus = best.setup, request.target.gpus
+    accumulation = _accumulation(request, s.micro_batch_size)
+    eval_batch, eval_reason = _eval_batch(arch, request, s)
+    fits_16bit = any(x.setup.quantization == "none" for x in fitting)
+    reasons = _reasons(request, s, accumulation, fits_16bit)
+    reasons["adapter"] += target_reason
+    if off and "optimizer" not in request.fixed:
+        reasons["optimizer"] = f"{s.optimizer}: offloaded states step on the host (bnb's need CUDA)"
+    reasons["eval_batch_size"] = eval_reason
+    if gpus > 1:
+        reasons["strategy"] = _strategy_reason(strat, off, request.strategy, gpus, tried, request.target.budget_gb)
+        reasons["micro_batch_size"] += (
+            f" per device; × {gpus} devices = {s.micro_batch_size * accumulation * gpus} per optimizer step"
+        )
+    return Plan(
+        s,
+        best.estimate,
+        request.target,
+        accumulation,
+        eval_batch,
+        reasons,
+        strat,
+        off,
+        best.share,
+        changeable=KNOBS - request.fixed,
     )
 
 
-def _nothing_fits(arch, vram_gb, budget, base, scored, effective, gpus, fixed) -> str:
-    smallest = min(scored, key=lambda x: x[1])
-    cand, est = smallest[2], smallest[4]
-    strat, off = ("single", False) if smallest[5] is None else (smallest[5].strategy, smallest[5].offload_optimizer)
-    length = base["memory"]["max_seq_len"]
-    savings = [
-        "NF4" if cand["model.quantization"] == "nf4" else cand["model.quantization"],
-        f"batch {cand['memory.micro_batch_size']}",
-    ]
-    savings += [n for k, n in (("memory.gradient_checkpointing", "checkpointing"),
-                               ("memory.activation_offloading", "offloading"),
-                               ("memory.chunked_loss", "chunked loss")) if cand[k]]  # fmt: skip
-    fits_len = 0
-    lo, hi = 16, length
-    while lo <= hi:  # the longest sequence the smallest configuration fits (binary search)
-        mid = (lo + hi) // 2
-        d = copy.deepcopy(base)
-        d["memory"]["max_seq_len"] = mid
-        setup = setup_from_recipe(_with(d, cand, effective, gpus))
-        if per_device_estimate(arch, setup, gpus, strat, off)[0].peak_gb <= budget:
-            fits_len, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    need = est.peak_gb + base["memory"]["safety_margin_gb"]
+def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool) -> dict[str, str]:
+    start, fixed = request.start, request.fixed
+
+    def why(key: str, text: str) -> str:
+        return "set by you (--set)" if key in fixed else text
+
+    if s.adapter == "full":
+        quantization = "none: full fine-tuning trains the 16-bit weights themselves"
+    elif s.quantization == "none":
+        quantization = "16-bit weights fit: fastest"
+    elif not fits_16bit:
+        quantization = f"{s.quantization}: 16-bit weights do not fit"
+    else:
+        quantization = f"{s.quantization}: 16-bit fits only with slower savings"
+    eff = s.micro_batch_size * accumulation
+    batch = f"accumulation {accumulation} keeps the effective batch {eff}"
+    if "gradient_accumulation" in fixed:
+        wanted = start.micro_batch_size * request.gradient_accumulation
+        batch = f"accumulation {accumulation} (set by you) " + (
+            f"keeps the effective batch {eff}" if eff == wanted else f"makes the effective batch {eff}, not {wanted}"
+        )
+    chunked = s.loss_impl == "chunked"
+    return {
+        "quantization": why("quantization", quantization),
+        "adapter": f"{s.adapter}"
+        + (f", rank {s.lora_r} from the recipe" if s.adapter == "lora" else " fine-tuning (recipe)"),
+        "optimizer": why(
+            "optimizer",
+            f"{s.optimizer}" + (" (from the recipe)" if s.optimizer == start.optimizer else ": smaller states needed"),
+        ),
+        "gradient_checkpointing": why(
+            "gradient_checkpointing",
+            "on: activations of all layers do not fit" if s.gradient_checkpointing else "off: activations fit",
+        ),
+        "activation_offloading": why(
+            "activation_offloading",
+            "on: checkpointed layer inputs do not fit on the device" if s.activation_offloading else "off: not needed",
+        ),
+        "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
+        "micro_batch_size": why(
+            "micro_batch_size", f"{s.micro_batch_size}: largest that fits with the fewest savings; {batch}"
+        ),
+        "max_seq_len": request.length_reason or f"{s.max_seq_len} tokens",
+    }
+
+
+def _eval_batch(arch: Architecture, request: Request, s: Setup) -> tuple[int, str]:
+    """The largest of 8×, 4×, 2×, 1× the micro batch (at most 64) whose eval forward fits the budget — evaluation
+    keeps no activations for backward, so it can batch wider than training."""
+    if "eval_batch_size" in request.fixed and request.eval_batch_size:
+        return request.eval_batch_size, f"{request.eval_batch_size} (set by you)"
+    b = s.micro_batch_size
+    if request.target.gpus > 1:
+        return b, f"{b}: the micro batch (per-device eval planning is not modelled for sharded runs)"
+    need = {n: eval_peak_bytes(arch, s, n) / GB for n in {min(64, b * f) for f in (8, 4, 2, 1)}}
+    chosen = max((n for n, gb in need.items() if gb <= request.target.budget_gb), default=b)
+    return chosen, f"{chosen}: eval forward needs {need[chosen]:.2f} GB (no gradients or saved activations)"
+
+
+# -- when nothing fits -------------------------------------------------------------------------------------------
+def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -> str:
+    smallest = min(scored, key=lambda x: x.peak_gb)
+    s, est, share = smallest.setup, smallest.estimate, smallest.share
+    strat, off = ("single", False) if share is None else (share.strategy, share.offload_optimizer)
+    target = request.target
+    savings = [STORAGE[s.quantization], f"batch {s.micro_batch_size}"]
+    savings += [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
+                                      (s.activation_offloading, "offloading"),
+                                      (s.loss_impl == "chunked", "chunked loss")) if on]  # fmt: skip
+
+    def fits(length: int) -> bool:
+        est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
+        return est_len.peak_gb <= target.budget_gb
+
+    fits_len = _longest(fits, s.max_seq_len)  # the longest sequence the smallest setup fits
+    need = est.peak_gb + target.margin_gb
     hint = (
-        f"use --seq-len {fits_len // 16 * 16} or a smaller model"
-        if fits_len >= 64
+        f"use --seq-len {fits_len} or a smaller model"
+        if fits_len >= 4 * SEQ_MULTIPLE
         else f"use a smaller model or --vram {math.ceil(need)}"
     )
     return (
-        f"{arch.name or 'model'} needs {est.peak_gb:.1f} GB at seq {length} even with {', '.join(savings)} "
-        f"(budget {budget:.1f} GB = --vram {vram_gb:g} − margin {base['memory']['safety_margin_gb']:g}); {hint}"
+        f"{arch.name or 'model'} needs {est.peak_gb:.1f} GB at seq {s.max_seq_len} even with {', '.join(savings)} "
+        f"(budget {target.budget_gb:.1f} GB = --vram {target.vram_gb:g} − margin {target.margin_gb:g}); {hint}"
     )
 
 
-def max_seq_len(arch: Architecture, vram_gb: float, start: Recipe, fixed: dict, limit: int = 262144, **kw: Any) -> int:
-    """The longest max_seq_len (multiple of 16) for which the planner finds a fitting configuration, else 0."""
-    lo, hi, best = 16, limit, 0
+def _what_fits_instead(arch: Architecture, request: Request) -> str:
+    """For a full fine-tune that cannot fit: what LoRA or QLoRA would need at the same budget."""
+    if request.start.adapter != "full":
+        return ""
+    lora = replace(
+        request,
+        start=replace(request.start, adapter="lora"),
+        fixed=request.fixed - {"adapter", "quantization"},
+        length_reason="",
+    )
+    try:
+        alternative = plan(arch, lora)
+    except UserError:
+        return "; LoRA and QLoRA do not fit this budget either"
+    kind = "LoRA (16-bit weights)" if alternative.setup.quantization == "none" else (
+        f"QLoRA ({alternative.setup.quantization})"
+    )  # fmt: skip
+    return (
+        f"; {kind} fits: predicted peak {alternative.estimate.peak_gb:.1f} GB of the {request.target.budget_gb:.1f} "
+        "GB budget (drop adapter.kind=full)"
+    )
+
+
+def _longest(fits, limit: int) -> int:
+    """The longest multiple of SEQ_MULTIPLE up to `limit` for which `fits(length)` holds (binary search), else 0."""
+    lo, hi, best = 1, limit // SEQ_MULTIPLE, 0
     while lo <= hi:
-        mid = (lo + hi) // 2 // 16 * 16 or 16
-        try:
-            plan_once(arch, vram_gb, start, seq_len=mid, fixed=fixed, **kw)
-            best, lo = mid, mid + 16
-        except UserError:
-            hi = mid - 16
+        mid = (lo + hi) // 2
+        if fits(mid * SEQ_MULTIPLE):
+            best, lo = mid * SEQ_MULTIPLE, mid + 1
+        else:
+            hi = mid - 1
     return best
 
 
-def peak_gb_of(p: Plan) -> float:
-    return p.estimate.peak_bytes / GB
+def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) -> int:
+    """The longest max_seq_len (a multiple of SEQ_MULTIPLE, at most `limit`) for which `plan` finds a fitting
+    setup, else 0."""
+
+    def fits(length: int) -> bool:
+        at = replace(request, start=replace(request.start, max_seq_len=length), fixed=request.fixed | {"max_seq_len"})
+        try:
+            plan(arch, at)
+        except UserError:
+            return False
+        return True
+
+    return _longest(fits, limit)

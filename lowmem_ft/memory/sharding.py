@@ -120,15 +120,7 @@ def per_device(
       weights (and the gathered unit) on the GPU.
     - offload_params (ZeRO-3 / FSDP only): the weight shard lives on the host too.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
-    if gpus < 1:
-        raise ValueError("gpus must be at least 1")
-    full_shard = strategy in ("zero3", "fsdp")
-    if offload_params and not full_shard:
-        raise ValueError(f"parameter offload needs a full-shard strategy (zero3, fsdp), not {strategy}")
-    if offload_optimizer and strategy == "ddp":
-        raise ValueError("optimizer offload needs ZeRO or FSDP; DDP keeps the optimizer on the device")
+    _check(strategy, gpus, offload_optimizer, offload_params)
     p = states.trainable_params
     n = float(gpus)
     weights = states.frozen_weight_bytes + p * states.weight_bytes_per_param
@@ -146,20 +138,14 @@ def per_device(
         step_state /= n
     if strategy in ("zero2", "zero3", "fsdp"):
         grads /= n
-    if full_shard:
+    if strategy in ("zero3", "fsdp"):
         weights /= n
-        units = ZERO3_UNITS_GATHERED if strategy == "zero3" else FSDP_UNITS_GATHERED
-        unit_grads = states.largest_unit_trainable_params * states.grad_bytes_per_param
-        gathered = units * states.unit_bytes + unit_grads
-        if strategy == "fsdp" and states.resident_unit_bytes:
-            gathered += states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
-            notes.append(f"root unit (embeddings, lm_head) of {states.resident_unit_bytes / 1e9:.3g} GB kept gathered")
+        gathered, notes = _gathered(states, strategy)
         if strategy == "zero3":
             # stage3.py: 4 × largest_layer_params = the layer's 16-bit parameters and gradients; and its 18 bytes
             # per parameter (2 params16 + 4 grads32 + 4 params32 + 8 Adam) carry no persistent 16-bit gradient
             # partition: gradients are reduce-scattered straight into the fp32 partition.
             grads = 0.0
-        notes.append(f"{units} unit(s) of {states.unit_bytes / 1e9:.3g} GB gathered at once")
 
     if offload_optimizer:
         host += step_state
@@ -184,6 +170,29 @@ def per_device(
         offload_params=offload_params,
         notes=tuple(notes),
     )
+
+
+def _check(strategy: str, gpus: int, offload_optimizer: bool, offload_params: bool) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    if gpus < 1:
+        raise ValueError("gpus must be at least 1")
+    if offload_params and strategy not in ("zero3", "fsdp"):
+        raise ValueError(f"parameter offload needs a full-shard strategy (zero3, fsdp), not {strategy}")
+    if offload_optimizer and strategy == "ddp":
+        raise ValueError("optimizer offload needs ZeRO or FSDP; DDP keeps the optimizer on the device")
+
+
+def _gathered(states: ModelStates, strategy: str) -> tuple[float, list[str]]:
+    """What full sharding gathers back at once: the largest units (and their gradients), and FSDP's root unit."""
+    units = ZERO3_UNITS_GATHERED if strategy == "zero3" else FSDP_UNITS_GATHERED
+    gathered = units * states.unit_bytes + states.largest_unit_trainable_params * states.grad_bytes_per_param
+    notes = []
+    if strategy == "fsdp" and states.resident_unit_bytes:
+        gathered += states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
+        notes.append(f"root unit (embeddings, lm_head) of {states.resident_unit_bytes / 1e9:.3g} GB kept gathered")
+    notes.append(f"{units} unit(s) of {states.unit_bytes / 1e9:.3g} GB gathered at once")
+    return gathered, notes
 
 
 def deepspeed_states(total_params: float, largest_layer_params: float = 0.0) -> ModelStates:

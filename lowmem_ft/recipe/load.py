@@ -7,7 +7,6 @@ nearest valid key, or the section it belongs under.
 from __future__ import annotations
 
 import difflib
-import functools
 import os
 import types
 import typing
@@ -152,106 +151,168 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
     return value, None
 
 
-@functools.cache  # get_type_hints is slow, and the planner builds hundreds of recipes
 def _section_fields(section: str) -> dict[str, Any]:
+    """Field name → type of one section (resolved annotations; a recipe is resolved a few times per command)."""
     hints = typing.get_type_hints(SECTIONS[section])
     return {f.name: hints[f.name] for f in fields(SECTIONS[section])}
 
 
-def build(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Validate a merged recipe dict against the schema and build the `Recipe`; every problem is reported."""
-    problems: list[str] = []
-    all_keys = {name: sec for sec in SECTIONS for name in _section_fields(sec)}
-    sections: dict[str, Any] = {}
+def _unknown_key(section: str, key: str, known: dict[str, Any], all_keys: dict[str, str]) -> str:
+    hint = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if hint:
+        return f"unknown key '{section}.{key}'; did you mean '{section}.{hint[0]}'?"
+    if key in all_keys:
+        return f"unknown key '{section}.{key}': '{key}' belongs under '{all_keys[key]}.{key}'"
+    return f"unknown key '{section}.{key}'; keys of '{section}' are {', '.join(known)}"
+
+
+def check_keys(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+    """One layer of a recipe (a file or the overrides): its values coerced to the schema's types, and the problems
+    of its keys and types as ("section.key", text) — an unknown key names the nearest valid one."""
+    fields_of = {section: _section_fields(section) for section in SECTIONS}
+    all_keys = {name: sec for sec, known in fields_of.items() for name in known}
+    problems: list[tuple[str, str]] = []
+    out: dict[str, dict[str, Any]] = {}
     for section, values in data.items():
         if section not in SECTIONS:
             hint = difflib.get_close_matches(section, list(SECTIONS), n=1)
             if section in all_keys:
-                problems.append(f"unknown section '{section}': '{section}' belongs under '{all_keys[section]}'")
+                text = f"unknown section '{section}': '{section}' belongs under '{all_keys[section]}'"
             else:
                 extra = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(SECTIONS)}"
-                problems.append(f"unknown section '{section}'{extra}")
+                text = f"unknown section '{section}'{extra}"
+            problems.append((section, text))
             continue
         if values is None:
             continue
         if not isinstance(values, dict):
-            problems.append(f"section '{section}' must be a mapping of keys, got {values!r}")
+            problems.append((section, f"section '{section}' must be a mapping of keys, got {values!r}"))
             continue
-        known = _section_fields(section)
-        kwargs = {}
+        known = fields_of[section]
         for key, value in values.items():
             if key not in known:
-                hint = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-                if hint:
-                    problems.append(f"unknown key '{section}.{key}'; did you mean '{section}.{hint[0]}'?")
-                elif key in all_keys:
-                    problems.append(f"unknown key '{section}.{key}': '{key}' belongs under '{all_keys[key]}.{key}'")
-                else:
-                    problems.append(f"unknown key '{section}.{key}'; keys of '{section}' are {', '.join(known)}")
+                problems.append((f"{section}.{key}", _unknown_key(section, key, known, all_keys)))
                 continue
             value, problem = _type_problem(value, known[key])
             if problem:
-                problems.append(f"'{section}.{key}' {problem}")
-            kwargs[key] = value
-        if not any(p.startswith(f"'{section}.") for p in problems):
-            sections[section] = SECTIONS[section](**kwargs)
-    recipe = Recipe(**sections)
-    problems += validate(recipe)
-    if problems:
-        raise ConfigError(problems, source=source)
-    return recipe
+                problems.append((f"{section}.{key}", f"'{section}.{key}' {problem}"))
+                continue
+            out.setdefault(section, {})[key] = value
+    return out, problems
 
 
-def validate(recipe: Recipe) -> list[str]:
-    """Cross-field checks that a type alone cannot express."""
-    problems = []
+def _range_problem(f, value: Any) -> str | None:
+    """The field's declared range (`ge`, `lt` in its metadata, see `schema._f`), or None when the value is in it."""
+    ge, lt = f.metadata.get("ge"), f.metadata.get("lt")
+    if ge is not None and lt is not None and not ge <= value < lt:
+        return f"must be in [{ge:g}, {lt:g}), got {value}"
+    if ge is not None and value < ge:
+        return f"must be at least {ge:g}, got {value}"
+    return None
+
+
+def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """Every rule of a built recipe as (the keys it concerns, problem): declared ranges, then cross-field checks."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    for section in SECTIONS:
+        values = getattr(recipe, section)
+        for f in fields(values):
+            problem = _range_problem(f, getattr(values, f.name))
+            if problem:
+                problems.append(((f"{section}.{f.name}",), f"'{section}.{f.name}' {problem}"))
     m, a, d = recipe.memory, recipe.adapter, recipe.data
-    for key in ("micro_batch_size", "gradient_accumulation", "max_seq_len"):
-        if getattr(m, key) < 1:
-            problems.append(f"'memory.{key}' must be at least 1, got {getattr(m, key)}")
-    if m.eval_batch_size < 0:
-        problems.append(f"'memory.eval_batch_size' must be ≥ 0 (0 = automatic), got {m.eval_batch_size}")
-    if m.safety_margin_gb < 0:
-        problems.append(f"'memory.safety_margin_gb' must be ≥ 0, got {m.safety_margin_gb}")
     if m.activation_offloading and not m.gradient_checkpointing:
         # transformers offloads the inputs of checkpointed layers (activation_checkpointing_enable(offload=True));
         # without checkpointing there is nothing it offloads.
         problems.append(
-            "'memory.activation_offloading' offloads checkpointed layer inputs and needs "
-            "memory.gradient_checkpointing=true; turn checkpointing on or offloading off"
+            (
+                ("memory.activation_offloading", "memory.gradient_checkpointing"),
+                "'memory.activation_offloading' offloads checkpointed layer inputs and needs "
+                "memory.gradient_checkpointing=true; turn checkpointing on or offloading off",
+            )
         )
-    if a.kind == "lora" and a.r < 1:
-        problems.append(f"'adapter.r' must be at least 1, got {a.r}")
     if a.kind == "full" and recipe.model.quantization != "none":
         problems.append(
-            f"'adapter.kind' full cannot train {recipe.model.quantization}-quantized weights; "
-            "set model.quantization=none or adapter.kind=lora"
+            (
+                ("adapter.kind", "model.quantization"),
+                f"'adapter.kind' full cannot train {recipe.model.quantization}-quantized weights; "
+                "set model.quantization=none or adapter.kind=lora",
+            )
         )
     if d.truncate == "chunk" and d.overlap >= m.max_seq_len:
-        problems.append(f"'data.overlap' ({d.overlap}) must be smaller than memory.max_seq_len ({m.max_seq_len})")
-    if d.overlap < 0:
-        problems.append(f"'data.overlap' must be ≥ 0, got {d.overlap}")
-    if not 0.0 <= d.eval_fraction < 1.0:
-        problems.append(f"'data.eval_fraction' must be in [0, 1), got {d.eval_fraction}")
-    if not 0.0 <= recipe.optimizer.warmup_ratio < 1.0:
-        problems.append(f"'optimizer.warmup_ratio' must be in [0, 1), got {recipe.optimizer.warmup_ratio}")
+        problems.append(
+            (
+                ("data.overlap", "data.truncate", "memory.max_seq_len"),
+                f"'data.overlap' ({d.overlap}) must be smaller than memory.max_seq_len ({m.max_seq_len})",
+            )
+        )
     if recipe.training.max_steps == 0 or recipe.training.max_steps < -1:
-        problems.append(f"'training.max_steps' must be -1 (use epochs) or positive, got {recipe.training.max_steps}")
+        problems.append(
+            (
+                ("training.max_steps",),
+                f"'training.max_steps' must be -1 (use epochs) or positive, got {recipe.training.max_steps}",
+            )
+        )
     return problems
 
 
-def resolve(recipe: str | Path | None = None, overrides: list[str] | dict | None = None) -> Recipe:
-    """Schema defaults < the recipe file (name or path, with `base:`) < overrides (`--set` strings or a dict)."""
-    data: dict[str, Any] = {}
-    source = "recipe"
+def build(layers: list[tuple[str, dict[str, Any]]], origins: dict[str, str] | None = None) -> Recipe:
+    """Validate recipe layers, lowest first (`(origin, data)`: a file path, or "--set" for the overrides), and build
+    the `Recipe`. Every problem is reported at once, each against where its value came from; `origins` names the
+    flag behind an override key (`{"model.name_or_path": "--model"}`)."""
+    origins = origins or {}
+    problems: list[tuple[str, str]] = []
+    merged: dict[str, Any] = {}
+    where: dict[str, tuple[int, str]] = {}  # "section.key" → (layer, origin) of the value in effect
+
+    def origin(layer_origin: str, key: str) -> str:
+        return origins.get(key, layer_origin) if layer_origin == "--set" else layer_origin
+
+    wrong: set[str] = set()
+    for index, (layer_origin, data) in enumerate(layers):
+        checked, layer_problems = check_keys(data)
+        problems += [(origin(layer_origin, key), text) for key, text in layer_problems]
+        wrong.update(key for key, _ in layer_problems)
+        merged = merge(merged, checked)
+        for section, values in checked.items():
+            for key in values:
+                where[f"{section}.{key}"] = (index, origin(layer_origin, f"{section}.{key}"))
+    # the rules of the values that passed (a wrong key or type is reported once, above)
+    recipe = Recipe(**{section: SECTIONS[section](**values) for section, values in merged.items()})
+    for keys, text in validate(recipe):
+        given = [where[k] for k in keys if k in where]
+        if not wrong.intersection(keys):
+            problems.append((max(given)[1] if given else "recipe", text))
+    if problems:
+        raise _config_error(problems)
+    return recipe
+
+
+def _config_error(problems: list[tuple[str, str]]) -> ConfigError:
+    """One error for all problems: under their common origin, or each prefixed by its own."""
+    sources = list(dict.fromkeys(source for source, _ in problems))
+    if len(sources) == 1:
+        return ConfigError([text for _, text in problems], source=sources[0])
+    return ConfigError([f"{source}: {text}" for source, text in problems], source="recipe")
+
+
+def resolve(
+    recipe: str | Path | None = None,
+    overrides: list[str] | dict | None = None,
+    origins: dict[str, str] | None = None,
+) -> Recipe:
+    """Schema defaults < the recipe file (name or path, with `base:`) < overrides (`--set` strings or a dict).
+
+    Problems of the file's keys name the file; problems of the overrides name `--set`, or the flag `origins` gives
+    for the key (e.g. `{"memory.max_seq_len": "--seq-len"}`).
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
     if recipe is not None:
         path = find_recipe(str(recipe))
-        data = _read_yaml(path)
-        source = str(path)
+        layers.append((str(path), _read_yaml(path)))
     if overrides:
-        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        data = merge(data, extra)
-    return build(data, source=source)
+        layers.append(("--set", parse_overrides(overrides) if isinstance(overrides, list) else overrides))
+    return build(layers, origins)
 
 
 def to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -270,5 +331,8 @@ def field_help() -> dict[str, str]:
     for section, cls in SECTIONS.items():
         for f in fields(cls):
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            out[f"{section}.{f.name}"] = f"{f.metadata.get('help', '')} (default: {default!r})"
+            ge, lt = f.metadata.get("ge"), f.metadata.get("lt")
+            span = f", at least {ge:g}" if ge is not None and lt is None else ""
+            span = f", in [{ge:g}, {lt:g})" if ge is not None and lt is not None else span
+            out[f"{section}.{f.name}"] = f"{f.metadata.get('help', '')} (default: {default!r}{span})"
     return out

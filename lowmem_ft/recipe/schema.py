@@ -20,10 +20,16 @@ DataFormat = Literal["auto", "text", "prompt_completion", "messages", "sharegpt"
 Truncate = Literal["keep_start", "keep_end", "drop", "chunk"]
 WandbMode = Literal["online", "offline", "disabled", "auto"]
 MixStrategy = Literal["undersample", "oversample"]
+# The shortest max_seq_len a recipe may ask for; the planner's lengths are multiples of it (lowmem_ft.memory.planner).
+MIN_SEQ_LEN = 16
 
 
 def _f(default, help: str, **kw):
-    """A dataclass field whose `help` is its documentation (printed by `recipes show --help-keys`)."""
+    """A dataclass field whose `help` is its documentation (`lowmem-ft recipes keys`).
+
+    `ge` / `lt` in `kw` declare the field's range (at least `ge`, below `lt`); `lowmem_ft.recipe.load` checks it, once,
+    when a recipe is resolved — the one place a value is validated.
+    """
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
     if isinstance(default, dict):
@@ -52,9 +58,9 @@ class AdapterSection:
     kind: AdapterKind = _f(
         "lora", "lora: train low-rank adapters on a frozen base; full: train every weight (no quantization)."
     )
-    r: int = _f(16, "LoRA rank.")
+    r: int = _f(16, "LoRA rank.", ge=1)
     alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
-    dropout: float = _f(0.05, "Dropout on the LoRA input.")
+    dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0)
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",
@@ -70,7 +76,7 @@ class OptimizerSection:
     lr: float = _f(2e-4, "Peak learning rate.")
     weight_decay: float = _f(0.0, "Weight decay.")
     schedule: Schedule = _f("cosine", "Learning-rate schedule after warmup.")
-    warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.")
+    warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.", ge=0.0, lt=1.0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
 
 
@@ -79,12 +85,14 @@ class MemorySection:
     gradient_checkpointing: bool = _f(
         True, "Recompute layer activations in backward (non-reentrant) instead of keeping them."
     )
-    micro_batch_size: int = _f(1, "Samples per forward/backward on one device.")
+    micro_batch_size: int = _f(1, "Samples per forward/backward on one device.", ge=1)
     gradient_accumulation: int = _f(
-        8, "Micro batches per optimizer step (effective batch = micro_batch_size × this × GPUs)."
+        8, "Micro batches per optimizer step (effective batch = micro_batch_size × this × GPUs).", ge=1
     )
-    max_seq_len: int = _f(1024, "Longest sequence in tokens; longer samples follow data.truncate.")
-    safety_margin_gb: float = _f(1.0, "VRAM kept free below the target, for the allocator and for spikes.")
+    max_seq_len: int = _f(1024, "Longest sequence in tokens; longer samples follow data.truncate.", ge=MIN_SEQ_LEN)
+    safety_margin_gb: float = _f(
+        1.0, "VRAM kept free below the target, for the allocator and for spikes (budget = VRAM − this).", ge=0.0
+    )
     activation_offloading: bool = _f(
         False,
         "Keep the checkpointed layer inputs in pinned host memory (transformers' offload=True, torch save_on_cpu); "
@@ -99,6 +107,7 @@ class MemorySection:
         0,
         "Samples per evaluation forward; 0 = automatic (the planner's choice under --vram, else micro_batch_size). Eval keeps no "
         "gradients or optimizer states, but its logits are a peak of their own.",
+        ge=0,
     )
 
 
@@ -138,7 +147,7 @@ class DataSection:
         False, "Also compute the loss on prompt / user tokens (default: completion / assistant only)."
     )
     truncate: Truncate = _f("keep_start", "What happens to samples longer than memory.max_seq_len.")
-    overlap: int = _f(128, "Tokens shared by consecutive chunks when truncate is chunk.")
+    overlap: int = _f(128, "Tokens shared by consecutive chunks when truncate is chunk.", ge=0)
     packing: bool = _f(False, "Pack several samples into one max_seq_len sequence (no attention across samples).")
     skip_bad_lines: bool = _f(False, "Skip malformed lines (and report them) instead of stopping.")
     eval_path: str = _f(
@@ -149,7 +158,10 @@ class DataSection:
         "", "Split of the evaluation data: of eval_path, or of `path` when eval_path is empty (e.g. test, validation)."
     )
     eval_fraction: float = _f(
-        0.0, "Fraction of the training data held out for evaluation (instead of eval_path or eval_split)."
+        0.0,
+        "Fraction of the training data held out for evaluation (instead of eval_path or eval_split).",
+        ge=0.0,
+        lt=1.0,
     )
 
 
@@ -158,10 +170,10 @@ class TrainingSection:
     epochs: float = _f(1.0, "Passes over the data (ignored when max_steps > 0).")
     max_steps: int = _f(-1, "Optimizer steps to run; -1 runs `epochs` passes.")
     seed: int = _f(42, "Seed for data order and adapter initialization.")
-    logging_steps: int = _f(10, "Log loss every N optimizer steps.")
-    save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.")
-    save_total_limit: int = _f(2, "Checkpoints kept on disk.")
-    eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.")
+    logging_steps: int = _f(10, "Log loss every N optimizer steps.", ge=1)
+    save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.", ge=1)
+    save_total_limit: int = _f(2, "Checkpoints kept on disk.", ge=1)
+    eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)
     output_dir: str = _f("runs", "Parent directory of run directories.")
 
 

@@ -20,9 +20,10 @@ from typing import Any
 from unittest import mock
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import Estimate, estimate, setup_from_recipe
+from lowmem_ft.memory.estimate import Estimate, estimate
+from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
-from lowmem_ft.train.run import OPTIM_NAMES
+from lowmem_ft.train.args import OPTIM_NAMES
 
 
 @dataclass
@@ -184,7 +185,7 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     from transformers import Trainer, TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.guard import cap_process_memory
+    from lowmem_ft.train.device import cap_process_memory
     from lowmem_ft.train.measure import PeakMemory
     from lowmem_ft.train.model import build_model
 

@@ -15,24 +15,24 @@ process a gloo rank (state.py `_prepare_backend`).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shlex
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 import yaml
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.memory.planner import Requested
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS
-from lowmem_ft.recipe.load import dump
+from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.rundir import RunDir
 
-Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
-REQUESTED: tuple[str, ...] = ("auto", "ddp", "fsdp", "zero2", "zero3")
+REQUESTED: tuple[str, ...] = get_args(Requested)
 # recipe optimizers that run on the CPU when offloaded: bitsandbytes 8-bit and paged optimizers are CUDA kernels
 CPU_OPTIMIZERS = OFFLOAD_OPTIMIZERS
 
@@ -53,6 +53,13 @@ class LaunchPlan:
     def world_size(self) -> int:
         return self.gpus * self.nodes
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "world_size": self.world_size}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchPlan:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
 
 def cuda_devices() -> int:
     import torch
@@ -68,7 +75,7 @@ def plan_launch(
     strategy: str = "auto",
     offload: bool = False,
     accelerate_args: list[str] | None = None,
-    planned: dict | None = None,
+    planned: Choice | None = None,
 ) -> LaunchPlan:
     """Resolve the strategy and check that the installed stack can run it; a UserError says why not.
 
@@ -84,10 +91,9 @@ def plan_launch(
     if not cpu and gpus > devices:
         raise UserError(f"--gpus {gpus}: this machine has {devices} CUDA device(s); pass --gpus {devices} or fewer")
     reason = "as asked (--strategy)"
-    planned = planned or {}
-    if planned.get("strategy") not in (None, "single"):
-        strategy, offload = planned["strategy"], bool(planned.get("offload"))
-        reason = planned.get("reasons", {}).get("strategy", reason)
+    if planned is not None and planned.strategy != "single":
+        strategy, offload = planned.strategy, planned.offload
+        reason = planned.reasons.get("strategy", reason)
     elif strategy == "auto":
         strategy, reason = auto_strategy(recipe, offload)
     plan = LaunchPlan(gpus, nodes, strategy, offload, cpu, reason, list(accelerate_args or []))
@@ -155,7 +161,7 @@ def layer_class(recipe: Recipe) -> str:
 
 
 def mixed_precision(recipe: Recipe, plan: LaunchPlan) -> str:
-    """What `run.sft_config` will ask the trainer for, so accelerate's setting agrees with it."""
+    """What `args.sft_config` will ask the trainer for, so accelerate's setting agrees with it."""
     if plan.cpu:
         return "no"
     return {"bfloat16": "bf16", "float16": "fp16"}.get(recipe.model.compute_dtype, "no")
@@ -197,7 +203,7 @@ def accelerate_config(recipe: Recipe, plan: LaunchPlan, layer_cls: str | None = 
             # trainable LoRA leaves their own units, so no flat parameter mixes frozen and trainable weights.
             "fsdp_use_orig_params": not lora,
             "fsdp_offload_params": plan.offload,
-            # resumable sharded checkpoints; run.py switches to FULL_STATE_DICT for the final save
+            # resumable sharded checkpoints; run.FineTune.finalize switches to FULL_STATE_DICT for the final save
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             # checkpointing is set on the model (model.prepare_for_training), not by FSDP a second time
             "fsdp_activation_checkpointing": False,
@@ -223,44 +229,34 @@ def launcher() -> list[str]:
     return [str(script), "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def launch_command(run_dir: Path, plan: LaunchPlan) -> list[str]:
+def launch_command(run: RunDir, plan: LaunchPlan) -> list[str]:
     return [
         *launcher(),
         "--config_file",
-        str(run_dir / "accelerate.yaml"),
+        str(run.accelerate_file),
         *plan.accelerate_args,
         "-m",
         "lowmem_ft",
         "train",
         "--run-dir",
-        str(run_dir),
+        str(run.path),
     ]
 
 
-def prepare(run_dir: Path, recipe: Recipe, plan: LaunchPlan, choice: dict, resume: bool) -> list[str]:
-    """Write recipe.yaml, accelerate.yaml and launch.json into `run_dir`; return the launch command."""
+def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resume: bool) -> list[str]:
+    """Write recipe.yaml, accelerate.yaml and launch.json into the run directory; return the launch command."""
     layer_cls = layer_class(recipe) if plan.strategy == "fsdp" else None
     config = accelerate_config(recipe, plan, layer_cls)
-    (run_dir / "recipe.yaml").write_text(
-        dump(recipe, header=f"resolved recipe of run {run_dir.name}"), encoding="utf-8"
-    )
+    run.write_recipe(recipe)
     header = (
-        f"# accelerate config of run {run_dir.name}: {plan.strategy} on {plan.world_size} process(es)"
+        f"# accelerate config of run {run.name}: {plan.strategy} on {plan.world_size} process(es)"
         + (" (CPU, gloo)" if plan.cpu else "")
         + "\n"
     )
-    (run_dir / "accelerate.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    cmd = launch_command(run_dir, plan)
-    info = {"plan": asdict(plan), "choice": choice, "resume": resume, "command": shlex.join(cmd)}
-    (run_dir / "launch.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    cmd = launch_command(run, plan)
+    info = {"plan": plan.to_dict(), "choice": choice.to_dict(), "resume": resume, "command": shlex.join(cmd)}
+    run.write_launch(header + yaml.safe_dump(config, sort_keys=False), info)
     return cmd
-
-
-def read_launch(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "launch.json"
-    if not (run_dir / "recipe.yaml").is_file() or not path.is_file():
-        raise UserError(f"--run-dir {run_dir}: not a prepared run (needs recipe.yaml and launch.json from --gpus)")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def run(cmd: list[str]) -> int:

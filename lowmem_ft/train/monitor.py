@@ -20,9 +20,9 @@ across processes or nodes — and every record carries `rank`. W&B is rank 0's; 
 all-gather their run peaks (one collective), which rank 0 logs as `memory/rank{R}/peak_gb` and records in
 memory.jsonl as a `rank_peaks` event.
 
-The monitor also watches the safety margin (headroom under the budget; warns once naming what grew, then asks the
-guard to step the batch down before an OOM comes) and warns once per phase when allocated memory grows step after
-step (a leak).
+The monitor only observes and records. Whoever decides on memory (the guard, `lowmem_ft.train.guard`) subscribes
+with `watch(fn)` to every sample and records its events through `event`; the monitor never acts. It does report
+one observation of its own: allocated memory growing step after step at one phase (a probable leak).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+
+from lowmem_ft.memory.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +105,6 @@ class MemoryReader:
         return {k: round(v, 5) for k, v in out.items()}
 
 
-def memory_file(rank: int) -> str:
-    """memory.jsonl for rank 0 (and a single process), memory.rank{R}.jsonl for the others."""
-    return "memory.jsonl" if rank == 0 else f"memory.rank{rank}.jsonl"
-
-
 def used_gb(sample: dict[str, Any]) -> float | None:
     """Memory a sample holds against the budget: the allocator's high-water mark plus what NVML sees beyond it
     (CUDA context, other processes, unified memory) — all of it counts against a card of the budget's size."""
@@ -148,61 +145,58 @@ def breakdown(sample: dict[str, Any]) -> str:
 
 
 class MemoryMonitor(TrainerCallback):
-    """Samples memory at phase boundaries into `run_dir/memory.jsonl` and W&B `memory/*`.
+    """Samples memory at phase boundaries into a memory file and W&B `memory/*`.
 
     Args:
-        run_dir: where memory.jsonl goes (appended to, so a resumed run continues its curve).
-        predicted_peak_gb: the planner's prediction, drawn and logged next to the measurement.
-        budget_gb: the memory the run must fit in (the `--vram` target, else the device's total).
-        margin_gb: headroom to keep under the budget.
-        guard: `OOMGuard` asked to step the batch down when headroom keeps falling under the margin.
+        path: the memory file (`RunDir.memory_file(rank)`), appended to, so a resumed run continues its curve.
+        predicted_peak_gb: the planner's prediction, recorded next to the measurement.
+        target: the memory the run must fit (VRAM, margin, budget = VRAM − margin); None without one.
         reader: returns one sample's figures; `MemoryReader()` by default (tests pass synthetic ones).
         use_wandb: log to the active W&B run (transformers' WandbCallback starts it).
         write: write the memory file at all.
         rank, world_size: this process in a multi-process run (default: torchrun's RANK / WORLD_SIZE).
-
-    The budget is the `--vram` target itself (else the device's total); the planner's `budget_gb` in plan.json is
-    this minus the margin — the bottom edge of the margin band.
     """
 
     def __init__(
         self,
-        run_dir: str | Path,
+        path: str | Path,
         *,
         predicted_peak_gb: float | None = None,
-        budget_gb: float | None = None,
-        margin_gb: float = 1.0,
-        guard=None,
+        target: Target | None = None,
         reader: Callable[[], dict[str, float]] | None = None,
         use_wandb: bool = False,
-        info: dict[str, Any] | None = None,
         write: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
     ):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-        self.path = Path(run_dir) / memory_file(self.rank)
+        self.path = Path(path)
         self._tag = {"rank": self.rank} if self.world_size > 1 else {}  # single process: records as before
+        self._tags: dict[str, Any] = {}  # fields a decider asked to carry on every sample (`tag`)
         self.run_peak_gb = 0.0
         self.predicted_peak_gb = predicted_peak_gb
-        self.budget_gb = budget_gb
-        self.margin_gb = margin_gb
-        self.guard = guard
+        self.target = target
         self.reader = reader or MemoryReader()
         self.use_wandb = use_wandb
-        self.info = info or {}
         self.write = write
         self.state = None
         self._file = None
         self._t0 = time.perf_counter()
         self._step_samples: list[dict[str, Any]] = []
-        self._first: dict[str, dict[str, Any]] = {}  # first sample of each phase: the baseline "what grew" compares to
-        self._margin_warned_at: float | None = None  # headroom when the margin warning was given
         self._by_phase: dict[str, list[float]] = {}  # allocated at the last sample of each step, per phase
         self._leak_warned: set[str] = set()
+        self._watchers: list[Callable[[dict[str, Any]], None]] = []
         self.events: list[dict[str, Any]] = []
         self._hooks: list = []
+
+    def watch(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call `fn(record)` with every sample, after it is recorded."""
+        self._watchers.append(fn)
+
+    def tag(self, **fields: Any) -> None:
+        """Carry these fields on every later sample (e.g. the guard's current micro batch)."""
+        self._tags.update(fields)
 
     # -- recording ------------------------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> None:
@@ -219,17 +213,17 @@ class MemoryMonitor(TrainerCallback):
         return done + 1 if phase in TRAIN_PHASES else done
 
     def sample(self, phase: str, **extra: Any) -> dict[str, Any]:
-        """Read memory now, record it, check margin and leaks; returns the record."""
+        """Read memory now, record it and hand it to the watchers; returns the record."""
         record = {"step": self._step(phase), "phase": phase, "t": round(time.perf_counter() - self._t0, 4)}
         record |= self._tag
-        if self.guard is not None:
-            record["micro_batch"] = self.guard.sub_batch
+        record |= self._tags
         record |= self.reader()
         record |= extra
         self.run_peak_gb = max(self.run_peak_gb, record.get("peak_gb", record.get("rss_gb", 0.0)))
         self._write(record)
         self._step_samples.append(record)
-        self._check_margin(record)
+        for fn in self._watchers:
+            fn(record)
         return record
 
     def event(self, kind: str, message: str, level: int = logging.WARNING, **info: Any) -> dict[str, Any]:
@@ -269,45 +263,13 @@ class MemoryMonitor(TrainerCallback):
 
         self._hooks.append(model.register_forward_hook(after_forward))
 
-    # -- margin and leaks -----------------------------------------------------------------------------------------
+    # -- leaks ----------------------------------------------------------------------------------------------------
     def headroom_gb(self, sample: dict[str, Any]) -> float | None:
+        """Budget (VRAM − margin) less the memory a sample holds: below zero, the run is inside its safety margin."""
         used = used_gb(sample)
-        if used is None or self.budget_gb is None:
+        if used is None or self.target is None:
             return None
-        return self.budget_gb - used
-
-    def _check_margin(self, sample: dict[str, Any]) -> None:
-        headroom = self.headroom_gb(sample)
-        phase = sample["phase"]
-        first = self._first.setdefault(phase, sample)
-        if headroom is None or headroom >= self.margin_gb:
-            return
-        if self._margin_warned_at is None:
-            what, grew = growth(sample, first)
-            self._margin_warned_at = headroom
-            self.event(
-                "margin",
-                f"memory headroom {headroom:.2f} GB is under the {self.margin_gb:g} GB safety margin of the "
-                f"{self.budget_gb:g} GB budget at step {sample['step']} ({phase}); {what} grew {grew:+.2f} GB "
-                f"since step {first['step']}",
-                headroom_gb=round(headroom, 4),
-                grew=what,
-                grew_gb=round(grew, 4),
-            )
-            return
-        # Still falling after the warning, and below half the margin: the next spike is an OOM. Step the batch
-        # down now (same effective batch and sample order as an OOM recovery, without losing the step).
-        if headroom < min(self._margin_warned_at, self.margin_gb / 2) and self.guard is not None:
-            action = self.guard.step_down()
-            self._margin_warned_at = headroom
-            if action is not None:
-                self.event(
-                    "margin_action",
-                    f"memory headroom still falling ({headroom:.2f} GB): {action} before an out-of-memory error",
-                    headroom_gb=round(headroom, 4),
-                    action=action,
-                    **self.guard.describe(),
-                )
+        return self.target.budget_gb - used
 
     def _check_leak(self) -> None:
         last: dict[str, dict[str, Any]] = {}
@@ -364,21 +326,6 @@ class MemoryMonitor(TrainerCallback):
             metrics["memory/micro_batch"] = samples[-1]["micro_batch"]
         run.log(metrics)
 
-    def _wandb_config(self) -> None:
-        run = self._wandb_run()
-        if run is None:
-            return
-        plan = {
-            "memory/predicted_peak_gb": self.predicted_peak_gb,
-            "memory/budget_gb": self.budget_gb,
-            "memory/safety_margin_gb": self.margin_gb,
-        }
-        run.config.update({k: v for k, v in plan.items() if v is not None}, allow_val_change=True)
-        for key, value in plan.items():
-            if value is not None:
-                run.summary[key] = value
-        run.define_metric("memory/*", step_metric="train/global_step")
-
     # -- TrainerCallback ------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.state = state
@@ -388,14 +335,11 @@ class MemoryMonitor(TrainerCallback):
                 "step": state.global_step,
                 **self._tag,
                 "predicted_peak_gb": self.predicted_peak_gb,
-                "budget_gb": self.budget_gb,
-                "safety_margin_gb": self.margin_gb,
+                **(self.target.to_dict() if self.target is not None else {"vram_gb": None, "budget_gb": None}),
                 "cuda": "allocated_gb" in self.reader(),
-                **self.info,
-                **(self.guard.describe() if self.guard is not None else {}),
+                **self._tags,
             }
         )
-        self._wandb_config()
         if model is not None and not self._hooks:
             self.attach(model)
 
@@ -440,12 +384,14 @@ class MemoryMonitor(TrainerCallback):
                 for r, p in enumerate(peaks):
                     run.summary[f"memory/rank{r}/peak_gb"] = p
         run = self._wandb_run()
-        if run is not None:
-            from lowmem_ft.report import load_memory, summarize
+        if run is not None and self.write:
+            from lowmem_ft.report import summarize
+            from lowmem_ft.rundir import RunDir
 
             if self._file is not None:
                 self._file.flush()
-            summary = summarize(*load_memory(self.path.parent))
+            log_ = RunDir(self.path.parent).memory_log(self.rank)
+            summary = summarize(log_.start, log_.samples, log_.events)
             for key in ("measured_peak_gb", "peak_phase", "peak_step"):
                 if summary.get(key) is not None:
                     run.summary[f"memory/{key}"] = summary[key]

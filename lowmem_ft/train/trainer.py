@@ -2,25 +2,29 @@
 
 transformers' own answer to an OOM (`auto_find_batch_size`) restarts the loop with a smaller batch, which changes
 the effective batch; and an eval OOM shrinks the train batch (transformers #32215). Here the recovery lives inside
-`training_step`, below the data loader and the optimizer, so neither notices:
+`training_step`, below the data loader and the optimizer, so neither notices. This module is the mechanism; what to
+do next is the guard's decision (`lowmem_ft.train.guard.MemoryGuard`):
 
-- A micro batch runs as `guard.split` sub-batches (`guard.split_batch`). The loss normalisation is kept: with
-  `num_items_in_batch` (transformers 5 counts the loss tokens of the whole accumulated batch in
-  `Trainer.get_batch_samples`) each sub-batch's loss is already `sum / N_total`, so sub-batch losses add up to the
-  micro batch's; without it, each sub-batch mean is weighted by its share of the micro batch's loss tokens.
+- A micro batch runs as the pieces `guard.pieces` cuts (rows, or samples of a packed row). The loss normalisation
+  is kept: with `num_items_in_batch` (transformers 5 counts the loss tokens of the whole accumulated batch in
+  `Trainer.get_batch_samples`) each piece's loss is already `sum / N_total`, so the pieces' losses add up to the
+  micro batch's; without it, each piece's mean is weighted by its share of the micro batch's loss tokens.
 - On `torch.OutOfMemoryError` the step's memory is freed, the guard steps down, and the micro batch is redone. If
   any backward had begun since the last optimizer step's gradients were complete, gradients may hold part of the
   failed micro batch: they are zeroed and the optimizer step's earlier micro batches (kept, token ids only) are
   replayed first, so each sample contributes exactly once.
-- Batch 1 with checkpointing failing: save a checkpoint of the last completed optimizer step and raise
+- When the guard has nothing left: save a checkpoint of the last completed optimizer step and raise
   `guard.OutOfMemory` (one line, exit 2) with the memory at the failure.
-- An OOM in evaluation halves the eval batch and retries the evaluation; the train batch is untouched.
+- An OOM in evaluation lowers the eval batch (the guard's) and retries the evaluation; the train batch is untouched.
 - Several processes (`train --gpus N`): after each micro batch attempt the ranks all-reduce which of them ran out
   of memory (one small collective), so every rank steps down and redoes the same micro batch together. Under DDP
   each attempt runs in `no_sync` and the gradients are averaged by one flat all-reduce once the optimizer step's
   last micro batch succeeded everywhere: a rank that fails mid-backward would otherwise leave the others waiting in
   DDP's bucket all-reduce. FSDP / ZeRO gather weights inside forward and backward, so there an OOM is agreed on
-  only when it leaves every rank's collectives complete (not the case for an OOM between two all-gathers).
+  only when it leaves every rank's collectives complete (not the case for an OOM between two all-gathers). Nor, under
+  any strategy, for an OOM inside the forward: TRL 1.16's `compute_loss` gathers its token metrics across ranks
+  (`accelerator.gather_for_metrics`) right after the forward, and the ranks that did not fail wait there. OOMs in
+  the backward or after the loss are agreed on.
 """
 
 from __future__ import annotations
@@ -28,20 +32,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from typing import Any
 
 import torch
 from torch import distributed as dist
 from trl import SFTTrainer
 
-from lowmem_ft.train.guard import OOMGuard, OutOfMemory, free_memory, label_count, split_batch
-from lowmem_ft.train.monitor import MemoryMonitor, breakdown
+from lowmem_ft.train.device import free_memory
+from lowmem_ft.train.guard import MemoryGuard
+from lowmem_ft.train.monitor import MemoryMonitor
+from lowmem_ft.train.split import label_count
 
 log = logging.getLogger(__name__)
-# Test hook: "RANK:STEP" makes that rank raise an out-of-memory error once, after the forward of optimizer step STEP
-# (tests/train/test_launch.py: one rank fails, both must step down together).
-INJECT_OOM_ENV = "LOWMEM_FT_TEST_OOM"
 
 
 def world_size() -> int:
@@ -57,19 +59,10 @@ def add_perplexity(logs: dict[str, float]) -> None:
             logs["eval_perplexity"] = float("inf")
 
 
-def enable_checkpointing(model) -> None:
-    """Activation checkpointing switched on mid-run, with the call `model.prepare_for_training` uses."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if any(not p.requires_grad for p in base.get_input_embeddings().parameters()):
-        base.enable_input_require_grads()  # frozen embeddings: checkpointed layers need inputs that require grad
-    base.config.use_cache = False
-
-
 class MemorySafeSFTTrainer(SFTTrainer):
     """`SFTTrainer` + `MemoryMonitor` samples at backward end + OOM recovery (see the module docstring)."""
 
-    def __init__(self, *args, guard: OOMGuard, monitor: MemoryMonitor, **kwargs):
+    def __init__(self, *args, guard: MemoryGuard, monitor: MemoryMonitor, **kwargs):
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.monitor = monitor
@@ -77,8 +70,6 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self._window_step = -1
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
         self._loss_weight = 1.0
-        inject = os.environ.get(INJECT_OOM_ENV, "")
-        self._inject = tuple(map(int, inject.split(":"))) if inject else None
 
     # -- training -------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -92,9 +83,6 @@ class MemorySafeSFTTrainer(SFTTrainer):
         if not model.training:
             return result
         self._grads_dirty = True  # the backward of this loss comes next
-        if self._inject is not None and self._inject == (self.monitor.rank, self.state.global_step + 1):
-            self._inject = None
-            raise torch.OutOfMemoryError(f"{INJECT_OOM_ENV}: injected out of memory")
         if self._loss_weight == 1.0:
             return result
         if return_outputs:
@@ -102,7 +90,7 @@ class MemorySafeSFTTrainer(SFTTrainer):
         return result * self._loss_weight
 
     def _run_micro_batch(self, model, inputs, num_items_in_batch) -> torch.Tensor:
-        parts = split_batch(inputs, self.guard.sub_batch)
+        parts = self.guard.pieces(inputs)
         if len(parts) > 1 and num_items_in_batch is None:
             shifted = getattr(self, "_loss_shifts_labels", True)
             total = max(1, label_count(inputs, shifted))
@@ -194,61 +182,23 @@ class MemorySafeSFTTrainer(SFTTrainer):
         return self._run_micro_batch(model, inputs, num_items_in_batch)
 
     def _step_down(self, model, failure: dict[str, Any]) -> None:
-        before = self.guard.describe()
-        action = self.guard.step_down()
+        """The guard's next step down; when it has none, save the last completed step and stop in one line."""
         step = self.state.global_step + 1
-        if action is None:
-            self.monitor.event(
-                "oom_fatal",
-                f"out of memory at step {step} with micro batch 1 and activation checkpointing",
-                level=logging.ERROR,
-                before=before,
-                memory=failure,
-            )
-            self._save_checkpoint(self.model_wrapped, trial=None)
-            self.monitor.sample("save")
-            checkpoint = f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
-            raise OutOfMemory(
-                f"out of memory at step {step} even with micro batch 1 and activation checkpointing "
-                f"({breakdown(failure)}); saved {checkpoint} (the last completed step); lower memory.max_seq_len, "
-                "use a smaller model or a plan for a smaller --vram, then continue with --resume"
-            )
-        if action.startswith("activation checkpointing"):
-            enable_checkpointing(model)
-        self.monitor.event(
-            "oom_recovered",
-            f"out of memory at step {step}: {action}; redoing the step",
-            before=before,
-            after=self.guard.describe(),
-            action=action,
-            memory=failure,
-        )
+        if self.guard.recover(step, failure):
+            return
+        self._save_checkpoint(self.model_wrapped, trial=None)
+        self.monitor.sample("save")
+        raise self.guard.out_of_memory(step, failure, f"{self.args.output_dir}/checkpoint-{self.state.global_step}")
 
     # -- evaluation -----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         while True:
-            failure: dict[str, Any] | None = None
+            self.args.per_device_eval_batch_size = self.guard.eval_batch
             try:
                 return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
             except torch.OutOfMemoryError as exc:
                 failure = {"error": str(exc).splitlines()[0][:200], **self.monitor.reader()}
             self._metrics["eval"].clear()
             free_memory()
-            batch = self.args.per_device_eval_batch_size
-            if batch <= 1:
-                self.monitor.event(
-                    "eval_skipped",
-                    f"out of memory in evaluation at eval batch 1; skipping this evaluation ({breakdown(failure)})",
-                    memory=failure,
-                )
+            if not self.guard.recover_eval(failure):
                 return {}
-            # Only the eval batch shrinks: training goes on with its own batch (transformers #32215).
-            self.args.per_device_eval_batch_size = self.guard.eval_batch = (batch + 1) // 2
-            self.monitor.event(
-                "eval_oom_recovered",
-                f"out of memory in evaluation: eval batch {batch} → {self.args.per_device_eval_batch_size}; "
-                "train batch unchanged",
-                eval_batch_before=batch,
-                eval_batch_after=self.args.per_device_eval_batch_size,
-                memory=failure,
-            )

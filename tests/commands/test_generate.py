@@ -41,10 +41,10 @@ def test_streams_the_same_answer_as_base_plus_adapter(run_dir, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.model import quantization_config, torch_dtype
-    from lowmem_ft.train.run import load_run_recipe
 
-    recipe = load_run_recipe(run_dir)
+    recipe = RunDir.existing(run_dir).read_recipe()
     tok = AutoTokenizer.from_pretrained(f"{run_dir}/adapter")
     base = AutoModelForCausalLM.from_pretrained(
         recipe.model.name_or_path,

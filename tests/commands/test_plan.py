@@ -55,4 +55,24 @@ def test_plan_sizes_the_sequence_from_the_data(tiny_model, chat_data, capsys):
 def test_plan_with_missing_data_is_one_line(tiny_model, capsys):
     assert main(["plan", "--vram", "8", "--model", tiny_model, "--data", "nope.jsonl"]) == 2
     err = capsys.readouterr().err
-    assert "nope.jsonl: no such file" in err and len(err.strip().splitlines()) == 1
+    assert "data nope.jsonl does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_full_finetune_from_a_4bit_tier_plans_16bit_storage(capsys):
+    """`plan --set adapter.kind=full` from a QLoRA tier used to stop with "full cannot train nf4-quantized weights"."""
+    assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-0.5B", "--set", "adapter.kind=full", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["recipe"]["adapter"]["kind"] == "full"
+    assert out["recipe"]["model"]["quantization"] == "none"
+
+
+def test_full_finetune_that_cannot_fit_says_what_does(capsys):
+    assert main(["plan", "--vram", "8", "--model", "Qwen/Qwen2.5-7B", "--set", "adapter.kind=full"]) == 2
+    err = capsys.readouterr().err
+    assert "QLoRA (nf4) fits: predicted peak" in err and "drop adapter.kind=full" in err
+
+
+def test_budget_is_vram_less_margin(capsys):
+    assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["budget_gb"] == out["vram_gb"] - out["safety_margin_gb"] == 22.5

@@ -31,21 +31,22 @@ def qlora_result(tmp_path_factory, tiny_model):
     in-process, so the test can look at the trained model object itself.
     """
     from lowmem_ft.cli import build_parser
-    from lowmem_ft.commands.train import choose, flag_overrides
-    from lowmem_ft.train.run import prepare_run_dir, train
+    from lowmem_ft.commands.train import choose, flag_overrides, new_run
+    from lowmem_ft.train.run import train
 
     out = tmp_path_factory.mktemp("runs")
     data = str(Path(__file__).parents[2] / "examples" / "chat.jsonl")
     argv = [
         "train", "--vram", "8", "--model", tiny_model, "--data", data, "--no-wandb", "--name", "qlora",
         "--set", f"training.output_dir={out}", "--set", "optimizer.lr=5e-3", "--set", "training.logging_steps=1",
-        "--set", "memory.gradient_accumulation=2", "--set", "training.max_steps=8", "--set", "training.save_steps=4",
+        "--set", "memory.gradient_accumulation=2", "--set", "memory.micro_batch_size=1",
+        "--set", "training.max_steps=8", "--set", "training.save_steps=4",
         # the planner would pick 16-bit weights for a tiny model; fixed keys make it QLoRA and are kept as given
         "--set", "model.quantization=nf4", "--set", "memory.gradient_checkpointing=true",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     recipe, choice = choose(args, flag_overrides(args))
-    return train(recipe, prepare_run_dir(recipe, args.name, resume=False), choice=choice)
+    return train(recipe, new_run(recipe, args.name), choice=choice)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,9 @@ def test_qlora_run_writes_the_run_directory(qlora_run):
     assert run["choice"]["recipe"] == "8gb" and run["choice"]["how"] == "plan"
     plan = json.loads((qlora_run / "plan.json").read_text())
     assert plan["predicted_peak_gb"] <= plan["budget_gb"] and plan["vram_gb"] == 8
+    # one meaning of budget_gb everywhere: VRAM − margin, in plan.json, run.json and memory.jsonl
+    start = json.loads((qlora_run / "memory.jsonl").read_text().splitlines()[0])
+    assert plan["budget_gb"] == run["choice"]["budget_gb"] == start["budget_gb"] == 8 - plan["safety_margin_gb"]
     # the planner sized the sequence from the data's length profile (examples/chat.jsonl: p99 49 tokens)
     assert "p99 49" in plan["reasons"]["max_seq_len"]
     assert 49 <= recipe.memory.max_seq_len < 512
@@ -142,6 +146,17 @@ def test_unknown_model(capsys, tmp_path, chat_data):
 def test_typo_in_set(capsys, tmp_path, tiny_model, chat_data):
     err = _one_line_error(capsys, _train(tmp_path, tiny_model, chat_data, "--set", "memory.max_seq_length=64"))
     assert "did you mean 'memory.max_seq_len'" in err
+    assert "error: --set: unknown key" in err and "8gb.yaml" not in err  # the typo is in --set, not the recipe
+
+
+def test_a_run_name_that_is_a_path_is_refused(capsys, tmp_path, tiny_model, chat_data):
+    out = tmp_path / "runs"
+    for name in ("../escaped", str(tmp_path / "abs")):
+        argv = ["train", "--vram", "8", "--model", tiny_model, "--data", chat_data, "--name", name, "--no-wandb",
+                "--set", f"training.output_dir={out}"]  # fmt: skip
+        err = _one_line_error(capsys, main(argv))
+        assert "a run name is a name, not a path" in err
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()
 
 
 def test_no_target(capsys, tiny_model, chat_data):

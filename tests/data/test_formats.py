@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lowmem_ft.data.formats import load_jsonl
+from lowmem_ft.data.readers import load_file
 from lowmem_ft.errors import UserError
 from tests.data.conftest import FORMAT_FILES, fixture
 
@@ -15,7 +15,7 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "ass
 
 @pytest.mark.parametrize("fmt", sorted(FORMAT_FILES))
 def test_each_format_is_detected(fmt):
-    data = load_jsonl(fixture(FORMAT_FILES[fmt]))
+    data = load_file(fixture(FORMAT_FILES[fmt]))
     assert data.format == fmt
     assert data.records and not data.skipped
     if fmt in ("messages", "sharegpt", "alpaca"):
@@ -24,7 +24,7 @@ def test_each_format_is_detected(fmt):
 
 def test_forced_format_applies_to_every_line():
     with pytest.raises(UserError, match=r"text.jsonl:1: missing field 'prompt'"):
-        load_jsonl(fixture("text.jsonl"), fmt="prompt_completion")
+        load_file(fixture("text.jsonl"), fmt="prompt_completion")
 
 
 BAD_LINES = {
@@ -54,9 +54,9 @@ def test_bad_line_names_file_line_and_field(tmp_path, case):
     path = tmp_path / "d.jsonl"
     path.write_text(f"{GOOD}\n{line}\n{GOOD}\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"d\.jsonl" + expected) as info:
-        load_jsonl(path)
+        load_file(path)
     assert "\n" not in str(info.value)
-    data = load_jsonl(path, skip_bad_lines=True)
+    data = load_file(path, skip_bad_lines=True)
     assert len(data.records) == 2
     assert len(data.skipped) == 1 and data.skipped[0].startswith(f"{path}:2: ")
 
@@ -65,18 +65,18 @@ def test_non_utf8_bytes(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(GOOD.encode() + b"\n" + b'{"text": "caf\xe9"}\n')
     with pytest.raises(UserError, match=r"d\.jsonl:2: not UTF-8 \(byte 13\)"):
-        load_jsonl(path)
+        load_file(path)
 
 
 def test_empty_file(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"")
     with pytest.raises(UserError, match=r"d\.jsonl:1: the file is empty"):
-        load_jsonl(path)
+        load_file(path)
 
 
 def test_only_bad_lines_is_an_error_even_when_skipping(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("{oops\n\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"no usable records \(1 bad lines skipped\)"):
-        load_jsonl(path, skip_bad_lines=True)
+        load_file(path, skip_bad_lines=True)

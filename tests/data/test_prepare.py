@@ -195,11 +195,6 @@ def test_a_save_to_disk_directory_trains(tmp_path, tiny_model):
     assert metrics["global_step"] == 1 and metrics["first_loss"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="commands/train.py `_check_inputs` still requires Path(data.path).is_file(); it should call "
-    "lowmem_ft.data.check_source(recipe) (then this passes: remove the marker)",
-)
 @pytest.mark.slow
 def test_a_directory_trains_through_the_cli(tmp_path, tiny_model):
     train(tmp_path, tiny_model, write_qa(tmp_path, "saved"), "saved", QA_COLUMNS)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from lowmem_ft.data import tokenize as tk
-from lowmem_ft.data.formats import load_jsonl
+from lowmem_ft.data.readers import load_file
 from tests.data.conftest import FORMAT_FILES, fixture
 
 
@@ -33,7 +33,7 @@ def trl_prepare(records, tokenizer, tmp_path, *, completion_only: bool, assistan
 @pytest.mark.parametrize("fmt", sorted(FORMAT_FILES))
 @pytest.mark.parametrize("train_on_prompt", [False, True])
 def test_labels_match_trl_preprocessing(fmt, train_on_prompt, tokenizer, tmp_path):
-    records = load_jsonl(fixture(FORMAT_FILES[fmt])).records
+    records = load_file(fixture(FORMAT_FILES[fmt])).records
     ours = tk.tokenize_records(records, fmt, tokenizer, train_on_prompt)
     chat = fmt in ("messages", "sharegpt", "alpaca")
     theirs = trl_prepare(
@@ -74,7 +74,7 @@ def test_tokenizer_without_template_gets_chatml(tokenizer):
     tokenizer.chat_template = None
     template, source = tk.training_chat_template(tokenizer, train_on_prompt=False)
     assert source == "ChatML (default)" and template is None  # ChatML carries its own generation markers
-    row = tk.tokenize_records(load_jsonl(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
+    row = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
     assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\nSpell the word.<|im_end|>")
 
 

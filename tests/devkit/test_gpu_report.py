@@ -9,7 +9,7 @@ import pytest
 from devkit import gpu_report
 from lowmem_ft.memory import estimate as model
 from lowmem_ft.memory.arch import catalog_entry
-from lowmem_ft.recipe.select import choose_recipe
+from lowmem_ft.planning import choose_recipe
 
 GB = 1e9
 MODEL = "Qwen/Qwen2.5-0.5B"
@@ -59,7 +59,8 @@ def results(tmp_path):
     good, good_est = point(24, 1.03, 0.6e9)
     loose, loose_est = point(8, 1.10, 0.6e9)
     heavy, heavy_est = point(40, 1.00, 5e9)
-    _, plan = choose_recipe(vram_gb=24, recipe=None, overrides={"model": {"name_or_path": MODEL}})
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides={"model": {"name_or_path": MODEL}})
+    plan = choice.plan_record(recipe)
     train = {"kind": "train", "rc": 0, "error": None, "seconds": 50.0, "plan": plan, "config": CONFIG}
     train |= {"sampled": {"device": 10e9, "reserved": 9.0e9, "allocated": 8e9, "samples": 900}}
     train |= {"memory": {"peak_gb": 8.5, "reserved_gb": 9.1}, "events": [], "metrics": {"global_step": 2}}

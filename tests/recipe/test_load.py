@@ -3,7 +3,6 @@ import pytest
 from lowmem_ft.errors import ConfigError, UserError
 from lowmem_ft.recipe.load import dump, resolve, shipped_recipes
 from lowmem_ft.recipe.schema import Recipe
-from lowmem_ft.recipe.select import choose_recipe, tier_for_vram
 
 
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))
@@ -84,16 +83,30 @@ def test_dump_round_trips(tmp_path):
     assert resolve(path) == recipe
 
 
-@pytest.mark.parametrize(("vram", "tier"), [(8, "8gb"), (12, "8gb"), (24, "24gb"), (39.5, "24gb"), (80, "40gb")])
-def test_tier_is_the_largest_not_above_the_target(vram, tier):
-    assert tier_for_vram(vram) == tier
+def test_set_typos_name_set_and_file_typos_name_the_file(tmp_path):
+    """A typo in --set used to be reported against the shipped recipe file."""
+    with pytest.raises(ConfigError) as info:
+        resolve("8gb", ["memory.max_seq_length=64"])
+    assert str(info.value).startswith("--set: unknown key 'memory.max_seq_length'")
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: 8gb\nmemory:\n  micro_batchsize: 2\n")
+    with pytest.raises(ConfigError) as info:
+        resolve(path, ["optimizer.lrr=1"])
+    message = str(info.value)
+    assert f"{path.resolve()}: unknown key 'memory.micro_batchsize'" in message
+    assert "--set: unknown key 'optimizer.lrr'" in message
+    with pytest.raises(ConfigError, match="^--seq-len: 'memory.max_seq_len' must be at least 16, got 8"):
+        resolve("8gb", {"memory": {"max_seq_len": 8}}, origins={"memory.max_seq_len": "--seq-len"})
 
 
-def test_no_tier_below_the_smallest():
-    with pytest.raises(UserError, match="no recipe tier fits"):
-        tier_for_vram(4)
+def test_ranges_are_declared_in_the_schema_and_checked_once():
+    from dataclasses import fields
 
+    from lowmem_ft.recipe.schema import MemorySection
 
-def test_choose_needs_a_target_or_a_recipe():
-    with pytest.raises(UserError, match="--vram"):
-        choose_recipe(vram_gb=None, recipe=None, overrides={})
+    declared = {f.name: (f.metadata.get("ge"), f.metadata.get("lt")) for f in fields(MemorySection)}
+    assert declared["micro_batch_size"] == (1, None) and declared["max_seq_len"] == (16, None)
+    with pytest.raises(ConfigError, match=r"'memory.micro_batch_size' must be at least 1, got 0"):
+        resolve("8gb", ["memory.micro_batch_size=0"])
+    with pytest.raises(ConfigError, match=r"'data.eval_fraction' must be in \[0, 1\), got 1.0"):
+        resolve("8gb", ["data.eval_fraction=1"])

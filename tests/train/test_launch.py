@@ -12,9 +12,15 @@ from lowmem_ft.cli import main
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train import launch
-from lowmem_ft.train.trainer import INJECT_OOM_ENV
 
 DATA = str(Path(__file__).parents[2] / "examples" / "chat.jsonl")
+
+
+def _entry(cmd: list[str], module: str, replacement: str) -> list[str]:
+    """The launch command with the ranks' `-m module` swapped."""
+    at = cmd.index("-m")
+    assert cmd[at + 1] == module
+    return [*cmd[: at + 1], replacement, *cmd[at + 2 :]]
 
 
 def _argv(out, tiny_model, *extra):
@@ -31,10 +37,14 @@ def _argv(out, tiny_model, *extra):
 def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd, monkeypatch):
     """QLoRA (NF4 base, the 8 GB recipe) under DDP: two gloo ranks through `accelerate launch`, one run dir.
 
-    Rank 1 runs out of memory once (injected after the forward of step 2): both ranks must step down together and
-    finish the same steps, each logging its own memory file.
+    Rank 1 runs out of memory once (injected after the loss of step 2 by tests/train/faulty_rank.py, which the ranks
+    run in place of `lowmem_ft`): both ranks must step down together and finish the same steps, each logging its own
+    memory file.
     """
-    monkeypatch.setenv(INJECT_OOM_ENV, "1:2")
+    monkeypatch.setenv("FAULTY_RANK", "1")
+    monkeypatch.setenv("FAULTY_STEP", "2")
+    launch_run = launch.run
+    monkeypatch.setattr(launch, "run", lambda cmd: launch_run(_entry(cmd, "lowmem_ft", "tests.train.faulty_rank")))
     argv = _argv(tmp_path, tiny_model, "--gpus", "2", "--name", "ddp", "--set", "memory.micro_batch_size=2")
     assert main(argv) == 0
     out = capfd.readouterr().out  # the launched processes write to the file descriptors
@@ -55,7 +65,8 @@ def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd, monkey
     assert resolve(run / "recipe.yaml").model.quantization == "nf4"
     info = json.loads((run / "launch.json").read_text())
     assert info["plan"]["strategy"] == "ddp" and info["plan"]["cpu"] is True
-    assert json.loads((run / "run.json").read_text())["choice"]["gpus"] == 2
+    info = json.loads((run / "run.json").read_text())
+    assert info["choice"]["gpus"] == 2 and info["choice"]["strategy"] == "ddp"
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in adapter.items())  # B starts at zero: it trained
 

@@ -1,4 +1,5 @@
-"""The memory monitor: samples, safety margin, leak warning (synthetic readings), and W&B offline metrics."""
+"""The memory monitor: samples, watchers, leak warning (synthetic readings), a crashed run's file, and W&B offline
+metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lowmem_ft.train.guard import OOMGuard
+from lowmem_ft.memory.target import Target
+from lowmem_ft.rundir import RunDir
 from lowmem_ft.train.monitor import LEAK_STEPS, MemoryMonitor, MemoryReader, growth, used_gb
 
 
@@ -37,7 +39,7 @@ class Script:
 
 
 def monitor_with(tmp_path, samples, **kw) -> MemoryMonitor:
-    monitor = MemoryMonitor(tmp_path, reader=Script(samples), **kw)
+    monitor = MemoryMonitor(RunDir(tmp_path).memory_file(), reader=Script(samples), **kw)
     monitor.state = SimpleNamespace(global_step=0)
     return monitor
 
@@ -59,38 +61,43 @@ def test_used_counts_allocator_high_water_and_memory_outside_it():
     assert growth(cuda_like(8, 9), cuda_like(5, 6))[0] == "allocated tensors"
 
 
-def test_margin_warns_once_naming_what_grew_then_steps_down(tmp_path):
-    guard = OOMGuard(micro_batch=4, gradient_accumulation=2, checkpointing=True)
-    monitor = monitor_with(
-        tmp_path,
-        [
-            cuda_like(5.0, 6.0),  # headroom 10 − 6.5 = 3.5
-            cuda_like(5.0, 8.8),  # 0.7 < margin 1: warn, fragmentation grew 2.8
-            cuda_like(5.0, 8.9),  # still under, not yet under half the margin: no second warning
-            cuda_like(5.0, 9.2),  # 0.3 < 0.5: act
-        ],
-        budget_gb=10.0,
-        margin_gb=1.0,
-        guard=guard,
-    )
-    for _ in range(4):
-        monitor.sample("backward")
-    kinds = [e["event"] for e in monitor.events]
-    assert kinds == ["margin", "margin_action"]
-    warning, action = monitor.events
-    assert warning["grew"].startswith("allocator fragmentation") and warning["grew_gb"] == pytest.approx(2.8)
-    assert "0.70 GB is under the 1 GB safety margin" in warning["message"]
-    assert guard.sub_batch == 2 and action["micro_batch"] == 2 and action["gradient_accumulation"] == 4
+def test_watchers_see_every_sample_and_tags_ride_on_them(tmp_path):
+    seen = []
+    monitor = monitor_with(tmp_path, [cuda_like(5.0, 6.0), cuda_like(5.0, 7.0)], target=Target(10.0, 1.0))
+    monitor.watch(seen.append)
+    monitor.sample("forward")
+    monitor.tag(micro_batch=2)
+    monitor.sample("backward")
     monitor.close()
-    assert [r["event"] for r in records(tmp_path) if "event" in r] == ["margin", "margin_action"]
-    assert [r["micro_batch"] for r in records(tmp_path) if "phase" in r] == [4, 4, 4, 4]
+    assert [s["phase"] for s in seen] == ["forward", "backward"]
+    assert [r.get("micro_batch") for r in records(tmp_path)] == [None, 2]
+    assert monitor.headroom_gb(seen[1]) == pytest.approx(9.0 - 7.5)  # budget (VRAM − margin) − used
+    assert monitor.events == []  # the monitor observes; deciding is the guard's (tests/train/test_guard.py)
 
 
-def test_no_margin_events_without_device_figures(tmp_path):
-    monitor = monitor_with(tmp_path, [{"rss_gb": 7.9}] * 3, budget_gb=8.0, margin_gb=1.0)
-    for _ in range(3):
-        monitor.sample("forward")
-    assert monitor.events == []
+def test_a_crashed_runs_memory_file_still_reads(tmp_path):
+    """`report` used to raise JSONDecodeError on the line a crash cut short."""
+    from lowmem_ft import cli
+
+    samples = [cuda_like(5.0, 6.0)] * 2  # the start record reads once too
+    monitor = monitor_with(tmp_path, samples, target=Target(8.0, 1.0), predicted_peak_gb=5.0)
+    monitor.on_train_begin(None, SimpleNamespace(global_step=0), None)
+    monitor.sample("forward")
+    monitor.close()
+    with RunDir(tmp_path).memory_file().open("a") as handle:
+        handle.write('{"step": 1, "phase": "backw')  # the crash
+    log = RunDir(tmp_path).memory_log()
+    assert len(log.samples) == 1 and log.unreadable == 1
+    assert log.start["budget_gb"] == 7.0 and log.start["vram_gb"] == 8.0
+    assert cli.main(["report", str(tmp_path)]) == 0
+
+
+def test_old_memory_files_are_read_in_the_current_meaning(tmp_path):
+    """Before budget_gb meant VRAM − margin everywhere, memory.jsonl's budget_gb was the VRAM itself."""
+    path = RunDir(tmp_path).memory_file()
+    path.write_text(json.dumps({"event": "start", "step": 0, "budget_gb": 24, "safety_margin_gb": 1.5}) + "\n")
+    start = RunDir(tmp_path).memory_log().start
+    assert (start["vram_gb"], start["budget_gb"]) == (24, 22.5)
 
 
 def run_steps(monitor, allocated_by_step):
@@ -108,7 +115,7 @@ def leak_monitor(tmp_path, optimizer_allocated):
     samples = []
     for a in optimizer_allocated:
         samples += [cuda_like(4.0, 6.0), cuda_like(a, 6.0)]  # forward flat, optimizer as given
-    return monitor_with(tmp_path, samples, budget_gb=80.0)
+    return monitor_with(tmp_path, samples, target=Target(80.0, 1.0))
 
 
 def test_leak_warning_when_allocated_grows_every_step_at_one_phase(tmp_path):
@@ -195,8 +202,8 @@ def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, m
     memory_rows = [h for h in history if "memory/rss_gb" in h]
     assert [h["train/global_step"] for h in memory_rows] == [1, 2]
     assert all(0 < h["memory/rss_gb"] < 64 and h["memory/micro_batch"] == 4 for h in memory_rows)
-    assert config["memory/predicted_peak_gb"] == 5.5 and config["memory/budget_gb"] == 8
-    assert config["memory/safety_margin_gb"] == 1.0
+    assert config["memory/predicted_peak_gb"] == 5.5 and config["memory/vram_gb"] == 8
+    assert config["memory/budget_gb"] == 7 and config["memory/safety_margin_gb"] == 1.0
     assert summary["memory/predicted_peak_gb"] == 5.5
     assert summary["memory/peak_phase"] in ("forward", "backward", "optimizer", "save")
     phases = {r.get("phase") for r in map(json.loads, (result.run_dir / "memory.jsonl").read_text().splitlines())}

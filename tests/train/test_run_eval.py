@@ -57,6 +57,7 @@ def test_train_with_held_out_eval_keeps_best_checkpoint(tiny_model, chat_data, t
             "--set", "memory.eval_batch_size=3",
             "--set", "optimizer.lr=0.005",
             "--set", "memory.gradient_accumulation=2",
+            "--set", "memory.micro_batch_size=1",  # both fixed: 2 samples per step
         ]
     )  # fmt: skip
     assert rc == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.tiny_runs import FaultInjector, memory_records, once, tiny_run, tiny_sets
+from tests.train.tiny_runs import FaultInjector, memory_records, once, tiny_run, tiny_sets, tiny_trainer
 
 pytestmark = pytest.mark.slow
 DATA = "tests/data/numbered.jsonl"  # 64 prompt/completion samples that tokenize uniquely
@@ -92,8 +92,8 @@ def test_oom_at_batch_one_with_checkpointing_saves_and_exits(tiny_model, tmp_pat
     from lowmem_ft.train import run as run_module
 
     injector = FaultInjector(fail=lambda step, rows, training: training and step >= 2)
-    make_trainer = run_module.make_trainer
-    monkeypatch.setattr(run_module, "make_trainer", lambda *a, **k: make_trainer(*a[:5], callbacks=[injector]))
+    train = run_module.train
+    monkeypatch.setattr(run_module, "train", lambda *a, **k: train(*a, **{**k, "callbacks": [injector]}))
     sets = tiny_sets(tiny_model, DATA, tmp_path)
     argv = ["train", "--vram", "8", "--name", "fatal", "--no-wandb"]
     for item in sets:
@@ -144,41 +144,77 @@ def test_eval_oom_lowers_the_eval_batch_not_the_train_batch(tiny_model, tmp_path
     assert sum("eval_loss" in row for row in evals) == 2  # both evaluations completed at the lower eval batch
 
 
+def _gradients_by_step_down(trainer, batch, num_items, halvings: tuple[int, ...]):
+    """Loss and gradients of one micro batch run at each step-down level, from zero gradients each time."""
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.monitor.close()
+    results = []
+    for level in halvings:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.guard.halvings, trainer._window_step = level, -1
+        loss = trainer.training_step(trainer.model, batch, num_items)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.item(), grads))
+    return results
+
+
+def _assert_same(results):
+    (loss0, grads0), *splits = results
+    assert grads0
+    for loss, grads in splits:
+        assert loss == pytest.approx(loss0, rel=1e-5)
+        assert grads.keys() == grads0.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads0[name], rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("with_num_items", [True, False], ids=["num_items_in_batch", "per-batch-mean"])
 def test_split_micro_batch_gives_the_same_loss_and_gradients(tiny_model, tmp_path, with_num_items):
     """Both loss normalisations transformers uses: token sum over `num_items_in_batch` (what SFTTrainer gets for
     this model), and the per-micro-batch mean (models without loss kwargs), which the split must re-weight."""
-    from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.train.model import build_model, load_tokenizer
-    from lowmem_ft.train.run import _datasets, make_trainer, sft_config
-
-    recipe = resolve("8gb", tiny_sets(tiny_model, DATA, tmp_path))
-    tokenizer = load_tokenizer(recipe)
-    train_ds, _, _ = _datasets(recipe, tokenizer)
-    trainer = make_trainer(recipe, {}, tmp_path, None, False)(
-        model=build_model(recipe),
-        args=sft_config(recipe, tmp_path, has_eval=False, report_to=[]),
-        train_dataset=train_ds,
-        processing_class=tokenizer,
-    )
+    trainer = tiny_trainer(tiny_model, DATA, tmp_path).trainer
     batch = next(iter(trainer.get_train_dataloader()))
     # uneven loss-token counts across rows, so an unweighted mean of sub-batch means would differ
     assert len({int(n) for n in batch["labels"][:, 1:].ne(-100).sum(1)}) > 1
     num_items = trainer._get_num_items_in_batch([batch], trainer.args.device) if with_num_items else None
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.monitor.close()
+    _assert_same(_gradients_by_step_down(trainer, batch, num_items, (0, 1, 2)))  # rows 4, 2, 1
 
-    results = []
-    for rows in (4, 2, 1):
-        trainer.model.zero_grad(set_to_none=True)
-        trainer.guard.sub_batch, trainer._window_step = rows, -1
-        loss = trainer.training_step(trainer.model, batch, num_items)
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        results.append((loss.item(), grads))
-    (loss4, grads4), *splits = results
-    assert grads4
-    for loss, grads in splits:
-        assert loss == pytest.approx(loss4, rel=1e-5)
-        assert grads.keys() == grads4.keys()
-        for name in grads:
-            torch.testing.assert_close(grads[name], grads4[name], rtol=1e-4, atol=1e-7)
+
+@pytest.mark.parametrize("with_num_items", [True, False], ids=["num_items_in_batch", "per-batch-mean"])
+def test_a_packed_micro_batch_steps_down_at_sample_boundaries(tiny_model, tmp_path, with_num_items):
+    """OOM halving used to do nothing to a packed (padding-free) batch — one row — and retry the same batch: now the
+    row is cut at sample boundaries, each piece a forward of fewer tokens, with the same gradients."""
+    trainer = tiny_trainer(tiny_model, DATA, tmp_path, "data.packing=true").trainer
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one packed row
+    samples = int((batch["position_ids"][0] == 0).sum())
+    assert samples >= 4
+    tokens: list[int] = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: tokens.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    num_items = trainer._get_num_items_in_batch([batch], trainer.args.device) if with_num_items else None
+    results = _gradients_by_step_down(trainer, batch, num_items, (0, 1, 2))
+    hook.remove()
+    whole = batch["input_ids"].shape[1]
+    assert tokens[0] == whole and len(tokens) == 1 + 2 + 4  # one forward, then two, then four pieces
+    assert sum(tokens[1:3]) == sum(tokens[3:]) == whole and max(tokens[1:]) < whole
+    _assert_same(results)
+
+
+def test_resume_continues_at_the_step_down_saved_in_the_checkpoint(tiny_model, tmp_path):
+    """The guard's state rides in each checkpoint (transformers' ExportableState); --resume reads it from there, not
+    by parsing memory.jsonl."""
+    from lowmem_ft.cli import main
+
+    injector = FaultInjector(fail=once((2, 4)))
+    first = tiny_run(tiny_model, DATA, tmp_path, "resumed", "training.max_steps=2", "training.save_steps=2",
+                     callbacks=[injector])  # fmt: skip
+    state = json.loads((first.run_dir / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["MemoryGuard"]["attributes"]["halvings"] == 1
+    (first.run_dir / "memory.jsonl").unlink()  # nothing to parse: the checkpoint alone carries the step-down
+    assert main(["train", "--resume", str(first.run_dir), "--no-wandb", "--set", "training.max_steps=3"]) == 0
+    records = memory_records(first.run_dir)
+    assert records[0]["event"] == "start" and records[0]["micro_batch"] == 2 and records[0]["pieces"] == 2
+    assert {r["micro_batch"] for r in records if r.get("phase") == "forward"} == {2}
+    assert not [r for r in records if r.get("event") == "oom_recovered"]

@@ -34,16 +34,34 @@ def tiny_sets(model: str, data: str, out: Path, *extra: str) -> list[str]:
 
 
 def tiny_run(model: str, data: str, out: Path, name: str, *extra: str, callbacks=None, choice=None):
+    """A run of the embedded model; `choice` as run.json records it (default: an 8 GB target, margin 1 GB)."""
+    from lowmem_ft.planning import Choice
     from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.train.run import prepare_run_dir, train
+    from lowmem_ft.rundir import RunDir
+    from lowmem_ft.train.run import train
 
     recipe = resolve("8gb", tiny_sets(model, data, out, *extra))
-    run_dir = prepare_run_dir(recipe, name, resume=False)
-    return train(recipe, run_dir, choice=choice or {"how": "test", "vram_gb": 8}, callbacks=callbacks)
+    run = RunDir.new(out, name, model)
+    choice = Choice.from_dict({"how": "recipe", "recipe": "8gb", "vram_gb": 8, "safety_margin_gb": 1, **(choice or {})})
+    return train(recipe, run, choice=choice, callbacks=callbacks)
 
 
-def memory_records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "memory.jsonl").read_text().splitlines() if line.strip()]
+def tiny_trainer(model: str, data: str, out: Path, *extra: str):
+    """A set-up (not yet fitted) `FineTune` of the embedded model: its `trainer`, `guard` and `monitor`."""
+    from lowmem_ft.planning import Choice
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.rundir import RunDir
+    from lowmem_ft.train.run import FineTune
+
+    recipe = resolve("8gb", tiny_sets(model, data, out, *extra, "logging.wandb_mode=disabled"))
+    return FineTune(recipe, RunDir.new(out, "trainer", model), Choice("recipe", "8gb")).setup()
+
+
+def memory_records(run_dir: Path, rank: int = 0) -> list[dict]:
+    from lowmem_ft.rundir import RunDir
+
+    path = RunDir(run_dir).memory_file(rank)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class FaultInjector(TrainerCallback):

@@ -1,0 +1,326 @@
+"""Choosing the recipe a run uses: the tier recipes, a recipe as a memory `Setup`, and a `Plan` applied back.
+
+The one seam between the recipe (`lowmem_ft.recipe`, what the user wrote) and the memory model
+(`lowmem_ft.memory`, pure arithmetic that knows no recipe): `choose_recipe` starts from the tier recipe for the
+VRAM target (or the user's recipe), maps it to a `Setup`, decides the sequence length from the data's length profile,
+lets the planner search, and applies the plan back onto the recipe with `dataclasses.replace`. It returns the
+recipe and a typed `Choice` — how the recipe was chosen — which the run directory keeps (`run.json`, `plan.json`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.estimate import Device, Setup
+from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan, round_seq_len
+from lowmem_ft.memory.target import Target
+from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
+from lowmem_ft.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from lowmem_ft.data.profile import LengthProfile
+
+log = logging.getLogger(__name__)
+
+# Recipe key → the planner's name for it (a `Setup` field, or a knob the `Plan` carries beside the setup).
+RECIPE_KNOBS = {
+    "model.quantization": "quantization",
+    "model.double_quant": "double_quant",
+    "model.compute_dtype": "compute_dtype",
+    "model.attn_implementation": "attn_implementation",
+    "adapter.kind": "adapter",
+    "adapter.r": "lora_r",
+    "adapter.dropout": "lora_dropout",
+    "adapter.target_modules": "lora_targets",
+    "optimizer.name": "optimizer",
+    "memory.gradient_checkpointing": "gradient_checkpointing",
+    "memory.micro_batch_size": "micro_batch_size",
+    "memory.max_seq_len": "max_seq_len",
+    "memory.activation_offloading": "activation_offloading",
+    "memory.chunked_loss": "loss_impl",
+    "memory.safety_margin_gb": "safety_margin_gb",
+    "memory.gradient_accumulation": "gradient_accumulation",
+    "memory.eval_batch_size": "eval_batch_size",
+}
+
+
+# -- tiers -------------------------------------------------------------------------------------------------------
+def tier_recipes() -> dict[float, str]:
+    """Shipped tier recipes by their size in GB (`8gb.yaml` → 8.0)."""
+    tiers = {}
+    for name in shipped_recipes():
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)gb", name)
+        if match:
+            tiers[float(match.group(1))] = name
+    return dict(sorted(tiers.items()))
+
+
+def tier_for_vram(vram_gb: float, strict: bool = True) -> str:
+    """The largest shipped tier not above `vram_gb` (the smallest tier when none is and not `strict`)."""
+    tiers = tier_recipes()
+    fitting = [size for size in tiers if size <= vram_gb]
+    if not fitting and not strict:
+        return tiers[min(tiers)]
+    if not fitting:
+        smallest = min(tiers)
+        raise UserError(
+            f"--vram {vram_gb:g}: no recipe tier fits under {vram_gb:g} GB (smallest is {smallest:g} GB); "
+            "pass --recipe FILE with a smaller configuration"
+        )
+    return tiers[max(fitting)]
+
+
+def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: dict | None = None) -> Recipe:
+    """Where planning starts: `--recipe` if given, else the tier for `vram_gb`, with the overrides applied.
+
+    A tier's storage is only a starting point: a full fine-tune (`adapter.kind=full`) starts from 16-bit weights
+    unless the user fixed `model.quantization` too.
+    """
+    planned_defaults: dict[str, Any] = {}
+    full = overrides.get("adapter", {}).get("kind") == "full"
+    if recipe is None and full and "quantization" not in overrides.get("model", {}):
+        planned_defaults = {"model": {"quantization": "none"}}
+    return resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+
+
+# -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
+def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
+    """The memory-relevant knobs of a `Recipe`."""
+    m, a, mem = recipe.model, recipe.adapter, recipe.memory
+    return Setup(
+        quantization=m.quantization,
+        double_quant=m.double_quant,
+        compute_dtype=m.compute_dtype,
+        attn_implementation=m.attn_implementation,
+        adapter=a.kind,
+        lora_r=a.r,
+        lora_dropout=a.dropout,
+        lora_targets=tuple(a.target_modules),
+        optimizer=recipe.optimizer.name,
+        gradient_checkpointing=mem.gradient_checkpointing,
+        micro_batch_size=mem.micro_batch_size,
+        max_seq_len=mem.max_seq_len,
+        activation_offloading=mem.activation_offloading,
+        # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
+        # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
+        loss_impl="chunked" if mem.chunked_loss else "trl_fused",
+        device=device,
+        safety_margin_gb=mem.safety_margin_gb,
+    )
+
+
+def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
+    """The planner's names of the recipe keys the user set (`--set`, flags): the knobs it must not change."""
+    given = {f"{section}.{key}" for section, values in overrides.items() if isinstance(values, dict) for key in values}
+    return frozenset(name for key, name in RECIPE_KNOBS.items() if key in given)
+
+
+def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
+    """The recipe with the plan's knobs."""
+    s = p.setup
+    return replace(
+        recipe,
+        model=replace(recipe.model, quantization=s.quantization),
+        adapter=replace(recipe.adapter, target_modules=list(s.lora_targets)),
+        optimizer=replace(recipe.optimizer, name=s.optimizer),
+        memory=replace(
+            recipe.memory,
+            gradient_checkpointing=s.gradient_checkpointing,
+            micro_batch_size=s.micro_batch_size,
+            gradient_accumulation=p.gradient_accumulation,
+            max_seq_len=s.max_seq_len,
+            activation_offloading=s.activation_offloading,
+            chunked_loss=s.loss_impl == "chunked",
+            eval_batch_size=p.eval_batch_size,
+        ),
+    )
+
+
+# -- the record of the choice -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    """How a run's recipe was chosen: `plan` (for --vram, from the tier `recipe`), `recipe` (as given, checked
+    against --vram when there is one) or `resume` (the run's own recipe.yaml, with the original plan's figures).
+
+    `plan` is the full plan (for plan.json) where one was made in this process; the other fields are what the run
+    needs from it and what run.json keeps, so a resumed run has them too.
+    """
+
+    how: Literal["plan", "recipe", "resume"]
+    recipe: str
+    model: str = ""
+    target: Target | None = None
+    predicted_peak_gb: float | None = None
+    fits: bool | None = None
+    strategy: str = "single"
+    offload: bool = False
+    reasons: dict[str, str] = field(default_factory=dict)
+    plan: Plan | None = field(default=None, compare=False)
+
+    @classmethod
+    def of_plan(cls, how: Literal["plan", "recipe"], recipe: str, model: str, p: Plan) -> Choice:
+        return cls(how, recipe, model, p.target, round(p.estimate.peak_gb, 3), p.fits, p.strategy, p.offload,
+                   dict(p.reasons), p)  # fmt: skip
+
+    def resumed(self, recipe: str) -> Choice:
+        return replace(self, how="resume", recipe=recipe, plan=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `choice` of run.json; `budget_gb` = vram − margin, as everywhere."""
+        target = self.target.to_dict() if self.target is not None else {"vram_gb": None}
+        return {"how": self.how, "recipe": self.recipe, "model": self.model, **target,
+                "predicted_peak_gb": self.predicted_peak_gb, "fits": self.fits, "strategy": self.strategy,
+                "offload": self.offload, "reasons": dict(self.reasons)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Choice:
+        return cls(
+            how=data.get("how", "recipe"),
+            recipe=str(data.get("recipe", "")),
+            model=str(data.get("model", "")),
+            target=Target.from_dict(data),
+            predicted_peak_gb=data.get("predicted_peak_gb"),
+            fits=data.get("fits"),
+            strategy=data.get("strategy") or "single",
+            offload=bool(data.get("offload")),
+            reasons=dict(data.get("reasons") or {}),
+        )
+
+    def plan_record(self, recipe: Recipe) -> dict[str, Any] | None:
+        """plan.json and `plan --json`: the model, the full plan, and the recipe it gives."""
+        if self.plan is None:
+            return None
+        return {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
+                "recipe": to_dict(recipe)}  # fmt: skip
+
+
+# -- choosing ----------------------------------------------------------------------------------------------------
+def _length(recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile) -> tuple[int, str, bool]:
+    """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit)."""
+    length = recipe.memory.max_seq_len
+    if seq_len:
+        return length, f"{length} tokens, as --seq-len asked", False
+    if "max_seq_len" in fixed:
+        return length, f"{length} tokens, as --set asked", False
+    if profile is not None and profile.p99 > 0:
+        wanted = round_seq_len(profile.p99)
+        covers = "every sample" if profile.max and wanted >= profile.max else "99 % of samples (longer ones truncate)"
+        return wanted, f"{wanted} tokens covers {covers} (p99 {profile.p99}, max {profile.max})", True
+    return length, f"{length} tokens from the recipe", False
+
+
+def plan_setup(
+    arch,
+    recipe: Recipe,
+    target: Target,
+    fixed: frozenset[str],
+    *,
+    seq_len: int | None = None,
+    profile: LengthProfile | None = None,
+    strategy: Requested = "auto",
+    offload: bool | None = None,
+) -> Plan:
+    """The planner's answer for `recipe` as the start. When the data's p99 length (our own choice) does not fit, the
+    longest length that does: longer samples then follow `data.truncate`, and the reason line says how many that
+    cuts."""
+    length, why, from_data = _length(recipe, fixed, seq_len, profile)
+    request = Request(
+        start=replace(setup_from_recipe(recipe), max_seq_len=length),
+        target=target,
+        gradient_accumulation=recipe.memory.gradient_accumulation,
+        eval_batch_size=recipe.memory.eval_batch_size,
+        fixed=fixed,
+        strategy=strategy,
+        offload=offload,
+        length_reason=why,
+    )
+    try:
+        return plan(arch, request)
+    except UserError:
+        if not from_data:
+            raise
+        fit = max_seq_len(arch, request, limit=length)
+        if not fit:
+            raise
+    samples, tokens = profile.over(fit)
+    why = (
+        f"{fit} tokens: the longest that fits (p99 {profile.p99} does not); {samples} samples longer, {tokens} "
+        f"tokens beyond it (data.truncate={recipe.data.truncate})"
+    )
+    return plan(arch, replace(request, start=replace(request.start, max_seq_len=fit), length_reason=why))
+
+
+def choose_recipe(
+    *,
+    vram_gb: float | None,
+    recipe: str | None,
+    overrides: dict,
+    origins: dict[str, str] | None = None,
+    seq_len: int | None = None,
+    profile: LengthProfile | None = None,
+    gpus: int = 1,
+    strategy: Requested = "auto",
+    offload: bool | None = None,
+) -> tuple[Recipe, Choice]:
+    """The recipe a run uses and a record of why: `--recipe` as given (checked against --vram when there is one),
+    else planned for `--vram` from the tier recipe.
+
+    `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
+    planner; `origins` names the flag behind an override key, for error messages. `seq_len` (plan --seq-len) fixes
+    `memory.max_seq_len`; otherwise, with `profile`, the planner sizes it from the data. With `gpus` > 1 the plan's
+    figures are per device and its `strategy` / `offload` say how the run is sharded.
+    """
+    if recipe is None and vram_gb is None:
+        raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
+    if seq_len:
+        overrides = merge(overrides, {"memory": {"max_seq_len": seq_len}})
+        origins = {**(origins or {}), "memory.max_seq_len": "--seq-len"}
+    if vram_gb is None:
+        resolved = resolve(recipe, overrides, origins)
+        return resolved, Choice("recipe", str(recipe), resolved.model.name_or_path)
+    start = start_recipe(vram_gb, recipe, overrides, origins)
+    if not start.model.name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    from lowmem_ft.memory.arch import load_architecture
+
+    arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    target = Target(vram_gb, start.memory.safety_margin_gb, gpus)
+    model = start.model.name_or_path
+    if recipe is not None:
+        request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
+                          start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
+        checked = check(arch, request)
+        if not checked.fits:
+            log.warning(
+                "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); "
+                "drop --recipe to let the planner choose, or see `lowmem-ft plan --vram %g --model %s`",
+                recipe, checked.estimate.peak_gb, vram_gb, checked.budget_gb, checked.margin_gb, vram_gb, model,
+            )  # fmt: skip
+        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    planned = plan_setup(
+        arch, start, target, fixed_knobs(overrides), seq_len=seq_len, profile=profile, strategy=strategy,
+        offload=offload,
+    )  # fmt: skip
+    return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
+
+
+def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: bool = True,
+                    limit: int = 262144) -> int:  # fmt: skip
+    """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
+    `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers=False` keeps activation offloading and
+    the chunked loss as the tier has them. What `scripts/max_context.py` tabulates and the GPU check runs."""
+    from lowmem_ft.memory.arch import load_architecture
+
+    fixed = merge(overrides or {}, {"model": {"name_or_path": model}})
+    start = resolve(tier_for_vram(vram_gb), fixed)
+    request = Request(
+        setup_from_recipe(start),
+        Target(vram_gb, start.memory.safety_margin_gb),
+        start.memory.gradient_accumulation,
+        fixed=fixed_knobs(fixed) | (set() if savers else {"activation_offloading", "loss_impl"}),
+    )
+    return max_seq_len(load_architecture(model, start.model.trust_remote_code), request, limit=limit)

@@ -1,0 +1,144 @@
+"""The package's import graph: no cycles, and the layers import only downstream (module- and function-level imports).
+
+Data flows one way (CLI → recipe → planning → memory model; train → run directory → report), so an import that
+points back up is a design error even when Python tolerates it inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lowmem_ft"
+# data/tokenize.py borrows the ChatML template from the demo-model builder; branch `zoo` moves the template to
+# lowmem_ft/data/templates.py and removes this edge.
+ALLOWED = {("lowmem_ft.data.tokenize", "lowmem_ft.tiny")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str) -> set[str]:
+    """Every module `name` imports, wherever the import statement is (top level or inside a function)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+    return found
+
+
+GRAPH = {name: {m for m in imports_of(name) if m in MODULES and m != name} for name in MODULES}
+EXTERNAL = {name: imports_of(name) for name in MODULES}
+
+
+def test_the_graph_sees_function_level_imports():
+    assert "lowmem_ft.planning" in GRAPH["lowmem_ft.commands.plan"]  # imported inside run()
+    assert "lowmem_ft.memory.arch" in GRAPH["lowmem_ft.planning"]  # imported inside choose_recipe()
+
+
+SUBPACKAGES = {f"lowmem_ft.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+
+
+def unit(name: str) -> str:
+    """The subpackage a module belongs to (`lowmem_ft.memory.planner` → `lowmem_ft.memory`), or the module itself."""
+    package = ".".join(name.split(".")[:2])
+    return package if package in SUBPACKAGES else name
+
+
+PACKAGES: dict[str, set[str]] = {unit(v): set() for v in MODULES}
+for _v, _targets in GRAPH.items():
+    PACKAGES[unit(_v)].update(unit(w) for w in _targets if unit(w) != unit(_v) and (_v, w) not in ALLOWED)
+
+
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components: a component of more than one node is a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if (v, w) in ALLOWED:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles_between_modules():
+    assert cycles_of(GRAPH) == []
+
+
+def test_no_import_cycles_between_packages():
+    """memory ↔ recipe was one: the planner imported the recipe loader, the recipe chooser imported the planner."""
+    assert "lowmem_ft.memory" in PACKAGES and "lowmem_ft.planning" in PACKAGES
+    assert cycles_of(PACKAGES) == []
+
+
+def _violations(layer: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{name} imports {target}"
+        for name in MODULES
+        if name == layer or name.startswith(layer + ".")
+        for target in sorted(EXTERNAL[name])
+        if any(target == f or target.startswith(f + ".") for f in forbidden) and (name, target) not in ALLOWED
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        # the memory model is pure arithmetic: plan is instant and knows no recipe
+        ("lowmem_ft.memory", ("lowmem_ft.recipe", "lowmem_ft.planning", "lowmem_ft.train", "torch", "transformers")),
+        # the recipe is what the user wrote: it knows neither the memory model nor the trainer
+        ("lowmem_ft.recipe", ("lowmem_ft.memory", "lowmem_ft.planning", "lowmem_ft.train", "lowmem_ft.rundir")),
+        # choosing a recipe happens before training and writes no run directory
+        ("lowmem_ft.planning", ("lowmem_ft.train", "lowmem_ft.rundir", "lowmem_ft.commands", "torch")),
+        # the run directory is read by report, generate and merge: no trainer, no torch at import
+        ("lowmem_ft.rundir", ("lowmem_ft.train", "lowmem_ft.commands")),
+        # library modules do not reach up into the command line
+        ("lowmem_ft.train", ("lowmem_ft.commands", "lowmem_ft.cli")),
+        ("lowmem_ft.data", ("lowmem_ft.train", "lowmem_ft.commands", "lowmem_ft.planning")),
+        # development tooling never ships in (or is imported by) the package
+        ("lowmem_ft", ("devkit", "tests")),
+    ],
+)
+def test_layers_import_only_downstream(layer, forbidden):
+    assert _violations(layer, forbidden) == []
