@@ -59,7 +59,7 @@ def main() -> int:
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
-        from lowmem_ft.tiny import build_tokenizer
+        from devkit.tiny import build_tokenizer
 
         tokenizer = build_tokenizer()
     rows = []

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lowmem_ft.train.estimator_check import Point, measure_cuda, predict, run_point, write_model  # noqa: E402
+from devkit.estimator_check import Point, measure_cuda, predict, run_point, write_model  # noqa: E402
 
 ARCHS = {
     "qwen2 (V 8192, h 512, 4 L, GQA 8/2)": {

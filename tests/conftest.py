@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded tiny model (built once per session) and the CUDA marker."""
+"""Shared fixtures: the embedded tiny model and the zoo (built once per session), and the CUDA marker."""
 
 from __future__ import annotations
 
@@ -27,9 +27,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Path of a freshly built tiny Qwen2 model with its tokenizer."""
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def zoo_models(tmp_path_factory) -> dict[str, str]:
+    """Every zoo family (devkit/zoo.py) built once per session: name → model directory."""
+    from devkit.zoo import build_all
+
+    return {name: str(path) for name, path in build_all(tmp_path_factory.mktemp("zoo")).items()}
 
 
 @pytest.fixture

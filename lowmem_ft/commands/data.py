@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
     s.add_argument("--format", choices=FORMATS, default="auto", help="force the data format (default: detect)")
     s.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and report them")
     s.add_argument("--train-on-prompt", action="store_true", help="count loss tokens on prompts too")
+    s.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_FILE",
+        help="chat template for chat data, as data.chat_template (a name such as mistral or a .jinja file)",
+    )
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's tokenizer code")
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
     s.set_defaults(func=run)
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         from lowmem_ft.errors import UserError
 
         raise UserError(f"--max-len must be at least 1, got {args.max_len}")
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code, args.chat_template)
     tok = tokenize_file(
         args.file,
         tokenizer,

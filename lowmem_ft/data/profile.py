@@ -108,7 +108,9 @@ def length_profile(
         fmt = fmt or d.format
         train_on_prompt = d.train_on_prompt if train_on_prompt is None else train_on_prompt
         skip_bad_lines = d.skip_bad_lines if skip_bad_lines is None else skip_bad_lines
-        tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+        tokenizer = tokenizer or load_tokenizer(
+            recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template or None
+        )
     if path is None or tokenizer is None:
         raise TypeError("length_profile needs a recipe, or path= and tokenizer=")
     tok = tokenize_file(

@@ -9,9 +9,9 @@ its collator uses the labels as they are.
 
 The masking follows TRL: text → loss on every token (EOS appended); prompt/completion → the completion starts
 where the tokenized prompt and prompt+completion diverge (`trl.data_utils.common_prefix_length`), EOS appended to
-the completion; chat → the tokenizer's chat template, assistant tokens from its `{% generation %}` markers
-(`return_assistant_tokens_mask`), patched by TRL's `get_training_chat_template` where the template lacks them,
-ChatML when the tokenizer has no template at all. `train_on_prompt` keeps every label.
+the completion; chat → the chat template (`data.chat_template`, else the tokenizer's, else ChatML) with the loss on
+what the assistant says, found by `lowmem_ft.data.chat` for any template (its generation markers, TRL's training
+version, or turn by turn). `train_on_prompt` keeps every label.
 
 The cache key is a hash of the file bytes, the tokenizer (its serialized vocabulary/normalizer/post-processor and
 chat template) and the options that change tokens or labels, so a second run on the same data and tokenizer
@@ -29,12 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.data.chat import (
+    ChatTemplate,
+    Renderer,
+    SampleError,
+    chat_template_for,
+    labels_for,
+    samples,
+    set_template,
+)
 from lowmem_ft.data.formats import CHAT_FORMATS, load_jsonl
 from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the tokenization below changes what it produces
+CACHE_VERSION = 2  # bump when the tokenization below changes what it produces
 BATCH_SIZE = 1000
 
 
@@ -51,13 +60,14 @@ class Tokenized:
     dataset: Any  # datasets.Dataset
     format: str
     skipped: list[str] = field(default_factory=list)
-    chat_template: str | None = None  # "tokenizer", "tokenizer (TRL training version)", "ChatML (default)"
+    chat_template: str | None = None  # where the template came from and how assistant tokens were found
     cache_dir: Path | None = None
     from_cache: bool = False
+    split_conversations: int = 0  # chat: conversations trained as one sample per assistant turn
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The model's tokenizer (pad token = EOS when it has none, as TRL does)."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model's tokenizer (pad token = EOS when it has none, as TRL does), with `data.chat_template` applied."""
     from transformers import AutoTokenizer
 
     try:
@@ -69,38 +79,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        set_template(tokenizer, chat_template)
     return tokenizer
-
-
-def ensure_chat_template(tokenizer) -> str:
-    """Give a tokenizer without a chat template ChatML (as Qwen uses it); returns where the template came from."""
-    if tokenizer.chat_template:
-        return "tokenizer"
-    from lowmem_ft.tiny import CHATML_TEMPLATE
-
-    tokenizer.chat_template = CHATML_TEMPLATE
-    log.warning("the tokenizer has no chat template; formatting chat data as ChatML")
-    return "ChatML (default)"
-
-
-def training_chat_template(tokenizer, train_on_prompt: bool) -> tuple[str | None, str]:
-    """The template to render with (None: the tokenizer's own) and a description of it.
-
-    Assistant-only loss needs `{% generation %}` markers; TRL ships training versions of the common templates.
-    """
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-
-    source = ensure_chat_template(tokenizer)
-    if train_on_prompt or has_generation_markers(tokenizer.chat_template):
-        return None, source
-    try:
-        patched = get_training_chat_template(tokenizer)
-    except ValueError:
-        raise UserError(
-            "the tokenizer's chat template has no {% generation %} markers and TRL has no training version of it, "
-            "so assistant tokens cannot be told apart; set --set data.train_on_prompt=true to train on every token"
-        ) from None
-    return patched, f"{source} (TRL training version)"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -151,48 +132,80 @@ def _prompt_completion_batch(batch: dict, tokenizer, eos: str, train_on_prompt: 
     return {"input_ids": full_ids, "labels": labels}
 
 
-def _chat_batch(batch: dict, tokenizer, template: str | None, train_on_prompt: bool) -> dict:
-    out = tokenizer.apply_chat_template(
-        batch["messages"],
-        chat_template=template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=not train_on_prompt,
-    )
-    ids = out["input_ids"]
-    if train_on_prompt:
-        return {"input_ids": ids, "labels": [list(x) for x in ids]}
+def _chat_batch(batch: dict, indices: list[int], tokenizer, template: ChatTemplate, where: str) -> dict:
+    render = Renderer(tokenizer, template)
+    texts, spans, sources = [], [], []
+    for index, raw in zip(indices, batch["conversation"], strict=True):
+        try:
+            for text, sample_spans in samples(json.loads(raw), render):
+                texts.append(text)
+                spans.append(sample_spans)
+                sources.append(index)
+        except SampleError as exc:
+            fix = "fix the sample or set data.chat_template to a template that renders it"
+            if exc.masking:
+                fix = "set data.chat_template to a template that renders it, or data.train_on_prompt=true"
+            raise UserError(f"{where}: sample {index + 1}: {exc}; {fix}") from None
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
-        [t if m else -100 for t, m in zip(x, mask, strict=True)]
-        for x, mask in zip(ids, out["assistant_masks"], strict=True)
+        labels_for(ids, offsets, text, sample_spans, template.masking)
+        for ids, offsets, text, sample_spans in zip(enc["input_ids"], enc["offset_mapping"], texts, spans, strict=True)
     ]
-    return {"input_ids": ids, "labels": labels}
+    return {"input_ids": enc["input_ids"], "labels": labels, "source": sources}
 
 
-def tokenize_records(records: list[dict], fmt: str, tokenizer, train_on_prompt: bool, template: str | None = None):
-    """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map."""
+def tokenize_records(
+    records: list[dict],
+    fmt: str,
+    tokenizer,
+    train_on_prompt: bool,
+    template: ChatTemplate | None = None,
+    where: str = "data",
+):
+    """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map.
+
+    Chat records may become several rows (one per assistant turn, see `lowmem_ft.data.chat`); the dataset then has a
+    `source` column with each row's record index. `where` names the data in error messages."""
     from datasets import Dataset
 
-    ds = Dataset.from_list(records)
     eos = tokenizer.eos_token or ""
-    if fmt == "text":
+    if fmt in CHAT_FORMATS:
+        if template is None:
+            template = chat_template_for(tokenizer, train_on_prompt, set_template(tokenizer, None))
+        # JSON strings, not nested columns: Arrow would unify tool-call arguments across rows (adding None keys)
+        ds = Dataset.from_dict({"conversation": [json.dumps(r) for r in records]})
+        fn, kwargs = _chat_batch, {"tokenizer": tokenizer, "template": template, "where": where}
+    elif fmt == "text":
+        ds = Dataset.from_list(records)
         fn, kwargs = _text_batch, {"tokenizer": tokenizer, "eos": eos}
     elif fmt == "prompt_completion":
+        ds = Dataset.from_list(records)
         fn, kwargs = _prompt_completion_batch, {"tokenizer": tokenizer, "eos": eos, "train_on_prompt": train_on_prompt}
-    elif fmt in CHAT_FORMATS:
-        fn = _chat_batch
-        kwargs = {"tokenizer": tokenizer, "template": template, "train_on_prompt": train_on_prompt}
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    return ds.map(
+    ds = ds.map(
         fn,
         batched=True,
         batch_size=BATCH_SIZE,
+        with_indices=fmt in CHAT_FORMATS,
         fn_kwargs=kwargs,
         remove_columns=ds.column_names,
         load_from_cache_file=False,  # our own cache below is keyed by content; datasets' is keyed by arrow files
         desc=f"Tokenizing {fmt}",
     )
+    if "source" in ds.column_names and len(ds) == len(records):
+        ds = ds.remove_columns("source")  # one row per record: nothing to say
+    return ds
+
+
+def _split(ds) -> tuple[Any, int]:
+    """(dataset without the `source` column, conversations trained as several samples)."""
+    if "source" not in ds.column_names:
+        return ds, 0
+    from collections import Counter
+
+    rows = Counter(ds["source"])
+    return ds.remove_columns("source"), sum(1 for n in rows.values() if n > 1)
 
 
 def tokenize_file(
@@ -218,26 +231,39 @@ def tokenize_file(
             ds = load_from_disk(str(cache_dir / "dataset"))
             log.info("tokenized %s loaded from cache %s", path, cache_dir)
             if meta["format"] in CHAT_FORMATS:
-                ensure_chat_template(tokenizer)  # the saved tokenizer must carry the template trained with
-            return Tokenized(ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, from_cache=True)
+                set_template(tokenizer, None)  # the saved tokenizer must carry the template trained with
+            return Tokenized(
+                ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, meta.get("split", 0)
+            )
         except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
             log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
             shutil.rmtree(cache_dir, ignore_errors=True)
     loaded = load_jsonl(path, fmt, skip_bad_lines)
     template, source = None, None
     if loaded.format in CHAT_FORMATS:
-        template, source = training_chat_template(tokenizer, train_on_prompt)
-    ds = tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template)
+        template = chat_template_for(tokenizer, train_on_prompt, set_template(tokenizer, None))
+        source = template.source
+    ds, split = _split(tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template, str(path)))
+    if split:
+        source = f"{source}; {split} conversations trained one sample per assistant turn (the template rewrites earlier turns)"
+        log.warning("%s: %d conversations trained as one sample per assistant turn: the chat template renders earlier "
+                    "turns differently once later ones follow (e.g. it drops their reasoning)", path, split)  # fmt: skip
     if use_cache:
         tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         ds.save_to_disk(str(tmp / "dataset"))
-        meta = {"source": str(path), "format": loaded.format, "skipped": loaded.skipped, "chat_template": source}
+        meta = {
+            "source": str(path),
+            "format": loaded.format,
+            "skipped": loaded.skipped,
+            "chat_template": source,
+            "split": split,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         try:
             tmp.rename(cache_dir)  # atomic: a half-written entry is never read
         except OSError:  # another process (a rank of `train --gpus`) got there first with the same content
             shutil.rmtree(tmp, ignore_errors=True)
-            return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir)
+            return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir, split_conversations=split)
         ds = load_from_disk(str(cache_dir / "dataset"))
-    return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir if use_cache else None)
+    return Tokenized(ds, loaded.format, loaded.skipped, source, cache_dir if use_cache else None, False, split)

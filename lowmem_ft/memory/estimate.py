@@ -273,7 +273,7 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
         return 0.0, "bitsandbytes fused kernel, in place"
     # backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu: fp32 state1, state2, grad (g.float()), p.float(),
     # and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once, one tensor at a time (measured:
-    # 6.0 with PeakMemory seeing inside the kernel, lowmem_ft.train.estimator_check._bnb_cpu_kernels_visible).
+    # 6.0 with PeakMemory seeing inside the kernel, devkit.estimator_check._bnb_cpu_kernels_visible).
     big = max(n for n, _ in tensors)
     return 6 * 4 * big, "bitsandbytes CPU kernel: 6 fp32 copies of the largest tensor (measured)"
 

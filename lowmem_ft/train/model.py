@@ -54,10 +54,11 @@ def load_config(recipe: Recipe):
 
 
 def load_tokenizer(recipe: Recipe):
-    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none)."""
+    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none,
+    `data.chat_template` applied)."""
     from lowmem_ft.data.tokenize import load_tokenizer as load
 
-    return load(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    return load(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template or None)
 
 
 def quantization_config(recipe: Recipe):
