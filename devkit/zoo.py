@@ -113,7 +113,6 @@ class Family:
     template_source: str
     reply: Callable[[str, bool], str]  # (assistant content, last turn?) → the text its loss tokens must cover
     notes: str = ""
-    lm_head_bias: bool = False
     tags: tuple[str, ...] = field(default_factory=tuple)  # "rewrites": the template rewrites earlier turns
 
 

@@ -18,6 +18,19 @@ from typing import Any, Literal
 from lowmem_ft.errors import UserError
 
 CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
+# model_type → why transformers 5.24 refuses `attn_implementation="sdpa"` for it (`_supports_sdpa = False` on the
+# model class; loading raises "does not support an attention implementation through
+# torch.nn.functional.scaled_dot_product_attention"). Those models train with eager attention.
+NO_SDPA = {
+    "gemma2": "SDPA cannot apply Gemma-2's attention logit softcapping (modeling_gemma2.py _supports_sdpa = False)",
+    "vaultgemma": "SDPA cannot apply VaultGemma's attention logit softcapping (_supports_sdpa = False)",
+    "gpt_oss": "SDPA cannot apply GPT-OSS's attention sinks (modeling_gpt_oss.py _supports_sdpa = False)",
+}
+# model_type → how its forward turns the LM head's output into logits, read from transformers 5.24's modeling code
+# and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
+# × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
+# `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
+CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
 # Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-it")
 
@@ -58,6 +71,7 @@ class Architecture:
     linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
     max_position_embeddings: int = 0
     final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
 
     @classmethod
@@ -120,8 +134,31 @@ class Architecture:
             linears=linears,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             final_logit_softcapping=config.get("final_logit_softcapping"),
+            logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,
         )
+
+    # -- what the training path may use on this architecture ------------------------------------------------------
+    @property
+    def chunked_loss_refusal(self) -> str | None:
+        """Why `memory.chunked_loss` is refused here (one line), or None when it reproduces the model's own loss."""
+        if self.remote_code or self.model_type not in CHUNKED_LOSS_VERIFIED:
+            return (
+                f"memory.chunked_loss is not verified for model_type {self.model_type!r} (its forward may transform "
+                "the logits in ways the chunked loss does not reproduce); train with memory.chunked_loss=false"
+            )
+        return None
+
+    @property
+    def chunked_loss_exact(self) -> bool:
+        """`memory.chunked_loss` computes this model's own loss (softcapping, logit scaling, bias, tied weights)."""
+        return self.chunked_loss_refusal is None
+
+    def attention_for(self, requested: str) -> tuple[str, str | None]:
+        """(implementation transformers will run, why it differs from `requested` or None)."""
+        if requested == "sdpa" and self.model_type in NO_SDPA:
+            return "eager", f"{NO_SDPA[self.model_type]}; using eager attention (its s² scores are planned for)"
+        return requested, None
 
     # -- parameter counts ---------------------------------------------------------------------------------------
     @property
@@ -182,8 +219,21 @@ class Architecture:
         )
 
 
+def _logit_scale(config: dict[str, Any]) -> float:
+    """The factor the forward multiplies the LM head's output by, read as TRL 1.16's `add_fused_lm_head` reads it:
+    `logit_scale` (Cohere), `output_multiplier`, `lm_head_multiplier` (Falcon-H1), else 1 / `logits_scaling`
+    (Granite, MiniCPM3 divide by it; HyperCLOVA X multiplies)."""
+    for key in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if config.get(key) is not None:
+            return float(config[key])
+    scaling = config.get("logits_scaling")
+    if scaling is None:
+        return 1.0
+    return float(scaling) if config.get("model_type") == "hyperclovax" else 1.0 / float(scaling)
+
+
 # model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
-_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"}
+_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
 
 
 def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
