@@ -136,7 +136,8 @@ QWEN3_TOKENS = Tokens(
     pad="<|endoftext|>",
     extra=("<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
 )
-TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4}
+# every linear dimension a multiple of 64: bitsandbytes' CPU inference path repacks NF4 weights per 64-block
+TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -150,7 +151,7 @@ FAMILIES: dict[str, Family] = {
                 "vocab_size": 2048,
                 "tie_word_embeddings": True,
                 "rope_theta": 500000.0,
-                "max_position_embeddings": 8192,
+                "max_position_embeddings": 131072,
                 "rope_scaling": {
                     "rope_type": "llama3",
                     "factor": 32.0,
@@ -204,11 +205,11 @@ FAMILIES: dict[str, Family] = {
             lambda c, last: "<think>\n\n</think>\n\n" + c + "<|im_end|>",
         ),
         Family(
-            "mistral",  # Mistral-7B-v0.1: sliding window 4096, MHA-free GQA 32/8, SentencePiece, no pad
+            "mistral",  # Mistral-7B-v0.1: sliding window 4096, GQA (32/8 there), SentencePiece, no pad
             {
                 "model_type": "mistral",
                 **TINY,
-                "num_key_value_heads": 1,
+                "num_key_value_heads": 2,  # k/v rows a multiple of 32: bitsandbytes CPU NF4 packing
                 "vocab_size": 768,
                 "sliding_window": 4096,
                 "tie_word_embeddings": False,
@@ -440,3 +441,28 @@ def build_all(root: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Pat
         path = root / name
         out[name] = path if (path / "config.json").is_file() else build(name, path)
     return out
+
+
+# Wider replicas for the memory model's accuracy grid (`scripts/validate_estimator.py --zoo`): each family's config
+# quirks at hidden 256 × 3 layers, with the family's vocabulary-to-width ratio and head_dim ≠ hidden / heads where
+# the family has it — shapes the estimator's constants were not fitted on (those were Qwen2 h512 and Llama h384).
+ESTIMATOR_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3": {"vocab_size": 8192, "num_key_value_heads": 2, "intermediate_size": 704},
+    "qwen2.5": {"vocab_size": 10752, "num_key_value_heads": 2, "intermediate_size": 1216},
+    "qwen3": {"vocab_size": 9728, "num_key_value_heads": 2, "head_dim": 96, "intermediate_size": 768},
+    "mistral": {"vocab_size": 2048, "num_key_value_heads": 1, "intermediate_size": 896},
+    "gemma2": {"vocab_size": 16384, "num_key_value_heads": 2, "head_dim": 96, "query_pre_attn_scalar": 96,
+               "intermediate_size": 1024},
+    "gemma3": {"vocab_size": 16384, "num_key_value_heads": 1, "head_dim": 96, "query_pre_attn_scalar": 96,
+               "intermediate_size": 1024, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "phi3": {"vocab_size": 2560, "num_key_value_heads": 4, "intermediate_size": 704, "pad_token_id": 0},
+    "granite": {"vocab_size": 3072, "num_key_value_heads": 2, "intermediate_size": 640},
+}  # fmt: skip
+
+
+def estimator_config(name: str) -> dict[str, Any]:
+    """The config dict of family `name` at the accuracy grid's width (see ESTIMATOR_SHAPES)."""
+    config = {**FAMILIES[name].config, "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4}
+    config.update(ESTIMATOR_SHAPES[name])
+    return config

@@ -70,6 +70,10 @@ class Architecture:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
     max_position_embeddings: int = 0
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int = 0  # layers that use it (Gemma: alternate / five in six; Mistral, Phi-3: all)
+    attn_logit_softcapping: float | None = None  # Gemma-2: tanh over the attention scores (eager only)
+    norm_fp32_output: bool = False  # Gemma's RMSNorm multiplies in fp32 (output * (1 + weight.float()))
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
@@ -133,6 +137,9 @@ class Architecture:
             qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
             linears=linears,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            **_sliding(config, model_type),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            norm_fp32_output=model_type.startswith("gemma"),
             final_logit_softcapping=config.get("final_logit_softcapping"),
             logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,
@@ -217,6 +224,31 @@ class Architecture:
             f"{self.name or self.model_type}: {self.total_params / 1e9:.2f}B params, {self.num_layers} layers, "
             f"hidden {self.hidden_size}, vocab {self.vocab_size}{gqa}{tied}"
         )
+
+
+def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """`sliding_window` and how many layers use it, as transformers 5.24's configs decide: `layer_types` when the
+    config lists them; Qwen2/3 only with `use_sliding_window` (layers from `max_window_layers` on); Gemma-2 every
+    other layer (the first sliding); Gemma-3 all but every `sliding_window_pattern`-th; Mistral / Phi-3 all."""
+    window = config.get("sliding_window")
+    layers = int(config["num_hidden_layers"])
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return {"sliding_window": None, "sliding_layers": 0}
+    types = config.get("layer_types")
+    if types:
+        count = sum(t == "sliding_attention" for t in types)
+    elif model_type in ("qwen2", "qwen3"):
+        count = max(0, layers - int(config.get("max_window_layers", layers)))
+    elif model_type == "gemma2":
+        count = (layers + 1) // 2
+    elif model_type.startswith("gemma3"):
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        count = sum((i + 1) % pattern != 0 for i in range(layers))
+    else:
+        count = layers
+    return {"sliding_window": int(window), "sliding_layers": count}
 
 
 def _logit_scale(config: dict[str, Any]) -> float:
