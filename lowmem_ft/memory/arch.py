@@ -26,12 +26,15 @@ NO_SDPA = {
     "vaultgemma": "SDPA cannot apply VaultGemma's attention logit softcapping (_supports_sdpa = False)",
     "gpt_oss": "SDPA cannot apply GPT-OSS's attention sinks (modeling_gpt_oss.py _supports_sdpa = False)",
 }
+# Fused projection → the separate projections it replaces (transformers' modeling_phi3.py).
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # model_type → how its forward turns the LM head's output into logits, read from transformers 5.24's modeling code
 # and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
 # × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
 # `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
 CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
-# Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B).
+# Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B,
+# gemma-3-1b-it = gemma-3-1b-pt).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-it")
 
 
@@ -211,11 +214,21 @@ class Architecture:
         return list(dict.fromkeys(lin.name for lin in self.linears))
 
     def lora_targets(self, target_modules: list[str]) -> list[Linear]:
-        """Block linears a LoRA `target_modules` list matches (peft matches the last name component)."""
+        """Block linears a LoRA `target_modules` list matches (peft matches the last name component). Names of
+        projections this architecture fuses stand for the fused one: q/k/v_proj → Phi-3's qkv_proj, gate/up_proj →
+        gate_up_proj, so the recipes' Llama-style list adapts the same layers on every family."""
         if target_modules == ["all-linear"]:
             return list(self.linears)
         wanted = set(target_modules)
+        present = set(self.linear_names)
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if fused in present and wanted & set(parts):
+                wanted.add(fused)
         return [lin for lin in self.linears if lin.name in wanted]
+
+    def adapter_modules(self, target_modules: list[str]) -> list[str]:
+        """The module names a LoRA `target_modules` list adapts on this architecture (see `lora_targets`)."""
+        return list(dict.fromkeys(lin.name for lin in self.lora_targets(target_modules)))
 
     def summary(self) -> str:
         gqa = f", GQA {self.num_heads}/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -310,7 +323,8 @@ def catalog_entry(name: str) -> tuple[str, dict[str, Any]] | None:
     """The catalog entry of a hub id, case-insensitively, with instruct/chat variants mapped to their base."""
     by_lower = {key.lower(): key for key in catalog()}
     key = name.strip().lower()
-    candidates = [key] + [key[: -len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)]
+    bases = [key[: -len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)]
+    candidates = [key, *bases, *(b + "-pt" for b in bases)]  # Gemma names its base checkpoints -pt
     for candidate in candidates:
         if candidate in by_lower:
             real = by_lower[candidate]

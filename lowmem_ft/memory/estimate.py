@@ -342,8 +342,12 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     # (sdpa_attention.py repeat_kv, `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a
     # c-byte additive mask (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at
     # s 128, bf16). Eager attention always repeats k/v (eager_attention_forward), its s² scores are a term of their own.
-    kv_kept = q if masked or s.attn_implementation == "eager" else kv
-    total += c * (2 * q + 2 * kv_kept) + 4 * arch.num_heads
+    repeated = masked or s.attn_implementation == "eager"
+    kv_kept = q if repeated else kv
+    # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
+    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
+    v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
+    total += c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads
     if masked:
         total += c * s.max_seq_len
     # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).

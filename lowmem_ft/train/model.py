@@ -204,6 +204,25 @@ def prepare_for_training(model, recipe: Recipe):
     return model
 
 
+def adapter_modules(model, target_modules: list[str]) -> list[str]:
+    """The recipe's `target_modules` on this model: fused projections stand in for their parts (Phi-3: q/k/v_proj →
+    qkv_proj, gate/up_proj → gate_up_proj), as the memory model counts them (`Architecture.lora_targets`). Names
+    outside the decoder block (a custom module) pass through for peft to match or refuse."""
+    from lowmem_ft.memory.arch import FUSED_PROJECTIONS, Architecture
+
+    try:
+        arch = Architecture.from_config(model.config.get_text_config().to_dict())
+    except UserError:
+        return list(target_modules)
+    names = arch.adapter_modules(list(target_modules))
+    fused_parts = {p for fused, parts in FUSED_PROJECTIONS.items() if fused in arch.linear_names for p in parts}
+    others = [n for n in target_modules if n not in arch.linear_names and n not in fused_parts]
+    added = [n for n in names if n not in target_modules]
+    if added:
+        log.info("adapter.target_modules %s: this model fuses them into %s", list(target_modules), ", ".join(added))
+    return [*names, *others]
+
+
 def attach_adapter(model, recipe: Recipe):
     """LoRA adapters with fp32 weights (peft's autocast_adapter_dtype), or the model itself for full fine-tuning."""
     if recipe.adapter.kind == "full":
@@ -211,7 +230,7 @@ def attach_adapter(model, recipe: Recipe):
     from peft import LoraConfig, get_peft_model
 
     a = recipe.adapter
-    targets: Any = "all-linear" if a.target_modules == ["all-linear"] else list(a.target_modules)
+    targets: Any = "all-linear" if a.target_modules == ["all-linear"] else adapter_modules(model, a.target_modules)
     config = LoraConfig(
         r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )

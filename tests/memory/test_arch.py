@@ -154,5 +154,8 @@ def test_family_quirks_the_training_path_reads():
     assert granite.logit_scale == 1 / 16 and granite.attention_for("sdpa") == ("sdpa", None)
     phi3 = Architecture.from_config(estimator_config("phi3"))
     assert phi3.linear_names == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    llama_style = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert phi3.adapter_modules(llama_style) == phi3.linear_names  # the recipes' list adapts the fused projections
+    assert phi3.adapter_modules(["q_proj", "down_proj"]) == ["qkv_proj", "down_proj"]
     olmo = Architecture.from_config({**SMALL["llama"], "model_type": "olmo2"})
     assert not olmo.chunked_loss_exact and "olmo2" in olmo.chunked_loss_refusal
