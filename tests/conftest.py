@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -22,6 +23,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "requires_cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _forget_bnb_module_overrides():
+    """transformers' Trainer registers every nn.Embedding with bitsandbytes' process-wide `GlobalOptimManager` (32-bit
+    optimizer states for embeddings, trainer.py create_optimizer) and nothing unregisters them, so each in-process
+    training run's embedding would outlive its test and be counted by later exact memory measurements."""
+    yield
+    optim = sys.modules.get("bitsandbytes.optim")
+    if optim is not None:
+        optim.GlobalOptimManager.get_instance().module_weight_config_triple.clear()
 
 
 @pytest.fixture(scope="session")

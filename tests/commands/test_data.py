@@ -43,3 +43,16 @@ def test_bad_line_is_one_line_exit_2(tiny_model, tmp_path, capsys):
     assert main(["data", "stats", str(path), "--model", tiny_model, "--skip-bad-lines"]) == 0
     out = capsys.readouterr().out
     assert "skipped 1 bad lines:" in out and f"{path}:2: field 'text' is empty" in out
+
+
+def test_stats_count_tokens_with_the_chat_template_asked_for(zoo_models, capsys):
+    """--chat-template renders with that template (as data.chat_template makes train do): other token counts."""
+    alpaca = os.path.join(os.path.dirname(__file__), "..", "data", "fixtures", "alpaca.jsonl")
+    model = zoo_models["llama-zephyr"]
+    assert main(["data", "stats", alpaca, "--model", model, "--json"]) == 0
+    zephyr = json.loads(capsys.readouterr().out)["total_tokens"]
+    assert main(["data", "stats", alpaca, "--model", model, "--json", "--chat-template", "llama2"]) == 0
+    llama2 = json.loads(capsys.readouterr().out)["total_tokens"]
+    assert zephyr != llama2 > 0
+    assert main(["data", "stats", alpaca, "--model", model, "--chat-template", "nope"]) == 2
+    assert "data.chat_template='nope' is neither a known template" in capsys.readouterr().err

@@ -123,3 +123,26 @@ def test_family_trains_plans_generates_and_merges(zoo_models, family, tmp_path, 
         torch.testing.assert_close(
             merged(input_ids=probe).logits, reference(input_ids=probe).logits, atol=1e-4, rtol=1e-4
         )
+
+
+@pytest.mark.slow
+def test_chat_template_key_trains_with_it_and_generate_uses_it(zoo_models, tmp_path):
+    """data.chat_template replaces the tokenizer's template for training, and is saved with the adapter."""
+    from transformers import AutoTokenizer
+
+    from lowmem_ft.data.templates import LLAMA2
+
+    data = _data("llama-zephyr", tmp_path)
+    out = tmp_path / "runs"
+    argv = ["train", "--recipe", "8gb", "--model", zoo_models["llama-zephyr"], "--data", data, "--name", "t"]
+    for kv in (
+        "data.chat_template=llama2",
+        "training.max_steps=1",
+        "model.quantization=none",
+        f"training.output_dir={out}",
+    ):
+        argv += ["--set", kv]
+    assert main([*argv, "--no-wandb"]) == 0
+    assert AutoTokenizer.from_pretrained(out / "t" / "adapter").chat_template == LLAMA2
+    data_report = json.loads((out / "t" / "run.json").read_text())["data"]
+    assert data_report["chat_template"].startswith("data.chat_template: llama2 (lowmem-ft)")
