@@ -430,6 +430,37 @@ def effective_setup(arch: Architecture, s: Setup) -> tuple[Setup, str | None]:
     return (s if used == s.attn_implementation else replace(s, attn_implementation=used)), why
 
 
+def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
+    """(kept for backward, one layer's activations) of the decoder layers, their components appended to `comps`.
+
+    Layers whose attention gets an explicit mask keep more (see `masked_layers`); checkpointing keeps each layer's
+    input and recomputes the largest layer, without it every layer's activations are kept; eager attention adds its
+    s² scores to either."""
+    c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
+    n_masked = masked_layers(arch, s)
+    layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
+    all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
+    if s.gradient_checkpointing:
+        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
+        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
+        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
+        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
+        if s.activation_offloading:
+            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
+        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
+    else:
+        kept = all_layers - first_layer_discount(arch, s) * t
+        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
+    if s.attn_implementation == "eager":
+        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
+        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
+        if not s.gradient_checkpointing:
+            kept += eager
+        else:
+            layer += eager
+    return kept, layer
+
+
 def estimate(arch: Architecture, s: Setup) -> Estimate:
     """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
     s, attention_note = effective_setup(arch, s)
@@ -456,29 +487,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     static = sum(x.bytes for x in comps if x.phase == "static")
 
     # forward/backward: what the forward keeps for backward (`kept`), then the largest transient on top of it
-    # layers whose attention gets an explicit mask keep more (see masked_layers); checkpointing recomputes the
-    # largest layer, without it every layer's activations are kept
-    n_masked = masked_layers(arch, s)
-    layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
-    all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
-    if s.gradient_checkpointing:
-        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
-        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
-        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
-        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
-        if s.activation_offloading:
-            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
-        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
-    else:
-        kept = all_layers - first_layer_discount(arch, s) * t
-        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
-    if s.attn_implementation == "eager":
-        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
-        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
-        if not s.gradient_checkpointing:
-            kept += eager
-        else:
-            layer += eager
+    kept, layer = _activations(arch, s, comps)
     head = head_saved_bytes(arch, s) * t
     comps.append(Component("final norm + loss input", head, "forward/backward", "RMSNorm upcast, head input, RoPE"))
     kept += head
