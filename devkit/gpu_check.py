@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 # The estimator harness, from one place (branch zoo moves it to devkit.estimator_check with the same names).
-from lowmem_ft.train.estimator_check import Point, measure_cuda, predict, run_point
+from devkit.estimator_check import Point, measure_cuda, predict, run_point
 
 GB = 1e9
 RESULTS = "results.jsonl"
@@ -341,7 +341,7 @@ def write_checkpoint(config: dict[str, Any], out: Path, device: str) -> dict[str
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lowmem_ft.tiny import build_tokenizer
+    from devkit.tiny import build_tokenizer
 
     started = time.time()
     with torch.device("meta"):

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
 
     torch.set_num_threads(args.threads)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"

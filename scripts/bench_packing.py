@@ -61,8 +61,8 @@ def main() -> int:
     from bench_data_common import write_dataset
     from transformers import TrainerCallback
 
+    from devkit.tiny import build_tiny_model
     from lowmem_ft.recipe.load import resolve
-    from lowmem_ft.tiny import build_tiny_model
     from lowmem_ft.train import args as args_mod
     from lowmem_ft.train import run as run_mod
 

@@ -50,8 +50,9 @@ def main() -> int:
     from trl import SFTConfig, SFTTrainer
 
     from lowmem_ft.data.budget import apply_budget
-    from lowmem_ft.data.formats import load_jsonl
-    from lowmem_ft.data.tokenize import tokenize_file, tokenize_records, training_chat_template
+    from lowmem_ft.data.chat import chat_template_for, set_template
+    from lowmem_ft.data.readers import load_file
+    from lowmem_ft.data.tokenize import tokenize_file, tokenize_records
 
     datasets.disable_progress_bars()
     work = Path(tempfile.mkdtemp(prefix="bench-tok-"))
@@ -59,14 +60,15 @@ def main() -> int:
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
-        from lowmem_ft.tiny import build_tokenizer
+        from devkit.tiny import build_tokenizer
 
         tokenizer = build_tokenizer()
     rows = []
     for fmt in ("text", "prompt_completion", "messages"):
         path = write_dataset(work / f"{fmt}.jsonl", fmt, args.samples)
-        records = load_jsonl(path).records
-        template = training_chat_template(tokenizer, False)[0] if fmt == "messages" else None
+        records = load_file(path).records
+        chat = fmt == "messages"
+        template = chat_template_for(tokenizer, False, set_template(tokenizer, None)) if chat else None
         sft_args = SFTConfig(
             output_dir=str(work / "trl"),
             max_length=args.max_len,

@@ -6,11 +6,13 @@ python scripts/build_tiny_model.py [--out models/tiny-qwen2]
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from lowmem_ft.tiny import build_tiny_model
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # devkit/ lives in the checkout, not in the installed package
+
+from devkit.tiny import build_tiny_model  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,6 +4,8 @@
     python scripts/validate_estimator.py --quick    # a subset
     python scripts/validate_estimator.py --out benchmarks/estimator_cpu.md
     python scripts/validate_estimator.py --holdout  # 8 points on architectures and shapes not used to calibrate
+    python scripts/validate_estimator.py --zoo      # 24 points over the zoo's families (devkit/zoo.py): Llama-3,
+                                                    # Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3, Phi-3, Granite
     python scripts/validate_estimator.py --device cuda --out benchmarks/estimator_gpu.md  # GPU: Qwen2.5 0.5B/1.5B/7B
                                                     # shapes at the 8/24/40 GB tiers, each under its --vram cap
 
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lowmem_ft.train.estimator_check import Point, measure_cuda, predict, run_point, write_model  # noqa: E402
+from devkit.estimator_check import Point, measure_cuda, predict, run_point, write_model  # noqa: E402
+from devkit.zoo import ESTIMATOR_SHAPES, estimator_config  # noqa: E402
 
 ARCHS = {
     "qwen2 (V 8192, h 512, 4 L, GQA 8/2)": {
@@ -60,6 +63,25 @@ HOLDOUT_POINTS = [
     ("qlora", "adamw_torch", False, (2, 160)),
     ("qlora", "adamw_8bit", True, (3, 96)),
 ]
+
+
+# The zoo grid: every family at three points, the adapter / optimizer / checkpointing / shape rotating across
+# families so each combination meets several architectures (QLoRA with checkpointing and a padded batch is the
+# shipped recipes' default).
+ZOO_POINTS = [
+    ("qlora", "adamw_8bit", True, (2, 128)),
+    ("lora", "adamw_torch", False, (1, 256)),
+    ("full", "adamw_8bit", False, (1, 160)),
+    ("qlora", "adamw_torch", False, (1, 224)),
+    ("lora", "adamw_8bit", True, (3, 96)),
+]
+
+
+def zoo_grid(families=tuple(ESTIMATOR_SHAPES)):
+    for f, family in enumerate(families):
+        for k in range(3):
+            adapter, optim, ckpt, shape = ZOO_POINTS[(f + k) % len(ZOO_POINTS)]
+            yield family, adapter, optim, ckpt, shape
 
 
 def holdout_grid():
@@ -158,15 +180,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the real-size GPU check")
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="catalog ids for --device cuda")
     ap.add_argument("--holdout", action="store_true", help="the held-out architectures and shapes instead")
+    ap.add_argument("--zoo", action="store_true", help="the zoo's model families instead (devkit/zoo.py)")
+    ap.add_argument("--families", help="with --zoo: a comma-separated subset of families")
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         return cuda_main(args.out, tuple(args.models.split(",")))
     rows, errors = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        archs = HOLDOUT if args.holdout else ARCHS
+        if args.zoo:
+            families = tuple(args.families.split(",")) if args.families else tuple(ESTIMATOR_SHAPES)
+            archs = {name: estimator_config(name) for name in families}
+            points = list(zoo_grid(families))
+        else:
+            archs = HOLDOUT if args.holdout else ARCHS
+            points = list(holdout_grid() if args.holdout else grid(args.quick))
         dirs = {name: write_model(cfg, Path(tmp) / str(i)) for i, (name, cfg) in enumerate(archs.items())}
-        for arch, adapter, optim, ckpt, (b, s) in holdout_grid() if args.holdout else grid(args.quick):
+        for arch, adapter, optim, ckpt, (b, s) in points:
             started = time.time()
             p = run_point(dirs[arch], Point(arch, adapter, optim, ckpt, b, s))
             errors.append(p.error)

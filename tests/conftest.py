@@ -1,8 +1,9 @@
-"""Shared fixtures: the embedded tiny model (built once per session) and the CUDA marker."""
+"""Shared fixtures: the embedded tiny model and the zoo (built once per session), and the CUDA marker."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -24,12 +25,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _forget_bnb_module_overrides():
+    """transformers' Trainer registers every nn.Embedding with bitsandbytes' process-wide `GlobalOptimManager` (32-bit
+    optimizer states for embeddings, trainer.py create_optimizer) and nothing unregisters them, so each in-process
+    training run's embedding would outlive its test and be counted by later exact memory measurements."""
+    yield
+    optim = sys.modules.get("bitsandbytes.optim")
+    if optim is not None:
+        optim.GlobalOptimManager.get_instance().module_weight_config_triple.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Path of a freshly built tiny Qwen2 model with its tokenizer."""
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def zoo_models(tmp_path_factory) -> dict[str, str]:
+    """Every zoo family (devkit/zoo.py) built once per session: name → model directory."""
+    from devkit.zoo import build_all
+
+    return {name: str(path) for name, path in build_all(tmp_path_factory.mktemp("zoo")).items()}
 
 
 @pytest.fixture

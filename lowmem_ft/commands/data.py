@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
     s.add_argument("--format", choices=FORMATS, help="force the data format (default: detect)")
     s.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and report them")
     s.add_argument("--train-on-prompt", action="store_true", help="count loss tokens on prompts too")
+    s.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_FILE",
+        help="chat template for chat data, as data.chat_template (a name such as mistral or a .jinja file)",
+    )
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's tokenizer code")
     s.add_argument("--recipe", metavar="NAME_OR_FILE", help="take the data (and model) keys from this recipe")
     s.add_argument(
@@ -84,6 +89,7 @@ def _recipe(args: argparse.Namespace):
         "streaming": args.streaming or None,
         "skip_bad_lines": args.skip_bad_lines or None,
         "train_on_prompt": args.train_on_prompt or None,
+        "chat_template": args.chat_template,
     }
     data.update({k: v for k, v in given.items() if v is not None})
     model = {"name_or_path": args.model} if args.model else {}
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_len is not None and args.max_len < 1:
         raise UserError(f"--max-len must be at least 1, got {args.max_len}")
     recipe = _recipe(args)
-    tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template)
     data = load_training_data(recipe, tokenizer)
     profile = data.profile()
     cuts = [(n, *profile.over(n)) for n in _candidates(profile, args.max_len)]

@@ -2,21 +2,32 @@
 
 Each data set is one format (auto-detected from its first record, or forced with `data.format`):
 text → {"text"}; prompt/completion → {"prompt", "completion"}; messages / ShareGPT conversations / alpaca →
-{"messages"} (chat data goes through the tokenizer's chat template). `convert` is the one place a record is
-validated: a bad record is a `BadLine` naming the field, which the reader (`lowmem_ft.data.readers`) turns into a
-`UserError` naming `file:line` (or the row); with skip_bad_lines it is skipped and reported instead. Nothing is
-dropped silently.
+{"messages"} (chat data goes through the tokenizer's chat template). Chat turns may be tool results (`tool` role;
+ShareGPT `observation`) and assistant turns may carry `tool_calls` (ShareGPT `function_call`); a record's `tools`
+(function schemas) go to the template too. `convert` is the one place a record is validated: a bad record is a
+`BadLine` naming the field, which the reader (`lowmem_ft.data.readers`) turns into a `UserError` naming `file:line`
+(or the row); with skip_bad_lines it is skipped and reported instead. Nothing is dropped silently.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca")
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")  # go through the chat template
-ROLES = {"system", "user", "assistant"}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+ROLES = {"system", "user", "assistant", "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",  # LLaMA-Factory's ShareGPT: the value is the JSON tool call(s)
+    "observation": "tool",
+    "tool": "tool",
+}
 
 
 class BadLine(ValueError):
@@ -59,32 +70,82 @@ def _string(record: dict, key: str, allow_empty: bool = False) -> str:
     return value
 
 
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """Assistant tool calls in the OpenAI / transformers form: [{"type": "function", "function": {"name", "arguments"}}]."""
+    calls = value if isinstance(value, list) else [value]
+    out = []
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        if not isinstance(call, dict):
+            raise BadLine(f"'{at}' must be an object, got {type(call).__name__}")
+        function = call.get("function", call)  # {"name", "arguments"} alone is accepted too
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadLine(f'\'{at}\' needs a function name ("function": {{"name": ..., "arguments": ...}})')
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, dict | str):
+            raise BadLine(f"'{at}.arguments' must be an object or a JSON string, got {type(arguments).__name__}")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def _turn(turn: Any, where: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict:
+    if not isinstance(turn, dict):
+        raise BadLine(f"'{where}' must be an object, got {type(turn).__name__}")
+    if role_key not in turn:
+        raise BadLine(f"missing field '{where}.{role_key}'")
+    raw_role = turn[role_key]
+    if not isinstance(raw_role, str) or raw_role not in roles:
+        raise BadLine(f"'{where}.{role_key}' is {raw_role!r}; expected one of {', '.join(sorted(roles))}")
+    role = roles[raw_role]
+    if raw_role == "function_call":  # ShareGPT: the value is the call itself
+        try:
+            calls = json.loads(turn.get(content_key, ""))
+        except (TypeError, json.JSONDecodeError):
+            raise BadLine(f"'{where}.{content_key}' of a function_call turn must be a JSON tool call") from None
+        return {"role": role, "content": "", "tool_calls": _tool_calls(calls, f"{where}.{content_key}")}
+    calls = turn.get("tool_calls") if role == "assistant" else None
+    if content_key not in turn and not calls:
+        raise BadLine(f"missing field '{where}.{content_key}'")
+    content = turn.get(content_key) or ("" if calls else turn.get(content_key))
+    if not isinstance(content, str):
+        raise BadLine(f"'{where}.{content_key}' must be a string, got {type(content).__name__}")
+    if not content.strip() and not calls:
+        raise BadLine(f"field '{where}.{content_key}' is empty")
+    out: dict[str, Any] = {"role": role, "content": content}
+    if calls:
+        out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        out.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+    return out
+
+
 def _messages(turns: Any, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
     if not isinstance(turns, list):
         raise BadLine(f"field '{key}' must be a list of turns, got {type(turns).__name__}")
     if not turns:
         raise BadLine(f"field '{key}' is empty")
-    out = []
-    for i, turn in enumerate(turns):
-        where = f"{key}[{i}]"
-        if not isinstance(turn, dict):
-            raise BadLine(f"'{where}' must be an object, got {type(turn).__name__}")
-        if role_key not in turn:
-            raise BadLine(f"missing field '{where}.{role_key}'")
-        role = turn[role_key]
-        if not isinstance(role, str) or role not in roles:
-            raise BadLine(f"'{where}.{role_key}' is {role!r}; expected one of {', '.join(sorted(roles))}")
-        if content_key not in turn:
-            raise BadLine(f"missing field '{where}.{content_key}'")
-        content = turn[content_key]
-        if not isinstance(content, str):
-            raise BadLine(f"'{where}.{content_key}' must be a string, got {type(content).__name__}")
-        if not content.strip():
-            raise BadLine(f"field '{where}.{content_key}' is empty")
-        out.append({"role": roles[role], "content": content})
+    out = [_turn(turn, f"{key}[{i}]", role_key, content_key, roles) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in out):
         raise BadLine(f"field '{key}' has no assistant turn to learn from")
     return out
+
+
+def _tools(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's function schemas for the template (`tools`), when it has any."""
+    tools = record.get("tools")
+    if tools is None:
+        return {}
+    if isinstance(tools, str):  # some datasets store the schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadLine("field 'tools' is a string that is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadLine("field 'tools' must be a list of function schemas (objects)")
+    return {"tools": tools} if tools else {}
 
 
 def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -94,11 +155,13 @@ def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
     if fmt == "prompt_completion":
         return {"prompt": _string(record, "prompt"), "completion": _string(record, "completion")}
     if fmt == "messages":
-        return {"messages": _messages(record.get("messages"), "messages", "role", "content", {r: r for r in ROLES})}
+        messages = _messages(record.get("messages"), "messages", "role", "content", {r: r for r in ROLES})
+        return {"messages": messages, **_tools(record)}
     if fmt == "sharegpt":
         if "conversations" not in record:
             raise BadLine("missing field 'conversations'")
-        return {"messages": _messages(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)}
+        messages = _messages(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
+        return {"messages": messages, **_tools(record)}
     if fmt == "alpaca":
         instruction = _string(record, "instruction")
         extra = record.get("input", "")

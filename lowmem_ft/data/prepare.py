@@ -249,5 +249,6 @@ def length_profile(
         "skip_bad_lines": skip_bad_lines,
     }
     data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
-    tokenizer = tokenizer or load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    m = recipe.model
+    tokenizer = tokenizer or load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
     return load_training_data(replace(recipe, data=data), tokenizer).profile()

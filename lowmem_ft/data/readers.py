@@ -375,12 +375,14 @@ def read_records(source: DataSource, skip_bad_lines: bool = False) -> LoadedData
     return LoadedData(records, reader.format, reader.skipped, reader.unused_columns())
 
 
-def record_stream(source: DataSource, fmt: str, skip_bad_lines: bool = False):
-    """The source's records as an IterableDataset, read lazily (a bad record stops training unless skipped)."""
+def record_stream(source: DataSource, fmt: str, skip_bad_lines: bool = False, row=None):
+    """The source's records as an IterableDataset, read lazily (a bad record stops training unless skipped);
+    `row` turns each record into the row the tokenizer reads (chat: one JSON column)."""
     from datasets import IterableDataset
 
     def records():
-        yield from RecordReader(source, skip_bad_lines, fmt=fmt, log_skips=True)
+        reader = RecordReader(source, skip_bad_lines, fmt=fmt, log_skips=True)
+        yield from (map(row, reader) if row is not None else reader)
 
     return IterableDataset.from_generator(records)
 

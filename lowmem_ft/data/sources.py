@@ -28,12 +28,12 @@ FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv":
 FORMAT_FIELDS = {
     "text": ("text",),
     "prompt_completion": ("prompt", "completion"),
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
+    "messages": ("messages", "tools"),
+    "sharegpt": ("conversations", "tools"),
     "alpaca": ("instruction", "input", "output"),
 }
 FIELDS = tuple(dict.fromkeys(f for fields in FORMAT_FIELDS.values() for f in fields))
-OPTIONAL_FIELDS = ("input",)  # alpaca's input may be absent
+OPTIONAL_FIELDS = ("input", "tools")  # alpaca's input and a chat record's tool schemas may be absent
 MIX_KEYS = ("path", "weight", "split", "subset", "columns", "format")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 

@@ -9,9 +9,9 @@ its collator uses the labels as they are.
 
 The masking follows TRL: text → loss on every token (EOS appended); prompt/completion → the completion starts
 where the tokenized prompt and prompt+completion diverge (`trl.data_utils.common_prefix_length`), EOS appended to
-the completion; chat → the tokenizer's chat template, assistant tokens from its `{% generation %}` markers
-(`return_assistant_tokens_mask`), patched by TRL's `get_training_chat_template` where the template lacks them,
-ChatML when the tokenizer has no template at all. `train_on_prompt` keeps every label.
+the completion; chat → the chat template (`data.chat_template`, else the tokenizer's, else ChatML) with the loss on
+what the assistant says, found by `lowmem_ft.data.chat` for any template (its generation markers, TRL's training
+version, or turn by turn). `train_on_prompt` keeps every label.
 
 The cache key is a hash of what the source holds (`readers.content_id`: the file bytes, a saved or Hub data set's
 fingerprint), how it is read (kind, split, subset, columns, format), the tokenizer (its serialized
@@ -32,6 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.data.chat import (
+    ChatTemplate,
+    Renderer,
+    SampleError,
+    chat_template_for,
+    labels_for,
+    samples,
+    set_template,
+)
 from lowmem_ft.data.formats import CHAT_FORMATS
 from lowmem_ft.data.readers import RecordReader, content_id, read_records, record_stream
 from lowmem_ft.data.sources import DataSource, resolve_source
@@ -39,7 +48,8 @@ from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when the tokenization below changes what it produces (2: keyed by source, not file)
+# bump when the tokenization below changes what it produces (3: keyed by source; chat masking for any template)
+CACHE_VERSION = 3
 BATCH_SIZE = 1000
 STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
 
@@ -57,12 +67,13 @@ class Tokenized:
     dataset: Any  # datasets.Dataset; an IterableDataset for a stream
     format: str
     skipped: list[str] = field(default_factory=list)
-    chat_template: str | None = None  # "tokenizer", "tokenizer (TRL training version)", "ChatML (default)"
+    chat_template: str | None = None  # where the template came from and how assistant tokens were found
     cache_dir: Path | None = None
     from_cache: bool = False
     source: DataSource | None = None
     unused_columns: list[str] = field(default_factory=list)  # the data's columns no format field reads
     head: Any = None  # a stream's first STREAM_HEAD samples, tokenized (a Dataset); None when not a stream
+    split_conversations: int = 0  # chat: conversations trained as one sample per assistant turn
 
     @property
     def sampled(self) -> Any:
@@ -70,8 +81,8 @@ class Tokenized:
         return self.dataset if self.head is None else self.head
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The model's tokenizer (pad token = EOS when it has none, as TRL does)."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model's tokenizer (pad token = EOS when it has none, as TRL does), with `data.chat_template` applied."""
     from transformers import AutoTokenizer
 
     try:
@@ -83,38 +94,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        set_template(tokenizer, chat_template)
     return tokenizer
-
-
-def ensure_chat_template(tokenizer) -> str:
-    """Give a tokenizer without a chat template ChatML (as Qwen uses it); returns where the template came from."""
-    if tokenizer.chat_template:
-        return "tokenizer"
-    from lowmem_ft.tiny import CHATML_TEMPLATE
-
-    tokenizer.chat_template = CHATML_TEMPLATE
-    log.warning("the tokenizer has no chat template; formatting chat data as ChatML")
-    return "ChatML (default)"
-
-
-def training_chat_template(tokenizer, train_on_prompt: bool) -> tuple[str | None, str]:
-    """The template to render with (None: the tokenizer's own) and a description of it.
-
-    Assistant-only loss needs `{% generation %}` markers; TRL ships training versions of the common templates.
-    """
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-
-    source = ensure_chat_template(tokenizer)
-    if train_on_prompt or has_generation_markers(tokenizer.chat_template):
-        return None, source
-    try:
-        patched = get_training_chat_template(tokenizer)
-    except ValueError:
-        raise UserError(
-            "the tokenizer's chat template has no {% generation %} markers and TRL has no training version of it, "
-            "so assistant tokens cannot be told apart; set --set data.train_on_prompt=true to train on every token"
-        ) from None
-    return patched, f"{source} (TRL training version)"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -164,51 +146,96 @@ def _prompt_completion_batch(batch: dict, tokenizer, eos: str, train_on_prompt: 
     return {"input_ids": full_ids, "labels": labels}
 
 
-def _chat_batch(batch: dict, tokenizer, template: str | None, train_on_prompt: bool) -> dict:
-    out = tokenizer.apply_chat_template(
-        batch["messages"],
-        chat_template=template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=not train_on_prompt,
-    )
-    ids = out["input_ids"]
-    if train_on_prompt:
-        return {"input_ids": ids, "labels": [list(x) for x in ids]}
+def _chat_batch(batch: dict, indices: list[int], tokenizer, template: ChatTemplate, where: str) -> dict:
+    render = Renderer(tokenizer, template)
+    texts, spans, sources = [], [], []
+    for index, raw in zip(indices, batch["conversation"], strict=True):
+        try:
+            for text, sample_spans in samples(json.loads(raw), render):
+                texts.append(text)
+                spans.append(sample_spans)
+                sources.append(index)
+        except SampleError as exc:
+            fix = "fix the sample or set data.chat_template to a template that renders it"
+            if exc.masking:
+                fix = "set data.chat_template to a template that renders it, or data.train_on_prompt=true"
+            raise UserError(f"{where}: sample {index + 1}: {exc}; {fix}") from None
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
-        [t if m else -100 for t, m in zip(x, mask, strict=True)]
-        for x, mask in zip(ids, out["assistant_masks"], strict=True)
+        labels_for(ids, offsets, text, sample_spans, template.masking)
+        for ids, offsets, text, sample_spans in zip(enc["input_ids"], enc["offset_mapping"], texts, spans, strict=True)
     ]
-    return {"input_ids": ids, "labels": labels}
+    return {"input_ids": enc["input_ids"], "labels": labels, "source": sources}
 
 
-def _batch_fn(fmt: str, tokenizer, train_on_prompt: bool, template: str | None):
-    """The batched tokenizer for a record shape, and its keyword arguments."""
+def _batch_fn(fmt: str, tokenizer, train_on_prompt: bool, template: ChatTemplate | None, where: str):
+    """The batched tokenizer for a record shape and its keyword arguments. Chat rows are `conversation` JSON strings
+    (see `_rows`) and the map passes their indices, which error messages and split conversations name."""
     eos = tokenizer.eos_token or ""
+    if fmt in CHAT_FORMATS:
+        return _chat_batch, {"tokenizer": tokenizer, "template": template, "where": where}
     if fmt == "text":
         return _text_batch, {"tokenizer": tokenizer, "eos": eos}
     if fmt == "prompt_completion":
         return _prompt_completion_batch, {"tokenizer": tokenizer, "eos": eos, "train_on_prompt": train_on_prompt}
-    if fmt in CHAT_FORMATS:
-        return _chat_batch, {"tokenizer": tokenizer, "template": template, "train_on_prompt": train_on_prompt}
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def tokenize_records(records: list[dict], fmt: str, tokenizer, train_on_prompt: bool, template: str | None = None):
-    """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map."""
+def chat_row(record: dict) -> dict:
+    """A chat record as the row `_chat_batch` reads: a JSON string, not nested columns — Arrow would unify
+    tool-call arguments across rows (adding None keys)."""
+    return {"conversation": json.dumps(record)}
+
+
+def tokenize_records(
+    records: list[dict],
+    fmt: str,
+    tokenizer,
+    train_on_prompt: bool,
+    template: ChatTemplate | None = None,
+    where: str = "data",
+):
+    """TRL records (one format) → `datasets.Dataset` of `input_ids` + `labels`, through a batched map.
+
+    Chat records may become several rows (one per assistant turn, see `lowmem_ft.data.chat`); the dataset then has a
+    `source` column with each row's record index. `where` names the data in error messages."""
     from datasets import Dataset
 
-    ds = Dataset.from_list(records)
-    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template)
-    return ds.map(
+    chat = fmt in CHAT_FORMATS
+    if chat and template is None:
+        template = chat_template_for(tokenizer, train_on_prompt, set_template(tokenizer, None))
+    ds = Dataset.from_list([chat_row(r) for r in records] if chat else records)
+    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template, where)
+    ds = ds.map(
         fn,
         batched=True,
         batch_size=BATCH_SIZE,
+        with_indices=chat,
         fn_kwargs=kwargs,
         remove_columns=ds.column_names,
         load_from_cache_file=False,  # our own cache below is keyed by content; datasets' is keyed by arrow files
         desc=f"Tokenizing {fmt}",
     )
+    if "source" in ds.column_names and len(ds) == len(records):
+        ds = ds.remove_columns("source")  # one row per record: nothing to say
+    return ds
+
+
+def _split(ds) -> tuple[Any, int]:
+    """(dataset without the `source` column, conversations trained as several samples)."""
+    if "source" not in ds.column_names:
+        return ds, 0
+    from collections import Counter
+
+    rows = Counter(ds["source"])
+    return ds.remove_columns("source"), sum(1 for n in rows.values() if n > 1)
+
+
+def _template(fmt: str, tokenizer, train_on_prompt: bool) -> ChatTemplate | None:
+    """How chat data is rendered and masked with this tokenizer (its `data.chat_template` is already set), or None."""
+    if fmt not in CHAT_FORMATS:
+        return None
+    return chat_template_for(tokenizer, train_on_prompt, set_template(tokenizer, None))
 
 
 def tokenize_file(
@@ -240,11 +267,18 @@ def tokenize_source(
     if use_cache and (cached := _from_cache(cache_dir, source, tokenizer)) is not None:
         return cached
     loaded = read_records(source, skip_bad_lines)
-    template, chat = None, None
-    if loaded.format in CHAT_FORMATS:
-        template, chat = training_chat_template(tokenizer, train_on_prompt)
-    ds = tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template)
+    template = _template(loaded.format, tokenizer, train_on_prompt)
+    ds = tokenize_records(loaded.records, loaded.format, tokenizer, train_on_prompt, template, source.label)
+    ds, split = _split(ds)
+    chat = template.source if template is not None else None
+    if split:
+        chat = (
+            f"{chat}; {split} conversations trained one sample per assistant turn (the template rewrites earlier turns)"
+        )
+        log.warning("%s: %d conversations trained as one sample per assistant turn: the chat template renders earlier "
+                    "turns differently once later ones follow (e.g. it drops their reasoning)", source.label, split)  # fmt: skip
     result = Tokenized(ds, loaded.format, loaded.skipped, chat, None, False, source, loaded.unused_columns)
+    result.split_conversations = split
     if not use_cache:
         return result
     tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
@@ -256,6 +290,7 @@ def tokenize_source(
         "skipped": loaded.skipped,
         "chat_template": chat,
         "unused_columns": loaded.unused_columns,
+        "split": split,
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     try:
@@ -279,10 +314,11 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
         ds = load_from_disk(str(cache_dir / "dataset"))
         log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
         if meta["format"] in CHAT_FORMATS:
-            ensure_chat_template(tokenizer)  # the saved tokenizer must carry the template trained with
+            set_template(tokenizer, None)  # the saved tokenizer must carry the template trained with
         return Tokenized(
-            ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, source, meta["unused_columns"]
-        )
+            ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, source, meta["unused_columns"],
+            split_conversations=meta.get("split", 0),
+        )  # fmt: skip
     except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
         log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -307,16 +343,16 @@ def tokenize_stream(source: DataSource, tokenizer, *, train_on_prompt: bool = Fa
         why = f" ({len(reader.skipped)} bad rows skipped)" if reader.skipped else ""
         raise UserError(f"{source.label}: no usable records{why}; it must hold training samples")
     fmt = reader.format
-    template, chat = None, None
-    if fmt in CHAT_FORMATS:
-        template, chat = training_chat_template(tokenizer, train_on_prompt)
-    head = tokenize_records(head_records, fmt, tokenizer, train_on_prompt, template)
-    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template)
+    template = _template(fmt, tokenizer, train_on_prompt)
+    head, _ = _split(tokenize_records(head_records, fmt, tokenizer, train_on_prompt, template, source.label))
+    fn, kwargs = _batch_fn(fmt, tokenizer, train_on_prompt, template, source.label)
     features = Features({name: List(Value("int64")) for name in TOKEN_COLUMNS})
+    chat = fmt in CHAT_FORMATS
     stream = (
-        record_stream(source, fmt, skip_bad_lines)
-        .map(fn, batched=True, batch_size=BATCH_SIZE, fn_kwargs=kwargs)
+        record_stream(source, fmt, skip_bad_lines, row=chat_row if chat else None)
+        .map(fn, batched=True, batch_size=BATCH_SIZE, with_indices=chat, fn_kwargs=kwargs)
         .select_columns(list(TOKEN_COLUMNS))  # the record's own columns (text, messages, ...) are not trained on
         .cast(features)  # known features: a stream can be interleaved with others (data.mix)
     )
-    return Tokenized(stream, fmt, reader.skipped, chat, None, False, source, reader.unused_columns(), head=head)
+    where = template.source if template is not None else None
+    return Tokenized(stream, fmt, reader.skipped, where, None, False, source, reader.unused_columns(), head=head)

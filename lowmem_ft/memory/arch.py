@@ -18,7 +18,23 @@ from typing import Any, Literal
 from lowmem_ft.errors import UserError
 
 CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
-# Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B).
+# model_type → why transformers 5.24 refuses `attn_implementation="sdpa"` for it (`_supports_sdpa = False` on the
+# model class; loading raises "does not support an attention implementation through
+# torch.nn.functional.scaled_dot_product_attention"). Those models train with eager attention.
+NO_SDPA = {
+    "gemma2": "SDPA cannot apply Gemma-2's attention logit softcapping (modeling_gemma2.py _supports_sdpa = False)",
+    "vaultgemma": "SDPA cannot apply VaultGemma's attention logit softcapping (_supports_sdpa = False)",
+    "gpt_oss": "SDPA cannot apply GPT-OSS's attention sinks (modeling_gpt_oss.py _supports_sdpa = False)",
+}
+# Fused projection → the separate projections it replaces (transformers' modeling_phi3.py).
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# model_type → how its forward turns the LM head's output into logits, read from transformers 5.24's modeling code
+# and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
+# × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
+# `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
+CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
+# Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B,
+# gemma-3-1b-it = gemma-3-1b-pt).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-it")
 
 
@@ -57,7 +73,12 @@ class Architecture:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
     max_position_embeddings: int = 0
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int = 0  # layers that use it (Gemma: alternate / five in six; Mistral, Phi-3: all)
+    attn_logit_softcapping: float | None = None  # Gemma-2: tanh over the attention scores (eager only)
+    norm_fp32_output: bool = False  # Gemma's RMSNorm multiplies in fp32 (output * (1 + weight.float()))
     final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
 
     @classmethod
@@ -119,9 +140,35 @@ class Architecture:
             qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
             linears=linears,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            **_sliding(config, model_type),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            norm_fp32_output=model_type.startswith("gemma"),
             final_logit_softcapping=config.get("final_logit_softcapping"),
+            logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,
         )
+
+    # -- what the training path may use on this architecture ------------------------------------------------------
+    @property
+    def chunked_loss_refusal(self) -> str | None:
+        """Why `memory.chunked_loss` is refused here (one line), or None when it reproduces the model's own loss."""
+        if self.remote_code or self.model_type not in CHUNKED_LOSS_VERIFIED:
+            return (
+                f"memory.chunked_loss is not verified for model_type {self.model_type!r} (its forward may transform "
+                "the logits in ways the chunked loss does not reproduce); train with memory.chunked_loss=false"
+            )
+        return None
+
+    @property
+    def chunked_loss_exact(self) -> bool:
+        """`memory.chunked_loss` computes this model's own loss (softcapping, logit scaling, bias, tied weights)."""
+        return self.chunked_loss_refusal is None
+
+    def attention_for(self, requested: str) -> tuple[str, str | None]:
+        """(implementation transformers will run, why it differs from `requested` or None)."""
+        if requested == "sdpa" and self.model_type in NO_SDPA:
+            return "eager", f"{NO_SDPA[self.model_type]}; using eager attention (its s² scores are planned for)"
+        return requested, None
 
     # -- parameter counts ---------------------------------------------------------------------------------------
     @property
@@ -167,11 +214,21 @@ class Architecture:
         return list(dict.fromkeys(lin.name for lin in self.linears))
 
     def lora_targets(self, target_modules: list[str]) -> list[Linear]:
-        """Block linears a LoRA `target_modules` list matches (peft matches the last name component)."""
+        """Block linears a LoRA `target_modules` list matches (peft matches the last name component). Names of
+        projections this architecture fuses stand for the fused one: q/k/v_proj → Phi-3's qkv_proj, gate/up_proj →
+        gate_up_proj, so the recipes' Llama-style list adapts the same layers on every family."""
         if target_modules == ["all-linear"]:
             return list(self.linears)
         wanted = set(target_modules)
+        present = set(self.linear_names)
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if fused in present and wanted & set(parts):
+                wanted.add(fused)
         return [lin for lin in self.linears if lin.name in wanted]
+
+    def adapter_modules(self, target_modules: list[str]) -> list[str]:
+        """The module names a LoRA `target_modules` list adapts on this architecture (see `lora_targets`)."""
+        return list(dict.fromkeys(lin.name for lin in self.lora_targets(target_modules)))
 
     def summary(self) -> str:
         gqa = f", GQA {self.num_heads}/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -182,8 +239,46 @@ class Architecture:
         )
 
 
+def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """`sliding_window` and how many layers use it, as transformers 5.24's configs decide: `layer_types` when the
+    config lists them; Qwen2/3 only with `use_sliding_window` (layers from `max_window_layers` on); Gemma-2 every
+    other layer (the first sliding); Gemma-3 all but every `sliding_window_pattern`-th; Mistral / Phi-3 all."""
+    window = config.get("sliding_window")
+    layers = int(config["num_hidden_layers"])
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return {"sliding_window": None, "sliding_layers": 0}
+    types = config.get("layer_types")
+    if types:
+        count = sum(t == "sliding_attention" for t in types)
+    elif model_type in ("qwen2", "qwen3"):
+        count = max(0, layers - int(config.get("max_window_layers", layers)))
+    elif model_type == "gemma2":
+        count = (layers + 1) // 2
+    elif model_type.startswith("gemma3"):
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        count = sum((i + 1) % pattern != 0 for i in range(layers))
+    else:
+        count = layers
+    return {"sliding_window": int(window), "sliding_layers": count}
+
+
+def _logit_scale(config: dict[str, Any]) -> float:
+    """The factor the forward multiplies the LM head's output by, read as TRL 1.16's `add_fused_lm_head` reads it:
+    `logit_scale` (Cohere), `output_multiplier`, `lm_head_multiplier` (Falcon-H1), else 1 / `logits_scaling`
+    (Granite, MiniCPM3 divide by it; HyperCLOVA X multiplies)."""
+    for key in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if config.get(key) is not None:
+            return float(config[key])
+    scaling = config.get("logits_scaling")
+    if scaling is None:
+        return 1.0
+    return float(scaling) if config.get("model_type") == "hyperclovax" else 1.0 / float(scaling)
+
+
 # model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
-_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"}
+_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
 
 
 def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
@@ -228,7 +323,8 @@ def catalog_entry(name: str) -> tuple[str, dict[str, Any]] | None:
     """The catalog entry of a hub id, case-insensitively, with instruct/chat variants mapped to their base."""
     by_lower = {key.lower(): key for key in catalog()}
     key = name.strip().lower()
-    candidates = [key] + [key[: -len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)]
+    bases = [key[: -len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)]
+    candidates = [key, *bases, *(b + "-pt" for b in bases)]  # Gemma names its base checkpoints -pt
     for candidate in candidates:
         if candidate in by_lower:
             real = by_lower[candidate]

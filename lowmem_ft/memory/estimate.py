@@ -14,7 +14,7 @@ or the measurement it comes from (`scripts/validate_estimator.py`, CPU, exact li
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from lowmem_ft.memory.arch import Architecture, Linear
@@ -248,7 +248,7 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
         return 0.0, "bitsandbytes fused kernel, in place"
     # backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu: fp32 state1, state2, grad (g.float()), p.float(),
     # and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once, one tensor at a time (measured:
-    # 6.0 with PeakMemory seeing inside the kernel, lowmem_ft.train.estimator_check._bnb_cpu_kernels_visible).
+    # 6.0 with PeakMemory seeing inside the kernel, devkit.estimator_check._bnb_cpu_kernels_visible).
     big = max(n for n, _ in tensors)
     return 6 * 4 * big, "bitsandbytes CPU kernel: 6 fp32 copies of the largest tensor (measured)"
 
@@ -257,23 +257,41 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
 ATTENTION_INPUT_LINEARS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn"}  # fed by the input RMSNorm
 
 
-def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
+def masked_layers(arch: Architecture, s: Setup) -> int:
+    """Layers whose SDPA attention is given an explicit mask rather than `is_causal` (transformers 5.24
+    masking_utils `_ignore_causal_mask_sdpa`): every layer of a padded batch (micro batch > 1: the collator pads),
+    and the sliding-window layers once the sequence reaches the window (`kv_length >= local_attention_size`)."""
+    if s.attn_implementation != "sdpa":
+        return 0
+    if s.micro_batch_size > 1:
+        return arch.num_layers
+    if arch.sliding_window and s.max_seq_len >= arch.sliding_window:
+        return arch.sliding_layers
+    return 0
+
+
+def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = None) -> float:
     """Bytes one decoder layer keeps for backward per token, without checkpointing (autograd's saved tensors).
 
     Read from the modeling code (modeling_llama/qwen2 RMSNorm upcast, RoPE, MLP), torch's autograd formulas (a
     frozen weight makes its op keep no input) and peft lora/layer.py Linear.forward (input cast to fp32, dropout
     mask, lora_A input and output); checked against PeakMemory per layer (1- vs 2-layer models,
     benchmarks/estimator_cpu.md:
-    exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA).
+    exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA) and across the zoo's families
+    (benchmarks/estimator_zoo.md). `masked`: the layer's SDPA gets an explicit mask (see `masked_layers`; default:
+    whether any layer does).
     """
     c = DTYPE_BYTES[s.compute_dtype]
     h, i = arch.hidden_size, arch.intermediate_size
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
     full = s.adapter == "full"
+    masked = masked_layers(arch, s) > 0 if masked is None else masked
     # RMSNorm: hidden.to(float32) is kept (pow and mul both need it) + rsqrt per token; with a trainable weight the
-    # normalized c-byte input of `weight *` is kept too.
-    per_norm = 4 * h + 4 + (c * h if full else 0)
+    # normalized input of `weight *` is kept too: c bytes (Llama: weight * hidden.to(dtype)), or 4 for Gemma's
+    # norm, which multiplies in fp32 (modeling_gemma*.py: output * (1.0 + self.weight.float())).
+    normalized = (4 if arch.norm_fp32_output else c) * h if full else 0
+    per_norm = 4 * h + 4 + normalized
     total = arch.norms_per_layer * per_norm
     # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
     # linears (q/k/v, gate/up) are one tensor.
@@ -288,14 +306,24 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
         drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
         for lin in lora_linears(arch, s):
             total += (4 + drop) * lin.in_features + 4 * s.lora_r
+    # q/k RMSNorm over head_dim (Qwen3, Gemma-3): the fp32 upcast of q and k and an rsqrt per head, as any RMSNorm
+    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md).
+    if arch.qk_norm:
+        total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
+        if full:
+            total += (4 if arch.norm_fp32_output else c) * (q + kv)
     # Attention (SDPA flash/efficient, or flash_attention_2): q, k, v, output (c bytes) + fp32 logsumexp per head.
-    padded = s.micro_batch_size > 1 and s.attn_implementation == "sdpa"
-    # With a padding mask (micro batch > 1) transformers repeats k/v to all heads (sdpa_attention.py repeat_kv,
-    # `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a c-byte additive mask
-    # (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at s 128, bf16).
-    kv_kept = q if padded else kv
-    total += c * (2 * q + 2 * kv_kept) + 4 * arch.num_heads
-    if padded:
+    # With an explicit mask (padding, or a sliding window the sequence reaches) transformers repeats k/v to all heads
+    # (sdpa_attention.py repeat_kv, `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a
+    # c-byte additive mask (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at
+    # s 128, bf16). Eager attention always repeats k/v (eager_attention_forward), its s² scores are a term of their own.
+    repeated = masked or s.attn_implementation == "eager"
+    kv_kept = q if repeated else kv
+    # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
+    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
+    v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
+    total += c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads
+    if masked:
         total += c * s.max_seq_len
     # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).
     total += 3 * c * i if arch.mlp == "gated" else c * i
@@ -327,9 +355,13 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
 
 
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
-    """Eager attention keeps softmax probabilities (and dropout-free: the matmul input) b·heads·s² in c bytes ×2."""
+    """Per layer, the b·heads·s² scores eager attention keeps (modeling_*.py eager_attention_forward): the softmax's
+    fp32 output (`softmax(..., dtype=float32)` saves it) and the c-byte probabilities the value matmul keeps; with
+    attention softcapping (Gemma-2) also tanh's c-byte output. Measured on the zoo's Gemma-2
+    (benchmarks/estimator_zoo.md)."""
     c = DTYPE_BYTES[s.compute_dtype]
-    return 2 * c * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+    per_score = 4 + c + (c if arch.attn_logit_softcapping else 0)
+    return per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
 
 
 def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
@@ -355,7 +387,9 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     if s.device == "cpu":
         fwd = mm_buf + 4 * CPU_TILE_FP32_FWD * tile
         addmm = 4 * tile + 4 * cols * h + (4 * rows * h if trained_head else 0)
-        bwd = acc + mm_buf + max(4 * CPU_TILE_FP32_BWD * tile, addmm, tail)
+        # final-logit softcapping keeps tanh's fp32 output `t` beside y and z through the fold (_backward_tile)
+        tiles_bwd = CPU_TILE_FP32_BWD + (1 if arch.final_logit_softcapping else 0)
+        bwd = acc + mm_buf + max(4 * tiles_bwd * tile, addmm, tail)
         where = "CPU torch fold: fp32 tile copies (3.25 fwd, 7.25 bwd)"
     else:
         fwd, bwd = mm_buf, acc + mm_buf + tail
@@ -363,12 +397,52 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     return fwd, bwd, f"TRL fused LM head: {rows} × 32768 tile buffer, fp32 accumulators; {where}"
 
 
+def effective_setup(arch: Architecture, s: Setup) -> tuple[Setup, str | None]:
+    """The setup as it runs on this architecture: the attention implementation the family supports when
+    transformers refuses the requested one (`Architecture.attention_for`, applied at load by
+    `lowmem_ft.train.model.attention`), and why it changed (None when it did not)."""
+    used, why = arch.attention_for(s.attn_implementation)
+    return (s if used == s.attn_implementation else replace(s, attn_implementation=used)), why
+
+
+def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
+    """(kept for backward, one layer's activations) of the decoder layers, their components appended to `comps`.
+
+    Layers whose attention gets an explicit mask keep more (see `masked_layers`); checkpointing keeps each layer's
+    input and recomputes the largest layer, without it every layer's activations are kept; eager attention adds its
+    s² scores to either."""
+    c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
+    n_masked = masked_layers(arch, s)
+    layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
+    all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
+    if s.gradient_checkpointing:
+        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
+        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
+        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
+        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
+        if s.activation_offloading:
+            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
+        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
+    else:
+        kept = all_layers - first_layer_discount(arch, s) * t
+        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
+    if s.attn_implementation == "eager":
+        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
+        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
+        if not s.gradient_checkpointing:
+            kept += eager
+        else:
+            layer += eager
+    return kept, layer
+
+
 def estimate(arch: Architecture, s: Setup) -> Estimate:
     """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
+    s, attention_note = effective_setup(arch, s)
     c = DTYPE_BYTES[s.compute_dtype]
     t = s.tokens
     comps: list[Component] = []
-    notes: list[str] = []
+    notes: list[str] = [f"attention: {attention_note}"] if attention_note else []
 
     w_lin, w_rest, w_desc = weight_bytes(arch, s)
     comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
@@ -388,25 +462,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     static = sum(x.bytes for x in comps if x.phase == "static")
 
     # forward/backward: what the forward keeps for backward (`kept`), then the largest transient on top of it
-    layer = layer_activation_bytes(arch, s) * t
-    if s.gradient_checkpointing:
-        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
-        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
-        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
-        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
-        if s.activation_offloading:
-            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
-        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
-    else:
-        kept = arch.num_layers * layer - first_layer_discount(arch, s) * t
-        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
-    if s.attn_implementation == "eager":
-        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
-        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
-        if not s.gradient_checkpointing:
-            kept += eager
-        else:
-            layer += eager
+    kept, layer = _activations(arch, s, comps)
     head = head_saved_bytes(arch, s) * t
     comps.append(Component("final norm + loss input", head, "forward/backward", "RMSNorm upcast, head input, RoPE"))
     kept += head
@@ -459,9 +515,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     the forward of the loss (TRL's fused head also runs in evaluation). Derived from the calibrated training terms,
     not measured on its own.
     """
-    from dataclasses import replace
-
     train = estimate(arch, s)
+    s, _ = effective_setup(arch, s)
     static = sum(x.bytes for x in train.components if x.phase == "static" and x.name != "gradients")
     es = replace(s, micro_batch_size=batch, gradient_checkpointing=False, activation_offloading=False, lora_dropout=0.0)
     c, t = DTYPE_BYTES[s.compute_dtype], es.tokens

@@ -220,6 +220,7 @@ def check(arch: Architecture, request: Request) -> Plan:
     """The estimate of a setup as given (for `--recipe R --vram N`): with several devices, the first strategy stage
     that fits (else the last one tried)."""
     s, target = request.start, request.target
+    _refuse_chunked_loss(arch, s)
     common = dict(
         gradient_accumulation=request.gradient_accumulation,
         eval_batch_size=request.eval_batch_size,
@@ -240,8 +241,15 @@ def check(arch: Architecture, request: Request) -> Plan:
 
 
 # -- the search --------------------------------------------------------------------------------------------------
-def _options(start: Setup, fixed: frozenset[str]) -> dict[str, list[Any]]:
-    """Values to try per knob; a knob the user fixed keeps its value."""
+def _refuse_chunked_loss(arch: Architecture, s: Setup) -> None:
+    """A setup with `memory.chunked_loss` on a model whose loss it does not reproduce is refused (one line)."""
+    if s.loss_impl == "chunked" and not arch.chunked_loss_exact:
+        raise UserError(arch.chunked_loss_refusal)
+
+
+def _options(start: Setup, fixed: frozenset[str], arch: Architecture) -> dict[str, list[Any]]:
+    """Values to try per knob; a knob the user fixed keeps its value. The chunked loss is tried only where it
+    reproduces the model's own loss (`Architecture.chunked_loss_exact`)."""
     b0 = start.micro_batch_size
     options: dict[str, list[Any]] = {
         "quantization": ["none"]
@@ -250,14 +258,14 @@ def _options(start: Setup, fixed: frozenset[str]) -> dict[str, list[Any]]:
         "optimizer": list(dict.fromkeys([start.optimizer, "paged_adamw_8bit"])),
         "gradient_checkpointing": [False, True],
         "activation_offloading": [False, True],
-        "loss_impl": ["trl_fused", "chunked"],
+        "loss_impl": ["trl_fused", "chunked"] if arch.chunked_loss_exact else ["trl_fused"],
         "micro_batch_size": sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1)}),
     }
     return {key: [getattr(start, key)] if key in fixed else values for key, values in options.items()}
 
 
-def _candidates(start: Setup, fixed: frozenset[str]) -> list[Setup]:
-    options = _options(start, fixed)
+def _candidates(start: Setup, fixed: frozenset[str], arch: Architecture) -> list[Setup]:
+    options = _options(start, fixed, arch)
     out = []
     for values in itertools.product(*options.values()):
         knobs = dict(zip(options, values, strict=True))
@@ -303,7 +311,7 @@ class _Scored:
 def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
     gpus = request.target.gpus
     scored = []
-    for s in _candidates(start, request.fixed):
+    for s in _candidates(start, request.fixed, arch):
         if strat not in ("single", "ddp") and s.quantization == "int8":
             continue
         if off and s.optimizer not in OFFLOAD_OPTIMIZERS:
@@ -339,6 +347,8 @@ def plan(arch: Architecture, request: Request) -> Plan:
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1")
     request, target_reason = _lora_targets(arch, request)
+    if "loss_impl" in request.fixed:
+        _refuse_chunked_loss(arch, request.start)
     fixed = request.fixed
     stages = (
         [("single", False)]
@@ -387,6 +397,8 @@ def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], stra
     fits_16bit = any(x.setup.quantization == "none" for x in fitting)
     reasons = _reasons(request, s, accumulation, fits_16bit)
     reasons["adapter"] += target_reason
+    if not arch.chunked_loss_exact and "loss_impl" not in request.fixed:
+        reasons["chunked_loss"] = f"off: not verified for model_type {arch.model_type!r} (its loss may differ)"
     if off and "optimizer" not in request.fixed:
         reasons["optimizer"] = f"{s.optimizer}: offloaded states step on the host (bnb's need CUDA)"
     reasons["eval_batch_size"] = eval_reason

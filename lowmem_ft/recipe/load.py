@@ -21,9 +21,14 @@ from lowmem_ft.recipe.schema import SECTIONS, Recipe
 
 
 def recipes_dir() -> Path:
-    """Where the shipped recipes live: `$LOWMEM_FT_RECIPES`, else the repository's `recipes/`."""
+    """Where the shipped recipes live: `$LOWMEM_FT_RECIPES`, else the package's `recipes/` (in a checkout, a link to
+    the top-level `recipes/`; in an installed wheel, the files themselves)."""
     env = os.environ.get("LOWMEM_FT_RECIPES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+    if env:
+        return Path(env)
+    packaged = Path(__file__).resolve().parents[1] / "recipes"
+    # a checkout without symlink support (Windows) has a one-line file there instead: use the top-level directory
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
 
 
 def shipped_recipes() -> dict[str, Path]:

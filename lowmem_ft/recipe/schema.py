@@ -146,6 +146,12 @@ class DataSection:
     train_on_prompt: bool = _f(
         False, "Also compute the loss on prompt / user tokens (default: completion / assistant only)."
     )
+    chat_template: str = _f(
+        "",
+        "Chat template for chat data: empty = the tokenizer's (ChatML when it has none); a name (chatml, mistral, "
+        "llama2, granite, or TRL's copies: llama3, qwen2_5, qwen3, gemma, gemma3, phi3, ...) or a .jinja file. "
+        "Saved with the adapter, so generate uses it too.",
+    )
     truncate: Truncate = _f("keep_start", "What happens to samples longer than memory.max_seq_len.")
     overlap: int = _f(128, "Tokens shared by consecutive chunks when truncate is chunk.", ge=0)
     packing: bool = _f(False, "Pack several samples into one max_seq_len sequence (no attention across samples).")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +42,57 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_FP32_BYTES) -> in
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the model's forward does to `lm_head(h)` before the loss: × `scale`, then `cap · tanh(x / cap)`.
+
+    Read from the architecture (`lowmem_ft.memory.arch.Architecture.logit_scale` / `final_logit_softcapping`), so
+    the chunked loss and the model's own forward apply the same function (Granite, Gemma-2)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Applied in the compute dtype, in the model's order (modeling_granite.py, modeling_gemma2.py)."""
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.softcap is not None:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x
+
+    def grad(self, logits_fp32: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """d loss / d lm_head(h) from d loss / d logits (in place on `grad`): softcap' = 1 − (logits / cap)²."""
+        if self.softcap is not None:
+            grad.mul_(1.0 - (logits_fp32 / self.softcap).square_())
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        return grad
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-token log p(target) of `hidden @ weight.T`, one token chunk at a time; logits recomputed in backward.
+    """Per-token log p(target) of `transform(hidden @ weight.T + bias)`, one token chunk at a time; logits
+    recomputed in backward.
 
     Inputs are the valid positions only (`hidden [N, H]`, `targets [N]`, no ignore_index). Returns
     `(log_probs [N] fp32, entropy [N] fp32, is_top1 [N] bool)`; the last two carry no gradient and are
-    computed only when `with_stats`. Numerics follow the standard loss: logits are rounded to the compute dtype
-    (as `lm_head` returns them) before the fp32 softmax, and the logits gradient is cast back to it for the
-    matmuls (as autograd does for `.float()`).
+    computed only when `with_stats`. Numerics follow the standard loss: logits are computed and transformed in the
+    compute dtype (as the model's forward does) before the fp32 softmax, and the logits gradient is cast back to
+    it for the matmuls (as autograd does for `.float()`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_stats: bool):
+    def _logits(h, weight, bias, transform: LogitTransform) -> torch.Tensor:
+        x = h @ weight.t()
+        if bias is not None:
+            x = x + bias
+        return transform(x).float()
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, with_stats: bool, transform: LogitTransform):
         n = hidden.shape[0]
         log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -60,7 +100,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         is_top1 = torch.zeros(n if with_stats else 0, dtype=torch.bool, device=hidden.device)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logits = (hidden[start:end] @ weight.t()).float()
+            logits = ChunkedLinearCrossEntropy._logits(hidden[start:end], weight, bias, transform)
             lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, targets[start:end, None]).squeeze(1)
             log_z[start:end] = lse
@@ -71,37 +111,45 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del probs
                 is_top1[start:end] = logits.argmax(-1) == targets[start:end]
             del logits
-        ctx.save_for_backward(hidden, weight, targets, log_z)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z)
         ctx.chunk_tokens = chunk_tokens
+        ctx.transform = transform
         ctx.mark_non_differentiable(entropy, is_top1)
         return log_probs, entropy, is_top1
 
     @staticmethod
     def backward(ctx, grad_log_probs, _grad_entropy=None, _grad_top1=None):
-        hidden, weight, targets, log_z = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        hidden, weight, bias, targets, log_z = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Accumulated over chunks in fp32, cast once (one big matmul accumulates in fp32 internally too).
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         n = hidden.shape[0]
         rows = torch.arange(min(ctx.chunk_tokens, n), device=hidden.device)
         for start in range(0, n, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n)
             h = hidden[start:end]
-            logits = (h @ weight.t()).float()
+            logits = ChunkedLinearCrossEntropy._logits(h, weight, bias, ctx.transform)
             # d log p_t / d z_j = 1[j = t] − p_j, scaled by the incoming per-token gradient
-            grad = torch.exp(logits.sub_(log_z[start:end, None])).neg_()
+            grad = torch.exp(logits - log_z[start:end, None]).neg_()
             grad[rows[: end - start], targets[start:end]] += 1.0
             grad.mul_(grad_log_probs[start:end, None])
+            grad = ctx.transform.grad(logits, grad)
+            del logits
+            if need_bias:
+                grad_bias += grad.sum(0)
             grad = grad.to(hidden.dtype)
             if need_hidden:
                 grad_hidden[start:end] = grad @ weight
             if need_weight:
                 grad_weight.addmm_(grad.t().float(), h.float())
-            del logits, grad
+            del grad
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if need_weight else None,
+            grad_bias.to(bias.dtype) if need_bias else None,
+            None,
             None,
             None,
             None,
@@ -145,18 +193,23 @@ def token_log_probs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
     shift_labels: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     with_stats: bool = True,
     use_kernels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Chunked per-position next-token log-probs, entropy, top-1 hit and label mask, each `[B, S]`, zero where
-    the (shifted) label is ignored. The full `[B, S, V]` logits never exist."""
+    the (shifted) label is ignored, of the logits `transform(hidden @ weight.T + bias)`. The full `[B, S, V]` logits
+    never exist."""
     targets = _shift(labels, shift_labels).to(hidden.device)
     mask = targets != IGNORE_INDEX
     valid_hidden = hidden[mask]
     valid_targets = targets[mask]
-    backend = kernel_backend(hidden.device) if use_kernels else None
+    # the fused kernels compute plain `hidden @ weight.T` logits: not used under a bias, a scale or a softcap
+    plain = bias is None and transform.identity
+    backend = kernel_backend(hidden.device) if use_kernels and plain else None
     n_valid = valid_targets.numel()
     if backend is not None and n_valid > 0:
         total = _kernel_loss_sum(backend, valid_hidden, weight, valid_targets).float()
@@ -168,7 +221,7 @@ def token_log_probs(
     else:
         chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
         log_probs, entropy, is_top1 = ChunkedLinearCrossEntropy.apply(
-            valid_hidden, weight, valid_targets, chunk, with_stats
+            valid_hidden, weight, bias, valid_targets, chunk, with_stats, transform
         )
         if not with_stats:
             entropy = is_top1 = None
@@ -186,13 +239,22 @@ def chunked_causal_lm_loss(
     labels: torch.Tensor,
     num_items_in_batch: torch.Tensor | int | None = None,
     *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
     shift_labels: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """transformers' `ForCausalLMLoss(lm_head(hidden), labels, ...)` without the full logits: the mean over valid
-    tokens, or the sum divided by `num_items_in_batch` when given (gradient accumulation across micro batches)."""
+    """transformers' `ForCausalLMLoss(transform(lm_head(hidden)), labels, ...)` without the full logits: the mean
+    over valid tokens, or the sum divided by `num_items_in_batch` when given (gradient accumulation)."""
     log_probs, _, _, mask = token_log_probs(
-        hidden, weight, labels, shift_labels=shift_labels, chunk_tokens=chunk_tokens, with_stats=False
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        transform=transform,
+        shift_labels=shift_labels,
+        chunk_tokens=chunk_tokens,
+        with_stats=False,
     )
     if num_items_in_batch is None:
         return -log_probs.sum() / mask.sum()  # ForCausalLMLoss: "mean" (nan when no token is valid, like it)
@@ -221,15 +283,32 @@ def full_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, shift_label
     return -nll.view(shape), entropy.view(shape) * mask, is_top1.view(shape) & mask, mask
 
 
+def logit_transform(config, verified: bool = True) -> LogitTransform:
+    """The logit transform of a transformers config; with `verified`, a UserError when the chunked loss is not
+    verified to reproduce this architecture's logits."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.memory.arch import Architecture
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    arch = Architecture.from_config(text.to_dict())
+    if verified and arch.chunked_loss_refusal:
+        raise UserError(arch.chunked_loss_refusal)
+    return LogitTransform(arch.logit_scale, arch.final_logit_softcapping)
+
+
 def install_loss_head(model, *, chunked: bool, chunk_tokens: int | None = None) -> None:
     """Answer `model(..., labels=..., fused_lm_head=True)` (TRL 1.16 SFTTrainer's loss call) with our head.
 
     `model` is the PEFT model or the bare causal LM; the base model's `forward` is wrapped, so the call keeps
-    passing through PEFT (and DDP) wrappers. Every other call goes to the previous forward unchanged.
+    passing through PEFT (and DDP) wrappers. Every other call goes to the previous forward unchanged. What the
+    model's forward does to the logits (scale, softcap) comes from its architecture (`Architecture.logit_scale`,
+    `final_logit_softcapping`); an architecture whose logits the chunked loss is not verified to reproduce is refused
+    (`Architecture.chunked_loss_refusal`), one line, before any step runs.
     """
     from trl.trainer.utils import FusedCausalLMOutput
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transform = logit_transform(base.config, verified=chunked)
     previous = base.forward
 
     @functools.wraps(type(base).forward)
@@ -243,14 +322,17 @@ def install_loss_head(model, *, chunked: bool, chunk_tokens: int | None = None) 
         hidden = self.base_model(*args, **kw).last_hidden_state
         lm_head = self.get_output_embeddings()
         if chunked:
-            weight = lm_head.weight
+            weight, bias = lm_head.weight, lm_head.bias
             if hasattr(weight, "full_tensor"):  # FSDP2 shards it as a DTensor (as in TRL's head; untested here)
                 weight = weight.full_tensor()
+                bias = bias.full_tensor() if bias is not None else None
             log_probs, entropy, is_top1, mask = token_log_probs(
-                hidden, weight, labels, shift_labels=shift_labels, chunk_tokens=chunk_tokens
-            )
+                hidden, weight, labels, bias=bias, transform=transform, shift_labels=shift_labels,
+                chunk_tokens=chunk_tokens,
+            )  # fmt: skip
         else:
-            log_probs, entropy, is_top1, mask = full_token_log_probs(lm_head(hidden), labels, shift_labels)
+            logits = transform(lm_head(hidden))
+            log_probs, entropy, is_top1, mask = full_token_log_probs(logits, labels, shift_labels)
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(
             loss=-log_probs.sum() / denominator,

@@ -5,12 +5,16 @@ parameter (embeddings and lm_head included) to fp32 — ~4 GB more on a 7B model
 Here the base stays in its storage dtype, only the LoRA weights are fp32 (peft's `autocast_adapter_dtype`), and
 inputs require grad so checkpointed layers still backpropagate into the adapters.
 
-The same functions serve `train`, the estimator's accuracy harness and `generate`.
+Loading says what went wrong in one line — the path only when the path is the problem — and falls back to the
+attention implementation the family supports when transformers refuses the recipe's (Gemma-2: eager, no SDPA).
+
+The same functions serve `train`, the estimator's accuracy harness, `generate` and `merge`.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +30,29 @@ def torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def _hub_hint(name: str, exc: Exception) -> str:
-    kind = "is not a local directory" if not Path(name).exists() else "is a local path without a usable model"
+def _first_line(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _load_error(name: str, exc: Exception) -> str:
+    """One line naming why `name` did not load: the path only when the path is the problem."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"model directory {path} has no config.json; pass the directory that holds the model's files"
+        if "does not recognize this architecture" in str(exc):
+            return (
+                f"model {path}: transformers does not know its model_type ({_first_line(exc)}); upgrade transformers, "
+                "or pass --trust-remote-code if the repository ships its own modeling code"
+            )
+        weights = [*path.glob("*.safetensors"), *path.glob("*.bin"), *path.glob("*.safetensors.index.json")]
+        if not weights:
+            return f"model directory {path} has a config.json but no weights (*.safetensors or *.bin)"
+        return f"model {path} did not load ({_first_line(exc)})"
+    kind = "is a file, not a model directory" if path.exists() else "is not a local directory"
     return (
-        f"model '{name}' {kind} and could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+        f"model '{name}' {kind} and could not be loaded from the Hub ({_first_line(exc)}); "
         "check the hub id or pass a local directory with config.json"
     )
 
@@ -48,16 +71,17 @@ def load_config(recipe: Recipe):
             raise UserError(
                 f"model '{name}' needs its own code to load; rerun with --trust-remote-code if you trust the repository"
             ) from None
-        raise UserError(_hub_hint(name, exc)) from None
+        raise UserError(_load_error(name, exc)) from None
     except OSError as exc:
-        raise UserError(_hub_hint(name, exc)) from None
+        raise UserError(_load_error(name, exc)) from None
 
 
 def load_tokenizer(recipe: Recipe):
-    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none)."""
+    """The recipe model's tokenizer, loaded as the data pipeline loads it (pad token = EOS when it has none,
+    `data.chat_template` applied)."""
     from lowmem_ft.data.tokenize import load_tokenizer as load
 
-    return load(recipe.model.name_or_path, recipe.model.trust_remote_code)
+    return load(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template or None)
 
 
 def quantization_config(recipe: Recipe):
@@ -91,15 +115,33 @@ def device_map(device: str | None = None) -> dict[str, Any] | None:
     return None
 
 
+def attention(recipe: Recipe, config) -> str:
+    """The attention implementation to load with: the recipe's, or what the family supports when transformers
+    refuses it (Gemma-2 has no SDPA: softcapped attention logits), said once in the log. The memory model makes the
+    same choice (`Architecture.attention_for`), so the plan counts the implementation that runs."""
+    from lowmem_ft.memory.arch import Architecture
+
+    requested = recipe.model.attn_implementation
+    try:
+        arch = Architecture.from_config(config.get_text_config().to_dict())
+    except UserError:  # not a shape the memory model describes: transformers decides
+        return requested
+    used, why = arch.attention_for(requested)
+    if why:
+        log.warning("model.attn_implementation=%s: %s", requested, why)
+    return used
+
+
 def load_model(recipe: Recipe, device: str | None = None):
     """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    load_config(recipe)  # a clear error before any weight is read
+    config = load_config(recipe)  # a clear error before any weight is read
     m = recipe.model
     kwargs: dict[str, Any] = dict(
         dtype=torch_dtype(m.compute_dtype),
-        attn_implementation=m.attn_implementation,
+        attn_implementation=attention(recipe, config),
         trust_remote_code=m.trust_remote_code,
         device_map=device_map(device),
     )
@@ -109,11 +151,19 @@ def load_model(recipe: Recipe, device: str | None = None):
     try:
         return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
     except ImportError as exc:
-        raise UserError(
-            f"cannot load '{m.name_or_path}' with attn_implementation={m.attn_implementation}: {exc}"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise UserError(_hub_hint(m.name_or_path, exc)) from None
+        if kwargs["attn_implementation"] != "flash_attention_2":
+            raise UserError(f"cannot load '{m.name_or_path}': {_first_line(exc)}") from None
+        # flash-attn missing here: SDPA (or the family's fallback) keeps the same memory profile (no s² scores)
+        sdpa = attention(replace(recipe, model=replace(m, attn_implementation="sdpa")), config)
+        log.warning("model.attn_implementation=flash_attention_2: %s; loading with %s", _first_line(exc), sdpa)
+        return AutoModelForCausalLM.from_pretrained(m.name_or_path, **{**kwargs, "attn_implementation": sdpa})
+    except (OSError, ValueError, SafetensorError) as exc:
+        if "attention implementation" in str(exc):  # refused by a family not in arch.NO_SDPA: say which
+            raise UserError(
+                f"model '{m.name_or_path}' refuses model.attn_implementation={kwargs['attn_implementation']} "
+                f"({_first_line(exc)}); set --set model.attn_implementation=eager"
+            ) from None
+        raise UserError(_load_error(m.name_or_path, exc)) from None
 
 
 def _offload(recipe: Recipe) -> bool:
@@ -154,6 +204,25 @@ def prepare_for_training(model, recipe: Recipe):
     return model
 
 
+def adapter_modules(model, target_modules: list[str]) -> list[str]:
+    """The recipe's `target_modules` on this model: fused projections stand in for their parts (Phi-3: q/k/v_proj →
+    qkv_proj, gate/up_proj → gate_up_proj), as the memory model counts them (`Architecture.lora_targets`). Names
+    outside the decoder block (a custom module) pass through for peft to match or refuse."""
+    from lowmem_ft.memory.arch import FUSED_PROJECTIONS, Architecture
+
+    try:
+        arch = Architecture.from_config(model.config.get_text_config().to_dict())
+    except UserError:
+        return list(target_modules)
+    names = arch.adapter_modules(list(target_modules))
+    fused_parts = {p for fused, parts in FUSED_PROJECTIONS.items() if fused in arch.linear_names for p in parts}
+    others = [n for n in target_modules if n not in arch.linear_names and n not in fused_parts]
+    added = [n for n in names if n not in target_modules]
+    if added:
+        log.info("adapter.target_modules %s: this model fuses them into %s", list(target_modules), ", ".join(added))
+    return [*names, *others]
+
+
 def attach_adapter(model, recipe: Recipe):
     """LoRA adapters with fp32 weights (peft's autocast_adapter_dtype), or the model itself for full fine-tuning."""
     if recipe.adapter.kind == "full":
@@ -161,7 +230,7 @@ def attach_adapter(model, recipe: Recipe):
     from peft import LoraConfig, get_peft_model
 
     a = recipe.adapter
-    targets: Any = "all-linear" if a.target_modules == ["all-linear"] else list(a.target_modules)
+    targets: Any = "all-linear" if a.target_modules == ["all-linear"] else adapter_modules(model, a.target_modules)
     config = LoraConfig(
         r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )

@@ -60,6 +60,21 @@ def _keep_adapters_fp32(model, recipe: Recipe) -> None:
             param.data = param.data.float()
 
 
+def _forget_bnb_overrides(model) -> None:
+    """Drop this model's embeddings from bitsandbytes' process-wide `GlobalOptimManager`: transformers' Trainer
+    registers every nn.Embedding there (32-bit optimizer states, trainer.py `create_optimizer`) and nothing
+    unregisters them, so each finished run's embedding would stay alive in a process that goes on (generate after
+    train, tests, the GPU check)."""
+    import sys
+
+    optim = sys.modules.get("bitsandbytes.optim")
+    if optim is None:
+        return
+    mine = {id(m) for m in model.modules()}
+    manager = optim.GlobalOptimManager.get_instance()
+    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
+
+
 class FineTune:
     """One fine-tune of `recipe` into `run`; `choice` says how the recipe was chosen (and the plan's figures).
 
@@ -253,6 +268,7 @@ class FineTune:
         if self.is_main:
             self.run.write_metrics(metrics, history)
         tracking.finish(self.tracking)
+        _forget_bnb_overrides(trainer.model)
         return RunResult(self.run.path, metrics, history, model=trainer.model, is_main=self.is_main)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:

@@ -148,3 +148,16 @@ def test_a_very_long_line_is_profiled_truthfully(tiny_model, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["count"] == 2 and out["max"] == expected
     assert out["cuts"][-1]["max_len"] >= expected and out["cuts"][-1]["samples_over"] == 0
+
+
+def test_stats_count_tokens_with_the_chat_template_asked_for(zoo_models, capsys):
+    """--chat-template renders with that template (as data.chat_template makes train do): other token counts."""
+    alpaca = os.path.join(os.path.dirname(__file__), "..", "data", "fixtures", "alpaca.jsonl")
+    model = zoo_models["llama-zephyr"]
+    assert main(["data", "stats", alpaca, "--model", model, "--json"]) == 0
+    zephyr = json.loads(capsys.readouterr().out)["total_tokens"]
+    assert main(["data", "stats", alpaca, "--model", model, "--json", "--chat-template", "llama2"]) == 0
+    llama2 = json.loads(capsys.readouterr().out)["total_tokens"]
+    assert zephyr != llama2 > 0
+    assert main(["data", "stats", alpaca, "--model", model, "--chat-template", "nope"]) == 2
+    assert "data.chat_template='nope' is neither a known template" in capsys.readouterr().err

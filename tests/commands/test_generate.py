@@ -121,7 +121,7 @@ def test_unknown_run_dir_is_one_line(tmp_path, capsys):
 
 
 def test_adapter_on_a_different_base_is_one_line(run_dir, tmp_path, capsys):
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
 
     wider = build_tiny_model(tmp_path / "wider", hidden_size=96, intermediate_size=192)
     copy = tmp_path / "run"

@@ -101,7 +101,7 @@ def test_non_empty_output_is_one_line(run_dir, tmp_path, capsys):
 
 
 def test_adapter_on_a_different_base_is_one_line(run_dir, tmp_path, capsys):
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
 
     shallower = build_tiny_model(tmp_path / "one-layer", num_hidden_layers=1)
     copy = tmp_path / "run"

@@ -46,7 +46,16 @@ def qlora_result(tmp_path_factory, tiny_model):
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     recipe, choice = choose(args, flag_overrides(args))
-    return train(recipe, new_run(recipe, args.name), choice=choice)
+    result = train(recipe, new_run(recipe, args.name), choice=choice)
+    # transformers registered the model's embedding with bitsandbytes' process-wide optimizer manager (8-bit AdamW);
+    # a finished run takes it back out, so the model does not outlive the run in this process
+    from bitsandbytes.optim import GlobalOptimManager
+
+    mine = {id(m) for m in result.model.modules()}
+    result.leftover_overrides = [
+        t for t in GlobalOptimManager.get_instance().module_weight_config_triple if id(t[0]) in mine
+    ]
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +85,10 @@ def test_qlora_run_writes_the_run_directory(qlora_run):
     assert "p99 49" in plan["reasons"]["max_seq_len"]
     assert 49 <= recipe.memory.max_seq_len < 512
     assert run["data"]["format"] == "messages" and run["data"]["loss_on"] == "assistant turns"
+
+
+def test_a_finished_run_leaves_no_bnb_optimizer_override_behind(qlora_result):
+    assert qlora_result.leftover_overrides == []
 
 
 def test_qlora_loss_fell(qlora_run):

@@ -22,6 +22,49 @@ def test_each_format_is_detected(fmt):
         assert all({m["role"] for m in r["messages"]} <= {"system", "user", "assistant"} for r in data.records)
 
 
+TOOL_TURNS = [
+    {"role": "user", "content": "2 plus 3?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5", "name": "add", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "5."},
+]
+
+
+def test_tool_role_and_tool_calls_are_kept(tmp_path):
+    path = tmp_path / "d.jsonl"
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    path.write_text(json.dumps({"messages": TOOL_TURNS, "tools": [schema]}) + "\n", encoding="utf-8")
+    (record,) = load_file(path).records
+    assert record["tools"] == [schema]
+    call = record["messages"][1]
+    assert call["content"] == "" and call["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    ]
+    assert record["messages"][2] == {"role": "tool", "content": "5", "name": "add", "tool_call_id": "c1"}
+
+
+def test_sharegpt_function_call_and_observation(tmp_path):
+    path = tmp_path / "d.jsonl"
+    turns = [
+        {"from": "human", "value": "2 plus 3?"},
+        {"from": "function_call", "value": json.dumps({"name": "add", "arguments": {"a": 2}})},
+        {"from": "observation", "value": "5"},
+        {"from": "gpt", "value": "5."},
+    ]
+    path.write_text(json.dumps({"conversations": turns}) + "\n", encoding="utf-8")
+    (record,) = load_file(path).records
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert record["messages"][1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2}}
+
+
+def test_tool_call_without_a_name_is_a_bad_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    turns = [TOOL_TURNS[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]
+    path.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"d\.jsonl:1: 'messages\[1\]\.tool_calls\[0\]' needs a function name"):
+        load_file(path)
+
+
 def test_forced_format_applies_to_every_line():
     with pytest.raises(UserError, match=r"text.jsonl:1: missing field 'prompt'"):
         load_file(fixture("text.jsonl"), fmt="prompt_completion")
@@ -36,7 +79,7 @@ BAD_LINES = {
     ),
     "unknown role": (
         '{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}',
-        r":2: 'messages\[0\]\.role' is 'robot'; expected one of assistant, system, user",
+        r":2: 'messages\[0\]\.role' is 'robot'; expected one of assistant, system, tool, user",
     ),
     "wrong type": ('{"messages": "hello"}', r":2: field 'messages' must be a list of turns, got str"),
     "wrong content type": (

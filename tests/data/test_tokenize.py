@@ -72,19 +72,22 @@ def test_chat_loss_only_on_assistant_turns(tokenizer):
 
 def test_tokenizer_without_template_gets_chatml(tokenizer):
     tokenizer.chat_template = None
-    template, source = tk.training_chat_template(tokenizer, train_on_prompt=False)
-    assert source == "ChatML (default)" and template is None  # ChatML carries its own generation markers
+    from lowmem_ft.data.chat import chat_template_for, set_template
+
+    template = chat_template_for(tokenizer, False, set_template(tokenizer, None))
+    assert template.source.startswith("ChatML (default)") and template.masking == "markers"  # ChatML has markers
     row = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
     assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\nSpell the word.<|im_end|>")
 
 
-def test_template_without_markers_and_no_trl_version_is_a_user_error(tokenizer):
-    from lowmem_ft.errors import UserError
-
+def test_template_without_markers_unknown_to_trl_is_masked_turn_by_turn(tokenizer):
+    """The issue's user: a plain Jinja loop TRL does not know trains on the assistant turns, not an error."""
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    with pytest.raises(UserError, match="train_on_prompt=true"):
-        tk.training_chat_template(tokenizer, train_on_prompt=False)
-    assert tk.training_chat_template(tokenizer, train_on_prompt=True) == (None, "tokenizer")
+    row = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
+    trained = [t for t in row["labels"] if t != -100]
+    assert tokenizer.decode(trained) == "assistant: R E D"  # no generation prompt: the role tag is generated too
+    everything = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, True)[0]
+    assert everything["labels"] == everything["input_ids"]
 
 
 def test_second_run_loads_from_cache(tokenizer, tmp_path, monkeypatch):

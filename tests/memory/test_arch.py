@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from devkit.zoo import ESTIMATOR_SHAPES, estimator_config
+from devkit.zoo import NAMES as ZOO_NAMES
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture, catalog, load_architecture
 
@@ -125,3 +128,34 @@ def test_unknown_model_offline_is_a_user_error(monkeypatch):
 def test_directory_without_config(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         load_architecture(str(tmp_path))
+
+
+# -- the zoo: every family's quirks, as saved by transformers ------------------------------------------------------
+@pytest.mark.parametrize("family", ZOO_NAMES)
+def test_zoo_models_match_transformers(zoo_models, family):
+    """Tied/untied, qkv bias, q/k norms, fused projections, head_dim ≠ hidden/heads, 4 norms per layer, padded
+    vocabularies: the arithmetic counts what transformers builds from each saved config.json."""
+    config = json.loads((Path(zoo_models[family]) / "config.json").read_text())
+    assert load_architecture(zoo_models[family]).total_params == _transformers_count(config)
+
+
+@pytest.mark.parametrize("family", sorted(ESTIMATOR_SHAPES))
+def test_zoo_estimator_shapes_match_transformers(family):
+    config = estimator_config(family)
+    assert Architecture.from_config(config).total_params == _transformers_count(config)
+
+
+def test_family_quirks_the_training_path_reads():
+    gemma2 = Architecture.from_config(estimator_config("gemma2"))
+    assert gemma2.attention_for("sdpa")[0] == "eager" and "softcapping" in gemma2.attention_for("sdpa")[1]
+    assert gemma2.attention_for("flash_attention_2") == ("flash_attention_2", None)
+    assert gemma2.final_logit_softcapping == 30.0 and gemma2.chunked_loss_exact
+    granite = Architecture.from_config(estimator_config("granite"))
+    assert granite.logit_scale == 1 / 16 and granite.attention_for("sdpa") == ("sdpa", None)
+    phi3 = Architecture.from_config(estimator_config("phi3"))
+    assert phi3.linear_names == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    llama_style = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert phi3.adapter_modules(llama_style) == phi3.linear_names  # the recipes' list adapts the fused projections
+    assert phi3.adapter_modules(["q_proj", "down_proj"]) == ["qkv_proj", "down_proj"]
+    olmo = Architecture.from_config({**SMALL["llama"], "model_type": "olmo2"})
+    assert not olmo.chunked_loss_exact and "olmo2" in olmo.chunked_loss_refusal

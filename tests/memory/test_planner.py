@@ -230,3 +230,16 @@ def test_the_planner_searches_setups_not_recipes():
     p = plan(QWEN7, start)
     assert replace(start.start, **{k: getattr(p.setup, k) for k in ("quantization", "optimizer", "micro_batch_size",
                    "gradient_checkpointing", "activation_offloading", "loss_impl")}) == p.setup  # fmt: skip
+
+
+def test_chunked_loss_is_never_chosen_where_it_is_not_verified():
+    """Qwen (v1) is remote code: its forward may transform the logits, so the chunked loss is not planned there
+    (it is for a verified family at a length that needs it), and asking for it is refused in one line."""
+    qwen_v1 = load_architecture("Qwen/Qwen-7B")
+    assert not qwen_v1.chunked_loss_exact and QWEN7.chunked_loss_exact
+    assert _plan(8, "8gb", {"memory": {"max_seq_len": 1344}}).setup.loss_impl == "chunked"
+    p = _plan(8, "8gb", {"memory": {"max_seq_len": 1024}}, arch=qwen_v1)
+    assert p.setup.loss_impl == "trl_fused"
+    assert p.reasons["chunked_loss"].startswith("off: not verified for model_type 'qwen'")
+    with pytest.raises(UserError, match="memory.chunked_loss is not verified for model_type 'qwen'"):
+        _plan(8, "8gb", {"memory": {"max_seq_len": 1024, "chunked_loss": True}}, arch=qwen_v1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from devkit.zoo import NAMES as ZOO_NAMES
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train import losses
 from lowmem_ft.train.losses import (
@@ -169,3 +170,107 @@ def test_training_with_chunked_loss(tiny_model, chat_data, tmp_path):
     logged = [h for h in result.log_history if "loss" in h]
     assert all(h["mean_token_accuracy"] >= 0 and h["entropy"] > 0 for h in logged)
     assert result.metrics["last_loss"] < result.metrics["first_loss"]
+
+
+# -- every family: the chunked loss and TRL's head against the model's own loss -----------------------------------
+def _bias_transform_case(seed=0):
+    hidden, weight, labels = _batch(seed=seed)
+    bias = (torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(seed + 1)) / 4).requires_grad_()
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize(
+    "transform", [losses.LogitTransform(), losses.LogitTransform(scale=1 / 16), losses.LogitTransform(softcap=3.0)]
+)
+def test_bias_scale_and_softcap_equal_the_plain_computation(transform):
+    hidden, weight, bias, labels = _bias_transform_case()
+    hidden.data *= 8  # logits large enough for the softcap to bend them
+    ref = ForCausalLMLoss(transform(hidden @ weight.t() + bias), labels, vocab_size=weight.shape[0])
+    ref_grads = torch.autograd.grad(ref, (hidden, weight, bias))
+    out = chunked_causal_lm_loss(hidden, weight, labels, bias=bias, transform=transform, chunk_tokens=9)
+    grads = torch.autograd.grad(out, (hidden, weight, bias))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def _zoo_model(path: str):
+    """The zoo model in fp32 with the attention the training path would pick for it, every weight trainable."""
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_ft.memory.arch import load_architecture
+
+    attn, _ = load_architecture(path).attention_for("sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    torch.manual_seed(1)
+    with torch.no_grad():  # random init puts logits near 0: spread them so softcap and scaling matter
+        model.get_output_embeddings().weight.mul_(40.0)
+    return model.train()
+
+
+def _padded_batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    labels = ids.clone()
+    labels[mask == 0] = IGNORE_INDEX
+    labels[:, 5:8] = IGNORE_INDEX  # a prompt
+    return ids, mask, labels
+
+
+def _grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("head", ["chunked", "trl"])
+@pytest.mark.parametrize("family", ZOO_NAMES)
+def test_every_family_head_equals_the_models_own_loss(zoo_models, family, head):
+    """Softcapping (Gemma-2), logit scaling (Granite), tied weights, fused projections: loss and every gradient."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = _zoo_model(zoo_models[family])
+    ids, mask, labels = _padded_batch(model.config.vocab_size)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref_grads = _grads(model, ref)
+    if head == "chunked":
+        install_loss_head(model, chunked=True, chunk_tokens=7)
+    else:
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(_grads(model, out.loss), ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ZOO_NAMES)
+def test_every_family_packed_equals_separate_samples(zoo_models, family):
+    """Two samples packed into one row with restarting position ids (TRL's padding-free collator): the chunked loss
+    equals the model's own on the packed row and the sum of the samples' losses computed one at a time."""
+    model = _zoo_model(zoo_models[family])
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, model.config.vocab_size, (1, 11), generator=g), torch.randint(0, 50, (1, 7), generator=g)
+    packed = torch.cat([a, b], dim=1)
+    position_ids = torch.cat([torch.arange(11), torch.arange(7)])[None]
+    labels = packed.clone()
+    labels[0, 0] = labels[0, 11] = IGNORE_INDEX  # the collator masks each sample's first token
+    with torch.no_grad():
+        # use_cache=False as TRL passes it: transformers finds packed samples from position ids only without a cache
+        ref = model(input_ids=packed, position_ids=position_ids, labels=labels, use_cache=False).loss * 16
+        separate = sum(model(input_ids=x, labels=x).loss * (x.shape[1] - 1) for x in (a, b))
+        install_loss_head(model, chunked=True, chunk_tokens=5)
+        out = model(input_ids=packed, position_ids=position_ids, labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(out.loss * 16, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.loss * 16, separate, rtol=1e-5, atol=1e-4)
+
+
+def test_unverified_architecture_is_refused_in_one_line():
+    from transformers import AutoConfig
+
+    from lowmem_ft.errors import UserError
+
+    config = AutoConfig.for_model("olmo2", hidden_size=64, num_attention_heads=4)  # a forward not checked here
+    with pytest.raises(UserError, match=r"^memory.chunked_loss is not verified for model_type 'olmo2'.*=false$"):
+        losses.logit_transform(config)
+    assert losses.logit_transform(config, verified=False).identity  # the full-logits reference still runs

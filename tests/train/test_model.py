@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,7 +117,7 @@ def test_offloading_without_an_accelerator_is_skipped_with_a_warning(tiny_model,
 
 @pytest.mark.requires_cuda
 def test_offloading_frees_device_memory_of_layer_inputs(tmp_path):
-    from lowmem_ft.tiny import build_tiny_model
+    from devkit.tiny import build_tiny_model
     from lowmem_ft.train.measure import PeakMemory
 
     path = str(build_tiny_model(tmp_path / "m", hidden_size=512, intermediate_size=1024, num_hidden_layers=8))
@@ -133,3 +134,53 @@ def test_offloading_frees_device_memory_of_layer_inputs(tmp_path):
         del model
     layer_inputs = 8 * b * s * 512 * 2  # bf16 hidden states, one per checkpointed layer
     assert peaks[False] - peaks[True] >= 0.8 * layer_inputs, peaks
+
+
+# -- attention fallback and load errors ---------------------------------------------------------------------------
+def test_family_without_sdpa_falls_back_to_eager_and_says_so(zoo_models, caplog):
+    """Gemma-2's softcapped attention has no SDPA path: the recipes' default sdpa loads as eager, with one line."""
+    recipe = resolve("8gb", {"model": {"name_or_path": zoo_models["gemma2"], "quantization": "none"}})
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.train.model"):
+        model = load_model(recipe)
+    assert model.config._attn_implementation == "eager"
+    assert any("softcapping" in r.message and "eager" in r.message for r in caplog.records)
+    sdpa = load_model(resolve("8gb", {"model": {"name_or_path": zoo_models["gemma3"], "quantization": "none"}}))
+    assert sdpa.config._attn_implementation == "sdpa"  # families that support it keep it
+
+
+def _broken(tmp_path, zoo_models, case: str) -> str:
+    import json
+    import shutil
+
+    path = tmp_path / case
+    path.mkdir()
+    if case == "empty":
+        return str(path)
+    source = zoo_models["llama3"]
+    config = json.loads((Path(source) / "config.json").read_text())
+    if case == "unknown_type":
+        config["model_type"] = "notamodel"
+    (path / "config.json").write_text(json.dumps(config))
+    if case == "corrupt":
+        (path / "model.safetensors").write_bytes(b"not safetensors")
+    if case == "ok_tokenizer_only":
+        shutil.copy(Path(source) / "tokenizer.json", path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("empty", r"model directory .*/empty has no config.json"),
+        ("ok_tokenizer_only", r"has a config.json but no weights \(\*.safetensors or \*.bin\)"),
+        ("unknown_type", r"transformers does not know its model_type .*notamodel.*--trust-remote-code"),
+        ("corrupt", r"model .*/corrupt did not load \(SafetensorError: .*header"),
+    ],
+)
+def test_load_errors_name_the_real_cause(tmp_path, zoo_models, case, message):
+    from lowmem_ft.errors import UserError
+
+    recipe = resolve("8gb", {"model": {"name_or_path": _broken(tmp_path, zoo_models, case), "quantization": "none"}})
+    with pytest.raises(UserError, match=message) as info:
+        load_model(recipe)
+    assert "\n" not in str(info.value) and "hub id" not in str(info.value)  # the path is not blamed for the model

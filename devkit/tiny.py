@@ -1,28 +1,20 @@
 """The embedded default: a tiny random-initialized Qwen2 model with a tokenizer trained locally.
 
 It lets every command run on a fresh machine with no Hub and no GPU. Built deterministically (fixed seed, fixed
-corpus) by `python scripts/build_tiny_model.py`, which writes `models/tiny-qwen2/`; tests build their own copy.
+corpus) by `python scripts/build_tiny_model.py`, which writes `models/tiny-qwen2/`; tests build their own copy. The
+other model families live in `devkit/zoo.py`, which shares this corpus.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# ChatML, as Qwen2 uses it, with {% generation %} markers so TRL's assistant_only_loss can mask non-assistant turns.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from lowmem_ft.data.templates import CHATML as CHATML_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
     words = [
         "the",
         "a",
@@ -100,7 +92,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=4096
     )

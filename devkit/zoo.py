@@ -1,0 +1,468 @@
+"""The model zoo: tiny random-initialized replicas of the model families users bring, for tests and benchmarks.
+
+Each `Family` keeps what makes its family different where lowmem-ft can trip over it — in the config (tied or untied
+embeddings, qkv bias, q/k norms, fused qkv / gate_up projections, sliding windows, attention and final-logit
+softcapping, logit and embedding multipliers, head_dim ≠ hidden / heads, a vocabulary large against the width,
+embedding rows beyond the tokenizer) and in the tokenizer (the family's chat template as it ships — TRL's installed
+copy where TRL has one, else a faithful copy citing where the real one is published —, its special tokens, no pad
+token where the family has none, BOS added by the tokenizer *and* the template, an end-of-turn token distinct from
+EOS, SentencePiece-style `▁` pre-tokenization or GPT-2 byte-level BPE). Widths are tiny (hidden 64, 2 layers) so
+that every family builds in well under a second and trains in a few seconds on a CPU.
+
+    path = build("gemma2", tmp_dir)          # config.json + safetensors + tokenizer, loadable with from_pretrained
+    FAMILIES["gemma2"].reply("Hi.", last=True)  # the text the loss tokens of that assistant turn must cover
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from devkit.tiny import corpus
+from lowmem_ft.data import templates
+
+
+def _trl(name: str) -> str:
+    import trl.chat_template_utils as ctu
+
+    return getattr(ctu, f"{name}_chat_template")
+
+
+# Zephyr's template (HuggingFaceH4/zephyr-7b-beta tokenizer_config.json, also TinyLlama-1.1B-Chat): a plain Jinja loop,
+# no generation markers, unknown to TRL — the issue's "small Llama-shaped model of their own".
+ZEPHYR = (
+    "{% for message in messages %}\n"
+    "{% if message['role'] == 'user' %}\n"
+    "{{ '<|user|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'system' %}\n"
+    "{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n"
+    "{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n"
+    "{% if loop.last and add_generation_prompt %}\n"
+    "{{ '<|assistant|>' }}\n"
+    "{% endif %}\n"
+    "{% endfor %}"
+)
+
+# Mistral-7B-Instruct-v0.3's rule (mistralai/Mistral-7B-Instruct-v0.3 tokenizer_config.json, tool blocks left out):
+# the system message is prepended to a user turn only when that turn is the last message, so a conversation that
+# ends with the assistant renders without it. Training must refuse it rather than lose the system prompt.
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if loop.last and system_message is defined %}\n"
+    "            {{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}\n"
+    "        {%- else %}\n"
+    "            {{- '[INST] ' + message['content'] + '[/INST]' }}\n"
+    "        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {{- ' ' + message['content']|trim + eos_token}}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial "
+    "optional system message!') }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+)
+
+
+def _qwen3_finetune() -> str:
+    """Qwen3's template as a community fine-tune ships it: one comment line added, so TRL no longer recognises it,
+    with Qwen3's rewrite of earlier turns intact (reasoning and the `<think>` block only after the last user query)."""
+    return "{#- fine-tuned from Qwen3: same template -#}\n" + _trl("qwen3")
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A family's special tokens and how its tokenizer uses them."""
+
+    eos: str
+    bos: str | None = None
+    pad: str | None = None  # None: the family ships no pad token
+    unk: str | None = None
+    eot: str | None = None  # end of an assistant turn when it is not EOS
+    extra: tuple[str, ...] = ()  # role markers and other special tokens of the template
+    reserved: str | None = None  # format of the family's reserved/unused special tokens, e.g. "<unused{}>"
+    n_reserved: int = 0
+    add_bos: bool = False  # the tokenizer's post-processor puts BOS in front of every text
+    sentencepiece: bool = False  # `▁` for spaces (Llama-2, Mistral, Gemma, Phi-3) rather than GPT-2 byte-level BPE
+    dummy_prefix: bool = True  # SentencePiece: a `▁` before the first word (Gemma: no)
+
+    @property
+    def specials(self) -> list[str]:
+        named = [self.bos, self.eos, self.pad, self.unk, self.eot, *self.extra]
+        reserved = [self.reserved.format(i) for i in range(self.n_reserved)] if self.reserved else []
+        return list(dict.fromkeys([t for t in named if t] + reserved))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: dict[str, Any]  # transformers config kwargs; vocab_size is at least the tokenizer's length
+    tokens: Tokens
+    template: Callable[[], str]
+    template_source: str
+    reply: Callable[[str, bool], str]  # (assistant content, last turn?) → the text its loss tokens must cover
+    notes: str = ""
+    tags: tuple[str, ...] = field(default_factory=tuple)  # "rewrites": the template rewrites earlier turns
+
+
+LLAMA_TOKENS = Tokens(bos="<s>", eos="</s>", unk="<unk>", add_bos=True, sentencepiece=True)
+GEMMA_TOKENS = Tokens(
+    bos="<bos>",
+    eos="<eos>",
+    pad="<pad>",
+    unk="<unk>",
+    eot="<end_of_turn>",
+    extra=("<start_of_turn>",),
+    reserved="<unused{}>",
+    n_reserved=99,
+    add_bos=True,
+    sentencepiece=True,
+    dummy_prefix=False,
+)
+QWEN_TOKENS = Tokens(eos="<|endoftext|>", pad="<|endoftext|>", eot="<|im_end|>", extra=("<|im_start|>",))
+QWEN3_TOKENS = Tokens(
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    extra=("<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+)
+# every linear dimension a multiple of 64: bitsandbytes' CPU inference path repacks NF4 weights per 64-block
+TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in [
+        Family(
+            "llama3",  # Llama-3.2-1B-Instruct: tied embeddings, llama3 RoPE scaling, 256 reserved specials, no pad
+            {
+                "model_type": "llama",
+                **TINY,
+                "num_key_value_heads": 2,
+                "vocab_size": 2048,
+                "tie_word_embeddings": True,
+                "rope_theta": 500000.0,
+                "max_position_embeddings": 131072,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "high_freq_factor": 4.0,
+                    "low_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            },  # fmt: skip
+            Tokens(
+                bos="<|begin_of_text|>",
+                eos="<|end_of_text|>",
+                eot="<|eot_id|>",
+                extra=("<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>", "<|eom_id|>"),
+                reserved="<|reserved_special_token_{}|>",
+                n_reserved=248,
+                add_bos=True,
+            ),
+            lambda: _trl("llama3_2"),
+            "TRL's copy of Llama-3.2 (no TRL training version: assistant tokens turn by turn)",
+            lambda c, last: c.strip() + "<|eot_id|>",
+        ),
+        Family(
+            "qwen2.5",  # Qwen2.5-7B: qkv bias, untied, embedding rows beyond the tokenizer (151936 vs 151665)
+            {
+                "model_type": "qwen2",
+                **TINY,
+                "num_key_value_heads": 2,
+                "vocab_size": 2688,
+                "rope_theta": 1e6,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            QWEN_TOKENS,
+            lambda: _trl("qwen2_5"),
+            "TRL's copy of Qwen2.5 (TRL's training version adds the markers)",
+            lambda c, last: c + "<|im_end|>",
+        ),
+        Family(
+            "qwen3",  # Qwen3-0.6B: q/k RMSNorm, head_dim 128 ≠ 1024 / 16, tied
+            {
+                "model_type": "qwen3",
+                **TINY,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 2304,
+                "tie_word_embeddings": True,
+                "rope_theta": 1e6,
+            },  # fmt: skip
+            QWEN3_TOKENS,
+            lambda: _trl("qwen3"),
+            "TRL's copy of Qwen3 (TRL's training version: think block on every turn, markers)",
+            lambda c, last: "<think>\n\n</think>\n\n" + c + "<|im_end|>",
+        ),
+        Family(
+            "mistral",  # Mistral-7B-v0.1: sliding window 4096, GQA (32/8 there), SentencePiece, no pad
+            {
+                "model_type": "mistral",
+                **TINY,
+                "num_key_value_heads": 2,  # k/v rows a multiple of 32: bitsandbytes CPU NF4 packing
+                "vocab_size": 768,
+                "sliding_window": 4096,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            LLAMA_TOKENS,
+            lambda: templates.MISTRAL,
+            "Mistral-7B-Instruct-v0.2 [INST] form (lowmem-ft's copy, `mistral`)",
+            lambda c, last: " " + c + "</s>",
+        ),
+        Family(
+            "gemma2",  # gemma-2-9b: attention softcap 50, final-logit softcap 30, head_dim 256 ≠ 3584 / 16,
+            # query_pre_attn_scalar, alternating sliding/global layers, 4 norms per layer, GeGLU, tied, 256k vocab
+            {
+                "model_type": "gemma2",
+                **TINY,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 4096,
+                "query_pre_attn_scalar": 32,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+                "sliding_window": 16,
+                "hidden_activation": "gelu_pytorch_tanh",
+            },  # fmt: skip
+            GEMMA_TOKENS,
+            lambda: _trl("gemma"),
+            "TRL's copy of Gemma / Gemma-2 (TRL's training version adds the markers); refuses a system role",
+            lambda c, last: c.strip() + "<end_of_turn>",
+        ),
+        Family(
+            "gemma3",  # gemma-3-1b-it text: q/k norm, sliding window 512 with one global layer in six, tied
+            {
+                "model_type": "gemma3_text",
+                **TINY,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "vocab_size": 4096,
+                "query_pre_attn_scalar": 32,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },  # fmt: skip
+            GEMMA_TOKENS,
+            lambda: _trl("gemma3"),
+            "TRL's copy of Gemma-3 (TRL's training version adds the markers)",
+            lambda c, last: c.strip() + "<end_of_turn>",
+        ),
+        Family(
+            "phi3",  # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, sliding window 2047, pad id 32000, untied
+            {
+                "model_type": "phi3",
+                **TINY,
+                "num_key_value_heads": 4,
+                "vocab_size": 640,
+                "sliding_window": 2047,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            Tokens(
+                bos="<s>",
+                eos="<|endoftext|>",
+                pad="<|endoftext|>",
+                unk="<unk>",
+                eot="<|end|>",
+                extra=("<|system|>", "<|user|>", "<|assistant|>"),
+                add_bos=True,
+                sentencepiece=True,
+            ),
+            lambda: _trl("phi3"),
+            "TRL's copy of Phi-3 (TRL's training version adds the markers); no BOS in the template",
+            # TRL's training version marks the EOS after the last turn too (the newline before it is whitespace)
+            lambda c, last: c + "<|end|>" + ("<|endoftext|>" if last else ""),
+        ),
+        Family(
+            "granite",  # granite-3.0-8b: embedding ×12, residual ×0.22, attention ×1/128, logits ÷16, tied
+            {
+                "model_type": "granite",
+                **TINY,
+                "num_key_value_heads": 2,
+                "vocab_size": 896,
+                "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125,
+                "logits_scaling": 16.0,
+                "tie_word_embeddings": True,
+            },  # fmt: skip
+            Tokens(
+                bos="<|end_of_text|>",
+                eos="<|end_of_text|>",
+                pad="<|end_of_text|>",
+                unk="<|end_of_text|>",
+                extra=("<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"),
+            ),
+            lambda: templates.GRANITE,
+            "Granite 3.0 instruct (lowmem-ft's copy, `granite`)",
+            lambda c, last: c + "<|end_of_text|>",
+        ),
+        Family(
+            "llama-zephyr",  # a Llama-2-shaped community fine-tune with Zephyr's plain-loop template
+            {
+                "model_type": "llama",
+                **TINY,
+                "num_key_value_heads": 4,
+                "vocab_size": 1024,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            Tokens(
+                bos="<s>",
+                eos="</s>",
+                unk="<unk>",
+                extra=("<|user|>", "<|assistant|>", "<|system|>"),
+                add_bos=True,
+                sentencepiece=True,
+            ),  # fmt: skip
+            lambda: ZEPHYR,
+            "Zephyr's plain Jinja loop: no markers, unknown to TRL",
+            lambda c, last: c + "</s>",
+        ),
+        Family(
+            "qwen3-finetune",  # Qwen3 shapes with Qwen3's template edited by one line: TRL does not recognise it
+            {
+                "model_type": "qwen3",
+                **TINY,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 2304,
+                "tie_word_embeddings": True,
+            },  # fmt: skip
+            QWEN3_TOKENS,
+            _qwen3_finetune,
+            "Qwen3's template + one comment line: rewrites earlier turns (reasoning, <think> block)",
+            lambda c, last: "<think>\n\n</think>\n\n" + c + "<|im_end|>",
+            tags=("rewrites",),
+        ),
+    ]
+}
+# The families whose config transformers builds natively (all of them) and that the memory model describes.
+NAMES = tuple(FAMILIES)
+
+
+def build_tokenizer(family: Family, vocab_size: int = 640):
+    """A BPE tokenizer trained on the shared small corpus with the family's special tokens, pre-tokenization,
+    BOS rule and chat template (a few hundred ms)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = family.tokens
+    specials = t.specials
+    if t.sentencepiece:  # Llama-2 / Mistral / Gemma style: spaces become ▁, unknown bytes fall back to <0xNN>
+        tok = Tokenizer(models.BPE(unk_token=t.unk, byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        scheme = "first" if t.dummy_prefix else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if t.dummy_prefix else [])
+        )
+        alphabet = [
+            "▁",
+            *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()[]{}<>-_/\\|@#$%^&*+=~`",
+        ]
+        byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials + byte_tokens, initial_alphabet=alphabet,
+            show_progress=False,
+        )  # fmt: skip
+    else:  # GPT-2 byte-level BPE (Llama-3, Qwen, Granite)
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )  # fmt: skip
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if t.add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{t.bos} $A", pair=f"{t.bos} $A {t.bos} $B", special_tokens=[(t.bos, tok.token_to_id(t.bos))]
+        )
+    elif not t.sentencepiece:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    kwargs = {k: v for k, v in (("bos_token", t.bos), ("pad_token", t.pad), ("unk_token", t.unk)) if v}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=t.eos, model_max_length=8192, **kwargs)
+    extra = [s for s in specials if s not in (t.bos, t.eos, t.pad, t.unk)]
+    fast.add_special_tokens({"additional_special_tokens": extra}, replace_extra_special_tokens=False)
+    fast.chat_template = family.template()
+    return fast
+
+
+def config_for(family: Family, tokenizer) -> Any:
+    from transformers import AutoConfig
+
+    kwargs = dict(family.config)
+    kwargs["vocab_size"] = max(kwargs.get("vocab_size", 0), len(tokenizer))
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return AutoConfig.for_model(**kwargs, **ids)
+
+
+def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write zoo model `name` (config, bf16-free fp32 safetensors, tokenizer) to `out_dir`; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(family)
+    config = config_for(family, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    eos = [tokenizer.eos_token_id]
+    if family.tokens.eot and family.tokens.eot != family.tokens.eos:  # instruct models stop at either
+        eos.append(tokenizer.convert_tokens_to_ids(family.tokens.eot))
+    model.generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_all(root: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Path]:
+    """Every zoo model under `root/<name>` (built once: an existing config.json is reused)."""
+    root = Path(root)
+    out = {}
+    for name in names:
+        path = root / name
+        out[name] = path if (path / "config.json").is_file() else build(name, path)
+    return out
+
+
+# Wider replicas for the memory model's accuracy grid (`scripts/validate_estimator.py --zoo`): each family's config
+# quirks at hidden 256 × 3 layers, with the family's vocabulary-to-width ratio and head_dim ≠ hidden / heads where
+# the family has it — shapes the estimator's constants were not fitted on (those were Qwen2 h512 and Llama h384).
+ESTIMATOR_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3": {"vocab_size": 8192, "num_key_value_heads": 2, "intermediate_size": 704},
+    "qwen2.5": {"vocab_size": 10752, "num_key_value_heads": 2, "intermediate_size": 1216},
+    "qwen3": {"vocab_size": 9728, "num_key_value_heads": 2, "head_dim": 96, "intermediate_size": 768},
+    "mistral": {"vocab_size": 2048, "num_key_value_heads": 1, "intermediate_size": 896},
+    "gemma2": {"vocab_size": 16384, "num_key_value_heads": 2, "head_dim": 96, "query_pre_attn_scalar": 96,
+               "intermediate_size": 1024},
+    "gemma3": {"vocab_size": 16384, "num_key_value_heads": 1, "head_dim": 96, "query_pre_attn_scalar": 96,
+               "intermediate_size": 1024, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "phi3": {"vocab_size": 2560, "num_key_value_heads": 4, "intermediate_size": 704, "pad_token_id": 0},
+    "granite": {"vocab_size": 3072, "num_key_value_heads": 2, "intermediate_size": 640},
+}  # fmt: skip
+
+
+def estimator_config(name: str) -> dict[str, Any]:
+    """The config dict of family `name` at the accuracy grid's width (see ESTIMATOR_SHAPES)."""
+    config = {**FAMILIES[name].config, "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4}
+    config.update(ESTIMATOR_SHAPES[name])
+    return config

@@ -1,0 +1,211 @@
+"""Chat data through any chat template, with the loss on exactly what the assistant says.
+
+The one idea: the tokens to learn are the ones the model must produce at inference — everything a template renders
+after the prompt it is given there (`add_generation_prompt=True`) up to and including the end of the assistant's
+turn. Three ways to find them, in order:
+
+1. the template's own `{% generation %}` markers (transformers' generation indices);
+2. TRL's training version of a template it recognises (`trl.chat_template_utils.get_training_chat_template`, which
+   adds markers; it only knows templates character for character);
+3. otherwise, turn by turn: for each assistant turn *i*, render the conversation up to the user's last word with the
+   generation prompt (P) and up to the end of turn *i* (Q); the turn is Q minus P. When P and Q are prefixes of the
+   whole rendering, the turns are spans of one sample. A template that renders earlier turns differently once later
+   ones follow (Qwen3 drops reasoning and the `<think>` block of turns before the last user query) is not
+   prefix-stable: then each assistant turn becomes its own sample, rendered exactly as the model sees it at
+   inference. A template whose training text does not even start with its inference prompt (Mistral v0.3 drops the
+   system message unless the user turn is last) is refused for that sample, with `data.chat_template` /
+   `data.train_on_prompt` as the ways out.
+
+Whichever way, trailing whitespace after the end-of-turn token (the newline between turns) carries no loss: the model
+stops at the end-of-turn token and never generates it. Every system / user / tool message must appear in the rendered
+text: a template that drops one (a role it does not know) is an error naming the sample, never a silent loss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Masking = Literal["markers", "turns", "all"]
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template chat data is rendered with and how its assistant tokens are found."""
+
+    text: str
+    source: str  # for run.json: where the template came from and how assistant tokens are found
+    masking: Masking
+
+
+class SampleError(ValueError):
+    """A conversation the template cannot render for training (the message says why). `masking`: the problem is
+    only in finding the assistant tokens, so training on every token (`data.train_on_prompt`) would avoid it."""
+
+    def __init__(self, message: str, masking: bool = False):
+        super().__init__(message)
+        self.masking = masking
+
+
+def set_template(tokenizer, spec: str | None) -> str:
+    """Give the tokenizer the chat template `data.chat_template` names (so it is saved with the adapter and used by
+    `generate`), or ChatML when it has none; returns where the template came from."""
+    from lowmem_ft.data.templates import CHATML, resolve_template
+
+    if spec:
+        text, what = resolve_template(spec)
+        tokenizer.chat_template = text
+        tokenizer.lowmem_template_source = f"data.chat_template: {what}"
+        return tokenizer.lowmem_template_source
+    if getattr(tokenizer, "lowmem_template_source", None):  # set from data.chat_template when it was loaded
+        return tokenizer.lowmem_template_source
+    if isinstance(tokenizer.chat_template, dict):  # named variants: "default" is the chat one
+        tokenizer.chat_template = tokenizer.chat_template.get("default") or next(iter(tokenizer.chat_template.values()))
+    if tokenizer.chat_template:
+        return "tokenizer"
+    tokenizer.chat_template = CHATML
+    log.warning("the tokenizer has no chat template; formatting chat data as ChatML (set data.chat_template to choose)")
+    return "ChatML (default)"
+
+
+def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer") -> ChatTemplate:
+    """How this tokenizer's chat template (already set by `set_template`) is trained on."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    text = tokenizer.chat_template
+    if train_on_prompt:
+        return ChatTemplate(text, f"{source}; loss on every token", "all")
+    if has_generation_markers(text):
+        return ChatTemplate(text, f"{source}; assistant tokens from its generation markers", "markers")
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:  # TRL does not know this template
+        return ChatTemplate(text, f"{source}; assistant tokens found turn by turn", "turns")
+    if patched is None:  # cannot happen without markers; kept for TRL versions that answer differently
+        return ChatTemplate(text, f"{source}; assistant tokens found turn by turn", "turns")
+    return ChatTemplate(patched, f"{source} (TRL training version); assistant tokens from its markers", "markers")
+
+
+class Renderer:
+    """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does."""
+
+    def __init__(self, tokenizer, template: ChatTemplate):
+        self.template = template
+        self.kwargs = dict(tokenizer.special_tokens_map)
+
+    def __call__(self, messages: list[dict], tools: Any = None, *, prompt: bool = False, indices: bool = False):
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, generation = render_jinja_template(
+                [messages],
+                tools=tools,
+                chat_template=self.template.text,
+                return_assistant_tokens_mask=indices,
+                add_generation_prompt=prompt,
+                **self.kwargs,
+            )
+        except TemplateError as exc:  # raise_exception(...) in the template, or a template bug
+            raise SampleError(f"the chat template rejects it ({exc})") from None
+        return (rendered[0], generation[0]) if indices else rendered[0]
+
+
+def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(rendered text, character spans that carry the loss) of one conversation: one sample, or one per assistant
+    turn when the template is not prefix-stable. Raises SampleError."""
+    messages, tools = record["messages"], record.get("tools")
+    masking = render.template.masking
+    if masking == "all":
+        out = [(render(messages, tools), [])]
+    elif masking == "markers":
+        text, spans = render(messages, tools, indices=True)
+        out = [(text, _after_prompts(text, [tuple(s) for s in spans], messages, tools, render))]
+    else:
+        out = _turns(messages, tools, render)
+    _check_nothing_dropped(messages, out)
+    return out
+
+
+def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, render: Renderer) -> list:
+    """Marker spans cut at the end of each assistant turn's inference prompt: a training template may put part of the
+    generation prompt inside its markers (TRL's Qwen2.5 version starts them before the `\\n` of
+    `<|im_start|>assistant\\n`), and the model never generates that part."""
+    cuts = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and i:
+            prompt = render(messages[:i], tools, prompt=True)
+            if text.startswith(prompt):
+                cuts.append(len(prompt))
+    out = []
+    for start, end in spans:
+        for cut in cuts:
+            if start < cut < end:
+                start = cut
+        out.append((start, end))
+    return out
+
+
+def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Assistant spans found turn by turn (see the module docstring)."""
+    full = render(messages, tools)
+    turns = []  # (rendering up to the end of the turn, its span there)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], tools, prompt=True)
+        upto = render(messages[: i + 1], tools)
+        if not upto.startswith(prompt):
+            raise SampleError(
+                f"message {i + 1} (assistant): the template renders the conversation before this turn differently "
+                "once the turn is added (the prompt the model sees at inference is not the start of the training "
+                "text; e.g. a system message kept only when a user turn is last)",
+                masking=True,
+            )
+        said = upto[len(prompt) :].rstrip()
+        if not said.strip():
+            raise SampleError(f"message {i + 1} (assistant): the template renders nothing for this turn")
+        turns.append((upto, (len(prompt), len(prompt) + len(said))))
+    if all(full.startswith(upto) for upto, _ in turns):
+        return [(full, [span for _, span in turns])]
+    # Earlier turns are rewritten once later ones follow: train each turn as the model sees it at inference.
+    return [(upto, [span]) for upto, span in turns]
+
+
+def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
+    """Every system/user/tool message before the last assistant turn must be in the text trained on."""
+    text = out[-1][0]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
+    for i, message in enumerate(messages[: last + 1]):
+        content = message.get("content")
+        if message["role"] == "assistant" or not isinstance(content, str) or not content.strip():
+            continue
+        if content.strip() not in text and json.dumps(content) not in text:  # Llama 3.x renders tool output | tojson
+            raise SampleError(
+                f"the chat template drops message {i + 1} ({message['role']}): its content is not in the rendered text"
+            )
+
+
+def labels_for(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]], masking):
+    """Labels of one tokenized sample: the ids of tokens overlapping a span (as transformers' assistant mask), -100
+    elsewhere; trailing whitespace-only tokens of each span are left out."""
+    if masking == "all":
+        return list(ids)
+    labels = [IGNORE] * len(ids)
+    k = 0
+    for start, end in sorted(spans):
+        while k < len(ids) and offsets[k][1] <= start:
+            k += 1
+        first = k
+        while k < len(ids) and offsets[k][0] < end:
+            k += 1
+        last = k  # tokens first..last-1 overlap the span
+        while last > first and text[offsets[last - 1][0] : offsets[last - 1][1]].isspace():
+            last -= 1
+        labels[first:last] = ids[first:last]
+    return labels

@@ -1,0 +1,195 @@
+"""Assistant-only loss on every zoo template: the loss tokens are exactly what the assistant says, nothing else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from devkit.zoo import FAMILIES, MISTRAL_V3, NAMES
+from lowmem_ft.data import tokenize as tk
+from lowmem_ft.data.formats import convert
+from lowmem_ft.data.readers import load_file
+from lowmem_ft.errors import UserError
+from tests.data.conftest import fixture
+
+CHAT_FILES = {"messages": "messages.jsonl", "sharegpt": "sharegpt.jsonl", "alpaca": "alpaca.jsonl"}
+NO_SYSTEM_ROLE = {"gemma2"}  # Gemma's template raises "System role not supported"
+
+
+def _records(fmt: str, family: str) -> list[dict]:
+    records = load_file(fixture(CHAT_FILES[fmt])).records
+    if family in NO_SYSTEM_ROLE:
+        records = [r for r in records if r["messages"][0]["role"] != "system"]
+    return records
+
+
+def _loss_runs(tokenizer, row) -> list[str]:
+    """Each contiguous run of loss tokens, decoded."""
+    runs, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"], strict=True):
+        if label == -100:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert label == token
+            current.append(token)
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run) for run in runs]
+
+
+def _expected(family: str, turns: list[dict], ends: bool, strip: bool = False) -> str:
+    """What the loss must cover: each assistant turn as the family's template renders what the model generates
+    (`strip`: without the leading space a SentencePiece decoder drops)."""
+    reply = FAMILIES[family].reply
+    texts = [reply(m["content"], ends and i == len(turns) - 1) for i, m in enumerate(turns)]
+    return "".join(t.lstrip(" ") if strip else t for t in texts)
+
+
+@pytest.mark.parametrize("fmt", sorted(CHAT_FILES))
+@pytest.mark.parametrize("family", NAMES)
+def test_loss_tokens_are_the_assistant_turns_exactly(zoo_models, family, fmt):
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    records = _records(fmt, family)
+    ds = tk.tokenize_records(records, fmt, tokenizer, train_on_prompt=False)
+    split = "source" in ds.column_names
+    assert split == ("rewrites" in FAMILIES[family].tags and fmt == "sharegpt")  # multi-turn data only
+    rows = list(ds)
+    sources = ds["source"] if split else list(range(len(records)))
+    turn_of = {}  # row → the assistant turns it trains
+    for row_index, source in enumerate(sources):
+        assistants = [m for m in records[source]["messages"] if m["role"] == "assistant"]
+        if split:
+            k = sources[:row_index].count(source)
+            turn_of[row_index] = ([assistants[k]], True)
+        else:
+            turn_of[row_index] = (assistants, records[source]["messages"][-1]["role"] == "assistant")
+    bos = tokenizer.bos_token_id
+    for row_index, row in enumerate(rows):
+        turns, ends = turn_of[row_index]
+        decoded = "".join(run.lstrip(" ") for run in _loss_runs(tokenizer, row))
+        assert decoded == _expected(family, turns, ends, strip=True)
+        assert row["labels"][0] == -100  # the prompt starts every sample
+        if bos is not None and FAMILIES[family].tokens.add_bos and family != "granite":
+            assert row["input_ids"].count(bos) <= 1  # BOS from the template only, not again from the tokenizer
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_loss_text_is_exact_in_the_rendered_text(zoo_models, family):
+    """The same check by character offsets (no decoder involved): spaces included, e.g. Mistral's ` answer</s>`."""
+    from lowmem_ft.data.chat import Renderer, chat_template_for, samples, set_template
+
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    template = chat_template_for(tokenizer, False, set_template(tokenizer, None))
+    record = _records("alpaca", family)[1]
+    ((text, spans),) = samples(record, Renderer(tokenizer, template))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    from lowmem_ft.data.chat import labels_for
+
+    labels = labels_for(enc["input_ids"], enc["offset_mapping"], text, spans, template.masking)
+    covered = "".join(text[a:b] for (a, b), label in zip(enc["offset_mapping"], labels, strict=True) if label != -100)
+    assert covered == _expected(family, [record["messages"][-1]], True)
+
+
+def test_train_on_prompt_keeps_every_token(zoo_models):
+    tokenizer = tk.load_tokenizer(zoo_models["mistral"])
+    row = tk.tokenize_records(_records("alpaca", "mistral"), "alpaca", tokenizer, train_on_prompt=True)[0]
+    assert row["labels"] == row["input_ids"]
+
+
+def test_template_that_drops_the_system_message_is_refused(zoo_models):
+    """Mistral v0.3's rule keeps the system message only when a user turn is last: training text would lose it."""
+    tokenizer = tk.load_tokenizer(zoo_models["mistral"])
+    tokenizer.chat_template = MISTRAL_V3
+    records = load_file(fixture("messages.jsonl")).records
+    with pytest.raises(UserError, match=r"^d: sample 2: message 3 \(assistant\).*data.train_on_prompt=true$") as info:
+        tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False, where="d")
+    assert "\n" not in str(info.value)
+    no_system = [r for r in records if r["messages"][0]["role"] != "system"]  # without one it is prefix-stable
+    assert len(tk.tokenize_records(no_system, "messages", tokenizer, train_on_prompt=False)) == len(no_system)
+
+
+def test_template_refusing_a_role_names_the_sample(zoo_models):
+    tokenizer = tk.load_tokenizer(zoo_models["gemma2"])
+    records = load_file(fixture("messages.jsonl")).records
+    with pytest.raises(UserError, match=r"sample 2: the chat template rejects it \(System role not supported\)"):
+        tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
+
+
+def test_reasoning_rewrite_trains_each_turn_as_seen_at_inference(zoo_models):
+    """Qwen3's template (unknown to TRL after a one-line edit) drops the reasoning of turns before the last user
+    query: each assistant turn becomes its own sample, its reasoning kept, the earlier turn as context only."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen3-finetune"])
+    messages = [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "<think>two and three</think>2 plus 3 is 5."},
+        {"role": "user", "content": "And the colour?"},
+        {"role": "assistant", "content": "<think>any</think>red."},
+    ]
+    ds = tk.tokenize_records([{"messages": messages}], "messages", tokenizer, train_on_prompt=False)
+    assert len(ds) == 2 and ds["source"] == [0, 0]
+    first, second = (_loss_runs(tokenizer, row) for row in ds)
+    assert first == ["<think>\ntwo and three\n</think>\n\n2 plus 3 is 5.<|im_end|>"]
+    assert second == ["<think>\nany\n</think>\n\nred.<|im_end|>"]
+    assert "two and three" not in tokenizer.decode(ds[1]["input_ids"])  # dropped from the context, as at inference
+    assert "2 plus 3 is 5." in tokenizer.decode(ds[1]["input_ids"])
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]  # fmt: skip
+TOOL_RECORD = {
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
+        {"role": "tool", "content": "five", "name": "add"},
+        {"role": "assistant", "content": "2 plus 3 is 5."},
+    ],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3"])
+def test_tool_calls_and_results_go_through_the_template(zoo_models, family):
+    record = convert(TOOL_RECORD, "messages")
+    assert record["messages"][2]["role"] == "tool" and record["tools"] == TOOLS
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    (row,) = tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)
+    text = tokenizer.decode(row["input_ids"])
+    loss = "".join(_loss_runs(tokenizer, row))
+    assert "five" in text and "five" not in loss  # the tool's result is context, not learned
+    assert '"add"' in loss and '"a": 2' in loss  # the call is what the assistant says
+    assert loss.endswith(FAMILIES[family].reply("2 plus 3 is 5.", True))
+    assert "Add two numbers." in text and "Add two numbers." not in loss  # the schema reaches the template
+
+
+@pytest.mark.parametrize("family", ["granite", "llama-zephyr"])
+def test_template_that_drops_tool_messages_is_refused(zoo_models, family):
+    """Granite 3.0 and Zephyr render no `tool` role: the result would vanish from the training text."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops message 3 \(tool\)"):
+        tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=False)
+
+
+def test_chat_template_key_names_a_template(zoo_models, tmp_path):
+    tokenizer = tk.load_tokenizer(zoo_models["llama-zephyr"], chat_template="llama2")
+    ds = tk.tokenize_records(_records("alpaca", "llama-zephyr"), "alpaca", tokenizer, train_on_prompt=False)
+    assert tokenizer.decode(ds[0]["input_ids"]).startswith("<s>[INST] Spell the word. [/INST]")
+    assert _loss_runs(tokenizer, ds[0]) == ["R E D </s>"]  # Llama-2-chat: ' ' + answer + ' ' + EOS
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    tokenizer = tk.load_tokenizer(zoo_models["llama-zephyr"], chat_template=str(jinja))
+    assert tokenizer.lowmem_template_source == f"data.chat_template: file {jinja}"
+    with pytest.raises(UserError, match=r"data.chat_template='nope' is neither a known template.*mistral"):
+        tk.load_tokenizer(zoo_models["llama-zephyr"], chat_template="nope")
+
+
+def test_tool_calls_survive_the_dataset_unchanged(zoo_models):
+    """Arguments with different keys per row must not gain each other's keys (Arrow unifies nested structs)."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    records = [convert(TOOL_RECORD, "messages"), json.loads(json.dumps(convert(TOOL_RECORD, "messages")))]
+    records[1]["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"b": 3}
+    rows = tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
+    assert '"arguments": {"a": 2}}' in tokenizer.decode(rows[0]["input_ids"])
+    assert '"arguments": {"b": 3}}' in tokenizer.decode(rows[1]["input_ids"])
