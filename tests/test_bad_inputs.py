@@ -582,13 +582,23 @@ def test_a_plan_that_does_not_fit_still_prints_its_table(capsys):
     assert "does not fit" in err
 
 
-def test_merge_output_on_a_read_only_mount_is_refused_before_the_merge(world, tmp_path, capsys):
-    """A real read-only filesystem (tmpfs mounted ro; the tests run as root here). Skipped where mount is refused."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
+def _read_only_mount(path: Path, fill_from: str | None = None) -> None:
+    """A real read-only filesystem: a tmpfs (filled with a copy of `fill_from`), remounted ro. The tests run as
+    root here; where mount is refused, the test is skipped."""
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    if fill_from:
+        shutil.copytree(fill_from, path / Path(fill_from).name)
+    if subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", str(path)], check=True)
+        pytest.skip("cannot remount the tmpfs read-only here")
+
+
+def test_merge_output_on_a_read_only_mount_is_refused_before_the_merge(world, tmp_path, capsys):
+    mount = tmp_path / "ro"
+    _read_only_mount(mount)
     try:
         code = main(["merge", world["run"], "--output", str(mount / "merged")])
         out, err = capsys.readouterr()
@@ -598,3 +608,16 @@ def test_merge_output_on_a_read_only_mount_is_refused_before_the_merge(world, tm
     assert code == 2 and len(lines) == 1, err
     assert "cannot write there (Read-only file system" in lines[0]
     assert "merge plan" not in out  # refused before the merge, not after it
+
+
+def test_report_of_a_read_only_run_directory_is_one_line(world, tmp_path, capsys):
+    mount = tmp_path / "ro"
+    _read_only_mount(mount, fill_from=world["run"])
+    try:
+        code = main(["report", str(mount / Path(world["run"]).name)])
+        err = capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "cannot write memory.png there (Read-only file system)" in lines[0]
