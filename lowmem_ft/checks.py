@@ -12,6 +12,7 @@ file is wrong and how. They run no repository code and import no torch.
 from __future__ import annotations
 
 import json
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,20 @@ def check_model_dir(path: Path, what: str = "model", weights: bool = True, confi
     problem = _file_problems(path, files)
     if problem:
         raise UserError(f"{what} {path}: {problem}; copy or download the model again")
+
+
+def check_writable(path: Path, what: str) -> None:
+    """A directory that can be created and written to: a probe directory is made and removed in `path`, or in its
+    nearest existing parent (nothing is left behind; a read-only mount or a file in the way is one line)."""
+    probe_in = path.resolve()
+    while not probe_in.exists():
+        probe_in = probe_in.parent
+    try:
+        if not probe_in.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(probe_in))
+        Path(tempfile.mkdtemp(prefix=".lowmem-ft-probe-", dir=probe_in)).rmdir()
+    except OSError as exc:
+        raise UserError(f"{what} {path}: cannot write there ({exc.strerror or exc}: {probe_in})") from None
 
 
 def looks_like_path(name: str) -> bool:

@@ -492,6 +492,14 @@ PLANNING = [
     (PLAN + " --output {tmp}", ["--output", "is a directory"]),
     (PLAN + " --output {tmp}/no/such/dir/r.yaml", ["--output", "does not exist"]),
     ("train --vram 8 --data {data}", ["no model given", "--model"]),
+    (
+        TRAIN + " --set training.output_dir={runs}/a-file/runs",
+        ["training.output_dir", "cannot write there", "Not a directory"],
+    ),
+    (
+        "train --model {model} --data {data} --recipe 8gb --set training.output_dir={runs}/a-file",
+        ["training.output_dir", "cannot write there"],
+    ),  # fmt: skip
     ("train --model {model} --data {data}", ["--vram"]),
     (TRAIN + " --nodes 2", ["--nodes 2", "main_process_ip"]),
     (TRAIN + " --gpus 2 --strategy fsdp", ["--strategy fsdp needs CUDA GPUs"]),
@@ -608,6 +616,21 @@ def test_merge_output_on_a_read_only_mount_is_refused_before_the_merge(world, tm
     assert code == 2 and len(lines) == 1, err
     assert "cannot write there (Read-only file system" in lines[0]
     assert "merge plan" not in out  # refused before the merge, not after it
+
+
+def test_training_into_a_read_only_output_dir_is_refused_before_any_work(world, tmp_path, capsys):
+    mount = tmp_path / "ro"
+    _read_only_mount(mount)
+    argv = ["train", "--vram", "8", "--model", world["model"], "--data", world["data"], "--no-wandb",
+            "--set", f"training.output_dir={mount}/runs"]  # fmt: skip
+    try:
+        code = main(argv)
+        out, err = capsys.readouterr()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "training.output_dir" in lines[0] and "cannot write there (Read-only file system" in lines[0]
 
 
 def test_report_of_a_read_only_run_directory_is_one_line(world, tmp_path, capsys):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from lowmem_ft.checks import check_writable
 from lowmem_ft.commands import flags
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import DTYPE_BYTES
@@ -85,7 +85,7 @@ def _choose_device(requested: str, needed: int) -> tuple[str, str]:
 
 def check_output(output: Path, run_dir: Path) -> None:
     """--output before the merge starts: not inside the run directory's checkpoints or weights, a new or empty
-    directory, and writable (a probe directory is created and removed in it, or in its nearest existing parent)."""
+    directory, and writable (`lowmem_ft.checks.check_writable`)."""
     where = output.resolve()
     for inside in ("checkpoints", "adapter", "model"):
         if where.is_relative_to((run_dir / inside).resolve()):
@@ -94,15 +94,7 @@ def check_output(output: Path, run_dir: Path) -> None:
         raise UserError(f"--output {output} is a file; pick a new directory")
     if output.is_dir() and any(output.iterdir()):
         raise UserError(f"--output {output} exists and is not empty; pick a new directory")
-    probe_in = where
-    while not probe_in.exists():
-        probe_in = probe_in.parent
-    try:
-        if not probe_in.is_dir():
-            raise NotADirectoryError(20, "Not a directory", str(probe_in))
-        Path(tempfile.mkdtemp(prefix=".lowmem-ft-probe-", dir=probe_in)).rmdir()
-    except OSError as exc:
-        raise UserError(f"--output {output}: cannot write there ({exc.strerror or exc}: {probe_in})") from None
+    check_writable(output, "--output")
 
 
 def check_space(output: Path, needed: int) -> None:

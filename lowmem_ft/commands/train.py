@@ -169,7 +169,7 @@ def resume(path, overrides: dict | None = None):
     run = RunDir.existing(path)
     recipe = run.read_recipe(overrides)
     _check_checkpoint(run)
-    _check_inputs(recipe)
+    _check_inputs(recipe, run.path)
     # the plan of the original run (prediction, VRAM, margin) carries on
     choice = (run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)).resumed(
         str(run.recipe_file)
@@ -227,10 +227,13 @@ def choose(args: argparse.Namespace, overrides: dict):
     return recipe, choice
 
 
-def _check_inputs(recipe) -> None:
-    """What the run reads, checked before any work: the model (a local directory complete, its config loadable
-    without code unless --trust-remote-code) and every data source (resolved, nothing read yet)."""
-    from lowmem_ft.checks import check_model
+def _check_inputs(recipe, run_dir=None, flag: str = "--resume") -> None:
+    """What the run reads and where it writes, checked before any work: the model (a local directory complete, its
+    config loadable without code unless --trust-remote-code), every data source (resolved, nothing read yet), and
+    the run directory (`run_dir`, given by `flag`) or training.output_dir it will be made in, writable."""
+    from pathlib import Path
+
+    from lowmem_ft.checks import check_model, check_writable
     from lowmem_ft.data import check_source
     from lowmem_ft.errors import UserError
     from lowmem_ft.train.model import load_config
@@ -240,6 +243,10 @@ def _check_inputs(recipe) -> None:
     check_model(recipe.model.name_or_path, "model")
     load_config(recipe)
     check_source(recipe)
+    if run_dir is None:
+        check_writable(Path(recipe.training.output_dir), "training.output_dir")
+    else:
+        check_writable(Path(run_dir), flag)
 
 
 def _check_length(recipe, overrides: dict, recipe_name: str | None) -> None:
@@ -310,7 +317,7 @@ def _run_launched(path, trust_remote_code: bool) -> int:
         run, recipe, choice = resume(run.path, overrides)
     else:
         recipe, choice = run.read_recipe(overrides), Choice.from_dict(info["choice"])
-        _check_inputs(recipe)
+        _check_inputs(recipe, run.path, "--run-dir")
     result = train(recipe, run, choice=choice, resume=checkpoint is not None)
     if result.is_main:
         _print_done(result.metrics, run.path)
