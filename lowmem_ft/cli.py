@@ -1,7 +1,8 @@
 """The `lowmem-ft` command line: a thin dispatcher over one module per subcommand in `lowmem_ft.commands`.
 
 Each command module has `add_parser(subparsers)` and `run(args) -> int`. A `UserError` anywhere becomes one
-line on stderr and exit code 2; `--debug` shows the traceback instead.
+line on stderr and exit code 2; `--debug` shows the traceback instead. A flag argparse refuses (a bad value, a
+missing required flag) is one line too, naming the flag, instead of argparse's usage block.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ def _available_commands():
                 raise
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (the usage block it prints by default is what `--help` is for)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="lowmem-ft",
         description="Fine-tune large language models on small GPUs: pick settings that fit a VRAM target, "
         "explain where the memory goes, and train with QLoRA/LoRA on the Hugging Face stack.",
@@ -39,12 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _available_commands():
         module.add_parser(sub)
+    parser.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, for its own errors
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command they were given to, not by the top-level parser
+            parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a flag refused (already printed): a code, not an exception
+        return int(exc.code or 0)
     if args.command is None:
         parser.print_help()
         return 2

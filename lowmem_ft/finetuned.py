@@ -1,20 +1,20 @@
 """A finished run directory as a model: its recipe, the base it was trained on, and its adapter or full weights.
 
 `generate` and `merge` start here. The one idea: check everything a user can get wrong — the directory, the
-device, whether the adapter fits the base — before any weight is read, and say it in one line; then load through
-the same `lowmem_ft.train.model` functions `train` used, so the base is stored exactly as it was trained.
+adapter and base files (`lowmem_ft.checks`), the device, whether the adapter fits the base — before any weight is
+read, and say it in one line; then load through the same `lowmem_ft.train.model` functions `train` used, so the base
+is stored exactly as it was trained. A run directory is data someone may have handed you: its recipe cannot turn on
+`trust_remote_code`; only the command's own `--trust-remote-code` flag does.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lowmem_ft.checks import ADAPTER_WEIGHTS, check_adapter_dir, check_model, check_model_dir
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.schema import Recipe
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass
@@ -31,13 +31,14 @@ class FinishedRun:
         return replace(self.recipe, model=model)
 
 
-def open_run(run_dir: str | Path, base: str | None = None) -> FinishedRun:
-    """The run in `run_dir`, or a UserError saying what is missing. `base` overrides where the base model is."""
+def open_run(run_dir: str | Path, base: str | None = None, trust_remote_code: bool = False) -> FinishedRun:
+    """The run in `run_dir`, or a UserError saying what is missing or broken. `base` overrides where the base model
+    is; `trust_remote_code` is the command's own flag (the run's recipe.yaml cannot grant it)."""
     from lowmem_ft.rundir import RunDir
 
     run = RunDir.existing(run_dir)
     path = run.path
-    recipe = run.read_recipe()
+    recipe = run.read_recipe({"model": {"trust_remote_code": trust_remote_code}})
     full = recipe.adapter.kind == "full"
     weights = run.weights(full)
     if not weights.is_dir():
@@ -46,13 +47,15 @@ def open_run(run_dir: str | Path, base: str | None = None) -> FinishedRun:
             f"finish it with `lowmem-ft train --resume {path}` or pick another run"
         )
     if full:
+        check_model_dir(weights, "fine-tuned model")
         return FinishedRun(path, recipe, weights, full=True, base=base or str(weights))
-    config_file = weights / "adapter_config.json"
-    if not config_file.is_file() or not (weights / ADAPTER_WEIGHTS).is_file():
-        raise UserError(f"{weights} holds no LoRA adapter (adapter_config.json + {ADAPTER_WEIGHTS})")
-    adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+    adapter_config = check_adapter_dir(weights)
     # peft records the base the adapter was trained on; the recipe is the fallback for adapters that lack it.
     trained_on = adapter_config.get("base_model_name_or_path") or recipe.model.name_or_path
+    if base:
+        check_model(base, "--base")
+    else:
+        check_model(trained_on, "base model", hint=f"; pass --base PATH to the model {path} was trained on")
     return FinishedRun(path, recipe, weights, full=False, base=base or trained_on)
 
 

@@ -9,13 +9,14 @@ recipe and a typed `Choice` — how the recipe was chosen — which the run dire
 
 from __future__ import annotations
 
-import logging
+import math
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.memory.estimate import Device, Setup
+from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup
 from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
@@ -23,8 +24,6 @@ from lowmem_ft.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from lowmem_ft.data.profile import LengthProfile
-
-log = logging.getLogger(__name__)
 
 # Recipe key → the planner's name for it (a `Setup` field, or a knob the `Plan` carries beside the setup).
 RECIPE_KNOBS = {
@@ -178,12 +177,18 @@ class Choice:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Choice:
+        """The record run.json keeps; a ValueError / TypeError when its figures are not what a run wrote."""
+        target, peak = Target.from_dict(data), data.get("predicted_peak_gb")
+        if target is not None and not (math.isfinite(target.vram_gb) and target.vram_gb > target.margin_gb >= 0):
+            raise ValueError(f"vram_gb {target.vram_gb} with safety_margin_gb {target.margin_gb} is no memory target")
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))):
+            raise ValueError(f"predicted_peak_gb {peak!r} is not a number")
         return cls(
             how=data.get("how", "recipe"),
             recipe=str(data.get("recipe", "")),
             model=str(data.get("model", "")),
-            target=Target.from_dict(data),
-            predicted_peak_gb=data.get("predicted_peak_gb"),
+            target=target,
+            predicted_peak_gb=peak,
             fits=data.get("fits"),
             strategy=data.get("strategy") or "single",
             offload=bool(data.get("offload")),
@@ -198,19 +203,69 @@ class Choice:
                 "recipe": to_dict(recipe)}  # fmt: skip
 
 
-# -- choosing ----------------------------------------------------------------------------------------------------
-def _length(recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile) -> tuple[int, str, bool]:
-    """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit)."""
-    length = recipe.memory.max_seq_len
-    if seq_len:
-        return length, f"{length} tokens, as --seq-len asked", False
-    if "max_seq_len" in fixed:
-        return length, f"{length} tokens, as --set asked", False
+# -- the target and the length ----------------------------------------------------------------------------------
+def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
+    """The memory target of `--vram` for `recipe`: a finite VRAM above the safety margin the recipe keeps free."""
+    margin = recipe.memory.safety_margin_gb
+    if not math.isfinite(vram_gb):
+        raise UserError(f"--vram {vram_gb:g}: not a finite number of GB")
+    if vram_gb <= margin:
+        smallest = margin + CUDA_CONTEXT_BYTES / GB
+        raise UserError(
+            f"--vram {vram_gb:g}: not above the recipe's {margin:g} GB safety margin (memory.safety_margin_gb), so "
+            f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
+            f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
+        )
+    return Target(vram_gb, margin, gpus)
+
+
+def check_positions(length: int, positions: int, model: str, asked: str) -> None:
+    """A max_seq_len the user asked for (`asked` says where) within the model's positions, when they are known."""
+    if positions and length > positions:
+        raise UserError(
+            f"{asked}: max_seq_len {length} is beyond the {positions} positions of {model} "
+            f"(max_position_embeddings in its config); use {positions} or less"
+        )
+
+
+def model_positions(name_or_path: str) -> int:
+    """The model's max_position_embeddings from a local config.json or the offline catalog; 0 when unknown without
+    asking the Hub."""
+    from lowmem_ft.memory.arch import Architecture, catalog_entry, load_config_dict
+
+    if not name_or_path or not (Path(name_or_path).is_dir() or catalog_entry(name_or_path)):
+        return 0
+    config, _ = load_config_dict(name_or_path)
+    return Architecture.from_config(config, name=name_or_path).max_position_embeddings
+
+
+def _length(arch, recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile) -> tuple[int, str, bool]:
+    """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit), within the model's
+    positions: a length the user asked for beyond them is an error naming the limit; the data's or the tier
+    recipe's is capped there (longer samples follow data.truncate), and the reason says so."""
+    length, positions = recipe.memory.max_seq_len, arch.max_position_embeddings
+    cap = round_seq_len(positions, up=False) if positions else 0
+    if seq_len or "max_seq_len" in fixed:
+        asked = f"--seq-len {length}" if seq_len else f"--set memory.max_seq_len={length}"
+        check_positions(length, positions, arch.name or "the model", asked)
+        return length, f"{length} tokens, as {'--seq-len' if seq_len else '--set'} asked", False
     if profile is not None and profile.p99 > 0:
         wanted = round_seq_len(profile.p99)
+        if cap and wanted > cap:
+            samples, tokens = profile.over(cap)
+            why = (
+                f"{cap} tokens: the model's {positions} positions (max_position_embeddings; p99 {profile.p99} is "
+                f"beyond them); {samples} samples longer, {tokens} tokens beyond it (data.truncate={recipe.data.truncate})"
+            )
+            return cap, why, True
         covers = "every sample" if profile.max and wanted >= profile.max else "99 % of samples (longer ones truncate)"
         return wanted, f"{wanted} tokens covers {covers} (p99 {profile.p99}, max {profile.max})", True
+    if cap and length > cap:
+        return cap, f"{cap} tokens: the recipe's {length} capped at the model's {positions} positions", False
     return length, f"{length} tokens from the recipe", False
+
+
+# -- choosing ----------------------------------------------------------------------------------------------------
 
 
 def plan_setup(
@@ -227,7 +282,7 @@ def plan_setup(
     """The planner's answer for `recipe` as the start. When the data's p99 length (our own choice) does not fit, the
     longest length that does: longer samples then follow `data.truncate`, and the reason line says how many that
     cuts."""
-    length, why, from_data = _length(recipe, fixed, seq_len, profile)
+    length, why, from_data = _length(arch, recipe, fixed, seq_len, profile)
     request = Request(
         start=replace(setup_from_recipe(recipe), max_seq_len=length),
         target=target,
@@ -287,20 +342,19 @@ def choose_recipe(
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
     from lowmem_ft.memory.arch import load_architecture
 
+    target = target_for(vram_gb, start, gpus)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
-    target = Target(vram_gb, start.memory.safety_margin_gb, gpus)
     model = start.model.name_or_path
     if recipe is not None:
+        length, flag = start.memory.max_seq_len, (origins or {}).get("memory.max_seq_len")
+        asked = f"recipe {recipe}"
+        if "max_seq_len" in overrides.get("memory", {}):
+            asked = f"{flag} {length}" if flag else f"--set memory.max_seq_len={length}"
+        check_positions(length, arch.max_position_embeddings, model, asked)
         request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
                           start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
-        checked = check(arch, request)
-        if not checked.fits:
-            log.warning(
-                "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); "
-                "drop --recipe to let the planner choose, or see `lowmem-ft plan --vram %g --model %s`",
-                recipe, checked.estimate.peak_gb, vram_gb, checked.budget_gb, checked.margin_gb, vram_gb, model,
-            )  # fmt: skip
-        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+        # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
+        return start, Choice.of_plan("recipe", str(recipe), model, check(arch, request))
     planned = plan_setup(
         arch, start, target, fixed_knobs(overrides), seq_len=seq_len, profile=profile, strategy=strategy,
         offload=offload,
@@ -319,7 +373,7 @@ def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *
     start = resolve(tier_for_vram(vram_gb), fixed)
     request = Request(
         setup_from_recipe(start),
-        Target(vram_gb, start.memory.safety_margin_gb),
+        target_for(vram_gb, start),
         start.memory.gradient_accumulation,
         fixed=fixed_knobs(fixed) | (set() if savers else {"activation_offloading", "loss_impl"}),
     )

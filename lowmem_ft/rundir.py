@@ -118,6 +118,8 @@ class RunDir:
     def existing(cls, path: str | Path) -> RunDir:
         """A run directory written by `train` (it has recipe.yaml), or a UserError saying it is not one."""
         run = cls(path)
+        if run.path.exists() and not run.path.is_dir():
+            raise UserError(f"{path} is a file, not a run directory; pass runs/<name> of a `lowmem-ft train` run")
         if not run.path.is_dir():
             raise UserError(f"run directory {path} does not exist; pass runs/<name> of a `lowmem-ft train` run")
         if not run.recipe_file.is_file():
@@ -178,12 +180,14 @@ class RunDir:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
     def _read_json(self, path: Path) -> dict[str, Any] | None:
+        """A record, or None when it is absent or not a JSON object (a run directory may be damaged or hand-made)."""
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return None
+        return data if isinstance(data, dict) else None
 
     def write_recipe(self, recipe: Recipe) -> None:
         from lowmem_ft.recipe.load import dump
@@ -209,7 +213,15 @@ class RunDir:
         from lowmem_ft.planning import Choice
 
         record = self.read_info().get("choice")
-        return Choice.from_dict(record) if isinstance(record, dict) else None
+        if not isinstance(record, dict):
+            return None
+        try:
+            return Choice.from_dict(record)
+        except (TypeError, ValueError) as exc:
+            raise UserError(
+                f"{self.info_file}: its choice record is malformed ({exc}); remove run.json to go on without the "
+                "original plan's figures"
+            ) from None
 
     def write_plan(self, record: dict[str, Any]) -> None:
         self._write_json(self.plan_file, record)
@@ -237,7 +249,7 @@ class RunDir:
 
     def read_launch(self) -> dict[str, Any]:
         info = self._read_json(self.launch_file)
-        if not self.recipe_file.is_file() or info is None:
+        if not self.recipe_file.is_file() or info is None or not isinstance(info.get("choice"), dict):
             raise UserError(
                 f"--run-dir {self.path}: not a prepared run (needs {self.RECIPE} and {self.LAUNCH} from --gpus)"
             )
@@ -255,13 +267,15 @@ class RunDir:
     def memory_log(self, rank: int = 0) -> MemoryLog:
         """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`)."""
         log = MemoryLog()
-        with self.memory_file(rank).open(encoding="utf-8") as handle:
+        with self.memory_file(rank).open(encoding="utf-8", errors="replace") as handle:  # bad bytes: unreadable
             for line in handle:
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
+                    record = None
+                if not isinstance(record, dict):
                     log.unreadable += 1
                     continue
                 if record.get("event") == "start":

@@ -55,3 +55,17 @@ def zoo_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture
 def chat_data() -> str:
     return os.path.join(os.path.dirname(__file__), "..", "examples", "chat.jsonl")
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_model, tmp_path_factory) -> str:
+    """A finished LoRA run of the tiny model (2 steps, a checkpoint after each): recipe.yaml, run.json, adapter/,
+    checkpoints/checkpoint-1 and -2. Shared by the tests that hand commands damaged or hostile copies of it."""
+    from tests.train.tiny_runs import tiny_run
+
+    out = tmp_path_factory.mktemp("finished")
+    data = os.path.join(os.path.dirname(__file__), "..", "examples", "chat.jsonl")
+    tiny_run(
+        tiny_model, data, out, "done", "training.max_steps=2", "training.save_steps=1", "logging.wandb_mode=disabled"
+    )
+    return str(out / "done")

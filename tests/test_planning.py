@@ -88,3 +88,63 @@ def test_seq_len_fixes_the_length_and_is_named_in_errors():
     assert recipe.memory.max_seq_len == 4096 and choice.reasons["max_seq_len"] == "4096 tokens, as --seq-len asked"
     with pytest.raises(UserError, match="^--seq-len: 'memory.max_seq_len' must be at least 16"):
         choose_recipe(vram_gb=24, recipe=None, overrides=QWEN7, seq_len=8)
+
+
+# -- the model's positions and the VRAM target bound what is planned (issue #16) ---------------------------------
+PHI3 = {"model": {"name_or_path": "microsoft/Phi-3-mini-4k-instruct"}}  # max_position_embeddings 4096 (catalog)
+
+
+def test_a_long_sample_never_plans_beyond_the_models_positions():
+    """Issue #16: one 5 MB line made the planner choose max_seq_len 984272. The data's p99 beyond the model's
+    positions is capped there (longer samples follow data.truncate), and the reason says so."""
+    from lowmem_ft.data.profile import LengthProfile
+
+    profile = LengthProfile.from_lengths([200] * 50 + [984_272])
+    recipe, choice = choose_recipe(vram_gb=80, recipe=None, overrides=PHI3, profile=profile)
+    assert recipe.memory.max_seq_len == 4096
+    why = choice.reasons["max_seq_len"]
+    assert why.startswith("4096 tokens: the model's 4096 positions") and "p99 984272 is beyond them" in why
+    assert "1 samples longer, 980176 tokens beyond it" in why
+
+
+def test_a_capped_length_that_does_not_fit_is_shortened_further():
+    from lowmem_ft.data.profile import LengthProfile
+
+    profile = LengthProfile.from_lengths([100_000] * 10)  # Qwen-7B (v1): 8192 positions, ~1k tokens fit in 8 GB
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides={"model": {"name_or_path": "Qwen/Qwen-7B"}},
+                                   profile=profile)  # fmt: skip
+    assert 0 < recipe.memory.max_seq_len < 8192 and "the longest that fits" in choice.reasons["max_seq_len"]
+
+
+def test_a_tier_length_beyond_the_positions_is_capped_and_an_asked_one_is_an_error():
+    from dataclasses import replace
+
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.planning import plan_setup
+
+    arch = replace(load_architecture("Qwen/Qwen2.5-0.5B"), max_position_embeddings=1000)
+    recipe = resolve("24gb", QWEN7)  # max_seq_len 2048
+    planned = plan_setup(arch, recipe, Target(24, 1), frozenset())
+    assert planned.setup.max_seq_len == 992  # 1000 rounded down to a multiple of 16
+    assert planned.reasons["max_seq_len"] == "992 tokens: the recipe's 2048 capped at the model's 1000 positions"
+    with pytest.raises(UserError, match=r"^--set memory.max_seq_len=2048: .* beyond the 1000 positions"):
+        plan_setup(arch, recipe, Target(24, 1), frozenset({"max_seq_len"}))
+    unknown = replace(arch, max_position_embeddings=0)  # not in the config: no bound
+    assert plan_setup(unknown, recipe, Target(24, 1), frozenset()).setup.max_seq_len == 2048
+
+
+@pytest.mark.parametrize("vram", [0.75, 0.5, 0.0])
+def test_vram_must_leave_a_budget_above_the_margin(vram):
+    with pytest.raises(UserError, match="0.75 GB safety margin .* smallest sensible --vram is 1.25"):
+        choose_recipe(vram_gb=vram, recipe=None, overrides=QWEN7)
+    for infinite in (float("inf"), float("nan")):
+        with pytest.raises(UserError, match="not a finite number of GB"):
+            choose_recipe(vram_gb=infinite, recipe=None, overrides=QWEN7)
+
+
+def test_a_choice_record_with_figures_no_run_wrote_is_refused():
+    for record in ({"vram_gb": float("inf")}, {"vram_gb": 8, "safety_margin_gb": 9}, {"vram_gb": "lots"},
+                   {"vram_gb": 8, "predicted_peak_gb": "high"}):  # fmt: skip
+        with pytest.raises((ValueError, TypeError)):
+            Choice.from_dict(record)
+    assert Choice.from_dict({"vram_gb": 8, "safety_margin_gb": 1}).target == Target(8, 1)

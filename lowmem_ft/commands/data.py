@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from lowmem_ft.commands import flags
 from lowmem_ft.data.formats import FORMATS
 
 
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
         "org/name (data.path; omit it when --recipe or --set gives data.path or data.mix)",
     )
     s.add_argument("--model", help="hub id or local directory whose tokenizer counts the tokens (model.name_or_path)")
-    s.add_argument("--max-len", type=int, metavar="N", help="show what a max length of N tokens would cut")
+    s.add_argument("--max-len", type=flags.count, metavar="N", help="show what a max length of N tokens would cut")
     s.add_argument("--split", help="split of a Hub data set, saved DatasetDict or directory (data.split)")
     s.add_argument("--subset", help="configuration of a Hub data set (data.subset)")
     s.add_argument(
@@ -114,13 +115,13 @@ def _candidates(profile, max_len: int | None) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lowmem_ft.checks import check_model
     from lowmem_ft.data.prepare import load_training_data
     from lowmem_ft.data.tokenize import load_tokenizer
-    from lowmem_ft.errors import UserError
 
-    if args.max_len is not None and args.max_len < 1:
-        raise UserError(f"--max-len must be at least 1, got {args.max_len}")
     recipe = _recipe(args)
+    # only the tokenizer is read: a directory needs no config.json or weights, but a file or a missing path is wrong
+    check_model(recipe.model.name_or_path, "--model", weights=False, config=False)
     tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template)
     data = load_training_data(recipe, tokenizer)
     profile = data.profile()

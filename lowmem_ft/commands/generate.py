@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lowmem_ft.commands import flags
 from lowmem_ft.errors import UserError
 
 
@@ -24,27 +25,36 @@ def add_parser(sub) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `lowmem-ft train` (runs/<name>)")
     p.add_argument("--prompt", help="the user message; omit to chat interactively")
     p.add_argument("--system", help="a system message before the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="longest answer (default 256)")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1.0)")
-    p.add_argument("--seed", type=int, help="seed for sampling, for repeatable answers")
-    p.add_argument("--vram", type=float, metavar="GB", help="GPU memory to fit in (default: the whole GPU)")
+    p.add_argument("--max-new-tokens", type=flags.count, default=256, metavar="N", help="longest answer (default 256)")
+    p.add_argument(
+        "--temperature",
+        type=flags.ranged(float, ge=0),
+        default=0.7,
+        help="sampling temperature; 0 = greedy (default 0.7)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=flags.ranged(float, gt=0, le=1),
+        default=0.9,
+        help="nucleus sampling mass, in (0, 1] (default 0.9)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=flags.ranged(float, gt=0),
+        default=1.0,
+        help="above 0; > 1 discourages repeats, 1 leaves them alone (default 1.0)",
+    )
+    p.add_argument("--seed", type=flags.seed, help="seed for sampling, for repeatable answers")
+    p.add_argument("--vram", type=flags.vram_gb, metavar="GB", help="GPU memory to fit in (default: the whole GPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (default auto)")
     p.add_argument("--base", metavar="PATH", help="the base model, if it is no longer where training found it")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the base model's (or tokenizer's) own code; the run directory's recipe cannot turn this on",
+    )
     p.set_defaults(func=run)
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be ≥ 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.vram is not None and args.vram <= 0:
-        raise UserError(f"--vram must be a positive number of GB, got {args.vram}")
 
 
 def _budget_bytes(args: argparse.Namespace, device: str) -> int | None:
@@ -76,7 +86,7 @@ class Generator:
         from lowmem_ft.train.model import torch_dtype
 
         self.args = args
-        run = open_run(args.run_dir, base=args.base)
+        run = open_run(args.run_dir, base=args.base, trust_remote_code=args.trust_remote_code)
         device = resolve_device(args.device)
         self.tokenizer = load_tokenizer_of(run)
         self.model = load_finetuned(run, run.base_recipe(), device)
@@ -168,7 +178,6 @@ def _start(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_args(args)
     prompt = args.prompt
     interactive = prompt is None and sys.stdin.isatty()
     if prompt is None and not interactive:

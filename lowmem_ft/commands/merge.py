@@ -8,9 +8,12 @@ bytes, which can be several times what training held — on the GPU when it fits
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
+from lowmem_ft.checks import check_writable
+from lowmem_ft.commands import flags
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import DTYPE_BYTES
 
@@ -36,7 +39,14 @@ def add_parser(sub) -> None:
         help="dtype of the merged weights (default: the recipe's model.compute_dtype)",
     )
     p.add_argument("--base", metavar="PATH", help="the base model, if it is no longer where training found it")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", type=flags.shard_size, default="5GB", help="largest safetensors shard (default 5GB)"
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the base model's (or tokenizer's) own code; the run directory's recipe cannot turn this on",
+    )
     p.set_defaults(func=run)
 
 
@@ -73,24 +83,52 @@ def _choose_device(requested: str, needed: int) -> tuple[str, str]:
     return "cpu", f"the GPU has {human(free)} free, the merge needs {human(needed)}"
 
 
+def check_output(output: Path, run_dir: Path) -> None:
+    """--output before the merge starts: not inside the run directory's checkpoints or weights, a new or empty
+    directory, and writable (`lowmem_ft.checks.check_writable`)."""
+    where = output.resolve()
+    for inside in ("checkpoints", "adapter", "model"):
+        if where.is_relative_to((run_dir / inside).resolve()):
+            raise UserError(f"--output {output} is inside the run's {inside}/; pick a directory outside it")
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file; pick a new directory")
+    if output.is_dir() and any(output.iterdir()):
+        raise UserError(f"--output {output} exists and is not empty; pick a new directory")
+    check_writable(output, "--output")
+
+
+def check_space(output: Path, needed: int) -> None:
+    """The disk under --output holds the merged weights (what save_pretrained writes, tokenizer aside)."""
+    from lowmem_ft.memory.inference import human
+
+    probe = output.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise UserError(
+            f"--output {output}: the merged model needs {human(needed)} but the disk has {human(free)} free"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from lowmem_ft.finetuned import load_finetuned, load_tokenizer_of, open_run
     from lowmem_ft.memory.inference import human
 
-    run_ = open_run(args.run_dir, base=args.base)
+    output = Path(args.output)
+    run_ = open_run(args.run_dir, base=args.base, trust_remote_code=args.trust_remote_code)
     if run_.full:
         raise UserError(
             f"{args.run_dir} is a full fine-tune: {run_.weights_dir} already is a standalone model; load it directly"
         )
-    output = Path(args.output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output {output} exists and is not empty; pick a new directory")
+    check_output(output, run_.run_dir)
 
     trained = run_.recipe.model
     dtype = args.dtype or trained.compute_dtype
     recipe = run_.base_recipe(quantization="none", compute_dtype=dtype)
     params = count_parameters(recipe)
     weights = params * DTYPE_BYTES[dtype]
+    check_space(output, weights)
     adapter = (run_.weights_dir / "adapter_model.safetensors").stat().st_size
     # merge_and_unload(safe_merge=True) clones one module's weight at a time: the peak is the base + adapter.
     needed = weights + adapter

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import get_args
 
+from lowmem_ft.commands import flags
+from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
+from lowmem_ft.recipe.schema import MIN_SEQ_LEN
 
 
 def add_parser(sub) -> None:
@@ -17,9 +21,13 @@ def add_parser(sub) -> None:
         "headroom, and why each knob was chosen. --output writes the recipe `train --recipe` accepts.",
     )
     p.add_argument("--model", required=True, help="hub id (offline catalog or Hub config.json) or local directory")
-    p.add_argument("--vram", type=float, required=True, metavar="GB", help="GPU memory to fit in, in GB")
+    p.add_argument("--vram", type=flags.vram_gb, required=True, metavar="GB", help="GPU memory to fit in, in GB")
     p.add_argument(
-        "--seq-len", type=int, metavar="N", help="maximum sequence length in tokens (fixes memory.max_seq_len)"
+        "--seq-len",
+        type=flags.ranged(int, ge=MIN_SEQ_LEN),
+        metavar="N",
+        help=f"maximum sequence length in tokens, at least {MIN_SEQ_LEN} and at most the model's positions "
+        "(fixes memory.max_seq_len)",
     )
     p.add_argument(
         "--data",
@@ -27,7 +35,7 @@ def add_parser(sub) -> None:
         help="size max_seq_len from this data's token lengths (p99), as train --vram does; needs the tokenizer",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
-    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs to train on; the plan is per device")
+    p.add_argument("--gpus", type=flags.count, default=1, metavar="N", help="GPUs to train on; the plan is per device")
     p.add_argument(
         "--strategy",
         default="auto",
@@ -45,17 +53,33 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--output", metavar="FILE.yaml", help="write the resolved recipe here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--trust-remote-code", action="store_true", help="accepted for symmetry with train (not needed)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the tokenizer's own code with --data (planning itself reads config.json and runs no code)",
+    )
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def check_output_file(path: Path) -> None:
+    """--output before planning: a file path (not a directory) in a directory that exists."""
+    if path.is_dir():
+        raise UserError(f"--output {path} is a directory; give a file name, e.g. {path / 'recipe.yaml'}")
+    if not path.parent.is_dir():
+        raise UserError(f"--output {path}: directory {path.parent} does not exist")
 
+
+def run(args: argparse.Namespace) -> int:
+    from lowmem_ft.checks import check_model
     from lowmem_ft.planning import choose_recipe, start_recipe
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
 
-    overrides = merge(parse_overrides(args.overrides), {"model": {"name_or_path": args.model}})
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        check_output_file(output)
+    check_model(args.model, "--model", weights=False)  # planning reads config.json only
+    model = {"name_or_path": args.model, **({"trust_remote_code": True} if args.trust_remote_code else {})}
+    overrides = merge(parse_overrides(args.overrides), {"model": model})
     origins = {"model.name_or_path": "--model", "data.path": "--data"}
     profile = None
     if args.data:
@@ -76,16 +100,26 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         offload=args.offload,
     )
-    if args.output:
-        Path(args.output).write_text(
-            dump(recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), encoding="utf-8"
-        )
+    fits = choice.plan.fits
+    if output is not None and fits:
+        try:
+            output.write_text(dump(recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), "utf-8")
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
     if args.json:
         print(json.dumps(choice.plan_record(recipe), indent=2))
     else:
         print_plan(choice.plan, recipe)
-        if args.output:
-            print(f"recipe written to {args.output} (lowmem-ft train --recipe {args.output} --data ...)")
+        if output is not None and fits:
+            print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
+    if not fits:  # only a recipe as given (--recipe) can come back over the budget: the planner's plans fit
+        p = choice.plan
+        raise UserError(
+            f"recipe {args.recipe} does not fit: predicted peak {p.estimate.peak_gb:.2f} GB over the budget of "
+            f"{p.budget_gb:.2f} GB (--vram {p.vram_gb:g} − margin {p.margin_gb:g}; the plan on stdout shows where "
+            f"it goes){'; nothing written to --output' if output is not None else ''}; drop --recipe to let the "
+            "planner choose"
+        )
     return 0
 
 

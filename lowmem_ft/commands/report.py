@@ -25,7 +25,13 @@ def run(args: argparse.Namespace) -> int:
     if not run.memory_file().is_file():
         what = "does not exist" if not run.path.exists() else "has no memory.jsonl (not a lowmem-ft run directory?)"
         raise UserError(f"{run.path} {what}; pass runs/NAME of a run started by lowmem-ft train")
-    png, summary = write_report(run.path)
+    try:
+        png, summary = write_report(run.path)
+    except OSError as exc:  # a run directory handed over read-only, or a full disk
+        raise UserError(
+            f"{run.path}: cannot write {run.MEMORY_PLOT} there ({exc.strerror or exc}); copy the run directory "
+            "somewhere writable and report that"
+        ) from None
     print(summary)
     print(f"plot: {png}")
     return 0

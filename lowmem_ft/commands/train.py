@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
+from lowmem_ft.commands import flags
 from lowmem_ft.memory.planner import Requested
 from lowmem_ft.recipe.load import merge, parse_overrides
 from lowmem_ft.recipe.schema import DataFormat
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--vram",
-        type=float,
+        type=flags.vram_gb,
         metavar="GB",
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
@@ -40,6 +41,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--name",
+        type=flags.run_name,
         help="run name (a name, not a path); the run goes to <training.output_dir>/<name> (default: model-timestamp)",
     )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
@@ -59,8 +61,12 @@ def add_parser(sub) -> None:
         "--no-wandb", action="store_true", help="do not log to Weights & Biases (logging.wandb_mode=disabled)"
     )
     g = p.add_argument_group("several GPUs (through accelerate launch)")
-    g.add_argument("--gpus", type=int, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)")
-    g.add_argument("--nodes", type=int, default=1, metavar="N", help="machines; run the printed command on each")
+    g.add_argument(
+        "--gpus", type=flags.count, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)"
+    )
+    g.add_argument(
+        "--nodes", type=flags.count, default=1, metavar="N", help="machines; run the printed command on each"
+    )
     g.add_argument(
         "--strategy",
         default="auto",
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
         os.environ["WANDB_MODE"] = "disabled"
     if args.run_dir:
-        return _run_launched(args.run_dir)
+        return _run_launched(args.run_dir, args.trust_remote_code)
     overrides = flag_overrides(args)
     if args.resume:
         run_dir, recipe, choice = resume(args.resume, overrides)
@@ -153,15 +159,17 @@ def new_run(recipe, name: str | None):
 
 def resume(path, overrides: dict | None = None):
     """The one resume path (`--resume`, and a relaunch of `--gpus` ranks): the run's recipe (with any new `--set`) and
-    how it was chosen, continued from its last checkpoint."""
-    from lowmem_ft.errors import UserError
+    how it was chosen, continued from its last checkpoint.
+
+    A run directory is data: its recipe.yaml cannot turn on model.trust_remote_code, only this command line can
+    (`--trust-remote-code` in `overrides`; `lowmem_ft.recipe.load` drops the file's)."""
     from lowmem_ft.planning import Choice
     from lowmem_ft.rundir import RunDir
 
     run = RunDir.existing(path)
     recipe = run.read_recipe(overrides)
-    if run.last_checkpoint() is None:
-        raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
+    _check_checkpoint(run)
+    _check_inputs(recipe, run.path)
     # the plan of the original run (prediction, VRAM, margin) carries on
     choice = (run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)).resumed(
         str(run.recipe_file)
@@ -169,8 +177,29 @@ def resume(path, overrides: dict | None = None):
     return run, recipe, choice
 
 
+def _check_checkpoint(run) -> None:
+    """The checkpoint `--resume` continues from: there is one, and it is complete (`lowmem_ft.checks`)."""
+    import re
+
+    from lowmem_ft.checks import checkpoint_problem
+    from lowmem_ft.errors import UserError
+
+    checkpoint = run.last_checkpoint()
+    if checkpoint is None:
+        raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
+    problem = checkpoint_problem(checkpoint)
+    if problem:
+        numbered = (re.fullmatch(r"checkpoint-(\d+)", c.name) for c in run.checkpoints.iterdir())
+        steps = sorted((int(m.group(1)), run.checkpoints / m.group(0)) for m in numbered if m)
+        earlier = [c for _, c in steps if c != checkpoint and checkpoint_problem(c) is None]
+        hint = f"delete it to resume from {earlier[-1].name}" if earlier else "start the run again without --resume"
+        raise UserError(f"--resume {run.path}: {checkpoint.name}: {problem}; {hint}")
+
+
 def choose(args: argparse.Namespace, overrides: dict):
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile."""
+    import logging
+
     from lowmem_ft.planning import choose_recipe
 
     origins = flag_origins(args)
@@ -186,24 +215,56 @@ def choose(args: argparse.Namespace, overrides: dict):
         offload=args.offload or None,  # not given: the planner may offload as its last step
     )
     _check_inputs(recipe)
+    if args.vram is None:  # not planned: the recipe's length as given, within the model's positions
+        _check_length(recipe, overrides, args.recipe)
+    elif choice.fits is False:  # --recipe R --vram N: used as given; the guard steps down if memory runs out
+        logging.getLogger(__name__).warning(
+            "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); drop "
+            "--recipe to let the planner choose, or see `lowmem-ft plan --vram %g --model %s --recipe %s`",
+            args.recipe, choice.predicted_peak_gb, args.vram, choice.target.budget_gb, choice.target.margin_gb,
+            args.vram, recipe.model.name_or_path, args.recipe,
+        )  # fmt: skip
     return recipe, choice
 
 
-def _check_inputs(recipe) -> None:
+def _check_inputs(recipe, run_dir=None, flag: str = "--resume") -> None:
+    """What the run reads and where it writes, checked before any work: the model (a local directory complete, its
+    config loadable without code unless --trust-remote-code), every data source (resolved, nothing read yet), and
+    the run directory (`run_dir`, given by `flag`) or training.output_dir it will be made in, writable."""
+    from pathlib import Path
+
+    from lowmem_ft.checks import check_model, check_writable
     from lowmem_ft.data import check_source
     from lowmem_ft.errors import UserError
+    from lowmem_ft.train.model import load_config
 
     if not recipe.model.name_or_path:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
-    check_source(recipe)  # every data source resolved (file, directory, saved data set, Hub id), nothing read yet
+    check_model(recipe.model.name_or_path, "model")
+    load_config(recipe)
+    check_source(recipe)
+    if run_dir is None:
+        check_writable(Path(recipe.training.output_dir), "training.output_dir")
+    else:
+        check_writable(Path(run_dir), flag)
+
+
+def _check_length(recipe, overrides: dict, recipe_name: str | None) -> None:
+    from lowmem_ft.planning import check_positions, model_positions
+
+    length = recipe.memory.max_seq_len
+    given = "max_seq_len" in overrides.get("memory", {})
+    asked = f"--set memory.max_seq_len={length}" if given else f"memory.max_seq_len of recipe {recipe_name}"
+    check_positions(length, model_positions(recipe.model.name_or_path), recipe.model.name_or_path, asked)
 
 
 def _data_profile(args: argparse.Namespace, overrides: dict, origins: dict[str, str]):
     """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training)."""
     from lowmem_ft.data import length_profile
-    from lowmem_ft.planning import start_recipe
+    from lowmem_ft.planning import start_recipe, target_for
 
     start = start_recipe(args.vram, args.recipe, overrides, origins)
+    target_for(args.vram, start)  # --vram above the recipe's margin, before the data is tokenized
     _check_inputs(start)
     return length_profile(start)
 
@@ -240,9 +301,10 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     return 0  # rank 0 printed the "done" line
 
 
-def _run_launched(path) -> int:
+def _run_launched(path, trust_remote_code: bool) -> int:
     """One process of a launched run: train in the prepared run directory. A relaunch by hand after a crash
-    continues from the last checkpoint, through the same resume path as `--resume`."""
+    continues from the last checkpoint, through the same resume path as `--resume`. Its recipe.yaml cannot turn on
+    model.trust_remote_code: the launching command passes --trust-remote-code on the ranks' command line."""
     from lowmem_ft.planning import Choice
     from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.run import train
@@ -250,10 +312,12 @@ def _run_launched(path) -> int:
     run = RunDir(path)
     info = run.read_launch()
     checkpoint = run.last_checkpoint()
+    overrides = {"model": {"trust_remote_code": True}} if trust_remote_code else {}
     if checkpoint is not None:
-        run, recipe, choice = resume(run.path)
+        run, recipe, choice = resume(run.path, overrides)
     else:
-        recipe, choice = run.read_recipe(), Choice.from_dict(info["choice"])
+        recipe, choice = run.read_recipe(overrides), Choice.from_dict(info["choice"])
+        _check_inputs(recipe, run.path, "--run-dir")
     result = train(recipe, run, choice=choice, resume=checkpoint is not None)
     if result.is_main:
         _print_done(result.metrics, run.path)

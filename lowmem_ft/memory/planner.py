@@ -184,6 +184,8 @@ def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantiza
     """Strategy stages to try; offload only where the optimizer can step on the host, sharding not for int8."""
     if strategy not in STAGES:
         raise UserError(f"--strategy {strategy}: choose one of {', '.join(STAGES)}")
+    if strategy == "ddp" and offload:
+        raise UserError("--offload needs a sharded strategy (DDP keeps everything on the device); use --strategy fsdp")
     stages = [
         (st, off)
         for st, off in STAGES[strategy]

@@ -6,7 +6,10 @@ nearest valid key, or the section it belongs under.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import logging
+import math
 import os
 import types
 import typing
@@ -17,7 +20,9 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from lowmem_ft.errors import ConfigError, UserError
-from lowmem_ft.recipe.schema import SECTIONS, Recipe
+from lowmem_ft.recipe.schema import INT_LIMIT, SECTIONS, Recipe, in_range, span
+
+log = logging.getLogger(__name__)
 
 
 def recipes_dir() -> Path:
@@ -41,6 +46,8 @@ def find_recipe(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise UserError(f"recipe {name_or_path}: a directory, not a recipe file (YAML)")
     shipped = shipped_recipes()
     if name_or_path in shipped:
         return shipped[name_or_path]
@@ -55,11 +62,19 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in seen:
         raise UserError(f"{path}: `base:` inheritance loops back to {path.name}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is YAML text") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise UserError(f"{path}: YAML nested deeper than the reader allows; a recipe is sections of keys") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
@@ -87,7 +102,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or "." not in key:
-            problems.append(f"--set {item!r}: expected section.key=value, e.g. --set memory.micro_batch_size=4")
+            problems.append(f"{item!r}: expected section.key=value, e.g. --set memory.micro_batch_size=4")
             continue
         section, _, name = key.strip().partition(".")
         try:
@@ -138,17 +153,20 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
     if tp is bool:
         return value, None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return value, None if ok else f"must be an integer, got {value!r}"
+        if not isinstance(value, int) or isinstance(value, bool):
+            return value, f"must be an integer, got {value!r}"
+        return value, None if -INT_LIMIT < value < INT_LIMIT else f"must be below {INT_LIMIT:,} in size, got {value}"
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), None
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
-            try:
-                return float(value), None
-            except ValueError:
-                pass
-        return value, f"must be a number, got {value!r}"
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            return value, f"must be a number, got {value!r}"
+        # .nan / .inf (YAML) and "nan" / "inf" (float()) pass every range comparison: refuse them here
+        return number, None if math.isfinite(number) else f"must be a finite number, got {value!r}"
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value), None
@@ -206,14 +224,17 @@ def check_keys(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[tu
     return out, problems
 
 
+def _bounds(f) -> dict[str, Any]:
+    """The range a field declares in its metadata (`ge`, `gt`, `lt`; see `schema._f`)."""
+    return {k: f.metadata[k] for k in ("ge", "gt", "le", "lt") if f.metadata.get(k) is not None}
+
+
 def _range_problem(f, value: Any) -> str | None:
-    """The field's declared range (`ge`, `lt` in its metadata, see `schema._f`), or None when the value is in it."""
-    ge, lt = f.metadata.get("ge"), f.metadata.get("lt")
-    if ge is not None and lt is not None and not ge <= value < lt:
-        return f"must be in [{ge:g}, {lt:g}), got {value}"
-    if ge is not None and value < ge:
-        return f"must be at least {ge:g}, got {value}"
-    return None
+    """The field's declared range, or None when the value is in it."""
+    bounds = _bounds(f)
+    if not bounds or in_range(value, **bounds):
+        return None
+    return f"must be {span(**bounds)}, got {value}"
 
 
 def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
@@ -301,6 +322,22 @@ def _config_error(problems: list[tuple[str, str]]) -> ConfigError:
     return ConfigError([f"{source}: {text}" for source, text in problems], source="recipe")
 
 
+def _command_line_only(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A recipe file without `model.trust_remote_code: true`: running a model's own code is granted only on the
+    command line of the command being run. A file may come from anyone — a run directory someone handed you is data —
+    so it cannot grant itself code execution."""
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("trust_remote_code"), bool):
+        if model["trust_remote_code"]:
+            log.warning(
+                "%s sets model.trust_remote_code: true, which only the command line can grant; it is off — pass "
+                "--trust-remote-code if you trust the model's code",
+                path,
+            )
+        data = {**data, "model": {k: v for k, v in model.items() if k != "trust_remote_code"}}
+    return data
+
+
 def resolve(
     recipe: str | Path | None = None,
     overrides: list[str] | dict | None = None,
@@ -314,7 +351,7 @@ def resolve(
     layers: list[tuple[str, dict[str, Any]]] = []
     if recipe is not None:
         path = find_recipe(str(recipe))
-        layers.append((str(path), _read_yaml(path)))
+        layers.append((str(path), _command_line_only(_read_yaml(path), path)))
     if overrides:
         layers.append(("--set", parse_overrides(overrides) if isinstance(overrides, list) else overrides))
     return build(layers, origins)
@@ -336,8 +373,7 @@ def field_help() -> dict[str, str]:
     for section, cls in SECTIONS.items():
         for f in fields(cls):
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            ge, lt = f.metadata.get("ge"), f.metadata.get("lt")
-            span = f", at least {ge:g}" if ge is not None and lt is None else ""
-            span = f", in [{ge:g}, {lt:g})" if ge is not None and lt is not None else span
-            out[f"{section}.{f.name}"] = f"{f.metadata.get('help', '')} (default: {default!r}{span})"
+            bounds = _bounds(f)
+            where = f", {span(**bounds)}" if bounds else ""
+            out[f"{section}.{f.name}"] = f"{f.metadata.get('help', '')} (default: {default!r}{where})"
     return out

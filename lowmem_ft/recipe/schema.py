@@ -22,19 +22,51 @@ WandbMode = Literal["online", "offline", "disabled", "auto"]
 MixStrategy = Literal["undersample", "oversample"]
 # The shortest max_seq_len a recipe may ask for; the planner's lengths are multiples of it (lowmem_ft.memory.planner).
 MIN_SEQ_LEN = 16
+# Every integer a recipe or flag gives is a count, a length, a step or a seed that torch, numpy and the Trainer hold
+# as a 32-bit int somewhere (tensor sizes, step counters; numpy seeds are unsigned 32-bit); a larger one is a typo,
+# refused where it enters.
+INT_LIMIT = 2**31
 
 
 def _f(default, help: str, **kw):
     """A dataclass field whose `help` is its documentation (`lowmem-ft recipes keys`).
 
-    `ge` / `lt` in `kw` declare the field's range (at least `ge`, below `lt`); `lowmem_ft.recipe.load` checks it, once,
-    when a recipe is resolved — the one place a value is validated.
+    `ge` / `gt` / `lt` in `kw` declare the field's range (at least `ge`, above `gt`, below `lt`);
+    `lowmem_ft.recipe.load` checks it, once, when a recipe is resolved — the one place a value is validated.
     """
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
     if isinstance(default, dict):
         return field(default_factory=lambda d=default: dict(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
+
+
+def span(*, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None) -> str:
+    """A range in words, as errors and `recipes keys` say it: "at least 1", "above 0", "in [0, 1)", "in (0, 1]"."""
+
+    def num(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
+    low = f"[{num(ge)}" if ge is not None else f"({num(gt)}" if gt is not None else None
+    high = f"{num(le)}]" if le is not None else f"{num(lt)})" if lt is not None else None
+    if low and high:
+        return f"in {low}, {high}"
+    if ge is not None:
+        return f"at least {num(ge)}"
+    if gt is not None:
+        return f"above {num(gt)}"
+    if le is not None:
+        return f"at most {num(le)}"
+    return f"below {num(lt)}" if lt is not None else "any value"
+
+
+def in_range(value: float, *, ge=None, gt=None, le=None, lt=None) -> bool:
+    return (
+        (ge is None or value >= ge)
+        and (gt is None or value > gt)
+        and (le is None or value <= le)
+        and (lt is None or value < lt)
+    )
 
 
 @dataclass
@@ -50,7 +82,11 @@ class ModelSection:
     attn_implementation: Attention = _f(
         "sdpa", "Attention kernel: sdpa (memory-efficient), flash_attention_2, eager (s² scores)."
     )
-    trust_remote_code: bool = _f(False, "Run the model repository's own Python code. Off unless you trust the repo.")
+    trust_remote_code: bool = _f(
+        False,
+        "Run the model repository's own Python code. Only the command line turns it on (--trust-remote-code or "
+        "--set): a recipe file — a run directory's recipe.yaml included — cannot.",
+    )
 
 
 @dataclass
@@ -59,7 +95,7 @@ class AdapterSection:
         "lora", "lora: train low-rank adapters on a frozen base; full: train every weight (no quantization)."
     )
     r: int = _f(16, "LoRA rank.", ge=1)
-    alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
+    alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).", ge=1)
     dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0)
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -73,11 +109,11 @@ class OptimizerSection:
         "paged_adamw_8bit",
         "Optimizer: adamw_torch (fp32 states, 8 B/param), adamw_8bit / paged_adamw_8bit (bitsandbytes, ~2 B/param), paged_adamw_32bit, adafactor.",
     )
-    lr: float = _f(2e-4, "Peak learning rate.")
-    weight_decay: float = _f(0.0, "Weight decay.")
+    lr: float = _f(2e-4, "Peak learning rate.", gt=0.0)
+    weight_decay: float = _f(0.0, "Weight decay (decoupled, AdamW).", ge=0.0)
     schedule: Schedule = _f("cosine", "Learning-rate schedule after warmup.")
     warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.", ge=0.0, lt=1.0)
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).", ge=0.0)
 
 
 @dataclass
@@ -173,12 +209,12 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
-    epochs: float = _f(1.0, "Passes over the data (ignored when max_steps > 0).")
+    epochs: float = _f(1.0, "Passes over the data, fractions allowed (ignored when max_steps > 0).", gt=0.0)
     max_steps: int = _f(-1, "Optimizer steps to run; -1 runs `epochs` passes.")
-    seed: int = _f(42, "Seed for data order and adapter initialization.")
+    seed: int = _f(42, "Seed for data order and adapter initialization.", ge=0)
     logging_steps: int = _f(10, "Log loss every N optimizer steps.", ge=1)
     save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.", ge=1)
-    save_total_limit: int = _f(2, "Checkpoints kept on disk.", ge=1)
+    save_total_limit: int = _f(2, "Checkpoints kept on disk (the newest; 0 keeps every one).", ge=0)
     eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)
     output_dir: str = _f("runs", "Parent directory of run directories.")
 

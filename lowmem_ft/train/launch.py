@@ -229,7 +229,9 @@ def launcher() -> list[str]:
     return [str(script), "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def launch_command(run: RunDir, plan: LaunchPlan) -> list[str]:
+def launch_command(run: RunDir, plan: LaunchPlan, trust_remote_code: bool = False) -> list[str]:
+    """The ranks' command line. --trust-remote-code travels here, never through the run directory's recipe.yaml,
+    which cannot grant it (`lowmem_ft.recipe.load`)."""
     return [
         *launcher(),
         "--config_file",
@@ -240,6 +242,7 @@ def launch_command(run: RunDir, plan: LaunchPlan) -> list[str]:
         "train",
         "--run-dir",
         str(run.path),
+        *(["--trust-remote-code"] if trust_remote_code else []),
     ]
 
 
@@ -253,7 +256,7 @@ def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resum
         + (" (CPU, gloo)" if plan.cpu else "")
         + "\n"
     )
-    cmd = launch_command(run, plan)
+    cmd = launch_command(run, plan, recipe.model.trust_remote_code)
     info = {"plan": plan.to_dict(), "choice": choice.to_dict(), "resume": resume, "command": shlex.join(cmd)}
     run.write_launch(header + yaml.safe_dump(config, sort_keys=False), info)
     return cmd

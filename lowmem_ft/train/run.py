@@ -237,8 +237,6 @@ class FineTune:
     def fit(self):
         import torch
 
-        from lowmem_ft.report import write_report
-
         started = time.time()
         try:
             self.output = self.trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint else None)
@@ -248,10 +246,23 @@ class FineTune:
         finally:
             self.monitor.close()
             if self.is_main:
-                _, memory_summary = write_report(self.run.path)
-                print(memory_summary)
+                self._report()
         self.elapsed = time.time() - started
         return self.output
+
+    def _report(self) -> None:
+        """The memory report at the end of `fit`, which runs in a `finally` and so must never hide why fit ended:
+        nothing when no memory was recorded (fit failed before the first step), and a report that fails is logged."""
+        from lowmem_ft.report import write_report
+
+        if not self.run.memory_file().is_file():
+            return
+        try:
+            _, memory_summary = write_report(self.run.path)
+        except Exception as exc:  # noqa: BLE001 — raising here would replace the exception fit is ending with
+            log.warning("memory report not written: %s: %s", type(exc).__name__, exc)
+            return
+        print(memory_summary)
 
     # -- finalize ------------------------------------------------------------------------------------------------------
     def finalize(self) -> RunResult:

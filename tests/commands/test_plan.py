@@ -52,6 +52,17 @@ def test_plan_sizes_the_sequence_from_the_data(tiny_model, chat_data, capsys):
     assert "p99 49" in out["reasons"]["max_seq_len"]
 
 
+def test_one_very_long_sample_plans_no_more_than_the_models_positions(tiny_model, tmp_path, capsys):
+    """Issue #16: a single 5 MB line made the planner choose max_seq_len 984272. The tiny model has 4096 positions."""
+    path = tmp_path / "long.jsonl"
+    long_text = " ".join(["the cat sat on the mat"] * 3000)  # ~18k tokens
+    path.write_text(json.dumps({"text": "a short one"}) + "\n" + json.dumps({"text": long_text}) + "\n")
+    assert main(["plan", "--vram", "8", "--model", tiny_model, "--data", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recipe"]["memory"]["max_seq_len"] == 4096
+    assert out["reasons"]["max_seq_len"].startswith("4096 tokens: the model's 4096 positions")
+
+
 def test_plan_with_missing_data_is_one_line(tiny_model, capsys):
     assert main(["plan", "--vram", "8", "--model", tiny_model, "--data", "nope.jsonl"]) == 2
     err = capsys.readouterr().err

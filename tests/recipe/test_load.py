@@ -110,3 +110,27 @@ def test_ranges_are_declared_in_the_schema_and_checked_once():
         resolve("8gb", ["memory.micro_batch_size=0"])
     with pytest.raises(ConfigError, match=r"'data.eval_fraction' must be in \[0, 1\), got 1.0"):
         resolve("8gb", ["data.eval_fraction=1"])
+
+
+def test_a_recipe_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.yaml"
+    path.write_bytes("\ufeffbase: 8gb\ntraining:\n  max_steps: 7\n".encode())
+    assert resolve(path).training.max_steps == 7
+
+
+def test_an_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
+    """Simulated PermissionError: the tests run as root, for whom chmod 000 still reads."""
+    from pathlib import Path
+
+    path = tmp_path / "secret.yaml"
+    path.write_text("base: 8gb\n")
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == "secret.yaml":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(UserError, match=r"secret.yaml: cannot read the recipe \(Permission denied\)"):
+        resolve(path)

@@ -1,0 +1,73 @@
+"""Flag values checked where they enter: argparse `type=` functions shared by the commands.
+
+The one idea: a bad flag value is refused while the command line is parsed — before any file is read or any model
+loaded — in one line that names the flag, the rule and the value (`lowmem_ft.cli` prints argparse's errors as one
+line). Range rules that need the recipe or the model (`--vram` above the safety margin, `--seq-len` within the model's
+positions) are checked where those are known (`lowmem_ft.planning`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+from lowmem_ft.recipe.schema import INT_LIMIT, in_range, span
+
+
+def _parse(text: str, kind: type) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if kind is int and not -INT_LIMIT < value < INT_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be below {INT_LIMIT:,} in size, got {text}")
+    return value
+
+
+def ranged(
+    kind: type, *, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+    unit: str = "",
+) -> Callable[[str], float | int]:  # fmt: skip
+    """An argparse type: a finite `kind` (int or float) within the given bounds."""
+
+    def parse(text: str) -> float | int:
+        value = _parse(text, kind)
+        if not in_range(value, ge=ge, gt=gt, le=le, lt=lt):
+            raise argparse.ArgumentTypeError(f"must be {span(ge=ge, gt=gt, le=le, lt=lt)}{unit}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+# The flags several commands share.
+vram_gb = ranged(float, gt=0, unit=" GB")  # above the recipe's safety margin too: checked by lowmem_ft.planning
+count = ranged(int, ge=1)  # --gpus, --nodes, --max-new-tokens, --max-len
+seed = ranged(int, ge=0)
+
+
+def shard_size(text: str) -> str:
+    """--max-shard-size as transformers' `convert_file_size_to_int` reads it (utils/hub.py): a positive integer and
+    a unit — GB, MB, KB (decimal), GiB, MiB, KiB; a lower-case "b" means bits there, as in "5Gb"."""
+    match = re.fullmatch(r"(\d+)\s*([GMK]I?B)", text.strip(), flags=re.IGNORECASE)
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive whole number and a unit (e.g. 5GB, 500MB, 2GiB), got {text!r}"
+        )
+    return text.strip()
+
+
+def run_name(text: str) -> str:
+    """--name: a name, not a path (`lowmem_ft.rundir.check_run_name`), refused before any work."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.rundir import check_run_name
+
+    try:
+        return check_run_name(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--name ")) from None
