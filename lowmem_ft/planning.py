@@ -84,7 +84,90 @@ def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: d
     full = overrides.get("adapter", {}).get("kind") == "full"
     if recipe is None and full and "quantization" not in overrides.get("model", {}):
         planned_defaults = {"model": {"quantization": "none"}}
-    return resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+    resolved = resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+    return with_saved_adapter(resolved, overrides, origins)
+
+
+# -- an existing adapter -----------------------------------------------------------------------------------------
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+
+
+def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:
+    """The recipe with the shape of the adapter it continues (`adapter.name_or_path`): that adapter's r, alpha,
+    dropout and target modules replace the section's, and its base is the model when none is given. A key the user
+    set to another value is an error (the adapter's weights decide it); a base of another name is a warning (the
+    shapes are checked against the model before training)."""
+    name = recipe.adapter.name_or_path
+    if not name:
+        return recipe
+    from lowmem_ft.adapter import locate
+
+    saved = locate(name)
+    origins = origins or {}
+    given = overrides.get("adapter", {})
+    section = saved.section()
+    clashes = [
+        f"{origins.get(f'adapter.{key}', '--set')} adapter.{key}={given[key]!r}"
+        for key, value in section.items()
+        if key in given and given[key] != value
+    ]
+    if clashes:
+        shape = ", ".join(f"{k}={v}" for k, v in section.items())
+        raise UserError(f"--adapter {name} has {shape}; {'; '.join(clashes)} contradicts it: drop it")
+    model = recipe.model
+    if not model.name_or_path and saved.base:
+        model = replace(model, name_or_path=saved.base)
+        _say_once(logging.INFO, f"model: {saved.base}, the base --adapter {name} was trained on")
+    elif model.name_or_path and not saved.same_base(model.name_or_path):
+        _say_once(
+            logging.WARNING,
+            f"--adapter {name} was trained on {saved.base}, not {model.name_or_path}; continuing on "
+            f"{model.name_or_path} (its matrices are checked against that model's layers)",
+        )
+    for note in saved.uncounted:
+        _say_once(logging.WARNING, f"--adapter {name} trains {note}, which the memory plan does not count")
+    changed = [
+        f"{k} {getattr(recipe.adapter, k)!r} → {v!r}" for k, v in section.items() if getattr(recipe.adapter, k) != v
+    ]
+    if changed:  # the recipe file's values give way to the adapter's: say so
+        _say_once(logging.INFO, f"adapter: {', '.join(changed)}, as the adapter {name} has them")
+    return replace(recipe, model=model, adapter=replace(recipe.adapter, **section))
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+    """Log a message once per process: a command resolves its recipe more than once (profile, then plan)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.log(level, message)
+
+
+def _check_adapter_fits(arch, recipe: Recipe) -> None:
+    """An adapter whose matrices do not fit the model's layers is one line, before any data or weight is read."""
+    if not recipe.adapter.name_or_path:
+        return
+    from lowmem_ft.adapter import locate
+
+    saved = locate(recipe.adapter.name_or_path)
+    misfit = saved.misfit({lin.name: (lin.in_features, lin.out_features) for lin in arch.linears}, arch.num_layers)
+    if misfit:
+        raise UserError(
+            f"--adapter {saved.source} does not fit {recipe.model.name_or_path}: {misfit}; pass the --model it was "
+            f"trained on ({saved.base or 'see its adapter_config.json'})"
+        )
+
+
+def _adapter_reason(p: Plan, recipe: Recipe, origins: dict[str, str] | None) -> Plan:
+    """The plan's adapter line names the adapter it counts when one is loaded."""
+    a = recipe.adapter
+    if not a.name_or_path:
+        return p
+    where = (origins or {}).get("adapter.name_or_path", "adapter.name_or_path")
+    why = f"lora, rank {a.r} on {', '.join(a.target_modules)}: the adapter loaded from {where} {a.name_or_path}"
+    return replace(p, reasons={**p.reasons, "adapter": why})
 
 
 # -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
@@ -199,13 +282,15 @@ class Choice:
 
 
 # -- choosing ----------------------------------------------------------------------------------------------------
-def _length(recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile) -> tuple[int, str, bool]:
+def _length(
+    recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile, asked_by: str = "--set"
+) -> tuple[int, str, bool]:
     """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit)."""
     length = recipe.memory.max_seq_len
     if seq_len:
         return length, f"{length} tokens, as --seq-len asked", False
     if "max_seq_len" in fixed:
-        return length, f"{length} tokens, as --set asked", False
+        return length, f"{length} tokens, as {asked_by} asked", False
     if profile is not None and profile.p99 > 0:
         wanted = round_seq_len(profile.p99)
         covers = "every sample" if profile.max and wanted >= profile.max else "99 % of samples (longer ones truncate)"
@@ -223,11 +308,13 @@ def plan_setup(
     profile: LengthProfile | None = None,
     strategy: Requested = "auto",
     offload: bool | None = None,
+    origins: dict[str, str] | None = None,
 ) -> Plan:
     """The planner's answer for `recipe` as the start. When the data's p99 length (our own choice) does not fit, the
     longest length that does: longer samples then follow `data.truncate`, and the reason line says how many that
-    cuts."""
-    length, why, from_data = _length(recipe, fixed, seq_len, profile)
+    cuts. `origins` names the flag that fixed a length (`--seq-len`), for the reason line."""
+    asked_by = (origins or {}).get("memory.max_seq_len", "--set")
+    length, why, from_data = _length(recipe, fixed, seq_len, profile, asked_by)
     request = Request(
         start=replace(setup_from_recipe(recipe), max_seq_len=length),
         target=target,
@@ -280,7 +367,7 @@ def choose_recipe(
         overrides = merge(overrides, {"memory": {"max_seq_len": seq_len}})
         origins = {**(origins or {}), "memory.max_seq_len": "--seq-len"}
     if vram_gb is None:
-        resolved = resolve(recipe, overrides, origins)
+        resolved = with_saved_adapter(resolve(recipe, overrides, origins), overrides, origins)
         return resolved, Choice("recipe", str(recipe), resolved.model.name_or_path)
     start = start_recipe(vram_gb, recipe, overrides, origins)
     if not start.model.name_or_path:
@@ -288,12 +375,13 @@ def choose_recipe(
     from lowmem_ft.memory.arch import load_architecture
 
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    _check_adapter_fits(arch, start)
     target = Target(vram_gb, start.memory.safety_margin_gb, gpus)
     model = start.model.name_or_path
     if recipe is not None:
         request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
                           start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
-        checked = check(arch, request)
+        checked = _adapter_reason(check(arch, request), start, origins)
         if not checked.fits:
             log.warning(
                 "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); "
@@ -301,10 +389,12 @@ def choose_recipe(
                 recipe, checked.estimate.peak_gb, vram_gb, checked.budget_gb, checked.margin_gb, vram_gb, model,
             )  # fmt: skip
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
-        arch, start, target, fixed_knobs(overrides), seq_len=seq_len, profile=profile, strategy=strategy,
-        offload=offload,
+        arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
+        origins=origins,
     )  # fmt: skip
+    planned = _adapter_reason(planned, start, origins)
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 
