@@ -1,18 +1,17 @@
 """The `lowmem-ft` command line: a thin dispatcher over one module per subcommand in `lowmem_ft.commands`.
 
 Each command module has `add_parser(subparsers)` and `run(args) -> int`. A `UserError` anywhere becomes one
-line on stderr and exit code 2; `--debug` shows the traceback instead.
+line on stderr and exit code 2; `--debug` shows the traceback instead. `--quiet` and `--debug` are accepted before
+or after any command (`lowmem_ft.console` says what each shows).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
-import os
 import sys
 
-from lowmem_ft import __version__
+from lowmem_ft import __version__, console
 from lowmem_ft.errors import UserError
 
 # Subcommands in the order `--help` lists them; each is lowmem_ft.commands.<module>.
@@ -28,6 +27,24 @@ def _available_commands():
                 raise
 
 
+def _console_flags(parser: argparse.ArgumentParser, default) -> None:
+    """--quiet / --debug on a parser; on subcommands their default is SUPPRESS, so they never undo the global flag."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--quiet", action="store_true", default=default, help="print only errors, warnings and the final summary"
+    )
+    group.add_argument("--debug", action="store_true", default=default, help="show full tracebacks and library logs")
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every subcommand parser below `parser` (`data stats` too)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield sub
+                yield from _subparsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lowmem-ft",
@@ -35,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         "explain where the memory goes, and train with QLoRA/LoRA on the Hugging Face stack.",
     )
     parser.add_argument("--version", action="version", version=f"lowmem-ft {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks and library logs")
+    _console_flags(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _available_commands():
         module.add_parser(sub)
+    for subparser in _subparsers(parser):
+        _console_flags(subparser, argparse.SUPPRESS)
     return parser
 
 
@@ -48,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    debug = args.debug or bool(os.environ.get("LOWMEM_FT_DEBUG"))
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.quiet and args.debug:
+        parser.error("--quiet and --debug exclude each other")
+    debug = console.setup(quiet=args.quiet, debug=args.debug) == "debug"
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
