@@ -2,18 +2,17 @@
 
 Each command module has `add_parser(subparsers)` and `run(args) -> int`. A `UserError` anywhere becomes one
 line on stderr and exit code 2; `--debug` shows the traceback instead. A flag argparse refuses (a bad value, a
-missing required flag) is one line too, naming the flag, instead of argparse's usage block.
+missing required flag) is one line too, naming the flag, instead of argparse's usage block. `--quiet` and `--debug`
+are accepted before or after any command (`lowmem_ft.console` says what each shows).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
-import os
 import sys
 
-from lowmem_ft import __version__
+from lowmem_ft import __version__, console
 from lowmem_ft.errors import UserError
 
 # Subcommands in the order `--help` lists them; each is lowmem_ft.commands.<module>.
@@ -36,6 +35,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _console_flags(parser: argparse.ArgumentParser, default) -> None:
+    """--quiet / --debug on a parser; on subcommands their default is SUPPRESS, so they never undo the global flag."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--quiet", action="store_true", default=default, help="print only errors, warnings and the final summary"
+    )
+    group.add_argument("--debug", action="store_true", default=default, help="show full tracebacks and library logs")
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every subcommand parser below `parser` (`data stats` too)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield sub
+                yield from _subparsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="lowmem-ft",
@@ -43,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         "explain where the memory goes, and train with QLoRA/LoRA on the Hugging Face stack.",
     )
     parser.add_argument("--version", action="version", version=f"lowmem-ft {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks and library logs")
+    _console_flags(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _available_commands():
         module.add_parser(sub)
     parser.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, for its own errors
+    for subparser in _subparsers(parser):
+        _console_flags(subparser, argparse.SUPPRESS)
     return parser
 
 
@@ -57,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named by the command they were given to, not by the top-level parser
             parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.quiet and args.debug:  # one before the command, the other after it
+            parser.error("--quiet and --debug exclude each other")
     except SystemExit as exc:  # --help, --version, or a flag refused (already printed): a code, not an exception
         return int(exc.code or 0)
     if args.command is None:
         parser.print_help()
         return 2
-    debug = args.debug or bool(os.environ.get("LOWMEM_FT_DEBUG"))
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    debug = console.setup(quiet=args.quiet, debug=args.debug) == "debug"
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -9,6 +9,7 @@ recipe and a typed `Choice` — how the recipe was chosen — which the run dire
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,8 @@ from lowmem_ft.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from lowmem_ft.data.profile import LengthProfile
+
+log = logging.getLogger(__name__)
 
 # Recipe key → the planner's name for it (a `Setup` field, or a knob the `Plan` carries beside the setup).
 RECIPE_KNOBS = {
@@ -83,7 +86,90 @@ def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: d
     full = overrides.get("adapter", {}).get("kind") == "full"
     if recipe is None and full and "quantization" not in overrides.get("model", {}):
         planned_defaults = {"model": {"quantization": "none"}}
-    return resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+    resolved = resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+    return with_saved_adapter(resolved, overrides, origins)
+
+
+# -- an existing adapter -----------------------------------------------------------------------------------------
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+
+
+def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:
+    """The recipe with the shape of the adapter it continues (`adapter.name_or_path`): that adapter's r, alpha,
+    dropout and target modules replace the section's, and its base is the model when none is given. A key the user
+    set to another value is an error (the adapter's weights decide it); a base of another name is a warning (the
+    shapes are checked against the model before training)."""
+    name = recipe.adapter.name_or_path
+    if not name:
+        return recipe
+    from lowmem_ft.adapter import locate
+
+    saved = locate(name)
+    origins = origins or {}
+    given = overrides.get("adapter", {})
+    section = saved.section()
+    clashes = [
+        f"{origins.get(f'adapter.{key}', '--set')} adapter.{key}={given[key]!r}"
+        for key, value in section.items()
+        if key in given and given[key] != value
+    ]
+    if clashes:
+        shape = ", ".join(f"{k}={v}" for k, v in section.items())
+        raise UserError(f"--adapter {name} has {shape}; {'; '.join(clashes)} contradicts it: drop it")
+    model = recipe.model
+    if not model.name_or_path and saved.base:
+        model = replace(model, name_or_path=saved.base)
+        _say_once(logging.INFO, f"model: {saved.base}, the base --adapter {name} was trained on")
+    elif model.name_or_path and not saved.same_base(model.name_or_path):
+        _say_once(
+            logging.WARNING,
+            f"--adapter {name} was trained on {saved.base}, not {model.name_or_path}; continuing on "
+            f"{model.name_or_path} (its matrices are checked against that model's layers)",
+        )
+    for note in saved.uncounted:
+        _say_once(logging.WARNING, f"--adapter {name} trains {note}, which the memory plan does not count")
+    changed = [
+        f"{k} {getattr(recipe.adapter, k)!r} → {v!r}" for k, v in section.items() if getattr(recipe.adapter, k) != v
+    ]
+    if changed:  # the recipe file's values give way to the adapter's: say so
+        _say_once(logging.INFO, f"adapter: {', '.join(changed)}, as the adapter {name} has them")
+    return replace(recipe, model=model, adapter=replace(recipe.adapter, **section))
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+    """Log a message once per process: a command resolves its recipe more than once (profile, then plan)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.log(level, message)
+
+
+def _check_adapter_fits(arch, recipe: Recipe) -> None:
+    """An adapter whose matrices do not fit the model's layers is one line, before any data or weight is read."""
+    if not recipe.adapter.name_or_path:
+        return
+    from lowmem_ft.adapter import locate
+
+    saved = locate(recipe.adapter.name_or_path)
+    misfit = saved.misfit({lin.name: (lin.in_features, lin.out_features) for lin in arch.linears}, arch.num_layers)
+    if misfit:
+        raise UserError(
+            f"--adapter {saved.source} does not fit {recipe.model.name_or_path}: {misfit}; pass the --model it was "
+            f"trained on ({saved.base or 'see its adapter_config.json'})"
+        )
+
+
+def _adapter_reason(p: Plan, recipe: Recipe, origins: dict[str, str] | None) -> Plan:
+    """The plan's adapter line names the adapter it counts when one is loaded."""
+    a = recipe.adapter
+    if not a.name_or_path:
+        return p
+    where = (origins or {}).get("adapter.name_or_path", "adapter.name_or_path")
+    why = f"lora, rank {a.r} on {', '.join(a.target_modules)}: the adapter loaded from {where} {a.name_or_path}"
+    return replace(p, reasons={**p.reasons, "adapter": why})
 
 
 # -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
@@ -239,16 +325,19 @@ def model_positions(name_or_path: str) -> int:
     return Architecture.from_config(config, name=name_or_path).max_position_embeddings
 
 
-def _length(arch, recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile) -> tuple[int, str, bool]:
+def _length(
+    arch, recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile, asked_by: str = "--set"
+) -> tuple[int, str, bool]:
     """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit), within the model's
     positions: a length the user asked for beyond them is an error naming the limit; the data's or the tier
     recipe's is capped there (longer samples follow data.truncate), and the reason says so."""
     length, positions = recipe.memory.max_seq_len, arch.max_position_embeddings
     cap = round_seq_len(positions, up=False) if positions else 0
     if seq_len or "max_seq_len" in fixed:
-        asked = f"--seq-len {length}" if seq_len else f"--set memory.max_seq_len={length}"
+        flag = "--seq-len" if seq_len else asked_by  # the flag that fixed it (`origins`), else --set
+        asked = f"--set memory.max_seq_len={length}" if flag == "--set" else f"{flag} {length}"
         check_positions(length, positions, arch.name or "the model", asked)
-        return length, f"{length} tokens, as {'--seq-len' if seq_len else '--set'} asked", False
+        return length, f"{length} tokens, as {flag} asked", False
     if profile is not None and profile.p99 > 0:
         wanted = round_seq_len(profile.p99)
         if cap and wanted > cap:
@@ -278,11 +367,13 @@ def plan_setup(
     profile: LengthProfile | None = None,
     strategy: Requested = "auto",
     offload: bool | None = None,
+    origins: dict[str, str] | None = None,
 ) -> Plan:
     """The planner's answer for `recipe` as the start. When the data's p99 length (our own choice) does not fit, the
     longest length that does: longer samples then follow `data.truncate`, and the reason line says how many that
-    cuts."""
-    length, why, from_data = _length(arch, recipe, fixed, seq_len, profile)
+    cuts. `origins` names the flag that fixed a length (`--seq-len`), for the reason line."""
+    asked_by = (origins or {}).get("memory.max_seq_len", "--set")
+    length, why, from_data = _length(arch, recipe, fixed, seq_len, profile, asked_by)
     request = Request(
         start=replace(setup_from_recipe(recipe), max_seq_len=length),
         target=target,
@@ -335,7 +426,7 @@ def choose_recipe(
         overrides = merge(overrides, {"memory": {"max_seq_len": seq_len}})
         origins = {**(origins or {}), "memory.max_seq_len": "--seq-len"}
     if vram_gb is None:
-        resolved = resolve(recipe, overrides, origins)
+        resolved = with_saved_adapter(resolve(recipe, overrides, origins), overrides, origins)
         return resolved, Choice("recipe", str(recipe), resolved.model.name_or_path)
     start = start_recipe(vram_gb, recipe, overrides, origins)
     if not start.model.name_or_path:
@@ -344,6 +435,7 @@ def choose_recipe(
 
     target = target_for(vram_gb, start, gpus)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    _check_adapter_fits(arch, start)
     model = start.model.name_or_path
     if recipe is not None:
         length, flag = start.memory.max_seq_len, (origins or {}).get("memory.max_seq_len")
@@ -354,11 +446,14 @@ def choose_recipe(
         request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
                           start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
-        return start, Choice.of_plan("recipe", str(recipe), model, check(arch, request))
+        checked = _adapter_reason(check(arch, request), start, origins)
+        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
-        arch, start, target, fixed_knobs(overrides), seq_len=seq_len, profile=profile, strategy=strategy,
-        offload=offload,
+        arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
+        origins=origins,
     )  # fmt: skip
+    planned = _adapter_reason(planned, start, origins)
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 

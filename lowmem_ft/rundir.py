@@ -16,6 +16,7 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | checkpoints/ | the trainer | resumable checkpoints (`checkpoint-N`) |
 | adapter/ or model/ | train | the trained LoRA adapter (+ tokenizer), or the full model |
 | accelerate.yaml, launch.json | train --gpus | how the ranks were launched |
+| wandb/, tensorboard/ | the trackers (logging.report_to) | W&B's run files (offline runs sync from here), TensorBoard's events |
 
 One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.json and memory.jsonl alike.
 `memory.jsonl` has one reader, `memory_log`, which tolerates a last line cut short by a crash.
@@ -88,6 +89,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     ACCELERATE = "accelerate.yaml"
     LAUNCH = "launch.json"
+    TENSORBOARD = "tensorboard"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -166,6 +168,11 @@ class RunDir:
     @property
     def launch_file(self) -> Path:
         return self.path / self.LAUNCH
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard's event files (with logging.report_to tensorboard)."""
+        return self.path / self.TENSORBOARD
 
     def memory_file(self, rank: int = 0) -> Path:
         """memory.jsonl for rank 0 (and a single process), memory.rank{R}.jsonl for the others."""

@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-of
 [ -f models/tiny-qwen2/config.json ] || python scripts/build_tiny_model.py
 name=demo-$(date +%Y%m%d-%H%M%S)
 lowmem-ft train --vram 8 --model models/tiny-qwen2 --data examples/chat.jsonl --name "$name" \
-  --set training.max_steps=30 --set training.logging_steps=5 --set optimizer.lr=2e-3 --set training.save_steps=10
+  --max-steps 30 --lr 2e-3 --set training.logging_steps=5 --set training.save_steps=10
 cat <<EOF
 
 Next steps (after . .venv/bin/activate):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from lowmem_ft.errors import UserError
@@ -148,3 +151,89 @@ def test_a_choice_record_with_figures_no_run_wrote_is_refused():
         with pytest.raises((ValueError, TypeError)):
             Choice.from_dict(record)
     assert Choice.from_dict({"vram_gb": 8, "safety_margin_gb": 1}).target == Target(8, 1)
+
+
+# -- continuing an existing adapter --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qv_adapter(tiny_model, tmp_path_factory):
+    from tests.saved_adapters import save_adapter
+
+    return str(save_adapter(tiny_model, tmp_path_factory.mktemp("adapters") / "qv", r=4, alpha=8))
+
+
+def _with_adapter(tiny_model, path, **sections):
+    overrides = {"model": {"name_or_path": tiny_model}, "adapter": {"name_or_path": path}}
+    for section, values in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    return overrides
+
+
+def test_the_plan_counts_the_adapter_that_is_loaded(tiny_model, qv_adapter):
+    origins = {"adapter.name_or_path": "--adapter"}
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides=_with_adapter(tiny_model, qv_adapter),
+                                   origins=origins)  # fmt: skip
+    a = recipe.adapter
+    assert (a.kind, a.r, a.alpha, a.dropout, a.target_modules) == ("lora", 4, 8, 0.0, ["q_proj", "v_proj"])
+    assert choice.plan.setup.lora_r == 4 and choice.plan.setup.lora_targets == ("q_proj", "v_proj")
+    assert (
+        choice.reasons["adapter"] == f"lora, rank 4 on q_proj, v_proj: the adapter loaded from --adapter {qv_adapter}"
+    )
+    # the same figures as a plan for that shape written out by hand, and not those of the tier's own adapter
+    by_hand = {"model": {"name_or_path": tiny_model}, "adapter": {"r": 4, "alpha": 8, "dropout": 0.0,
+               "target_modules": ["q_proj", "v_proj"]}}  # fmt: skip
+    _, same = choose_recipe(vram_gb=8, recipe=None, overrides=by_hand)
+    _, tier = choose_recipe(vram_gb=8, recipe=None, overrides={"model": {"name_or_path": tiny_model}})
+
+    def lora_bytes(c):
+        return sum(x.bytes for x in c.plan.estimate.components if "LoRA" in x.name or "adapter" in x.name.lower())
+
+    assert choice.plan.estimate.components == same.plan.estimate.components
+    assert lora_bytes(choice) > 0 and lora_bytes(choice) < lora_bytes(tier)  # rank 4 on 2 modules < rank 8 on 7
+
+
+def test_without_a_model_the_adapters_base_is_the_model(tiny_model, qv_adapter):
+    recipe, choice = choose_recipe(vram_gb=None, recipe="8gb", overrides={"adapter": {"name_or_path": qv_adapter}})
+    assert recipe.model.name_or_path == tiny_model and recipe.adapter.r == 4
+    assert choice.how == "recipe"
+
+
+def test_a_key_that_contradicts_the_adapter_is_an_error(tiny_model, qv_adapter):
+    overrides = _with_adapter(tiny_model, qv_adapter, adapter={"r": 16})
+    with pytest.raises(UserError, match=r"has kind=lora, r=4, .*; --set adapter.r=16 contradicts it"):
+        choose_recipe(vram_gb=8, recipe=None, overrides=overrides)
+
+
+def test_a_full_fine_tune_cannot_continue_an_adapter(tiny_model, qv_adapter):
+    overrides = _with_adapter(tiny_model, qv_adapter, adapter={"kind": "full"}, model={"quantization": "none"})
+    with pytest.raises(UserError, match="continues a LoRA adapter, but adapter.kind is full"):
+        choose_recipe(vram_gb=8, recipe=None, overrides=overrides)
+
+
+def test_an_adapter_of_another_shape_stops_before_the_data(tiny_model, tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "base_model_name_or_path": "other/model"}))  # fmt: skip
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.zeros(4, 4096), key.format("B"): torch.zeros(4096, 4)},
+              str(wide / "adapter_model.safetensors"))  # fmt: skip
+    with pytest.raises(UserError, match=r"does not fit .*: q_proj is 4096 → 4096 in the adapter but .* pass the "
+                                        r"--model it was trained on \(other/model\)"):  # fmt: skip
+        choose_recipe(vram_gb=8, recipe=None, overrides=_with_adapter(tiny_model, str(wide)))
+
+
+def test_a_base_of_another_name_is_a_warning(tiny_model, qv_adapter, tmp_path, caplog):
+    import shutil
+
+    from tests.saved_adapters import edit_config
+
+    renamed = edit_config(Path(shutil.copytree(qv_adapter, tmp_path / "renamed")), base_model_name_or_path="x/other")
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.planning"):
+        recipe, _ = choose_recipe(vram_gb=8, recipe=None, overrides=_with_adapter(tiny_model, str(renamed)))
+    assert recipe.model.name_or_path == tiny_model
+    assert f"was trained on x/other, not {tiny_model}" in caplog.text

@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="allow the base model's (or tokenizer's) own code; the run directory's recipe cannot turn this on",
     )
+    p.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="upload the merged model with a model card to this Hub repo (NAME or ORG/NAME); login and network are "
+        "checked before the merge starts",
+    )
+    p.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")
     p.set_defaults(func=run)
 
 
@@ -116,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     from lowmem_ft.memory.inference import human
 
     output = Path(args.output)
+    hub_repo = None
+    if args.push_to_hub:  # before any weight is read: an upload that cannot happen fails now
+        from lowmem_ft.hub import preflight
+
+        hub_repo = preflight(args.push_to_hub, private=args.hub_private)
     run_ = open_run(args.run_dir, base=args.base, trust_remote_code=args.trust_remote_code)
     if run_.full:
         raise UserError(
@@ -155,4 +167,16 @@ def run(args: argparse.Namespace) -> int:
         f"merged model saved to {output} ({len(shards)} safetensors shard{'s' if len(shards) != 1 else ''} + tokenizer)"
     )
     print(f"  load it with AutoModelForCausalLM.from_pretrained({str(output)!r}) — no peft needed", file=sys.stdout)
+    _card_and_push(run_.run_dir, output, hub_repo)
     return 0
+
+
+def _card_and_push(run_dir: Path, output: Path, hub_repo) -> None:
+    """The merged model's card (README.md: the training run's recipe, plan and measured peak), and the upload."""
+    from lowmem_ft.hub import push, write_card
+    from lowmem_ft.rundir import RunDir
+
+    run = RunDir(run_dir)
+    write_card(run, output, repo_id=hub_repo.repo_id if hub_repo else "", merged=True)
+    if hub_repo is not None:
+        print(f"pushed to {push(output, hub_repo, what=f'merged model of run {run.name}')}")

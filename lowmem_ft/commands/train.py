@@ -8,7 +8,7 @@ from typing import get_args
 from lowmem_ft.commands import flags
 from lowmem_ft.memory.planner import Requested
 from lowmem_ft.recipe.load import merge, parse_overrides
-from lowmem_ft.recipe.schema import DataFormat
+from lowmem_ft.recipe.schema import DataFormat, Tracker
 
 
 def add_parser(sub) -> None:
@@ -60,6 +60,30 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-wandb", action="store_true", help="do not log to Weights & Biases (logging.wandb_mode=disabled)"
     )
+    k = p.add_argument_group("common recipe keys (each the same as its --set)")
+    for dest, (key, flag, metavar, what) in SET_FLAGS.items():
+        k.add_argument(flag, dest=dest, metavar=metavar, help=f"{what} ({key})")
+    k.add_argument(
+        "--report-to",
+        nargs="+",
+        choices=get_args(Tracker),
+        metavar="TRACKER",
+        help=f"trackers for metrics, recipe and plan: {', '.join(get_args(Tracker))} (logging.report_to)",
+    )
+    h = p.add_argument_group("adapters and the Hub")
+    h.add_argument(
+        "--adapter",
+        metavar="PATH_OR_ID",
+        help="continue training this LoRA adapter (a directory, runs/NAME, or a Hub id); the plan counts its rank "
+        "and target modules (adapter.name_or_path)",
+    )
+    h.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="upload the adapter (or model) with a model card to this Hub repo (NAME or ORG/NAME) when training "
+        "ends; login and network are checked before training starts",
+    )
+    h.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")
     g = p.add_argument_group("several GPUs (through accelerate launch)")
     g.add_argument(
         "--gpus", type=flags.count, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)"
@@ -83,8 +107,36 @@ def add_parser(sub) -> None:
         metavar="ARG",
         help="passed to accelerate launch as is; repeatable (e.g. --accelerate-arg=--main_process_ip=10.0.0.1)",
     )
-    g.add_argument("--run-dir", help="train in RUN_DIR prepared by --gpus (what the launched processes run)")
+    # what the processes `--gpus` launches run (train in a prepared run directory): internal, not in --help
+    g.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+# Flags that are exactly `--set` of one recipe key (values parsed and checked as --set's, errors naming the flag):
+# argparse dest → (recipe key, flag, metavar, help).
+SET_FLAGS = {
+    "seq_len": ("memory.max_seq_len", "--seq-len", "N", "longest sequence in tokens; fixed, not sized from the data"),
+    "max_steps": ("training.max_steps", "--max-steps", "N", "optimizer steps to run (-1: run --epochs passes)"),
+    "epochs": ("training.epochs", "--epochs", "N", "passes over the data"),
+    "lr": ("optimizer.lr", "--lr", "LR", "peak learning rate"),
+    "output_dir": ("training.output_dir", "--output-dir", "DIR", "parent directory of run directories"),
+}
+# The other flags behind a recipe key (dest → key, flag): --adapter's value is a path, --report-to's a list.
+VALUE_FLAGS = {"adapter": ("adapter.name_or_path", "--adapter"), "report_to": ("logging.report_to", "--report-to")}
+
+
+def key_flags(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """The recipe keys set by SET_FLAGS and VALUE_FLAGS, as overrides, and the flag behind each (for errors)."""
+    items = [f"{key}={getattr(args, dest)}" for dest, (key, *_) in SET_FLAGS.items() if getattr(args, dest) is not None]
+    overrides = parse_overrides(items)  # the same YAML scalars as --set: 2e-4, 100, -1
+    for dest, (key, _) in VALUE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            section, name = key.split(".")
+            overrides.setdefault(section, {})[name] = value
+    given = {**{dest: f[:2] for dest, f in SET_FLAGS.items()}, **VALUE_FLAGS}
+    origins = {key: flag for dest, (key, flag) in given.items() if getattr(args, dest) is not None}
+    return overrides, origins
 
 
 # The flag behind each recipe key a flag sets: errors about the value name the flag the user typed.
@@ -117,7 +169,7 @@ def flag_overrides(args: argparse.Namespace) -> dict:
         flags.setdefault("data", {})["skip_bad_lines"] = True
     if args.no_wandb:
         flags.setdefault("logging", {})["wandb_mode"] = "disabled"
-    return merge(overrides, flags)
+    return merge(merge(overrides, flags), key_flags(args)[0])
 
 
 def flag_origins(args: argparse.Namespace) -> dict[str, str]:
@@ -125,7 +177,7 @@ def flag_origins(args: argparse.Namespace) -> dict[str, str]:
     given = {"--model": args.model, "--trust-remote-code": args.trust_remote_code, "--data": args.data,
              "--eval-data": args.eval_data, "--format": args.format, "--skip-bad-lines": args.skip_bad_lines,
              "--no-wandb": args.no_wandb}  # fmt: skip
-    return {key: flag for key, flag in FLAG_KEYS.items() if given[flag]}
+    return {key: flag for key, flag in FLAG_KEYS.items() if given[flag]} | key_flags(args)[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,17 +189,41 @@ def run(args: argparse.Namespace) -> int:
         os.environ["WANDB_MODE"] = "disabled"
     if args.run_dir:
         return _run_launched(args.run_dir, args.trust_remote_code)
+    if args.resume and args.adapter:
+        from lowmem_ft.errors import UserError
+
+        raise UserError("--adapter starts a new run from an adapter, --resume continues a run's checkpoint: give one")
+    # an upload that cannot happen fails now, before any data or model work, not after training
+    hub_repo = _hub_preflight(args)
     overrides = flag_overrides(args)
     if args.resume:
         run_dir, recipe, choice = resume(args.resume, overrides)
     else:
         run_dir, (recipe, choice) = None, choose(args, overrides)
     if (args.gpus or 1) > 1 or args.nodes > 1:
-        return _launch(args, recipe, choice, run_dir)
+        return _launch(args, recipe, choice, run_dir, hub_repo)
     run_dir = run_dir or new_run(recipe, args.name)
     result = train(recipe, run_dir, choice=choice, resume=bool(args.resume))
     _print_done(result.metrics, result.run_dir)
+    _push(result.run_dir, hub_repo)
     return 0
+
+
+def _hub_preflight(args: argparse.Namespace):
+    if not args.push_to_hub:
+        return None
+    from lowmem_ft.hub import preflight
+
+    return preflight(args.push_to_hub, private=args.hub_private)
+
+
+def _push(run_dir, hub_repo) -> None:
+    if hub_repo is None:
+        return
+    from lowmem_ft.hub import push_run
+    from lowmem_ft.rundir import RunDir
+
+    print(f"pushed to {push_run(RunDir(run_dir), hub_repo)}")
 
 
 def new_run(recipe, name: str | None):
@@ -273,7 +349,7 @@ def _print_done(m: dict, run_dir) -> None:
     print(f"done: {m['global_step']} steps, loss {m['first_loss']:.4f} → {m['last_loss']:.4f}; run directory {run_dir}")
 
 
-def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
+def _launch(args: argparse.Namespace, recipe, choice, run_dir, hub_repo=None) -> int:
     """--gpus N: check, write the run directory's launch files, print the relaunch command, run accelerate."""
     import shlex
 
@@ -298,6 +374,7 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     code = launch.run(cmd)
     if code != 0:
         raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")
+    _push(run_dir.path, hub_repo)  # once, from this process, after every rank finished
     return 0  # rank 0 printed the "done" line
 
 

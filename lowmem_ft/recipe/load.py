@@ -137,7 +137,8 @@ def _type_problem(value: Any, tp: Any) -> tuple[Any, str | None]:
             return value, f"must be a list, got {value!r}"
         for v in value:
             if _type_problem(v, inner)[1]:
-                return value, f"must be a list of {inner.__name__}, got {value!r}"
+                of = ", ".join(map(str, get_args(inner))) if get_origin(inner) is Literal else inner.__name__
+                return value, f"must be a list of {of}, got {value!r}"
         return value, None
     if origin is dict:  # e.g. data.columns: dict[str, str]; values are checked (and coerced) like fields
         key_tp, value_tp = get_args(tp)
@@ -263,6 +264,22 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                 ("adapter.kind", "model.quantization"),
                 f"'adapter.kind' full cannot train {recipe.model.quantization}-quantized weights; "
                 "set model.quantization=none or adapter.kind=lora",
+            )
+        )
+    if a.kind == "full" and a.name_or_path:
+        problems.append(
+            (
+                ("adapter.kind", "adapter.name_or_path"),
+                f"'adapter.name_or_path' ({a.name_or_path}) continues a LoRA adapter, but adapter.kind is full; "
+                "drop one of them",
+            )
+        )
+    trackers = recipe.logging.report_to
+    if "none" in trackers and len(trackers) > 1:
+        problems.append(
+            (
+                ("logging.report_to",),
+                f"'logging.report_to' {trackers}: 'none' cannot be combined with trackers; give none alone",
             )
         )
     if d.truncate == "chunk" and d.overlap >= m.max_seq_len:

@@ -19,6 +19,8 @@ Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca"]
 Truncate = Literal["keep_start", "keep_end", "drop", "chunk"]
 WandbMode = Literal["online", "offline", "disabled", "auto"]
+# transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
+Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
 # The shortest max_seq_len a recipe may ask for; the planner's lengths are multiples of it (lowmem_ft.memory.planner).
 MIN_SEQ_LEN = 16
@@ -100,6 +102,11 @@ class AdapterSection:
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",
+    )
+    name_or_path: str = _f(
+        "",
+        "An existing LoRA adapter to continue training (a directory with adapter_config.json, or a Hub id); its r, "
+        "alpha, dropout and target_modules replace this section's. `--adapter` sets it.",
     )
 
 
@@ -221,8 +228,15 @@ class TrainingSection:
 
 @dataclass
 class LoggingSection:
-    wandb_project: str = _f("lowmem-ft", "Weights & Biases project.")
-    wandb_mode: WandbMode = _f("auto", "online, offline, disabled, or auto (online when logged in, offline otherwise).")
+    report_to: list[Tracker] = _f(
+        ["wandb"],
+        "Trackers that get the metrics, the resolved recipe and the plan (transformers' report_to names): wandb, "
+        "tensorboard (into the run directory's tensorboard/), trackio, or none.",
+    )
+    wandb_project: str = _f("lowmem-ft", "Weights & Biases (and trackio) project.")
+    wandb_mode: WandbMode = _f(
+        "auto", "online, offline, disabled, or auto (online when logged in, offline otherwise); disabled drops wandb."
+    )
 
 
 @dataclass

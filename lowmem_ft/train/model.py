@@ -246,11 +246,25 @@ def attach_adapter(model, recipe: Recipe):
         raise
 
 
+def load_adapter(model, recipe: Recipe):
+    """The existing LoRA adapter the recipe continues (`adapter.name_or_path`, located and checked by
+    `lowmem_ft.adapter`), trainable, its weights in fp32 as a new adapter's are (peft's autocast_adapter_dtype)."""
+    from peft import PeftModel
+
+    from lowmem_ft.adapter import locate
+
+    saved = locate(recipe.adapter.name_or_path)
+    misfit = saved.misfit_model(model)
+    if misfit:
+        raise UserError(f"--adapter {saved.source} does not fit {recipe.model.name_or_path}: {misfit}")
+    return PeftModel.from_pretrained(model, str(saved.path), is_trainable=True, autocast_adapter_dtype=True)
+
+
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
-    return attach_adapter(model, recipe)
+    return load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
 
 
 def trainable_summary(model) -> dict[str, int]:

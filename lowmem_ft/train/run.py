@@ -156,11 +156,11 @@ class FineTune:
         self.model = build_model(self.recipe)
 
     def _setup_trainer(self) -> None:
+        from lowmem_ft.train import progress, tracking
         from lowmem_ft.train.args import eval_batch_size
         from lowmem_ft.train.guard import MemoryGuard
         from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.monitor import MemoryMonitor
-        from lowmem_ft.train.tracking import PlanConfig
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
@@ -193,8 +193,11 @@ class FineTune:
             guard=self.guard,
             monitor=self.monitor,
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
-            callbacks=[self.guard, self.monitor, PlanConfig(figures), *self.callbacks],
+            callbacks=[self.guard, self.monitor, *self.callbacks],
         )
+        config = tracking.run_config(self.recipe, self.choice)
+        tracking.attach(self.trainer, self.tracking, self.run, config, figures)
+        progress.install(self.trainer, self.monitor, self.target)
         _keep_adapters_fp32(self.trainer.model, self.recipe)
         if m.chunked_loss:
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
@@ -278,9 +281,21 @@ class FineTune:
         metrics = self._metrics(history)
         if self.is_main:
             self.run.write_metrics(metrics, history)
-        tracking.finish(self.tracking)
+            self._write_card()
+        tracking.finish(self.tracking, self.run if self.is_main else None)
         _forget_bnb_overrides(trainer.model)
         return RunResult(self.run.path, metrics, history, model=trainer.model, is_main=self.is_main)
+
+    def _write_card(self) -> None:
+        """The model card of the saved weights (replacing peft's placeholder): what `--push-to-hub` uploads. The
+        weights are saved already, so a card that cannot be written is a warning, not a failed run."""
+        from lowmem_ft.hub import write_card
+
+        weights = self.run.weights(self.recipe.adapter.kind == "full")
+        try:
+            write_card(self.run, weights)
+        except Exception as exc:  # anything in the run's records the card cannot render
+            log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Final metrics: the trainer's, first/last loss, and with eval data the best evaluation and what was kept."""

@@ -71,6 +71,11 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
         self._loss_weight = 1.0
 
+    def create_model_card(self, *args, **kwargs) -> None:
+        """No TRL draft card in checkpoints/ at every save: lowmem-ft writes the run's own model card with the saved
+        weights (`lowmem_ft.hub.write_card`), and TRL's draft asks W&B for a run URL, which an offline run answers
+        with a console warning at every checkpoint."""
+
     # -- training -------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         add_perplexity(logs)  # eval perplexity beside eval loss: W&B, log_history and the best-model metric

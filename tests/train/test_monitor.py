@@ -3,10 +3,7 @@ metrics."""
 
 from __future__ import annotations
 
-import glob
 import json
-import struct
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -136,41 +133,11 @@ def test_no_leak_warning_for_noise_or_small_growth(tmp_path):
         assert monitor.events == [], name
 
 
-def wandb_records(run_dir):
-    """Records of an offline W&B run file: wandb-core's LevelDB-style log (32 KiB blocks of chunks with a 7-byte
-    header: crc32, length, type FULL/FIRST/MIDDLE/LAST) after a 7-byte file header, each a `Record` protobuf."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, pending, block = 7, b"", 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
-            pos += left
-            continue
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            yield record
-
-
-def items(updates) -> dict:
-    """key → value of W&B history/config/summary items (a key with '/' may come as `nested_key`)."""
-    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in updates}
-
-
 @pytest.mark.slow
 def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, monkeypatch):
     import torch
 
+    from devkit.wandb_offline import find as find_offline_run
     from tests.train.tiny_runs import tiny_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -190,15 +157,10 @@ def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, m
     finally:
         torch.set_num_threads(threads)
     assert result.metrics["wandb_mode"] == "offline"
-    history, config, summary = [], {}, {}
-    for record in wandb_records(tmp_path):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append(items(record.history.item))
-        elif kind == "config":
-            config |= items(record.config.update)
-        elif kind == "summary":
-            summary |= items(record.summary.update)
+    # devkit.wandb_offline waits until the run file holds W&B's exit record: wandb.finish() can return while
+    # wandb-core still buffers the last records
+    offline = find_offline_run(tmp_path)  # WANDB_DIR
+    history, config, summary = offline.history, offline.config, offline.summary
     memory_rows = [h for h in history if "memory/rss_gb" in h]
     assert [h["train/global_step"] for h in memory_rows] == [1, 2]
     assert all(0 < h["memory/rss_gb"] < 64 and h["memory/micro_batch"] == 4 for h in memory_rows)
