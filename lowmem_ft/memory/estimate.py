@@ -54,13 +54,16 @@ TRL_VOCAB_CHUNK = 32768
 # needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
-# memory.chunked_loss (lowmem_ft/train/losses.py CHUNK_FP32_BYTES, chunk_tokens_for): a chunk holds at most 64 MiB
-# of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary). Its working set, measured with PeakMemory in
-# scripts/bench_savers.py (fp32 compute, V 151,936, 2,047 tokens, benchmarks/savers_cpu.md): 0.185 GB = k·V·(c + 7)
-# — the chunk's logits in the compute dtype, an fp32 copy and exp(), less than the 12 B/logit of the full loss
-# because only per-token statistics outlive a chunk. bf16 compute is assumed to follow the same form (unmeasured).
+# memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
+# (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
+# Working sets measured with PeakMemory on the function alone (bf16 and fp32; n 1000-2000, V 2000-5000, k 250-1000;
+# devkit/long_context_check.py measures them in the whole model): forward 12 B per logit of the chunk — the fp32
+# logits and two fp32 temporaries of logsumexp / the entropy statistics (the c-byte matmul output is freed by then);
+# backward 8 B per logit (fp32 logits, exp) plus the c-byte cast of the logits gradient when c < 4, on top of the
+# c-byte `grad_hidden` of all n tokens. The loss input `hidden[mask]` is a c-byte copy kept from forward to backward.
 CHUNK_FP32_BYTES = 64 * 2**20
-CHUNK_BYTES_PER_LOGIT = 7
+CHUNK_FWD_BYTES_PER_LOGIT = 12
+CHUNK_BWD_BYTES_PER_LOGIT = 8
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
@@ -82,6 +85,19 @@ TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
 # (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
 NORM_BWD_BYTES_PER_H = 20
 RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
+# memory.tiled_mlp with checkpointing (devkit/long_context_check.py, PeakMemory, Llama-shaped h 128 / i 512 and
+# Qwen2- and Mistral-shaped layers, benchmarks/long_context_cpu.md): the recomputed layer's backward holds ~14·h B/token of gradients in flight
+# outside the MLP (8·i + 5·h untiled: the MLP's share is gone; fitted 14·h on 3 shapes, 1-8k tokens), and the MLP's backward runs one tile at a time:
+# the tile's recomputed MLP tensors and RECOMPUTE_BWD_I·i B per tile token of gradients, beside the tiles' input
+# gradients gathered for the split (c·h per token) and their concatenation (c·h per token).
+TILED_RECOMPUTE_BWD_H = 14
+TILE_BWD_I = 6
+# The largest transient of one layer's forward (LoRA; measured with PeakMemory as above, where it sets the forward
+# peak once the loss chunk is small): in peft's LoRA layer with the widest input, the input (c), its fp32 cast (4),
+# the dropout noise or mask (DROPOUT_MASK_BYTES) and the dropped copy (4) per input element, beside the layer's
+# c-byte hidden state. Under checkpointing nothing of it is kept; without, the noise and dropped copy are counted
+# as kept already, so the cast is what is new (c + 4 + mask). Fitted within 4 % (ckpt) and 20 % (no ckpt).
+FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT = 8, 4
 # Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
 # measures NVML device use minus torch's reserved bytes.
 CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
@@ -115,6 +131,9 @@ class Setup:
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
     loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
+    tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiled_mlp.py)
+    mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
+    embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -189,6 +208,10 @@ def setup_from_recipe(recipe, device: Device = "cuda") -> Setup:
         # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
         # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
         loss_impl="chunked" if mem.chunked_loss else "trl_fused",
+        loss_chunk_tokens=mem.loss_chunk_tokens or None,
+        tiled_mlp=mem.tiled_mlp,
+        mlp_tile_tokens=mem.mlp_tile_tokens,
+        embeddings_on_host=mem.embeddings_on_host,
         device=device,
         safety_margin_gb=mem.safety_margin_gb,
     )
@@ -280,6 +303,38 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
 
 # -- activations ------------------------------------------------------------------------------------------------
 ATTENTION_INPUT_LINEARS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn"}  # fed by the input RMSNorm
+MLP_LINEARS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2"}  # inside `layers.N.mlp`
+
+
+def is_mlp_linear(arch: Architecture, lin: Linear) -> bool:
+    """A linear of the decoder MLP (what `memory.tiled_mlp` tiles); Qwen v1's MLP `c_proj` is told from the
+    attention's by its input width (intermediate vs hidden)."""
+    if lin.name == "c_proj":
+        return arch.model_type == "qwen" and lin.in_features == arch.intermediate_size
+    return lin.name in MLP_LINEARS
+
+
+def _lora_input_bytes(arch: Architecture, s: Setup, mlp: bool) -> float:
+    """Per token, what peft's LoRA layers keep for the attention (`mlp` False) or MLP (True) linears: x.to(fp32) →
+    dropout keeps its mask (DROPOUT_MASK_BYTES), lora_A keeps the fp32 dropped input (4 B), lora_B keeps lora_A's
+    output (4 B × r). Each adapted linear does this on its own."""
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
+    return sum((4 + drop) * lin.in_features + 4 * s.lora_r for lin in lins)
+
+
+def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what one untiled decoder MLP keeps for backward: act(gate) keeps gate (c·i), the product keeps
+    act(gate) and up (2·c·i); plus the LoRA inputs of its adapted linears (frozen linears keep nothing)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    i = arch.intermediate_size
+    acts = 3 * c * i if arch.mlp == "gated" else c * i
+    return acts + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+
+
+def mlp_tile_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per MLP tile (lowmem_ft/train/tiled_mlp.py mlp_tile_tokens: 0 means hidden_size), at most all tokens."""
+    return min(s.tokens, s.mlp_tile_tokens or arch.hidden_size)
 
 
 def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
@@ -290,9 +345,11 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     mask, lora_A input and output); checked against PeakMemory per layer (1- vs 2-layer models,
     benchmarks/estimator_cpu.md:
     exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA).
+    With `tiled_mlp` the MLP keeps only its input (c·h, the view each tile's checkpoint holds); its own tensors
+    exist for one tile at a time in backward (`tiled_mlp_transient_bytes`).
     """
     c = DTYPE_BYTES[s.compute_dtype]
-    h, i = arch.hidden_size, arch.intermediate_size
+    h = arch.hidden_size
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
     full = s.adapter == "full"
@@ -305,14 +362,12 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     if full:
         shared: dict[tuple[int, bool], int] = {}
         for lin in arch.linears:
+            if s.tiled_mlp and is_mlp_linear(arch, lin):
+                continue
             shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
         total += c * sum(shared.values())
     else:
-        # LoRA on a linear: x.to(fp32) → dropout keeps its mask (DROPOUT_MASK_BYTES) and lora_A keeps the fp32
-        # dropped input (4 B) and lora_B keeps lora_A's output (4 B × r). Each adapted linear does this on its own.
-        drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
-        for lin in lora_linears(arch, s):
-            total += (4 + drop) * lin.in_features + 4 * s.lora_r
+        total += _lora_input_bytes(arch, s, mlp=False)
     # Attention (SDPA flash/efficient, or flash_attention_2): q, k, v, output (c bytes) + fp32 logsumexp per head.
     padded = s.micro_batch_size > 1 and s.attn_implementation == "sdpa"
     # With a padding mask (micro batch > 1) transformers repeats k/v to all heads (sdpa_attention.py repeat_kv,
@@ -322,9 +377,11 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     total += c * (2 * q + 2 * kv_kept) + 4 * arch.num_heads
     if padded:
         total += c * s.max_seq_len
-    # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).
-    total += 3 * c * i if arch.mlp == "gated" else c * i
-    return total
+    if s.tiled_mlp:
+        return total + c * h
+    if full:  # the MLP's linear inputs were counted with the others above
+        return total + (3 * c * arch.intermediate_size if arch.mlp == "gated" else c * arch.intermediate_size)
+    return total + mlp_activation_bytes(arch, s)
 
 
 def first_layer_discount(arch: Architecture, s: Setup) -> float:
@@ -347,7 +404,9 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
     norm = 4 * h + 4 + (c * h if s.adapter == "full" else 0)
-    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
+    # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
+    loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0
     return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
@@ -355,6 +414,39 @@ def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     """Eager attention keeps softmax probabilities (and dropout-free: the matmul input) b·heads·s² in c bytes ×2."""
     c = DTYPE_BYTES[s.compute_dtype]
     return 2 * c * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+
+
+def loss_chunk_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per chunk of the chunked loss: `memory.loss_chunk_tokens`, else losses.py's 64 MiB of fp32 logits."""
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    return max(1, min(n, s.loss_chunk_tokens or CHUNK_FP32_BYTES // (4 * arch.vocab_size)))
+
+
+def chunk_forward_bytes(arch: Architecture, s: Setup, k: int) -> float:
+    """The chunked loss's forward working set for chunks of `k` tokens (CHUNK_FWD_BYTES_PER_LOGIT)."""
+    return CHUNK_FWD_BYTES_PER_LOGIT * k * arch.vocab_size
+
+
+def chunk_backward_bytes(arch: Architecture, s: Setup, k: int) -> float:
+    """The chunked loss's backward working set: one chunk (CHUNK_BWD_BYTES_PER_LOGIT, + the c-byte gradient cast
+    when the compute dtype is not fp32) and the c-byte gradient of every token's hidden state."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    per_logit = CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)
+    return per_logit * k * arch.vocab_size + c * n * arch.hidden_size
+
+
+def largest_loss_chunk(arch: Architecture, s: Setup, budget_bytes: float) -> int:
+    """The largest loss chunk (tokens) whose working set, forward and backward, fits in `budget_bytes`; 0 if even
+    one token does not. At most the micro batch's tokens. Pure arithmetic, for the planner: fewer, larger chunks
+    when there is room (`memory.loss_chunk_tokens`)."""
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    c = DTYPE_BYTES[s.compute_dtype]
+    per_token_fwd = CHUNK_FWD_BYTES_PER_LOGIT * arch.vocab_size
+    per_token_bwd = (CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)) * arch.vocab_size
+    fixed_bwd = c * n * arch.hidden_size
+    k = min(budget_bytes // per_token_fwd, (budget_bytes - fixed_bwd) // per_token_bwd)
+    return int(max(0, min(n, k)))
 
 
 def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
@@ -367,9 +459,12 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
         b = n * v * (c + HF_LOSS_BYTES_PER_LOGIT)
         return b, b, "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
     if s.loss_impl == "chunked":
-        k = min(n, s.loss_chunk_tokens or max(1, CHUNK_FP32_BYTES // (4 * v)))
-        b = k * v * (c + CHUNK_BYTES_PER_LOGIT) + 4 * n * h
-        return b, b, f"one chunk of {k} tokens × vocab (lowmem_ft/train/losses.py), fp32 hidden gradient"
+        k = loss_chunk_tokens(arch, s)
+        return (
+            chunk_forward_bytes(arch, s, k),
+            chunk_backward_bytes(arch, s, k),
+            f"one chunk of {k} tokens × vocab (lowmem_ft/train/losses.py) + the hidden-state gradient",
+        )
     rows, cols = min(n, TRL_TOKEN_CHUNK), min(v, TRL_VOCAB_CHUNK)
     tile = rows * cols
     mm_buf = c * rows * TRL_VOCAB_CHUNK
@@ -388,16 +483,20 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     return fwd, bwd, f"TRL fused LM head: {rows} × 32768 tile buffer, fp32 accumulators; {where}"
 
 
-def estimate(arch: Architecture, s: Setup) -> Estimate:
-    """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
+def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], list[tuple[int, int]]]:
+    """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host."""
     c = DTYPE_BYTES[s.compute_dtype]
-    t = s.tokens
     comps: list[Component] = []
     notes: list[str] = []
-
     w_lin, w_rest, w_desc = weight_bytes(arch, s)
     comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
     rest_what = "embeddings + lm_head" if not arch.tie_embeddings else "tied embeddings (once)"
+    if s.embeddings_on_host and not arch.tie_embeddings and s.adapter == "lora":
+        # lowmem_ft/train/host_embeddings.py: the frozen table stays in host memory, the lookup runs there
+        host = c * arch.embedding_params
+        w_rest -= host
+        rest_what = "lm_head"
+        comps.append(Component("input embeddings (host)", host, "host", "memory.embeddings_on_host: CPU lookup"))
     comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
     trainable = _trainable_tensors(arch, s)
     n_train = sum(n for n, _ in trainable)
@@ -410,12 +509,47 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     if paged:
         comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
-    static = sum(x.bytes for x in comps if x.phase == "static")
+    return comps, notes, trainable
 
-    # forward/backward: what the forward keeps for backward (`kept`), then the largest transient on top of it
+
+def tiled_mlp_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """With `tiled_mlp`, the MLP's backward working set beyond the layer's saved tensors: one tile's recomputed MLP
+    tensors and TILE_BWD_I·i B per tile token of gradients, beside the tiles' input gradients (c·h per token)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    tile = mlp_tile_tokens(arch, s)
+    per_tile_token = mlp_activation_bytes(arch, s) + TILE_BWD_I * arch.intermediate_size
+    return tile * per_tile_token + c * arch.hidden_size * s.tokens
+
+
+def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """The largest transient of one layer's forward beyond what it keeps (FWD_TRANSIENT_*): peft's fp32 copies of
+    the input of the adapted linear with the widest input. With `tiled_mlp` the MLP's linears see one tile at a
+    time, under the tile's checkpoint (nothing kept), beside the tile outputs gathered so far (c·h per token)."""
+    if s.adapter == "full":
+        return 0.0
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, t = arch.hidden_size, s.tokens
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    lins = lora_linears(arch, s)
+    outside = [lin.in_features for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    per_elem = c + drop + (FWD_TRANSIENT_CKPT if s.gradient_checkpointing else FWD_TRANSIENT_NO_CKPT)
+    transient = (per_elem * max(outside, default=0) + c * h) * t
+    if s.tiled_mlp:
+        inside = max((lin.in_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
+        tile = mlp_tile_tokens(arch, s)
+        transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + c * h * t)
+    return transient
+
+
+def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
+    """Appends the activation, loss and backward components; returns (forward peak, backward peak) above static."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    t = s.tokens
+    h, i = arch.hidden_size, arch.intermediate_size
+    # what the forward keeps for backward (`kept`), then the largest transient on top of it
     layer = layer_activation_bytes(arch, s) * t
     if s.gradient_checkpointing:
-        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
+        boundary = c * h * t  # a decoder layer's input, what a checkpoint keeps
         kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
         label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
         comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
@@ -437,14 +571,19 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     kept += head
     loss_fwd, loss_bwd, loss_src = loss_bytes(arch, s)
     comps.append(Component("logits / loss working set", max(loss_fwd, loss_bwd), "forward/backward", loss_src))
-    h, i = arch.hidden_size, arch.intermediate_size
     if s.gradient_checkpointing:
         grads_in_flight = (RECOMPUTE_BWD_I * i + RECOMPUTE_BWD_H * h) * t
-        layer_bwd = layer + grads_in_flight
         bwd_src = "recomputed layer's MLP/LoRA gradients (measured)"
+        if s.tiled_mlp:
+            grads_in_flight = max(TILED_RECOMPUTE_BWD_H * h * t, tiled_mlp_transient_bytes(arch, s))
+            bwd_src = f"attention gradients or one MLP tile of {mlp_tile_tokens(arch, s)} tokens (measured)"
+        layer_bwd = layer + grads_in_flight
     else:
         grads_in_flight = layer_bwd = NORM_BWD_BYTES_PER_H * h * t
         bwd_src = "final RMSNorm backward, fp32 (measured)"
+        if s.tiled_mlp:  # the last layer's MLP tiles are recomputed while every layer's activations are kept
+            grads_in_flight = layer_bwd = max(layer_bwd, tiled_mlp_transient_bytes(arch, s))
+            bwd_src += f" or one MLP tile of {mlp_tile_tokens(arch, s)} tokens recomputed (measured)"
     comps.append(Component("backward gradient buffers", grads_in_flight, "forward/backward", bwd_src))
     dequant = 0.0
     if s.quantization in ("nf4", "int8"):
@@ -453,8 +592,16 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     # Full fine-tuning: the embedding's dense backward makes a new c-byte V × h gradient beside the accumulated one,
     # and the CPU measurement shows about two such buffers at the end of the backward (embedding_dense_backward).
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
-    fwd_peak = kept + loss_fwd
+    fwd_peak = kept + max(loss_fwd, forward_transient_bytes(arch, s))
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
+    return fwd_peak, bwd_peak
+
+
+def estimate(arch: Architecture, s: Setup) -> Estimate:
+    """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
+    comps, notes, trainable = _static_components(arch, s)
+    static = sum(x.bytes for x in comps if x.phase == "static")
+    fwd_peak, bwd_peak = _forward_backward(arch, s, comps)
     fwd_bwd = max(fwd_peak, bwd_peak)
 
     step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device)

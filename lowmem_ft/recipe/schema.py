@@ -97,6 +97,23 @@ class MemorySection:
         "Samples per evaluation forward; 0 = automatic (the planner's choice under --vram, else micro_batch_size). Eval keeps no "
         "gradients or optimizer states, but its logits are a peak of their own.",
     )
+    loss_chunk_tokens: int = _f(
+        0,
+        "chunked_loss only: tokens per loss chunk; 0 = automatic (64 MiB of fp32 logits per chunk). Larger chunks are "
+        "fewer, faster matmuls and a larger loss working set (lowmem_ft.memory.estimate.largest_loss_chunk).",
+    )
+    tiled_mlp: bool = _f(
+        False,
+        "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
+        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
+        "forward per step.",
+    )
+    mlp_tile_tokens: int = _f(0, "tiled_mlp only: tokens per MLP tile; 0 = automatic (hidden_size tokens).")
+    embeddings_on_host: bool = _f(
+        False,
+        "Keep the frozen input embedding table in host memory: the lookup runs on the CPU and only the gathered rows "
+        "move to the device (untied models with LoRA only; lowmem_ft.train.host_embeddings).",
+    )
 
 
 @dataclass

@@ -179,9 +179,13 @@ def attach_adapter(model, recipe: Recipe):
 
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
+    from lowmem_ft.train.savers import apply_memory_savers
+
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
-    return attach_adapter(model, recipe)
+    model = attach_adapter(model, recipe)
+    apply_memory_savers(model, recipe)  # memory.tiled_mlp, memory.embeddings_on_host
+    return model
 
 
 def trainable_summary(model) -> dict[str, int]:
