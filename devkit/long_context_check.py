@@ -41,6 +41,7 @@ class LongPoint:
     loss_chunk_tokens: int = 0  # 0: automatic
     optimizer: str = "adamw_torch"
     dropout: float = 0.05
+    recompute_lora: bool = False
     measured: int = 0
     predicted: float = 0.0
     phases: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -51,7 +52,8 @@ class LongPoint:
         return (self.predicted - self.measured) / self.measured
 
     def knobs(self) -> str:
-        on = [k for k, v in (("tiled", self.tiled_mlp), ("host-emb", self.host_embeddings)) if v]
+        knobs = (("tiled", self.tiled_mlp), ("lora-recompute", self.recompute_lora), ("host-emb", self.host_embeddings))
+        on = [k for k, v in knobs if v]
         on.append(f"chunk {self.loss_chunk_tokens or 'auto'}" if self.chunked_loss else "trl-loss")
         return ", ".join(on)
 
@@ -79,6 +81,7 @@ def recipe_for(model_dir: Path, p: LongPoint):
             "max_seq_len": p.seq,
             "tiled_mlp": p.tiled_mlp,
             "mlp_tile_tokens": p.tile_tokens,
+            "recompute_lora": p.recompute_lora,
             "embeddings_on_host": p.host_embeddings,
             "chunked_loss": p.chunked_loss,
             "loss_chunk_tokens": p.loss_chunk_tokens,

@@ -41,18 +41,23 @@ ARCHS = {
     },
 }  # fmt: skip
 
-# (adapter, checkpointing, seq, tiled, tile tokens, host embeddings, chunked loss, chunk tokens, optimizer, dropout)
+# LongPoint keyword arguments; the first is the long-context plan (everything on), the rest vary one thing at a time
 POINTS = [
-    ("lora", True, 4096, True, 0, False, True, 64, "adamw_torch", 0.05),  # the long-context plan: all on
-    ("qlora", True, 4096, True, 0, True, True, 64, "adamw_8bit", 0.05),
-    ("lora", True, 2048, False, 0, False, True, 64, "adamw_torch", 0.05),  # untiled reference at the same shape
-    ("qlora", True, 8192, True, 0, True, True, 128, "adamw_torch", 0.05),  # longest: tiled terms dominate
-    ("lora", True, 2048, True, 1024, False, True, 64, "adamw_8bit", 0.05),  # a large tile: its term decides
-    ("lora", False, 2048, True, 0, True, True, 64, "adamw_torch", 0.05),  # tiled without layer checkpointing
-    ("qlora", True, 2048, True, 0, False, True, 0, "adamw_torch", 0.0),  # automatic chunk, no dropout
-    ("lora", True, 1024, True, 0, True, False, 0, "adamw_torch", 0.05),  # TRL's fused loss
-]
-QUICK = [0, 3, 4]
+    dict(adapter="lora", checkpointing=True, seq=4096, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=64),
+    dict(adapter="qlora", checkpointing=True, seq=8192, tiled_mlp=True, recompute_lora=True, host_embeddings=True,
+         loss_chunk_tokens=128, optimizer="adamw_8bit"),  # longest: the tiled terms dominate
+    dict(adapter="lora", checkpointing=True, seq=2048, loss_chunk_tokens=64),  # untiled reference
+    dict(adapter="qlora", checkpointing=True, seq=8192, tiled_mlp=True, host_embeddings=True, loss_chunk_tokens=128),
+    dict(adapter="lora", checkpointing=True, seq=2048, tiled_mlp=True, tile_tokens=1024, loss_chunk_tokens=64,
+         optimizer="adamw_8bit"),  # a large tile: its term decides
+    dict(adapter="qlora", checkpointing=True, seq=4096, recompute_lora=True, loss_chunk_tokens=64),  # no tiled MLP
+    dict(adapter="lora", checkpointing=False, seq=2048, tiled_mlp=True, host_embeddings=True, loss_chunk_tokens=64),
+    dict(adapter="lora", checkpointing=False, seq=2048, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=32),
+    dict(adapter="qlora", checkpointing=True, seq=2048, tiled_mlp=True, loss_chunk_tokens=0, dropout=0.0),  # auto chunk
+    dict(adapter="lora", checkpointing=True, seq=4096, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=2048),
+    dict(adapter="lora", checkpointing=True, seq=1024, tiled_mlp=True, host_embeddings=True, chunked_loss=False),
+]  # fmt: skip
+QUICK = [0, 1, 4]
 PHASES = ("static", "forward", "backward", "optimizer step")
 
 
@@ -67,17 +72,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n, arch in enumerate(archs):
             model_dir = write_model(ARCHS[arch], Path(tmp) / str(n))
-            for adapter, ckpt, seq, tiled, tile, host, chunked, chunk, optim, drop in points:
+            for kw in points:
                 started = time.time()
-                p = LongPoint(arch.split(" ")[0], adapter, ckpt, seq, 1, tiled, tile, host, chunked, chunk, optim, drop)
-                run_point(model_dir, p)
+                p = run_point(model_dir, LongPoint(arch.split(" ")[0], **kw))
                 errors.append(p.error)
                 measured = phase_measurements(p)
                 cells = " | ".join(f"{measured[k] / 1e6:.2f} / {p.predicted_phases[k] / 1e6:.2f}" for k in PHASES)
+                extra = (f", tile {p.tile_tokens}" if p.tile_tokens else "") + ("" if p.dropout else ", no dropout")
                 row = (
-                    f"| {p.arch} | {adapter} | {'on' if ckpt else 'off'} | {seq} | {p.knobs()}"
-                    f"{', tile ' + str(tile) if tiled and tile else ''}{', no dropout' if not drop else ''} | "
-                    f"{optim} | {cells} | {p.measured / 1e6:.2f} | {p.predicted / 1e6:.2f} | {p.error:+.1%} |"
+                    f"| {p.arch} | {p.adapter} | {'on' if p.checkpointing else 'off'} | {p.seq} | {p.knobs()}{extra} | "
+                    f"{p.optimizer} | {cells} | {p.measured / 1e6:.2f} | {p.predicted / 1e6:.2f} | {p.error:+.1%} |"
                 )
                 rows.append(row)
                 print(row, f"({time.time() - started:.0f} s)", flush=True)

@@ -92,6 +92,9 @@ RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
 # gradients gathered for the split (c·h per token) and their concatenation (c·h per token).
 TILED_RECOMPUTE_BWD_H = 14
 TILE_BWD_I = 6
+# memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
+# as above: 3,646 and 3,614 B/token at 1k and 2k tokens for i 512, h 128); 6·i + 5·h is within 3 %, on the safe side.
+RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
 # The largest transient of one layer's forward (LoRA; measured with PeakMemory as above, where it sets the forward
 # peak once the loss chunk is small): in peft's LoRA layer with the widest input, the input (c), its fp32 cast (4),
 # the dropout noise or mask (DROPOUT_MASK_BYTES) and the dropped copy (4) per input element, beside the layer's
@@ -134,6 +137,7 @@ class Setup:
     tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiled_mlp.py)
     mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
     embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
+    recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/lora_recompute.py)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -212,6 +216,7 @@ def setup_from_recipe(recipe, device: Device = "cuda") -> Setup:
         tiled_mlp=mem.tiled_mlp,
         mlp_tile_tokens=mem.mlp_tile_tokens,
         embeddings_on_host=mem.embeddings_on_host,
+        recompute_lora=mem.recompute_lora,
         device=device,
         safety_margin_gb=mem.safety_margin_gb,
     )
@@ -320,7 +325,28 @@ def _lora_input_bytes(arch: Architecture, s: Setup, mlp: bool) -> float:
     output (4 B × r). Each adapted linear does this on its own."""
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
     lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
+    if s.recompute_lora and not (mlp and s.tiled_mlp):
+        return recomputed_lora_input_bytes(arch, s, lins)
     return sum((4 + drop) * lin.in_features + 4 * s.lora_r for lin in lins)
+
+
+def recomputed_lora_input_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
+    """Per token, what `recompute_lora` keeps for these adapted linears: each branch checkpoint keeps only its input,
+    a c-byte tensor — one for the linears fed by the same norm (q/k/v, gate/up: nothing else keeps a norm's output,
+    a frozen base linear keeps no input), one for down_proj (the act × up product), none for the attention's output
+    projection: its input is the attention output the attention keeps already (SDPA / flash kernels return it in
+    (batch, seq, heads, head_dim) memory order, so transformers' `transpose(1, 2).contiguous()` is that storage).
+    Measured per layer with PeakMemory (1- vs 2-layer models): 6,424 and 2,328 (with tiled_mlp) B/token for the
+    Llama-shaped probe of tests/memory/test_estimate.py."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    shared = {"attn": ATTENTION_INPUT_LINEARS, "mlp": {"gate_proj", "up_proj", "gate_up_proj", "w1", "w2"}}
+    inputs: dict[str, int] = {}
+    for lin in lins:
+        if lin.name == "o_proj" or (lin.name == "c_proj" and not is_mlp_linear(arch, lin)):
+            continue
+        group = next((g for g, names in shared.items() if lin.name in names), lin.name)
+        inputs[group] = lin.in_features
+    return c * sum(inputs.values())
 
 
 def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
@@ -392,9 +418,9 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     if s.adapter == "full" or s.gradient_checkpointing:
         return 0.0
     h = arch.hidden_size
-    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
-    return 4 * h + 4 + drop * attn_in
+    return 4 * h + 4 + drop * attn_in  # with recompute_lora no mask is kept in any layer: nothing to discount
 
 
 def head_saved_bytes(arch: Architecture, s: Setup) -> float:
@@ -531,6 +557,8 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     h, t = arch.hidden_size, s.tokens
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
     lins = lora_linears(arch, s)
+    if s.recompute_lora:
+        return recompute_forward_transient_bytes(arch, s, lins)
     outside = [lin.in_features for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
     per_elem = c + drop + (FWD_TRANSIENT_CKPT if s.gradient_checkpointing else FWD_TRANSIENT_NO_CKPT)
     transient = (per_elem * max(outside, default=0) + c * h) * t
@@ -538,6 +566,30 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
         inside = max((lin.in_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
         tile = mlp_tile_tokens(arch, s)
         transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + c * h * t)
+    return transient
+
+
+def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
+    """With `recompute_lora` the fp32 input copies live inside each branch's tile; what remains is output-side: the
+    base layer's c-byte output, the branch's fp32 update and (peft's plain Linear) their fp32 sum, for the adapted
+    linear with the widest output, beside one c-byte tensor of the widest live activation (FWD_TRANSIENT_CKPT
+    bytes per output element); without checkpointing part of it is kept already (FWD_TRANSIENT_NO_CKPT, beside a
+    c-byte hidden state). Fitted on the CPU yardstick: within 5 % of the transient with checkpointing, 20 % without
+    (where the backward sets the peak)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, t = arch.hidden_size, s.tokens
+    outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    widest = max((lin.out_features for lin in outside), default=0)
+    live = max([h] + [arch.intermediate_size for lin in outside if is_mlp_linear(arch, lin)])
+    if s.gradient_checkpointing:
+        transient = ((c + FWD_TRANSIENT_CKPT) * widest + c * live) * t
+    else:
+        transient = ((c + FWD_TRANSIENT_NO_CKPT) * widest + c * h) * t
+    if s.tiled_mlp:
+        inside = max((lin.out_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
+        tile = mlp_tile_tokens(arch, s)
+        i = arch.intermediate_size
+        transient = max(transient, ((c + FWD_TRANSIENT_CKPT) * inside + c * i) * tile + c * h * t)
     return transient
 
 
@@ -572,7 +624,8 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     loss_fwd, loss_bwd, loss_src = loss_bytes(arch, s)
     comps.append(Component("logits / loss working set", max(loss_fwd, loss_bwd), "forward/backward", loss_src))
     if s.gradient_checkpointing:
-        grads_in_flight = (RECOMPUTE_BWD_I * i + RECOMPUTE_BWD_H * h) * t
+        bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
+        grads_in_flight = (bwd_i * i + RECOMPUTE_BWD_H * h) * t
         bwd_src = "recomputed layer's MLP/LoRA gradients (measured)"
         if s.tiled_mlp:
             grads_in_flight = max(TILED_RECOMPUTE_BWD_H * h * t, tiled_mlp_transient_bytes(arch, s))

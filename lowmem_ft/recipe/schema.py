@@ -108,7 +108,13 @@ class MemorySection:
         "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
         "forward per step.",
     )
-    mlp_tile_tokens: int = _f(0, "tiled_mlp only: tokens per MLP tile; 0 = automatic (hidden_size tokens).")
+    mlp_tile_tokens: int = _f(0, "Tokens per tile of tiled_mlp and recompute_lora; 0 = automatic (hidden_size tokens).")
+    recompute_lora: bool = _f(
+        False,
+        "Recompute each LoRA branch (input cast, dropout, lora_A) in token tiles in backward instead of keeping "
+        "peft's fp32 copies of every adapted linear's input (lowmem_ft.train.lora_recompute); costs the LoRA "
+        "branches' forward once more.",
+    )
     embeddings_on_host: bool = _f(
         False,
         "Keep the frozen input embedding table in host memory: the lookup runs on the CPU and only the gathered rows "

@@ -184,7 +184,7 @@ def build_model(recipe: Recipe):
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
     model = attach_adapter(model, recipe)
-    apply_memory_savers(model, recipe)  # memory.tiled_mlp, memory.embeddings_on_host
+    apply_memory_savers(model, recipe)  # memory.tiled_mlp, recompute_lora, embeddings_on_host
     return model
 
 

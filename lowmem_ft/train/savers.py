@@ -1,5 +1,5 @@
-"""Long-context memory savers applied to a built model: the one place the recipe's `memory.tiled_mlp` and
-`memory.embeddings_on_host` reach torch.
+"""Long-context memory savers applied to a built model: the one place the recipe's `memory.tiled_mlp`,
+`memory.recompute_lora` and `memory.embeddings_on_host` reach torch.
 
 The one idea: every command builds its model through `lowmem_ft.train.model.build_model`, which calls
 `apply_memory_savers` last, so training, the estimator's harnesses and generation run the same model the memory
@@ -24,8 +24,9 @@ def check_memory_keys(recipe: Recipe) -> None:
         for key in ("loss_chunk_tokens", "mlp_tile_tokens")
         if getattr(m, key) < 0
     ]
-    if m.embeddings_on_host and recipe.adapter.kind == "full":
-        problems.append("'memory.embeddings_on_host' needs frozen embeddings (adapter.kind=lora)")
+    for key in ("embeddings_on_host", "recompute_lora"):
+        if getattr(m, key) and recipe.adapter.kind == "full":
+            problems.append(f"'memory.{key}' is for LoRA adapters (adapter.kind=lora)")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -33,6 +34,7 @@ def check_memory_keys(recipe: Recipe) -> None:
 def apply_memory_savers(model, recipe: Recipe) -> list[str]:
     """Apply the recipe's long-context savers to `model` (PEFT model or bare causal LM); returns what was done."""
     from lowmem_ft.train.host_embeddings import embeddings_on_host
+    from lowmem_ft.train.lora_recompute import recompute_lora
     from lowmem_ft.train.tiled_mlp import mlp_tile_tokens, tile_mlps
 
     check_memory_keys(recipe)
@@ -44,6 +46,11 @@ def apply_memory_savers(model, recipe: Recipe) -> list[str]:
         tile = mlp_tile_tokens(m.mlp_tile_tokens, hidden)
         count = tile_mlps(model, tile)
         done.append(f"tiled_mlp: {count} decoder MLPs in tiles of {tile} tokens")
+    if m.recompute_lora and recipe.adapter.kind == "lora":
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        tile = mlp_tile_tokens(m.mlp_tile_tokens, config.get_text_config().hidden_size)
+        count = recompute_lora(model, tile, skip_mlp=m.tiled_mlp)
+        done.append(f"recompute_lora: {count} LoRA linears recomputed in tiles of {tile} tokens")
     if m.embeddings_on_host:
         emb = embeddings_on_host(model)
         done.append(f"embeddings_on_host: {tuple(emb.weight.shape)} table in host memory")

@@ -5,84 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.train import tiled_mlp
 from lowmem_ft.train.tiled_mlp import decoder_mlps, tile_mlps
-
-SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4)
-
-
-def _configs():
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
-
-    return {
-        "llama": LlamaConfig(**SMALL, num_key_value_heads=2),
-        "qwen2": Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=False),
-        "gemma2": Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8),  # GeGLU, 4 norms, softcapping, tied
-        "phi3": Phi3Config(**SMALL, num_key_value_heads=4, pad_token_id=0),  # fused gate_up_proj
-        "mistral": MistralConfig(**SMALL, num_key_value_heads=4),
-    }
-
-
-FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "mistral"]
-MLP_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
-DEFAULT_TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _model(family: str, dropout: float = 0.0, checkpointing: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_configs()[family], dtype=torch.float32, attn_implementation="eager")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,  # B ≠ 0: every path carries gradient
-        target_modules=MLP_TARGETS.get(family, DEFAULT_TARGETS),
-    )  # fmt: skip
-    model = get_peft_model(model, config)
-    model.train()
-    return model
-
-
-def _grads(model, ids, mask):
-    torch.manual_seed(1)  # the same dropout draws for every model built the same way
-    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _batch(batch: int = 2, seq: int = 37):
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(1, 128, (batch, seq), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[-1, :5] = 0  # a left-padded row: tiles of the flattened batch cross samples and padding
-    return ids, mask
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
-        assert a[name].abs().sum() > 0, name  # the comparison is not between zeros
+from tests.train.lora_models import FAMILIES, SMALL, assert_same, batch, grads_of, model_of
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
 def test_tiled_gradients_equal_untiled(family, checkpointing):
-    ids, mask = _batch()
-    loss, plain = _grads(_model(family, checkpointing=checkpointing), ids, mask)
-    tiled = _model(family, checkpointing=checkpointing)
+    ids, mask = batch()
+    loss, plain = grads_of(model_of(family, checkpointing=checkpointing), ids, mask)
+    tiled = model_of(family, checkpointing=checkpointing)
     assert tile_mlps(tiled, 16) == 2  # 74 tokens → tiles of 16, 16, 16, 16, 10
-    tiled_loss, grads = _grads(tiled, ids, mask)
+    tiled_loss, grads = grads_of(tiled, ids, mask)
     torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
-    _assert_same(grads, plain)
+    assert_same(grads, plain)
 
 
 def _untiled_loop(model, tile: int) -> None:
@@ -101,38 +41,38 @@ def _untiled_loop(model, tile: int) -> None:
 def test_dropout_masks_are_replayed_in_the_recompute(checkpointing):
     """With LoRA dropout the tiled forward draws its masks tile by tile; the backward's recompute must use the same
     masks, so the gradients equal those of the same tiles computed once with every tensor kept."""
-    ids, mask = _batch()
-    reference = _model("llama", dropout=0.3, checkpointing=checkpointing)
+    ids, mask = batch()
+    reference = model_of("llama", dropout=0.3, checkpointing=checkpointing)
     _untiled_loop(reference, 16)
-    ref_loss, expected = _grads(reference, ids, mask)
-    tiled = _model("llama", dropout=0.3, checkpointing=checkpointing)
+    ref_loss, expected = grads_of(reference, ids, mask)
+    tiled = model_of("llama", dropout=0.3, checkpointing=checkpointing)
     tile_mlps(tiled, 16)
-    loss, grads = _grads(tiled, ids, mask)
+    loss, grads = grads_of(tiled, ids, mask)
     torch.testing.assert_close(loss, ref_loss)
-    _assert_same(grads, expected)
+    assert_same(grads, expected)
 
 
 def test_the_dropout_check_catches_a_recompute_without_rng_restore(monkeypatch):
     """DeepSpeed's / liger-kernel's TiledMLP failure mode (fresh masks in the recompute) fails the check above."""
-    ids, mask = _batch()
-    reference = _model("llama", dropout=0.3)
+    ids, mask = batch()
+    reference = model_of("llama", dropout=0.3)
     _untiled_loop(reference, 16)
-    _, expected = _grads(reference, ids, mask)
+    _, expected = grads_of(reference, ids, mask)
 
     def no_rng_restore(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
     monkeypatch.setattr(tiled_mlp, "checkpoint", no_rng_restore)
-    broken = _model("llama", dropout=0.3)
+    broken = model_of("llama", dropout=0.3)
     tile_mlps(broken, 16)
-    _, grads = _grads(broken, ids, mask)
+    _, grads = grads_of(broken, ids, mask)
     lora_mlp = [n for n in grads if "mlp" in n and "lora_A" in n]
     assert any(not torch.allclose(grads[n], expected[n], rtol=1e-3) for n in lora_mlp)
 
 
 def test_no_grad_forward_runs_the_tiles_without_checkpoints():
-    ids, mask = _batch()
-    plain, tiled = _model("qwen2").eval(), _model("qwen2").eval()
+    ids, mask = batch()
+    plain, tiled = model_of("qwen2").eval(), model_of("qwen2").eval()
     tile_mlps(tiled, 8)
     with torch.no_grad():
         torch.testing.assert_close(tiled(input_ids=ids).logits, plain(input_ids=ids).logits)
@@ -167,8 +107,8 @@ def test_qlora_through_the_build_path_matches_untiled(tiny_model):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0, 0.1)
-        _, grads[tiled] = _grads(model, ids, torch.ones_like(ids))
-    _assert_same(grads[True], grads[False])
+        _, grads[tiled] = grads_of(model, ids, torch.ones_like(ids))
+    assert_same(grads[True], grads[False])
 
 
 def test_mixture_of_experts_and_missing_mlps_are_refused():
@@ -182,11 +122,11 @@ def test_mixture_of_experts_and_missing_mlps_are_refused():
     with pytest.raises(UserError, match="no decoder MLP"):
         tile_mlps(torch.nn.Sequential(torch.nn.Linear(2, 2)), 16)
     with pytest.raises(UserError, match="at least 1"):
-        tile_mlps(_model("llama"), 0)
+        tile_mlps(model_of("llama"), 0)
 
 
 def test_tiling_twice_keeps_the_first():
-    model = _model("llama")
+    model = model_of("llama")
     tile_mlps(model, 16)
     forwards = [m.forward for _, m in decoder_mlps(model)]
     tile_mlps(model, 8)
