@@ -42,6 +42,7 @@ class LongPoint:
     optimizer: str = "adamw_torch"
     dropout: float = 0.05
     recompute_lora: bool = False
+    tiled_norms: bool = False
     measured: int = 0
     predicted: float = 0.0
     phases: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -52,7 +53,12 @@ class LongPoint:
         return (self.predicted - self.measured) / self.measured
 
     def knobs(self) -> str:
-        knobs = (("tiled", self.tiled_mlp), ("lora-recompute", self.recompute_lora), ("host-emb", self.host_embeddings))
+        knobs = (
+            ("tiled", self.tiled_mlp),
+            ("tiled-norms", self.tiled_norms),
+            ("lora-recompute", self.recompute_lora),
+            ("host-emb", self.host_embeddings),
+        )
         on = [k for k, v in knobs if v]
         on.append(f"chunk {self.loss_chunk_tokens or 'auto'}" if self.chunked_loss else "trl-loss")
         return ", ".join(on)
@@ -82,6 +88,7 @@ def recipe_for(model_dir: Path, p: LongPoint):
             "tiled_mlp": p.tiled_mlp,
             "mlp_tile_tokens": p.tile_tokens,
             "recompute_lora": p.recompute_lora,
+            "tiled_norms": p.tiled_norms,
             "embeddings_on_host": p.host_embeddings,
             "chunked_loss": p.chunked_loss,
             "loss_chunk_tokens": p.loss_chunk_tokens,

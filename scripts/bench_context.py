@@ -1,5 +1,5 @@
-"""CPU step time and exact peak with and without each long-context technique (tiled MLP, LoRA recompute, host
-embeddings, loss chunk size).
+"""CPU step time and exact peak with and without each long-context technique (tiled MLP, tiled norms, LoRA
+recompute, host embeddings, loss chunk size).
 
     python scripts/bench_context.py [--seq 2048] [--steps 3] [--dtype float32] [--out benchmarks/context_cpu.md]
 
@@ -33,13 +33,14 @@ CONFIG = {
 VARIANTS = [
     ("baseline: checkpointing + chunked loss (auto chunk)", {}),
     ("+ tiled MLP", {"tiled_mlp": True}),
+    ("+ tiled norms", {"tiled_norms": True}),
     ("+ LoRA recompute", {"recompute_lora": True}),
-    ("+ tiled MLP + LoRA recompute", {"tiled_mlp": True, "recompute_lora": True}),
     ("+ host embeddings", {"host_embeddings": True}),
     ("loss chunk 32 tokens", {"loss_chunk_tokens": 32}),
     ("loss chunk 1,024 tokens", {"loss_chunk_tokens": 1024}),
-    ("all: tiled + recompute + host embeddings", {"tiled_mlp": True, "recompute_lora": True, "host_embeddings": True}),
-]
+    ("all: tiled MLP + norms, LoRA recompute, host embeddings",
+     {"tiled_mlp": True, "tiled_norms": True, "recompute_lora": True, "host_embeddings": True}),
+]  # fmt: skip
 
 
 def step_times(model_dir: Path, point: LongPoint, steps: int, dtype: str) -> tuple[float, int]:

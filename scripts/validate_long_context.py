@@ -1,4 +1,5 @@
-"""The long-context memory terms (tiled MLP, host embeddings, loss chunk size) against exact CPU measurement.
+"""The long-context memory terms (tiled MLP and norms, LoRA recompute, host embeddings, loss chunk size) against
+exact CPU measurement.
 
     python scripts/validate_long_context.py [--quick] [--out benchmarks/long_context_cpu.md]
 
@@ -42,19 +43,21 @@ ARCHS = {
 }  # fmt: skip
 
 # LongPoint keyword arguments; the first is the long-context plan (everything on), the rest vary one thing at a time
+ALL = dict(tiled_mlp=True, tiled_norms=True, recompute_lora=True)  # the four savers a long-context plan turns on
 POINTS = [
-    dict(adapter="lora", checkpointing=True, seq=4096, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=64),
-    dict(adapter="qlora", checkpointing=True, seq=8192, tiled_mlp=True, recompute_lora=True, host_embeddings=True,
-         loss_chunk_tokens=128, optimizer="adamw_8bit"),  # longest: the tiled terms dominate
+    dict(adapter="lora", checkpointing=True, seq=4096, **ALL, loss_chunk_tokens=64),
+    dict(adapter="qlora", checkpointing=True, seq=8192, **ALL, host_embeddings=True, loss_chunk_tokens=128,
+         optimizer="adamw_8bit"),  # longest: the tiled terms dominate
     dict(adapter="lora", checkpointing=True, seq=2048, loss_chunk_tokens=64),  # untiled reference
     dict(adapter="qlora", checkpointing=True, seq=8192, tiled_mlp=True, host_embeddings=True, loss_chunk_tokens=128),
     dict(adapter="lora", checkpointing=True, seq=2048, tiled_mlp=True, tile_tokens=1024, loss_chunk_tokens=64,
          optimizer="adamw_8bit"),  # a large tile: its term decides
-    dict(adapter="qlora", checkpointing=True, seq=4096, recompute_lora=True, loss_chunk_tokens=64),  # no tiled MLP
+    dict(adapter="qlora", checkpointing=True, seq=4096, recompute_lora=True, loss_chunk_tokens=64),  # one at a time
+    dict(adapter="qlora", checkpointing=True, seq=2048, tiled_norms=True, loss_chunk_tokens=64),
     dict(adapter="lora", checkpointing=False, seq=2048, tiled_mlp=True, host_embeddings=True, loss_chunk_tokens=64),
-    dict(adapter="lora", checkpointing=False, seq=2048, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=32),
+    dict(adapter="lora", checkpointing=False, seq=2048, **ALL, tile_tokens=64, loss_chunk_tokens=32),
     dict(adapter="qlora", checkpointing=True, seq=2048, tiled_mlp=True, loss_chunk_tokens=0, dropout=0.0),  # auto chunk
-    dict(adapter="lora", checkpointing=True, seq=4096, tiled_mlp=True, recompute_lora=True, loss_chunk_tokens=2048),
+    dict(adapter="lora", checkpointing=True, seq=4096, **ALL, loss_chunk_tokens=2048),  # a budget-sized large chunk
     dict(adapter="lora", checkpointing=True, seq=1024, tiled_mlp=True, host_embeddings=True, chunked_loss=False),
 ]  # fmt: skip
 QUICK = [0, 1, 4]

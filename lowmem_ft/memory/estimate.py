@@ -95,6 +95,12 @@ TILE_BWD_I = 6
 # memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
 # as above: 3,646 and 3,614 B/token at 1k and 2k tokens for i 512, h 128); 6·i + 5·h is within 3 %, on the safe side.
 RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
+# memory.tiled_norms (same yardstick, tiles of 16 and 128 tokens): the RMSNorms' fp32 backward was most of the 14·h
+# above; with them tiled the layer's backward holds ~4·h B/token in flight (514 measured for h 128), and one MLP
+# tile ~8·i B per tile token beside its recomputed tensors (13.6 KB measured vs 13.4 KB) with no per-token gather in
+# the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
+TILED_NORMS_RECOMPUTE_BWD_H = 4
+TILE_BWD_I_TILED_NORMS = 8
 # The largest transient of one layer's forward (LoRA; measured with PeakMemory as above, where it sets the forward
 # peak once the loss chunk is small): in peft's LoRA layer with the widest input, the input (c), its fp32 cast (4),
 # the dropout noise or mask (DROPOUT_MASK_BYTES) and the dropped copy (4) per input element, beside the layer's
@@ -138,6 +144,7 @@ class Setup:
     mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
     embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
     recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/lora_recompute.py)
+    tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/tiled_mlp.py tile_norms)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -217,6 +224,7 @@ def setup_from_recipe(recipe, device: Device = "cuda") -> Setup:
         mlp_tile_tokens=mem.mlp_tile_tokens,
         embeddings_on_host=mem.embeddings_on_host,
         recompute_lora=mem.recompute_lora,
+        tiled_norms=mem.tiled_norms,
         device=device,
         safety_margin_gb=mem.safety_margin_gb,
     )
@@ -383,6 +391,10 @@ def layer_activation_bytes(arch: Architecture, s: Setup) -> float:
     # normalized c-byte input of `weight *` is kept too.
     per_norm = 4 * h + 4 + (c * h if full else 0)
     total = arch.norms_per_layer * per_norm
+    if s.tiled_norms:  # each norm keeps a view of its c-byte input; under checkpointing the first one's input is the
+        # layer input the checkpoint holds already (measured per layer: 1,808 B/token for the probe, tiled MLP and
+        # recompute_lora on, without checkpointing)
+        total = c * h * (arch.norms_per_layer - (1 if s.gradient_checkpointing else 0))
     # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
     # linears (q/k/v, gate/up) are one tensor.
     if full:
@@ -420,7 +432,9 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     h = arch.hidden_size
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
-    return 4 * h + 4 + drop * attn_in  # with recompute_lora no mask is kept in any layer: nothing to discount
+    # with recompute_lora no mask is kept in any layer; a tiled norm keeps its c-byte input only when it needs grad
+    norm = DTYPE_BYTES[s.compute_dtype] * h if s.tiled_norms else 4 * h + 4
+    return norm + drop * attn_in
 
 
 def head_saved_bytes(arch: Architecture, s: Setup) -> float:
@@ -429,7 +443,7 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping."""
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
-    norm = 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
     # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
     loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0
@@ -543,6 +557,8 @@ def tiled_mlp_transient_bytes(arch: Architecture, s: Setup) -> float:
     tensors and TILE_BWD_I·i B per tile token of gradients, beside the tiles' input gradients (c·h per token)."""
     c = DTYPE_BYTES[s.compute_dtype]
     tile = mlp_tile_tokens(arch, s)
+    if s.tiled_norms:
+        return tile * (mlp_activation_bytes(arch, s) + TILE_BWD_I_TILED_NORMS * arch.intermediate_size)
     per_tile_token = mlp_activation_bytes(arch, s) + TILE_BWD_I * arch.intermediate_size
     return tile * per_tile_token + c * arch.hidden_size * s.tokens
 
@@ -593,11 +609,29 @@ def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[L
     return transient
 
 
+def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
+    """Gradients in flight at the backward's peak beyond the saved tensors, and where the figure comes from: with
+    checkpointing, the recomputed layer's; without, the final norm's fp32 backward (all measured, see the constants)."""
+    h, i, t = arch.hidden_size, arch.intermediate_size, s.tokens
+    tile = mlp_tile_tokens(arch, s)
+    if s.gradient_checkpointing:
+        if s.tiled_mlp:
+            attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.tiled_norms else TILED_RECOMPUTE_BWD_H
+            grads = max(attn_h * h * t, tiled_mlp_transient_bytes(arch, s))
+            return grads, f"attention gradients or one MLP tile of {tile} tokens (measured)"
+        bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
+        return (bwd_i * i + RECOMPUTE_BWD_H * h) * t, "recomputed layer's MLP/LoRA gradients (measured)"
+    grads = NORM_BWD_BYTES_PER_H * h * (tile if s.tiled_norms else t)
+    if s.tiled_mlp:  # the last layer's MLP tiles are recomputed while every layer's activations are kept
+        return max(grads, tiled_mlp_transient_bytes(arch, s)), "final RMSNorm backward or one MLP tile (measured)"
+    return grads, "final RMSNorm backward, fp32 (measured)"
+
+
 def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
     """Appends the activation, loss and backward components; returns (forward peak, backward peak) above static."""
     c = DTYPE_BYTES[s.compute_dtype]
     t = s.tokens
-    h, i = arch.hidden_size, arch.intermediate_size
+    h = arch.hidden_size
     # what the forward keeps for backward (`kept`), then the largest transient on top of it
     layer = layer_activation_bytes(arch, s) * t
     if s.gradient_checkpointing:
@@ -623,20 +657,8 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     kept += head
     loss_fwd, loss_bwd, loss_src = loss_bytes(arch, s)
     comps.append(Component("logits / loss working set", max(loss_fwd, loss_bwd), "forward/backward", loss_src))
-    if s.gradient_checkpointing:
-        bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
-        grads_in_flight = (bwd_i * i + RECOMPUTE_BWD_H * h) * t
-        bwd_src = "recomputed layer's MLP/LoRA gradients (measured)"
-        if s.tiled_mlp:
-            grads_in_flight = max(TILED_RECOMPUTE_BWD_H * h * t, tiled_mlp_transient_bytes(arch, s))
-            bwd_src = f"attention gradients or one MLP tile of {mlp_tile_tokens(arch, s)} tokens (measured)"
-        layer_bwd = layer + grads_in_flight
-    else:
-        grads_in_flight = layer_bwd = NORM_BWD_BYTES_PER_H * h * t
-        bwd_src = "final RMSNorm backward, fp32 (measured)"
-        if s.tiled_mlp:  # the last layer's MLP tiles are recomputed while every layer's activations are kept
-            grads_in_flight = layer_bwd = max(layer_bwd, tiled_mlp_transient_bytes(arch, s))
-            bwd_src += f" or one MLP tile of {mlp_tile_tokens(arch, s)} tokens recomputed (measured)"
+    grads_in_flight, bwd_src = backward_transient_bytes(arch, s)
+    layer_bwd = layer + grads_in_flight if s.gradient_checkpointing else grads_in_flight
     comps.append(Component("backward gradient buffers", grads_in_flight, "forward/backward", bwd_src))
     dequant = 0.0
     if s.quantization in ("nf4", "int8"):
@@ -645,7 +667,10 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # Full fine-tuning: the embedding's dense backward makes a new c-byte V × h gradient beside the accumulated one,
     # and the CPU measurement shows about two such buffers at the end of the backward (embedding_dense_backward).
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
-    fwd_peak = kept + max(loss_fwd, forward_transient_bytes(arch, s))
+    # a tiled norm's output is a concatenation of its tiles: the final norm's stays beside the loss's forward, and
+    # under checkpointing a layer's beside its largest transient (c·h per token; measured with tiled_norms)
+    norm_out = c * h * t if s.tiled_norms else 0.0
+    fwd_peak = kept + max(loss_fwd + norm_out, forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing)
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
@@ -693,6 +718,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
     working = layer_activation_bytes(arch, es) * t + 2 * c * arch.hidden_size * t + head_saved_bytes(arch, es) * t
+    if es.tiled_mlp:  # without gradients the tiles run one after another: one tile's MLP tensors at a time
+        working += mlp_tile_tokens(arch, es) * mlp_activation_bytes(arch, es)
     transient = working + loss_fwd + dequant
     overhead = 0.0
     if s.device == "cuda":

@@ -108,7 +108,14 @@ class MemorySection:
         "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
         "forward per step.",
     )
-    mlp_tile_tokens: int = _f(0, "Tokens per tile of tiled_mlp and recompute_lora; 0 = automatic (hidden_size tokens).")
+    mlp_tile_tokens: int = _f(
+        0, "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens)."
+    )
+    tiled_norms: bool = _f(
+        False,
+        "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
+        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiled_mlp.tile_norms).",
+    )
     recompute_lora: bool = _f(
         False,
         "Recompute each LoRA branch (input cast, dropout, lora_A) in token tiles in backward instead of keeping "

@@ -1,5 +1,5 @@
 """Long-context memory savers applied to a built model: the one place the recipe's `memory.tiled_mlp`,
-`memory.recompute_lora` and `memory.embeddings_on_host` reach torch.
+`memory.tiled_norms`, `memory.recompute_lora` and `memory.embeddings_on_host` reach torch.
 
 The one idea: every command builds its model through `lowmem_ft.train.model.build_model`, which calls
 `apply_memory_savers` last, so training, the estimator's harnesses and generation run the same model the memory
@@ -35,7 +35,7 @@ def apply_memory_savers(model, recipe: Recipe) -> list[str]:
     """Apply the recipe's long-context savers to `model` (PEFT model or bare causal LM); returns what was done."""
     from lowmem_ft.train.host_embeddings import embeddings_on_host
     from lowmem_ft.train.lora_recompute import recompute_lora
-    from lowmem_ft.train.tiled_mlp import mlp_tile_tokens, tile_mlps
+    from lowmem_ft.train.tiled_mlp import mlp_tile_tokens, tile_mlps, tile_norms
 
     check_memory_keys(recipe)
     m = recipe.memory
@@ -46,6 +46,10 @@ def apply_memory_savers(model, recipe: Recipe) -> list[str]:
         tile = mlp_tile_tokens(m.mlp_tile_tokens, hidden)
         count = tile_mlps(model, tile)
         done.append(f"tiled_mlp: {count} decoder MLPs in tiles of {tile} tokens")
+    if m.tiled_norms:
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        tile = mlp_tile_tokens(m.mlp_tile_tokens, config.get_text_config().hidden_size)
+        done.append(f"tiled_norms: {tile_norms(model, tile)} norms in tiles of {tile} tokens")
     if m.recompute_lora and recipe.adapter.kind == "lora":
         config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
         tile = mlp_tile_tokens(m.mlp_tile_tokens, config.get_text_config().hidden_size)

@@ -20,6 +20,9 @@ needs Triton to import, DeepSpeed its whole runtime. torch's `checkpoint` alread
 state restored (`preserve_rng_state=True`) and lets the one autograd graph accumulate each weight's gradient
 once; what is ours is the ~20 lines that split the tokens and concatenate the tiles.
 
+The same tiling serves the norms (`memory.tiled_norms`, `tile_norms`): an RMSNorm is per token too, and tiled it
+keeps a view of its c-byte input instead of its fp32 upcast, and its fp32 backward runs one tile at a time.
+
 Works with LoRA / QLoRA adapters inside the MLP (peft's layers are ordinary modules called by the MLP's forward)
 and with activation checkpointing (a checkpoint nested in transformers' per-layer checkpoint: the layer's recompute
 runs the tiles again under their own checkpoints). Without gradients (evaluation, generation) the tiles run one
@@ -81,6 +84,36 @@ def decoder_mlps(model) -> list[tuple[str, torch.nn.Module]]:
             "sequence); set memory.tiled_mlp=false"
         )
     return found
+
+
+def hidden_norms(model) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every RMSNorm / LayerNorm over the hidden size: each layer's norms and the final norm (not
+    Qwen3's / Gemma 3's per-head q/k norms, whose width is head_dim)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.config.get_text_config().hidden_size
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+        and getattr(module, "weight", None) is not None
+        and tuple(module.weight.shape) == (hidden,)
+    ]
+
+
+def tile_norms(model, tile_tokens: int) -> int:
+    """Make every hidden-size norm of `model` sequence-tiled (`memory.tiled_norms`); returns how many.
+
+    An RMSNorm keeps its input upcast to fp32 (4 B per element) for backward; tiled, it keeps only a view of its
+    c-byte input, and the fp32 copies (and the fp32 gradients of its backward) exist for one tile at a time."""
+    if tile_tokens < 1:
+        raise UserError(f"memory.mlp_tile_tokens is {tile_tokens}; it must be at least 1 (0 = automatic)")
+    norms = hidden_norms(model)
+    for _, norm in norms:
+        if getattr(norm, "_lowmem_tile_tokens", None):
+            continue
+        norm.forward = tiled_forward(types.MethodType(type(norm).forward, norm), tile_tokens)
+        norm._lowmem_tile_tokens = tile_tokens
+    return len(norms)
 
 
 def tile_mlps(model, tile_tokens: int) -> int:

@@ -131,3 +131,40 @@ def test_tiling_twice_keeps_the_first():
     forwards = [m.forward for _, m in decoder_mlps(model)]
     tile_mlps(model, 8)
     assert [m.forward for _, m in decoder_mlps(model)] == forwards
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiled_norms_gradients_equal_untiled(family):
+    """Every hidden-size norm (Gemma 2's four per layer and its (1 + w) scale included) tiled, with the MLPs."""
+    from lowmem_ft.train.tiled_mlp import hidden_norms, tile_norms
+
+    ids, mask = batch()
+    loss, plain = grads_of(model_of(family, checkpointing=True), ids, mask)
+    tiled = model_of(family, checkpointing=True)
+    per_layer = 4 if family == "gemma2" else 2
+    assert tile_norms(tiled, 16) == 2 * per_layer + 1  # the layers' norms and the final norm
+    assert all(n.weight.shape == (SMALL["hidden_size"],) for _, n in hidden_norms(tiled))
+    tile_mlps(tiled, 16)
+    tiled_loss, grads = grads_of(tiled, ids, mask)
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
+    assert_same(grads, plain)
+
+
+def test_tiled_norms_train_the_norm_weights_of_a_full_fine_tune():
+    """Norm weights that require grad (full fine-tuning) get the untiled gradients too."""
+    from lowmem_ft.train.tiled_mlp import tile_norms
+    from tests.train.lora_models import configs
+
+    ids, mask = batch()
+    grads = {}
+    for tiled in (False, True):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(configs()["llama"], dtype=torch.float32).train()
+        if tiled:
+            tile_norms(model, 16)
+        _, grads[tiled] = grads_of(model, ids, mask)
+    norm_grads = [n for n in grads[True] if "norm" in n]
+    assert norm_grads
+    assert_same(grads[True], grads[False])
