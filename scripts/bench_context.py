@@ -1,12 +1,14 @@
 """CPU step time and exact peak with and without each long-context technique (tiled MLP, tiled norms, LoRA
 recompute, host embeddings, loss chunk size).
 
-    python scripts/bench_context.py [--seq 2048] [--steps 3] [--dtype float32] [--out benchmarks/context_cpu.md]
+    python scripts/bench_context.py [--seq 2048] [--rounds 5] [--dtype float32] [--out benchmarks/context_cpu.md]
 
 One random-initialized Llama-shaped model (vocab 16,000, hidden 256, intermediate 1,024, 4 layers, GQA 4/2; LoRA r 16
-on all linears, dropout 0.05, checkpointing on, chunked loss), trained through `build_model` + the loss head `train`
-installs, one micro batch of `--seq` tokens per step; the median of `--steps` timed steps after one warm-up step,
-and PeakMemory's exact peak of live tensor bytes over one more step. CPU time is only a relative cost here: on a GPU
+on all linears, dropout 0.05, checkpointing on, chunked loss in 64-token chunks unless the row says otherwise),
+trained through `build_model` + the loss head `train` installs, one micro batch of `--seq` tokens per step; every
+variant is built first, then timed step by step in round-robin (the median of `--rounds` steps each, after a
+warm-up step), so the load of other processes falls on all variants alike; the peak is PeakMemory's exact peak of
+live tensor bytes over one step, above what was live before it. CPU time is only a relative cost here: on a GPU
 the recompute costs the same FLOPs, but the host embedding lookup adds a host→device copy the CPU does not have.
 """
 
@@ -31,22 +33,22 @@ CONFIG = {
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
 }  # fmt: skip
 VARIANTS = [
-    ("baseline: checkpointing + chunked loss (auto chunk)", {}),
+    ("baseline: checkpointing + chunked loss (64-token chunks)", {}),
     ("+ tiled MLP", {"tiled_mlp": True}),
     ("+ tiled norms", {"tiled_norms": True}),
     ("+ LoRA recompute", {"recompute_lora": True}),
     ("+ host embeddings", {"host_embeddings": True}),
-    ("loss chunk 32 tokens", {"loss_chunk_tokens": 32}),
-    ("loss chunk 1,024 tokens", {"loss_chunk_tokens": 1024}),
-    ("all: tiled MLP + norms, LoRA recompute, host embeddings",
+    ("loss chunk 16 tokens", {"loss_chunk_tokens": 16}),
+    ("loss chunk 1,024 tokens (the automatic 64 MiB here)", {"loss_chunk_tokens": 1024}),
+    ("all four: tiled MLP + norms, LoRA recompute, host embeddings",
      {"tiled_mlp": True, "tiled_norms": True, "recompute_lora": True, "host_embeddings": True}),
 ]  # fmt: skip
 
 
-def step_times(model_dir: Path, point: LongPoint, steps: int, dtype: str) -> tuple[float, int]:
+def build(model_dir: Path, point: LongPoint, dtype: str):
+    """The model as `train` builds it, its optimizer, the batch, and one training step as a closure."""
     import torch
 
-    from lowmem_ft.train.measure import PeakMemory
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, point)
@@ -55,8 +57,7 @@ def step_times(model_dir: Path, point: LongPoint, steps: int, dtype: str) -> tup
     model = build_model(recipe)
     _loss_head(model, point)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, CONFIG["vocab_size"], (1, point.seq), generator=torch.Generator().manual_seed(1))
 
     def step():
@@ -65,41 +66,49 @@ def step_times(model_dir: Path, point: LongPoint, steps: int, dtype: str) -> tup
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    with PeakMemory() as pm:
-        start = pm.live_bytes
-        step()
-    return statistics.median(times), pm.peak_bytes - start
+    return step
 
 
 def main(argv=None) -> int:
+    from lowmem_ft.train.measure import PeakMemory
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    rows = []
-    base_time = base_peak = None
+    times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
+    peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(CONFIG, Path(tmp) / "m")
+        steps = {}
         for label, knobs in VARIANTS:
-            point = LongPoint("llama", "lora", True, args.seq, **knobs)
-            seconds, peak = step_times(model_dir, point, args.steps, args.dtype)
-            base_time, base_peak = base_time or seconds, base_peak or peak
-            rows.append(
-                f"| {label} | {seconds:.2f} | {seconds / base_time - 1:+.0%} | {peak / 1e6:.1f} | "
-                f"{peak / base_peak - 1:+.0%} |"
-            )
-            print(rows[-1], flush=True)
+            knobs = {"loss_chunk_tokens": 64, **knobs}
+            steps[label] = build(model_dir, LongPoint("llama", "lora", True, args.seq, **knobs), args.dtype)
+            steps[label]()  # warm-up
+            with PeakMemory() as pm:
+                start = pm.live_bytes
+                steps[label]()
+            peaks[label] = pm.peak_bytes - start
+        # round-robin, so load from other processes on a shared machine falls on every variant alike
+        for _ in range(args.rounds):
+            for label, step in steps.items():
+                started = time.perf_counter()
+                step()
+                times[label].append(time.perf_counter() - started)
+    base = VARIANTS[0][0]
+    rows = []
+    for label, _ in VARIANTS:
+        seconds = statistics.median(times[label])
+        rows.append(
+            f"| {label} | {seconds:.2f} | {seconds / statistics.median(times[base]) - 1:+.0%} | "
+            f"{peaks[label] / 1e6:.1f} | {peaks[label] / peaks[base] - 1:+.0%} |"
+        )
     table = "\n".join(
         [
-            f"| variant ({args.seq} tokens, {args.dtype}) | CPU s/step | vs baseline | peak above weights MB | vs baseline |",
+            f"| variant ({args.seq} tokens, {args.dtype}, median of {args.rounds} round-robin steps) | CPU s/step "
+            "| vs baseline | step peak above weights MB | vs baseline |",
             "| --- | ---: | ---: | ---: | ---: |",
             *rows,
         ]

@@ -85,11 +85,12 @@ TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
 # (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
 NORM_BWD_BYTES_PER_H = 20
 RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
-# memory.tiled_mlp with checkpointing (devkit/long_context_check.py, PeakMemory, Llama-shaped h 128 / i 512 and
-# Qwen2- and Mistral-shaped layers, benchmarks/long_context_cpu.md): the recomputed layer's backward holds ~14·h B/token of gradients in flight
-# outside the MLP (8·i + 5·h untiled: the MLP's share is gone; fitted 14·h on 3 shapes, 1-8k tokens), and the MLP's backward runs one tile at a time:
-# the tile's recomputed MLP tensors and RECOMPUTE_BWD_I·i B per tile token of gradients, beside the tiles' input
-# gradients gathered for the split (c·h per token) and their concatenation (c·h per token).
+# memory.tiled_mlp with checkpointing (devkit/long_context_check.py, PeakMemory; fitted on a Llama-shaped h 128 /
+# i 512 model at 1-2k tokens, checked on Qwen2- and Mistral-shaped ones at 1-8k, benchmarks/long_context_cpu.md):
+# outside the MLP the recomputed layer's backward holds ~14·h B/token of gradients in flight (8·i + 5·h untiled:
+# the MLP's share is gone); the MLP's backward runs one tile at a time — the tile's recomputed MLP tensors plus
+# TILE_BWD_I·i B per tile token of gradients — beside the tiles' input gradients gathered for the split (c·h per
+# token). The larger of the two is the term.
 TILED_RECOMPUTE_BWD_H = 14
 TILE_BWD_I = 6
 # memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
