@@ -17,10 +17,20 @@ CONFIG = {
 @pytest.mark.parametrize(
     "point",
     [
-        LongPoint("qwen2-tiny", "qlora", True, 3072, tiled_mlp=True, host_embeddings=True, loss_chunk_tokens=64),
+        LongPoint(
+            "qwen2-tiny",
+            "lora",
+            True,
+            1536,
+            tiled_mlp=True,
+            tiled_norms=True,
+            recompute_lora=True,
+            host_embeddings=True,
+            loss_chunk_tokens=64,
+        ),  # fmt: skip
         LongPoint("qwen2-tiny", "lora", False, 1024, tiled_mlp=True, tile_tokens=512, loss_chunk_tokens=32),
     ],
-    ids=["qlora-ckpt-tiled-host", "lora-tiled-big-tile"],
+    ids=["ckpt-all-savers", "no-ckpt-tiled-big-tile"],
 )
 def test_long_context_point_within_target(tmp_path, point):
     p = run_point(write_model(CONFIG, tmp_path / "m"), point)
