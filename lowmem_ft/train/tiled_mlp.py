@@ -12,8 +12,10 @@ Why our own and not DeepSpeed's `TiledMLP` (deepspeed 0.19.8, `runtime/sequence_
 implementation Snowflake's Arctic Long Sequence Training uses) or liger-kernel's `LigerTiledMLPFunction` (0.8.5, a
 copy of it): both run each shard under `no_grad` in forward and again in backward without saving and restoring
 the RNG state, so peft's LoRA dropout inside the MLP draws different masks in the recompute and the gradients are
-not those of the forward that produced the loss (checked: `tests/train/test_tiled_mlp.py` keeps a copy-free
-reproduction of the effect); they shard the sequence dimension in forward but the flattened batch × sequence in
+not those of the forward that produced the loss (checked on a copy of DeepSpeed 0.19.8's class with LoRA dropout
+0.3: its gradients differ from those of its own shards computed without recompute by up to 5.6× their size; ours
+match exactly; `tests/train/test_tiled_mlp.py` reproduces the failure mode by turning our RNG restore off). Read
+from their code, not run: they shard the sequence dimension in forward but the flattened batch × sequence in
 backward, so the two passes see different tiles when the micro batch is above 1; they hand parameter gradients
 to a nested `autograd.backward` per shard, which fires DDP's per-parameter hooks once per shard; and liger-kernel
 needs Triton to import, DeepSpeed its whole runtime. torch's `checkpoint` already does the recompute with the RNG
