@@ -193,6 +193,12 @@ def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
         # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
         # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
         loss_impl="chunked" if mem.chunked_loss else "trl_fused",
+        loss_chunk_tokens=mem.loss_chunk_tokens or None,
+        tiled_mlp=mem.tiled_mlp,
+        mlp_tile_tokens=mem.mlp_tile_tokens,
+        embeddings_on_host=mem.embeddings_on_host,
+        recompute_lora=mem.recompute_lora,
+        tiled_norms=mem.tiled_norms,
         device=device,
         safety_margin_gb=mem.safety_margin_gb,
     )

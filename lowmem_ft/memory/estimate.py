@@ -54,13 +54,16 @@ TRL_VOCAB_CHUNK = 32768
 # needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
-# memory.chunked_loss (lowmem_ft/train/losses.py CHUNK_FP32_BYTES, chunk_tokens_for): a chunk holds at most 64 MiB
-# of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary). Its working set, measured with PeakMemory in
-# scripts/bench_savers.py (fp32 compute, V 151,936, 2,047 tokens, benchmarks/savers_cpu.md): 0.185 GB = k·V·(c + 7)
-# — the chunk's logits in the compute dtype, an fp32 copy and exp(), less than the 12 B/logit of the full loss
-# because only per-token statistics outlive a chunk. bf16 compute is assumed to follow the same form (unmeasured).
+# memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
+# (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
+# Working sets measured with PeakMemory on the function alone (bf16 and fp32; n 1000-2000, V 2000-5000, k 250-1000;
+# devkit/long_context_check.py measures them in the whole model): forward 12 B per logit of the chunk — the fp32
+# logits and two fp32 temporaries of logsumexp / the entropy statistics (the c-byte matmul output is freed by then);
+# backward 8 B per logit (fp32 logits, exp) plus the c-byte cast of the logits gradient when c < 4, on top of the
+# c-byte `grad_hidden` of all n tokens. The loss input `hidden[mask]` is a c-byte copy kept from forward to backward.
 CHUNK_FP32_BYTES = 64 * 2**20
-CHUNK_BYTES_PER_LOGIT = 7
+CHUNK_FWD_BYTES_PER_LOGIT = 12
+CHUNK_BWD_BYTES_PER_LOGIT = 8
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
@@ -82,6 +85,29 @@ TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
 # (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
 NORM_BWD_BYTES_PER_H = 20
 RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
+# memory.tiled_mlp with checkpointing (devkit/long_context_check.py, PeakMemory; fitted on a Llama-shaped h 128 /
+# i 512 model at 1-2k tokens, checked on Qwen2- and Mistral-shaped ones at 1-8k, benchmarks/long_context_cpu.md):
+# outside the MLP the recomputed layer's backward holds ~14·h B/token of gradients in flight (8·i + 5·h untiled:
+# the MLP's share is gone); the MLP's backward runs one tile at a time — the tile's recomputed MLP tensors plus
+# TILE_BWD_I·i B per tile token of gradients — beside the tiles' input gradients gathered for the split (c·h per
+# token). The larger of the two is the term.
+TILED_RECOMPUTE_BWD_H = 14
+TILE_BWD_I = 6
+# memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
+# as above: 3,646 and 3,614 B/token at 1k and 2k tokens for i 512, h 128); 6·i + 5·h is within 3 %, on the safe side.
+RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
+# memory.tiled_norms (same yardstick, tiles of 16 and 128 tokens): the RMSNorms' fp32 backward was most of the 14·h
+# above; with them tiled the layer's backward holds ~4·h B/token in flight (514 measured for h 128), and one MLP
+# tile ~8·i B per tile token beside its recomputed tensors (13.6 KB measured vs 13.4 KB) with no per-token gather in
+# the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
+TILED_NORMS_RECOMPUTE_BWD_H = 4
+TILE_BWD_I_TILED_NORMS = 8
+# The largest transient of one layer's forward (LoRA; measured with PeakMemory as above, where it sets the forward
+# peak once the loss chunk is small): in peft's LoRA layer with the widest input, the input (c), its fp32 cast (4),
+# the dropout noise or mask (DROPOUT_MASK_BYTES) and the dropped copy (4) per input element, beside the layer's
+# c-byte hidden state. Under checkpointing nothing of it is kept; without, the noise and dropped copy are counted
+# as kept already, so the cast is what is new (c + 4 + mask). Fitted within 4 % (ckpt) and 20 % (no ckpt).
+FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT = 8, 4
 # Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
 # measures NVML device use minus torch's reserved bytes.
 CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
@@ -115,6 +141,11 @@ class Setup:
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
     loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
+    tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiled_mlp.py)
+    mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
+    embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
+    recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/lora_recompute.py)
+    tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/tiled_mlp.py tile_norms)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -255,6 +286,59 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
 
 # -- activations ------------------------------------------------------------------------------------------------
 ATTENTION_INPUT_LINEARS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn"}  # fed by the input RMSNorm
+MLP_LINEARS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2"}  # inside `layers.N.mlp`
+
+
+def is_mlp_linear(arch: Architecture, lin: Linear) -> bool:
+    """A linear of the decoder MLP (what `memory.tiled_mlp` tiles); Qwen v1's MLP `c_proj` is told from the
+    attention's by its input width (intermediate vs hidden)."""
+    if lin.name == "c_proj":
+        return arch.model_type == "qwen" and lin.in_features == arch.intermediate_size
+    return lin.name in MLP_LINEARS
+
+
+def _lora_input_bytes(arch: Architecture, s: Setup, mlp: bool) -> float:
+    """Per token, what peft's LoRA layers keep for the attention (`mlp` False) or MLP (True) linears: x.to(fp32) →
+    dropout keeps its mask (DROPOUT_MASK_BYTES), lora_A keeps the fp32 dropped input (4 B), lora_B keeps lora_A's
+    output (4 B × r). Each adapted linear does this on its own."""
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
+    if s.recompute_lora and not (mlp and s.tiled_mlp):
+        return recomputed_lora_input_bytes(arch, s, lins)
+    return sum((4 + drop) * lin.in_features + 4 * s.lora_r for lin in lins)
+
+
+def recomputed_lora_input_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
+    """Per token, what `recompute_lora` keeps for these adapted linears: each branch checkpoint keeps only its input,
+    a c-byte tensor — one for the linears fed by the same norm (q/k/v, gate/up: nothing else keeps a norm's output,
+    a frozen base linear keeps no input), one for down_proj (the act × up product), none for the attention's output
+    projection: its input is the attention output the attention keeps already (SDPA / flash kernels return it in
+    (batch, seq, heads, head_dim) memory order, so transformers' `transpose(1, 2).contiguous()` is that storage).
+    Measured per layer with PeakMemory (1- vs 2-layer models): 6,424 and 2,328 (with tiled_mlp) B/token for the
+    Llama-shaped probe of tests/memory/test_estimate.py."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    shared = {"attn": ATTENTION_INPUT_LINEARS, "mlp": {"gate_proj", "up_proj", "gate_up_proj", "w1", "w2"}}
+    inputs: dict[str, int] = {}
+    for lin in lins:
+        if lin.name == "o_proj" or (lin.name == "c_proj" and not is_mlp_linear(arch, lin)):
+            continue
+        group = next((g for g, names in shared.items() if lin.name in names), lin.name)
+        inputs[group] = lin.in_features
+    return c * sum(inputs.values())
+
+
+def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what one untiled decoder MLP keeps for backward: act(gate) keeps gate (c·i), the product keeps
+    act(gate) and up (2·c·i); plus the LoRA inputs of its adapted linears (frozen linears keep nothing)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    i = arch.intermediate_size
+    acts = 3 * c * i if arch.mlp == "gated" else c * i
+    return acts + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+
+
+def mlp_tile_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per MLP tile (lowmem_ft/train/tiled_mlp.py mlp_tile_tokens: 0 means hidden_size), at most all tokens."""
+    return min(s.tokens, s.mlp_tile_tokens or arch.hidden_size)
 
 
 def masked_layers(arch: Architecture, s: Setup) -> int:
@@ -279,10 +363,11 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     benchmarks/estimator_cpu.md:
     exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA) and across the zoo's families
     (benchmarks/estimator_zoo.md). `masked`: the layer's SDPA gets an explicit mask (see `masked_layers`; default:
-    whether any layer does).
+    whether any layer does). With `tiled_mlp` the MLP keeps only its input (c·h, the view each tile's checkpoint holds); its own tensors
+    exist for one tile at a time in backward (`tiled_mlp_transient_bytes`).
     """
     c = DTYPE_BYTES[s.compute_dtype]
-    h, i = arch.hidden_size, arch.intermediate_size
+    h = arch.hidden_size
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
     full = s.adapter == "full"
@@ -293,21 +378,23 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     normalized = (4 if arch.norm_fp32_output else c) * h if full else 0
     per_norm = 4 * h + 4 + normalized
     total = arch.norms_per_layer * per_norm
+    if s.tiled_norms:  # each norm keeps a view of its c-byte input; under checkpointing the first one's input is the
+        # layer input the checkpoint holds already (measured per layer: 1,808 B/token for the probe, tiled MLP and
+        # recompute_lora on, without checkpointing)
+        total = c * h * (arch.norms_per_layer - (1 if s.gradient_checkpointing else 0))
     # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
     # linears (q/k/v, gate/up) are one tensor.
     if full:
         shared: dict[tuple[int, bool], int] = {}
         for lin in arch.linears:
+            if s.tiled_mlp and is_mlp_linear(arch, lin):
+                continue
             shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
         total += c * sum(shared.values())
     else:
-        # LoRA on a linear: x.to(fp32) → dropout keeps its mask (DROPOUT_MASK_BYTES) and lora_A keeps the fp32
-        # dropped input (4 B) and lora_B keeps lora_A's output (4 B × r). Each adapted linear does this on its own.
-        drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
-        for lin in lora_linears(arch, s):
-            total += (4 + drop) * lin.in_features + 4 * s.lora_r
+        total += _lora_input_bytes(arch, s, mlp=False)
     # q/k RMSNorm over head_dim (Qwen3, Gemma-3): the fp32 upcast of q and k and an rsqrt per head, as any RMSNorm
-    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md).
+    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md); `memory.tiled_norms` leaves them as are.
     if arch.qk_norm:
         total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
         if full:
@@ -325,9 +412,11 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     total += c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads
     if masked:
         total += c * s.max_seq_len
-    # MLP: act(gate) keeps gate (c·i), the product keeps act(gate) and up (2·c·i).
-    total += 3 * c * i if arch.mlp == "gated" else c * i
-    return total
+    if s.tiled_mlp:
+        return total + c * h
+    if full:  # the MLP's linear inputs were counted with the others above
+        return total + (3 * c * arch.intermediate_size if arch.mlp == "gated" else c * arch.intermediate_size)
+    return total + mlp_activation_bytes(arch, s)
 
 
 def first_layer_discount(arch: Architecture, s: Setup) -> float:
@@ -338,9 +427,11 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     if s.adapter == "full" or s.gradient_checkpointing:
         return 0.0
     h = arch.hidden_size
-    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
-    return 4 * h + 4 + drop * attn_in
+    # with recompute_lora no mask is kept in any layer; a tiled norm keeps its c-byte input only when it needs grad
+    norm = DTYPE_BYTES[s.compute_dtype] * h if s.tiled_norms else 4 * h + 4
+    return norm + drop * attn_in
 
 
 def head_saved_bytes(arch: Architecture, s: Setup) -> float:
@@ -349,8 +440,10 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping."""
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
-    norm = 4 * h + 4 + (c * h if s.adapter == "full" else 0)
-    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
+    # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
+    loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0
     return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
@@ -364,6 +457,39 @@ def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     return per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
 
 
+def loss_chunk_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per chunk of the chunked loss: `memory.loss_chunk_tokens`, else losses.py's 64 MiB of fp32 logits."""
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    return max(1, min(n, s.loss_chunk_tokens or CHUNK_FP32_BYTES // (4 * arch.vocab_size)))
+
+
+def chunk_forward_bytes(arch: Architecture, s: Setup, k: int) -> float:
+    """The chunked loss's forward working set for chunks of `k` tokens (CHUNK_FWD_BYTES_PER_LOGIT)."""
+    return CHUNK_FWD_BYTES_PER_LOGIT * k * arch.vocab_size
+
+
+def chunk_backward_bytes(arch: Architecture, s: Setup, k: int) -> float:
+    """The chunked loss's backward working set: one chunk (CHUNK_BWD_BYTES_PER_LOGIT, + the c-byte gradient cast
+    when the compute dtype is not fp32) and the c-byte gradient of every token's hidden state."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    per_logit = CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)
+    return per_logit * k * arch.vocab_size + c * n * arch.hidden_size
+
+
+def largest_loss_chunk(arch: Architecture, s: Setup, budget_bytes: float) -> int:
+    """The largest loss chunk (tokens) whose working set, forward and backward, fits in `budget_bytes`; 0 if even
+    one token does not. At most the micro batch's tokens. Pure arithmetic, for the planner: fewer, larger chunks
+    when there is room (`memory.loss_chunk_tokens`)."""
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    c = DTYPE_BYTES[s.compute_dtype]
+    per_token_fwd = CHUNK_FWD_BYTES_PER_LOGIT * arch.vocab_size
+    per_token_bwd = (CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)) * arch.vocab_size
+    fixed_bwd = c * n * arch.hidden_size
+    k = min(budget_bytes // per_token_fwd, (budget_bytes - fixed_bwd) // per_token_bwd)
+    return int(max(0, min(n, k)))
+
+
 def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     """(forward, backward) working sets of the logits and the loss, beyond what `head_saved_bytes` keeps."""
     c = DTYPE_BYTES[s.compute_dtype]
@@ -374,9 +500,12 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
         b = n * v * (c + HF_LOSS_BYTES_PER_LOGIT)
         return b, b, "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
     if s.loss_impl == "chunked":
-        k = min(n, s.loss_chunk_tokens or max(1, CHUNK_FP32_BYTES // (4 * v)))
-        b = k * v * (c + CHUNK_BYTES_PER_LOGIT) + 4 * n * h
-        return b, b, f"one chunk of {k} tokens × vocab (lowmem_ft/train/losses.py), fp32 hidden gradient"
+        k = loss_chunk_tokens(arch, s)
+        return (
+            chunk_forward_bytes(arch, s, k),
+            chunk_backward_bytes(arch, s, k),
+            f"one chunk of {k} tokens × vocab (lowmem_ft/train/losses.py) + the hidden-state gradient",
+        )
     rows, cols = min(n, TRL_TOKEN_CHUNK), min(v, TRL_VOCAB_CHUNK)
     tile = rows * cols
     mm_buf = c * rows * TRL_VOCAB_CHUNK
@@ -403,6 +532,110 @@ def effective_setup(arch: Architecture, s: Setup) -> tuple[Setup, str | None]:
     `lowmem_ft.train.model.attention`), and why it changed (None when it did not)."""
     used, why = arch.attention_for(s.attn_implementation)
     return (s if used == s.attn_implementation else replace(s, attn_implementation=used)), why
+
+
+def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], list[tuple[int, int]]]:
+    """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    comps: list[Component] = []
+    notes: list[str] = []
+    w_lin, w_rest, w_desc = weight_bytes(arch, s)
+    comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
+    rest_what = "embeddings + lm_head" if not arch.tie_embeddings else "tied embeddings (once)"
+    if s.embeddings_on_host and not arch.tie_embeddings and s.adapter == "lora":
+        # lowmem_ft/train/host_embeddings.py: the frozen table stays in host memory, the lookup runs there
+        host = c * arch.embedding_params
+        w_rest -= host
+        rest_what = "lm_head"
+        comps.append(Component("input embeddings (host)", host, "host", "memory.embeddings_on_host: CPU lookup"))
+    comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
+    trainable = _trainable_tensors(arch, s)
+    n_train = sum(n for n, _ in trainable)
+    if s.adapter == "lora":
+        comps.append(Component("LoRA parameters (fp32)", 4 * n_train, "static", "peft autocast_adapter_dtype=True"))
+    grads = sum(n * e for n, e in trainable)
+    comps.append(Component("gradients", grads, "static", "one per trainable parameter, in its dtype"))
+    states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
+    comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
+    if paged:
+        comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
+        notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
+    return comps, notes, trainable
+
+
+def tiled_mlp_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """With `tiled_mlp`, the MLP's backward working set beyond the layer's saved tensors: one tile's recomputed MLP
+    tensors and TILE_BWD_I·i B per tile token of gradients, beside the tiles' input gradients (c·h per token)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    tile = mlp_tile_tokens(arch, s)
+    if s.tiled_norms:
+        return tile * (mlp_activation_bytes(arch, s) + TILE_BWD_I_TILED_NORMS * arch.intermediate_size)
+    per_tile_token = mlp_activation_bytes(arch, s) + TILE_BWD_I * arch.intermediate_size
+    return tile * per_tile_token + c * arch.hidden_size * s.tokens
+
+
+def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """The largest transient of one layer's forward beyond what it keeps (FWD_TRANSIENT_*): peft's fp32 copies of
+    the input of the adapted linear with the widest input. With `tiled_mlp` the MLP's linears see one tile at a
+    time, under the tile's checkpoint (nothing kept), beside the tile outputs gathered so far (c·h per token)."""
+    if s.adapter == "full":
+        return 0.0
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, t = arch.hidden_size, s.tokens
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    lins = lora_linears(arch, s)
+    if s.recompute_lora:
+        return recompute_forward_transient_bytes(arch, s, lins)
+    outside = [lin.in_features for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    per_elem = c + drop + (FWD_TRANSIENT_CKPT if s.gradient_checkpointing else FWD_TRANSIENT_NO_CKPT)
+    transient = (per_elem * max(outside, default=0) + c * h) * t
+    if s.tiled_mlp:
+        inside = max((lin.in_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
+        tile = mlp_tile_tokens(arch, s)
+        transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + c * h * t)
+    return transient
+
+
+def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
+    """With `recompute_lora` the fp32 input copies live inside each branch's tile; what remains is output-side: the
+    base layer's c-byte output, the branch's fp32 update and (peft's plain Linear) their fp32 sum, for the adapted
+    linear with the widest output, beside one c-byte tensor of the widest live activation (FWD_TRANSIENT_CKPT
+    bytes per output element); without checkpointing part of it is kept already (FWD_TRANSIENT_NO_CKPT, beside a
+    c-byte hidden state). Fitted on the CPU yardstick: within 5 % of the transient with checkpointing, 20 % without
+    (where the backward sets the peak)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    h, t = arch.hidden_size, s.tokens
+    outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    widest = max((lin.out_features for lin in outside), default=0)
+    live = max([h] + [arch.intermediate_size for lin in outside if is_mlp_linear(arch, lin)])
+    if s.gradient_checkpointing:
+        transient = ((c + FWD_TRANSIENT_CKPT) * widest + c * live) * t
+    else:
+        transient = ((c + FWD_TRANSIENT_NO_CKPT) * widest + c * h) * t
+    if s.tiled_mlp:
+        inside = max((lin.out_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
+        tile = mlp_tile_tokens(arch, s)
+        i = arch.intermediate_size
+        transient = max(transient, ((c + FWD_TRANSIENT_CKPT) * inside + c * i) * tile + c * h * t)
+    return transient
+
+
+def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
+    """Gradients in flight at the backward's peak beyond the saved tensors, and where the figure comes from: with
+    checkpointing, the recomputed layer's; without, the final norm's fp32 backward (all measured, see the constants)."""
+    h, i, t = arch.hidden_size, arch.intermediate_size, s.tokens
+    tile = mlp_tile_tokens(arch, s)
+    if s.gradient_checkpointing:
+        if s.tiled_mlp:
+            attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.tiled_norms else TILED_RECOMPUTE_BWD_H
+            grads = max(attn_h * h * t, tiled_mlp_transient_bytes(arch, s))
+            return grads, f"attention gradients or one MLP tile of {tile} tokens (measured)"
+        bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
+        return (bwd_i * i + RECOMPUTE_BWD_H * h) * t, "recomputed layer's MLP/LoRA gradients (measured)"
+    grads = NORM_BWD_BYTES_PER_H * h * (tile if s.tiled_norms else t)
+    if s.tiled_mlp:  # the last layer's MLP tiles are recomputed while every layer's activations are kept
+        return max(grads, tiled_mlp_transient_bytes(arch, s)), "final RMSNorm backward or one MLP tile (measured)"
+    return grads, "final RMSNorm backward, fp32 (measured)"
 
 
 def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
@@ -436,46 +669,20 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
     return kept, layer
 
 
-def estimate(arch: Architecture, s: Setup) -> Estimate:
-    """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
-    s, attention_note = effective_setup(arch, s)
+def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
+    """Appends the activation, loss and backward components; returns (forward peak, backward peak) above static."""
     c = DTYPE_BYTES[s.compute_dtype]
     t = s.tokens
-    comps: list[Component] = []
-    notes: list[str] = [f"attention: {attention_note}"] if attention_note else []
-
-    w_lin, w_rest, w_desc = weight_bytes(arch, s)
-    comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
-    rest_what = "embeddings + lm_head" if not arch.tie_embeddings else "tied embeddings (once)"
-    comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
-    trainable = _trainable_tensors(arch, s)
-    n_train = sum(n for n, _ in trainable)
-    if s.adapter == "lora":
-        comps.append(Component("LoRA parameters (fp32)", 4 * n_train, "static", "peft autocast_adapter_dtype=True"))
-    grads = sum(n * e for n, e in trainable)
-    comps.append(Component("gradients", grads, "static", "one per trainable parameter, in its dtype"))
-    states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
-    comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
-    if paged:
-        comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
-        notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
-    static = sum(x.bytes for x in comps if x.phase == "static")
-
-    # forward/backward: what the forward keeps for backward (`kept`), then the largest transient on top of it
+    h = arch.hidden_size
+    # what the forward keeps for backward (`kept`), then the largest transient on top of it
     kept, layer = _activations(arch, s, comps)
     head = head_saved_bytes(arch, s) * t
     comps.append(Component("final norm + loss input", head, "forward/backward", "RMSNorm upcast, head input, RoPE"))
     kept += head
     loss_fwd, loss_bwd, loss_src = loss_bytes(arch, s)
     comps.append(Component("logits / loss working set", max(loss_fwd, loss_bwd), "forward/backward", loss_src))
-    h, i = arch.hidden_size, arch.intermediate_size
-    if s.gradient_checkpointing:
-        grads_in_flight = (RECOMPUTE_BWD_I * i + RECOMPUTE_BWD_H * h) * t
-        layer_bwd = layer + grads_in_flight
-        bwd_src = "recomputed layer's MLP/LoRA gradients (measured)"
-    else:
-        grads_in_flight = layer_bwd = NORM_BWD_BYTES_PER_H * h * t
-        bwd_src = "final RMSNorm backward, fp32 (measured)"
+    grads_in_flight, bwd_src = backward_transient_bytes(arch, s)
+    layer_bwd = layer + grads_in_flight if s.gradient_checkpointing else grads_in_flight
     comps.append(Component("backward gradient buffers", grads_in_flight, "forward/backward", bwd_src))
     dequant = 0.0
     if s.quantization in ("nf4", "int8"):
@@ -484,8 +691,22 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     # Full fine-tuning: the embedding's dense backward makes a new c-byte V × h gradient beside the accumulated one,
     # and the CPU measurement shows about two such buffers at the end of the backward (embedding_dense_backward).
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
-    fwd_peak = kept + loss_fwd
+    # a tiled norm's output is a concatenation of its tiles: the final norm's stays beside the loss's forward, and
+    # under checkpointing a layer's beside its largest transient (c·h per token; measured with tiled_norms)
+    norm_out = c * h * t if s.tiled_norms else 0.0
+    fwd_peak = kept + max(loss_fwd + norm_out, forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing)
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
+    return fwd_peak, bwd_peak
+
+
+def estimate(arch: Architecture, s: Setup) -> Estimate:
+    """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
+    s, attention_note = effective_setup(arch, s)
+    comps, notes, trainable = _static_components(arch, s)
+    if attention_note:
+        notes.insert(0, f"attention: {attention_note}")
+    static = sum(x.bytes for x in comps if x.phase == "static")
+    fwd_peak, bwd_peak = _forward_backward(arch, s, comps)
     fwd_bwd = max(fwd_peak, bwd_peak)
 
     step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device)
@@ -523,6 +744,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
     working = layer_activation_bytes(arch, es) * t + 2 * c * arch.hidden_size * t + head_saved_bytes(arch, es) * t
+    if es.tiled_mlp:  # without gradients the tiles run one after another: one tile's MLP tensors at a time
+        working += mlp_tile_tokens(arch, es) * mlp_activation_bytes(arch, es)
     transient = working + loss_fwd + dequant
     overhead = 0.0
     if s.device == "cuda":

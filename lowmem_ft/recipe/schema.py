@@ -152,6 +152,36 @@ class MemorySection:
         "gradients or optimizer states, but its logits are a peak of their own.",
         ge=0,
     )
+    loss_chunk_tokens: int = _f(
+        0,
+        "chunked_loss only: tokens per loss chunk; 0 = automatic (64 MiB of fp32 logits per chunk). Larger chunks are "
+        "fewer, faster matmuls and a larger loss working set (lowmem_ft.memory.estimate.largest_loss_chunk).",
+    )
+    tiled_mlp: bool = _f(
+        False,
+        "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
+        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
+        "forward per step.",
+    )
+    mlp_tile_tokens: int = _f(
+        0, "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens)."
+    )
+    tiled_norms: bool = _f(
+        False,
+        "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
+        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiled_mlp.tile_norms).",
+    )
+    recompute_lora: bool = _f(
+        False,
+        "Recompute each LoRA branch (input cast, dropout, lora_A) in token tiles in backward instead of keeping "
+        "peft's fp32 copies of every adapted linear's input (lowmem_ft.train.lora_recompute); costs the LoRA "
+        "branches' forward once more.",
+    )
+    embeddings_on_host: bool = _f(
+        False,
+        "Keep the frozen input embedding table in host memory: the lookup runs on the CPU and only the gathered rows "
+        "move to the device (untied models with LoRA only; lowmem_ft.train.host_embeddings).",
+    )
 
 
 @dataclass

@@ -262,9 +262,13 @@ def load_adapter(model, recipe: Recipe):
 
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
+    from lowmem_ft.train.savers import apply_memory_savers
+
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
-    return load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
+    model = load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
+    apply_memory_savers(model, recipe)  # memory.tiled_mlp, tiled_norms, recompute_lora, embeddings_on_host
+    return model
 
 
 def trainable_summary(model) -> dict[str, int]:

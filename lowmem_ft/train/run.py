@@ -202,7 +202,7 @@ class FineTune:
         if m.chunked_loss:
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
-            install_loss_head(self.trainer.model, chunked=True)
+            install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
 
     def _write_run_files(self) -> None:
         from lowmem_ft.train.model import trainable_summary

@@ -233,11 +233,15 @@ def test_the_planner_searches_setups_not_recipes():
 
 
 def test_chunked_loss_is_never_chosen_where_it_is_not_verified():
-    """Qwen (v1) is remote code: its forward may transform the logits, so the chunked loss is not planned there
-    (it is for a verified family at a length that needs it), and asking for it is refused in one line."""
+    """Qwen (v1) is remote code: its forward may transform the logits, so the chunked loss is not among the setups
+    the planner tries there (it is for a verified family), the reason line says why, and asking for it is refused."""
+    from lowmem_ft.memory.planner import _candidates
+
     qwen_v1 = load_architecture("Qwen/Qwen-7B")
     assert not qwen_v1.chunked_loss_exact and QWEN7.chunked_loss_exact
-    assert _plan(8, "8gb", {"memory": {"max_seq_len": 1344}}).setup.loss_impl == "chunked"
+    start = request(8, "8gb").start
+    assert {s.loss_impl for s in _candidates(start, frozenset(), QWEN7)} == {"trl_fused", "chunked"}
+    assert {s.loss_impl for s in _candidates(start, frozenset(), qwen_v1)} == {"trl_fused"}
     p = _plan(8, "8gb", {"memory": {"max_seq_len": 1024}}, arch=qwen_v1)
     assert p.setup.loss_impl == "trl_fused"
     assert p.reasons["chunked_loss"].startswith("off: not verified for model_type 'qwen'")
