@@ -160,8 +160,12 @@ def resume(path, overrides: dict | None = None):
 
     run = RunDir.existing(path)
     recipe = run.read_recipe(overrides)
-    if run.last_checkpoint() is None:
-        raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
+    point = run.resume_point()
+    if point.checkpoint is None:
+        raise UserError(
+            f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without --resume "
+            "(same --name)"
+        )
     # the plan of the original run (prediction, VRAM, margin) carries on
     choice = (run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)).resumed(
         str(run.recipe_file)
@@ -215,6 +219,7 @@ def _print_done(m: dict, run_dir) -> None:
 def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     """--gpus N: check, write the run directory's launch files, print the relaunch command, run accelerate."""
     import shlex
+    import signal
 
     from lowmem_ft.errors import UserError
     from lowmem_ft.train import launch
@@ -230,12 +235,21 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     )
     resumed = run_dir is not None
     run_dir = run_dir or new_run(recipe, args.name)
+    run_dir.lock()  # held while the ranks run (they are this process's children)
     cmd = launch.prepare(run_dir, recipe, plan, choice, resumed)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
     print(f"relaunch by hand: {shlex.join(cmd)}")
-    code = launch.run(cmd)
+    try:
+        code = launch.run(cmd)
+    finally:
+        run_dir.unlock()
     if code != 0:
+        status = run_dir.read_status()
+        if status is not None and status.state == "interrupted":  # rank 0's line, and its exit code (130 / 143)
+            from lowmem_ft.train.interrupt import Interrupted
+
+            raise Interrupted(status.reason or "interrupted", getattr(signal, status.signal or "SIGINT"))
         raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")
     return 0  # rank 0 printed the "done" line
 
