@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
         "--name",
         help="run name (a name, not a path); the run goes to <training.output_dir>/<name> (default: model-timestamp)",
     )
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete checkpoint"
+    )
     p.add_argument("--eval-data", help="evaluation data, any source --data takes (data.eval_path)")
     p.add_argument(
         "--format",
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_launched(args.run_dir)
     overrides = flag_overrides(args)
     if args.resume:
-        run_dir, recipe, choice = resume(args.resume, overrides)
+        run_dir, recipe, choice = resume(args.resume, overrides, lock=True)
     else:
         run_dir, (recipe, choice) = None, choose(args, overrides)
     if (args.gpus or 1) > 1 or args.nodes > 1:
@@ -151,17 +153,21 @@ def new_run(recipe, name: str | None):
     return RunDir.new(recipe.training.output_dir, name, recipe.model.name_or_path)
 
 
-def resume(path, overrides: dict | None = None):
+def resume(path, overrides: dict | None = None, lock: bool = False):
     """The one resume path (`--resume`, and a relaunch of `--gpus` ranks): the run's recipe (with any new `--set`) and
-    how it was chosen, continued from its last checkpoint."""
+    how it was chosen, continued from its last checkpoint. `lock`: hold the run directory first (`--resume`; the
+    ranks of a launch run under their launcher's lock)."""
     from lowmem_ft.errors import UserError
     from lowmem_ft.planning import Choice
     from lowmem_ft.rundir import RunDir
 
     run = RunDir.existing(path)
+    if lock:
+        run.lock()  # a run still going is said as such, before its checkpoints are looked at
     recipe = run.read_recipe(overrides)
     point = run.resume_point()
     if point.checkpoint is None:
+        run.unlock()
         raise UserError(
             f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without --resume "
             "(same --name)"
@@ -221,7 +227,7 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     import shlex
     import signal
 
-    from lowmem_ft.errors import UserError
+    from lowmem_ft.errors import Interrupted, UserError
     from lowmem_ft.train import launch
 
     plan = launch.plan_launch(
@@ -234,8 +240,7 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
         planned=choice,
     )
     resumed = run_dir is not None
-    run_dir = run_dir or new_run(recipe, args.name)
-    run_dir.lock()  # held while the ranks run (they are this process's children)
+    run_dir = run_dir or new_run(recipe, args.name)  # locked (new or resumed) while the ranks, its children, run
     cmd = launch.prepare(run_dir, recipe, plan, choice, resumed)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
@@ -247,8 +252,6 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir) -> int:
     if code != 0:
         status = run_dir.read_status()
         if status is not None and status.state == "interrupted":  # rank 0's line, and its exit code (130 / 143)
-            from lowmem_ft.train.interrupt import Interrupted
-
             raise Interrupted(status.reason or "interrupted", getattr(signal, status.signal or "SIGINT"))
         raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")
     return 0  # rank 0 printed the "done" line

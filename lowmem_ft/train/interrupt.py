@@ -3,7 +3,8 @@
 The one idea: a signal only raises a flag; the trainer acts on it at the end of the optimizer step in progress
 (`on_step_end` sets `control.should_save` and `control.should_training_stop`), where a checkpoint is exact, so
 `--resume` continues as if nothing had happened. The run then ends as `interrupted` (run.json), with exit code 130
-(SIGINT) or 143 (SIGTERM) and one line saying how to resume (`lowmem_ft.train.run`). A second Ctrl-C aborts at
+(SIGINT) or 143 (SIGTERM) and one line saying how to resume (`lowmem_ft.errors.Interrupted`, raised by
+`lowmem_ft.train.run`). A second Ctrl-C aborts at
 once: the steps since the last checkpoint are lost, and a save it cuts short is never taken for whole
 (`lowmem_ft.train.saving`). Before training starts (data, model) there is nothing to save and a signal stops at
 once; after training ended (final save) a first signal is noted and the run finishes.
@@ -30,23 +31,13 @@ from typing import Literal
 
 from transformers import TrainerCallback
 
-from lowmem_ft.errors import UserError
+from lowmem_ft.errors import Interrupted
 from lowmem_ft.train.ranks import largest
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal number, as shells report a signal death
 REPEAT_S = 1.0  # a second SIGINT sooner than this is the same Ctrl-C delivered twice (terminal + torchrun)
-
-
-class Interrupted(UserError):
-    """The run stopped on a signal; `exit_code` is 130 for SIGINT, 143 for SIGTERM."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-        self.exit_code = EXIT_CODES.get(signal.Signals(signum), 130)
 
 
 class StopOnSignal(TrainerCallback):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.errors import UserError
+from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
@@ -317,7 +317,6 @@ class FineTune:
     def _interrupted(self):
         """Metrics and log history of the steps done, and the interruption to raise (`recorded` adds what was kept)."""
         from lowmem_ft.train import tracking
-        from lowmem_ft.train.interrupt import Interrupted
 
         history = self.trainer.state.log_history
         step = self.trainer.state.global_step
@@ -393,7 +392,6 @@ class FineTune:
     def _ending(self, exc: BaseException) -> BaseException:
         """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
         for everything but a bug."""
-        from lowmem_ft.train.interrupt import Interrupted
         from lowmem_ft.train.saving import DiskFull, is_disk_full
 
         trainer = getattr(self, "trainer", None)

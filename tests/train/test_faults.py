@@ -1,5 +1,5 @@
 """The fault suite with real processes (issue #16): kill -9 at random points, mid-save included, then `--resume`;
-SIGINT; two runs on one name. Every interrupted run ends with the loss history and the adapter of an uninterrupted
+SIGINT, to one process and to the process group of `train --gpus 2`; two runs on one name. Every interrupted run ends with the loss history and the adapter of an uninterrupted
 run, bit for bit, under the shipped LoRA dropout (0.05).
 
 The runs are `lowmem-ft train` processes on the tiny model (6 optimizer steps, a checkpoint after each), run
@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -205,7 +206,7 @@ def test_sigint_saves_after_the_step_and_resume_is_exact(processes, baseline, ti
 def test_two_runs_on_one_name(processes, tiny_model, tmp_path, capsys):
     run, log = tmp_path / "same", tmp_path / "same.log"
     argv = train_argv(tiny_model, tmp_path, "same")
-    first = start(processes, argv, log, SLOW_STEP_S="0.3")
+    first = start(processes, argv, log, SLOW_STEP_S="0.8")
     wait_for(lambda: trained(run), first, log)
 
     for second in (argv, ["train", "--resume", str(run), "--no-wandb"]):
@@ -216,3 +217,31 @@ def test_two_runs_on_one_name(processes, tiny_model, tmp_path, capsys):
     assert finish(first, log) == 0  # the first run, untouched
     assert json.loads((run / "metrics.json").read_text())["global_step"] == STEPS
     assert RunDir(run).read_status().state == "completed" and not RunDir(run).in_use()
+
+
+def test_ctrl_c_under_gpus_stops_every_rank_after_the_same_step(tiny_model, tmp_path):
+    """`train --gpus 2` (two CPU gloo ranks through accelerate launch) in its own process group, sent SIGINT as a
+    terminal's Ctrl-C sends it: to every process of the group. torchrun forwards it to the ranks a second time; the
+    ranks agree on the step, save one checkpoint and exit 130; the launching process waits for them and exits 130."""
+    out, log = tmp_path, tmp_path / "gpus.log"
+    argv = [sys.executable, "-m", "lowmem_ft", "train", "--recipe", "8gb", "--gpus", "2", "--name", "ddp", "--no-wandb"]
+    for item in tiny_sets(tiny_model, DATA, out, "training.max_steps=500", "training.save_steps=1000"):
+        argv += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    with log.open("w") as handle:
+        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    run = out / "ddp"
+    deadline = time.monotonic() + 300
+    while not (trained(run) and '"phase": "optimizer"' in RunDir(run).memory_file().read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+    status = RunDir(run).read_status()
+    assert status.state == "interrupted" and status.signal == "SIGINT"
+    assert [p.name for p in RunDir(run).checkpoint_dirs()] == [f"checkpoint-{status.step}"]
+    checkpoint = run / "checkpoints" / f"checkpoint-{status.step}"
+    assert checkpoint_problem(checkpoint) is None
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    text = log.read_text()
+    assert "Traceback" not in text and text.count(f"stopped after step {status.step}; kept {checkpoint}") == 3
