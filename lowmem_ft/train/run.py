@@ -94,23 +94,28 @@ class FineTune:
         if self.is_main:
             run.lock()
             run.clear_staging()
-        point = run.resume_point() if resume else None
-        self.checkpoint, self.resume_step = (point.checkpoint, point.step) if point else (None, None)
-        if point is not None and self.checkpoint is None:
+        self.checkpoint, self.resume_step = self._resume_point() if resume else (None, None)
+        self.callbacks = list(callbacks or [])
+        self.stop = StopOnSignal()
+        self.status: RunStatus | None = None
+
+    def _resume_point(self) -> tuple[Path, int]:
+        """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
+        UserError when there is none."""
+        run = self.run
+        point = run.resume_point()
+        if point.checkpoint is None:
             run.unlock()
             raise UserError(
                 f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without "
                 "--resume (same --name)"
             )
-        if point is not None:
-            before = run.read_status()
-            if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
-                ended = "stopped without recording how" if before.state == "running" else before.describe()
-                log.info("%s: the run before this one %s", run.path, ended)
-            (log.warning if point.skipped else log.info)("%s", point.describe())
-        self.callbacks = list(callbacks or [])
-        self.stop = StopOnSignal()
-        self.status: RunStatus | None = None
+        before = run.read_status()
+        if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
+            ended = "stopped without recording how" if before.state == "running" else before.describe()
+            log.info("%s: the run before this one %s", run.path, ended)
+        (log.warning if point.skipped else log.info)("%s", point.describe())
+        return point.checkpoint, point.step
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> FineTune:

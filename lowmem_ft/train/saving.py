@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -32,8 +31,6 @@ from transformers.trainer_utils import rotate_checkpoints
 from lowmem_ft.errors import UserError
 from lowmem_ft.rundir import RunDir
 from lowmem_ft.train.ranks import any_rank, barrier, world_size
-
-log = logging.getLogger(__name__)
 
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How writers say it without an errno: Python's strerror, and safetensors' Rust I/O error ("... (os error 28)").
