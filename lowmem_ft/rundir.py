@@ -334,8 +334,9 @@ class RunDir:
         return how[status.state]
 
     def clear(self) -> None:
-        """Remove everything in the directory but the lock (which this object holds)."""
-        for item in self.path.iterdir():
+        """Remove everything in the directory but the lock (which this object holds); run.json last, so that a clear
+        cut short still says the run may be started again."""
+        for item in sorted(self.path.iterdir(), key=lambda p: p == self.info_file):
             if item.name == self.LOCK:
                 continue
             if item.is_dir() and not item.is_symlink():
