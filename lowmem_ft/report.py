@@ -3,11 +3,13 @@
 The one idea: the plot and the summary are drawn from the run directory (`RunDir.memory_log`, which tolerates the
 cut last line of a crashed run), never from a live trainer, so the same code serves the end of `train` and
 `lowmem-ft report RUN_DIR` for any run, finished or crashed. Measured peak, the planner's predicted peak, the VRAM and
-the budget (VRAM − safety margin) are shown together, in decimal GB.
+the budget (VRAM − safety margin) are shown together, in decimal GB. memory.png is drawn to a temporary file and
+renamed: a full disk leaves the old plot (or none) and a line saying so, never a 0-byte file.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +161,22 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:
-    """Draw the run's memory.png and return (its path, the console summary)."""
+    """Draw the run's memory.png and return (its path, the console summary). The summary starts with the run's
+    status (run.json) unless this process is the run, and says so when the plot could not be written."""
     run = RunDir(run_dir)
     log: MemoryLog = run.memory_log()
-    fig = plot(log.start, log.samples, log.events, title=f"memory of {run.name}")
-    fig.savefig(run.memory_plot)
     summary = format_summary(summarize(log.start, log.samples, log.events))
     if log.unreadable:
         summary += f"\n  ({log.unreadable} unreadable line(s) skipped: a run that crashed while writing)"
+    status = run.read_status()
+    if status is not None and status.pid != os.getpid():
+        summary = f"run: {run.describe_status()}\n{summary}"
+    fig = plot(log.start, log.samples, log.events, title=f"memory of {run.name}")
+    tmp = run.memory_plot.with_name(f".{run.memory_plot.name}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, run.memory_plot)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        summary += f"\n  ({run.memory_plot.name} not written: {exc.strerror or exc})"
     return run.memory_plot, summary

@@ -7,35 +7,57 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | file | written by | what |
 | --- | --- | --- |
 | recipe.yaml | train / launch | the fully resolved recipe (`train --recipe runs/NAME/recipe.yaml` reproduces the run) |
-| run.json | train (rank 0) | model, data summary, how the recipe was chosen (`Choice`), versions, parameter counts |
+| run.json | train (rank 0) | model, data summary, how the recipe was chosen (`Choice`), versions, parameter counts, and the run's `status` (`RunStatus`) |
 | plan.json | train (rank 0) | with --vram: the full plan (components, reasons, strategy) |
 | data_report.json | train (rank 0) | what the token budget did to the samples, and the batching |
 | memory.jsonl | the monitor | memory samples and events; `memory.rank{R}.jsonl` for rank R > 0 |
 | memory.png | report | the memory curve |
 | metrics.json, log_history.jsonl | train (rank 0) | final metrics and every logged row |
-| checkpoints/ | the trainer | resumable checkpoints (`checkpoint-N`) |
+| checkpoints/ | the trainer | resumable checkpoints (`checkpoint-N`); saves in progress under `checkpoints/.staging/` |
 | adapter/ or model/ | train | the trained LoRA adapter (+ tokenizer), or the full model |
 | accelerate.yaml, launch.json | train --gpus | how the ranks were launched |
 | wandb/, tensorboard/ | the trackers (logging.report_to) | W&B's run files (offline runs sync from here), TensorBoard's events |
+| .lock | train | held (`fcntl.flock`) by the process running the run; holds its pid |
 
 One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.json and memory.jsonl alike.
 `memory.jsonl` has one reader, `memory_log`, which tolerates a last line cut short by a crash.
+
+Nothing is lost, nothing half-written is taken for whole:
+- JSON records are written to a temporary name and renamed (`os.replace`), so a reader sees the old or the new
+  file, never a part. A checkpoint is saved under `checkpoints/.staging/` and renamed to `checkpoint-N` only when
+  complete (`lowmem_ft.train.saving`); `last_checkpoint` takes the newest checkpoint that `checkpoint_problem`
+  finds complete (trainer_state.json and weights present and readable) and says which it skipped.
+- One process at a time runs a run directory: `lock` holds an exclusive `flock` on `.lock` for the whole run. The
+  OS releases it when the process ends, however it ends, so a crashed run never leaves a stale lock.
+- run.json's `status` says where the run stands (running with its pid → completed, interrupted or failed with the
+  reason). A run that stopped before its first checkpoint can be started again under the same name (`new` clears
+  it); one with a checkpoint continues with `--resume`, which first drops the memory samples of the steps it
+  will redo (`trim_memory_log`), so memory.jsonl holds each step once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import shutil
+import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from lowmem_ft.checks import checkpoint_problem  # the one answer to "can training resume from it?"
 from lowmem_ft.errors import UserError
 
 if TYPE_CHECKING:
     from lowmem_ft.planning import Choice
     from lowmem_ft.recipe.schema import Recipe
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' `_re_checkpoint` (trainer_utils.py)
 
 
 def check_run_name(name: str) -> str:
@@ -76,6 +98,85 @@ def _start_record(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+@dataclass
+class ResumePoint:
+    """The newest complete checkpoint of a run (None: there is none), and the newer ones skipped, with why."""
+
+    checkpoint: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int | None:
+        return int(CHECKPOINT.match(self.checkpoint.name).group(1)) if self.checkpoint is not None else None
+
+    def describe(self) -> str:
+        skipped = "; ".join(f"skipped {p.name}: {why}" for p, why in self.skipped)
+        if self.checkpoint is None:
+            return "no complete checkpoint" + (f" ({skipped})" if skipped else "")
+        return f"resuming from {self.checkpoint.name} (step {self.step}, the newest complete checkpoint)" + (
+            f"; {skipped}" if skipped else ""
+        )
+
+
+State = Literal["running", "completed", "interrupted", "failed"]
+
+
+@dataclass
+class RunStatus:
+    """Where a run stands (run.json's `status`): running (pid, host, since when) → completed, interrupted (the
+    signal, the step and checkpoint kept) or failed (the one-line reason, the checkpoint kept)."""
+
+    state: State
+    pid: int | None = None
+    host: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    step: int | None = None
+    checkpoint: str | None = None
+    reason: str | None = None
+    signal: str | None = None  # interrupted: SIGINT or SIGTERM
+
+    @classmethod
+    def running(cls) -> RunStatus:
+        return cls("running", os.getpid(), socket.gethostname(), _now())
+
+    def ended(self, state: State, **info: Any) -> RunStatus:
+        return RunStatus(**{**asdict(self), "state": state, "ended_at": _now(), **info})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunStatus:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def describe(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        if self.state == "running":
+            return f"running (pid {self.pid} on {self.host}, since {self.started_at})"
+        why = f" ({self.signal})" if self.signal else f": {self.reason}" if self.reason else ""
+        kept = f"; kept {Path(self.checkpoint).name}" if self.checkpoint else ""
+        return f"{self.state}{where}{why}{kept}"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file, never
+    a part (a crash or a full disk leaves the old one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class RunDir:
     """The files of one run directory (see the module docstring); `path` is the directory."""
 
@@ -90,9 +191,12 @@ class RunDir:
     ACCELERATE = "accelerate.yaml"
     LAUNCH = "launch.json"
     TENSORBOARD = "tensorboard"
+    LOCK = ".lock"
+    STAGING = ".staging"  # under checkpoints/: a save in progress; `^checkpoint-\d+$` never matches it
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._lock = None  # the open lock file while this object holds the run
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -107,13 +211,24 @@ class RunDir:
     # -- where runs are ---------------------------------------------------------------------------------------------
     @classmethod
     def new(cls, output_dir: str | Path, name: str | None, model: str) -> RunDir:
-        """A fresh run directory `<output_dir>/<name>` (default name: model-timestamp), created empty."""
+        """A fresh run directory `<output_dir>/<name>` (default name: model-timestamp), locked for this process.
+
+        A directory that holds a run is refused, unless that run stopped before its first checkpoint (`restartable`):
+        then it is cleared and started again.
+        """
         run = cls(Path(output_dir) / check_run_name(name or default_run_name(model)))
-        if run.path.exists() and any(run.path.iterdir()):
-            raise UserError(
-                f"run directory {run.path} already exists; pick another --name or continue it with --resume {run.path}"
-            )
         run.path.mkdir(parents=True, exist_ok=True)
+        run.lock()  # before looking inside: two runs started at once must not both find it empty
+        if any(p.name != cls.LOCK for p in run.path.iterdir()):
+            why = run.restartable()
+            if why is None:
+                run.unlock()
+                raise UserError(
+                    f"run directory {run.path} already exists; pick another --name or continue it with "
+                    f"--resume {run.path}"
+                )
+            log.warning("run directory %s: %s; starting it again", run.path, why)
+            run.clear()
         return run
 
     @classmethod
@@ -127,6 +242,100 @@ class RunDir:
         if not run.recipe_file.is_file():
             raise UserError(f"{path}: not a run directory (no {cls.RECIPE}); pass runs/<name>")
         return run
+
+    def restartable(self) -> str | None:
+        """Why this directory's run may be started again from scratch, or None when it must be kept.
+
+        Only a run that recorded its status and stopped (failed, interrupted, or killed while running: its lock is
+        free) with no complete checkpoint and no final weights: nothing in it can be continued or used.
+        """
+        status = self.read_status()
+        if status is None or status.state == "completed":
+            return None
+        if self.resume_point().checkpoint is not None or self.weights(False).exists() or self.weights(True).exists():
+            return None
+        how = {
+            "failed": f"its run failed before its first checkpoint ({status.reason or 'no reason recorded'})",
+            "interrupted": "its run was interrupted before its first checkpoint",
+            "running": f"its run (pid {status.pid}) stopped before its first checkpoint without a word (killed?)",
+        }
+        return how[status.state]
+
+    def clear(self) -> None:
+        """Remove everything in the directory but the lock (which this object holds); run.json last, so that a clear
+        cut short still says the run may be started again."""
+        for item in sorted(self.path.iterdir(), key=lambda p: p == self.info_file):
+            if item.name == self.LOCK:
+                continue
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+
+    # -- the lock ---------------------------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Hold the run directory for this process: an exclusive, non-blocking `flock` on `.lock`, kept until
+        `unlock` or the end of the process. Held by another process: a UserError naming its pid — unless that
+        process launched this one (the ranks of `train --gpus` run under the launcher's lock)."""
+        if self._lock is not None:
+            return
+        try:
+            import fcntl
+        except ImportError:  # no flock on this OS: runs are not guarded against each other
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = (self.path / self.LOCK).open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().split()
+            handle.close()
+            pid = int(holder[0]) if holder and holder[0].isdigit() else None
+            if pid is not None and pid in _ancestors():
+                return
+            who = f"pid {pid}" + (f" on {holder[1]}" if len(holder) > 1 else "") if pid else "another process"
+            raise UserError(
+                f"run directory {self.path} is in use by another lowmem-ft run ({who}); wait for it to end, or "
+                "pick another --name"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+        handle.flush()
+        self._lock = handle
+
+    def unlock(self) -> None:
+        if self._lock is None:
+            return
+        import fcntl
+
+        self._lock.truncate(0)
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
+        self._lock = None
+
+    @property
+    def locked(self) -> bool:
+        """Whether this object holds the run directory's lock."""
+        return self._lock is not None
+
+    def in_use(self) -> bool:
+        """Whether a process holds the run directory's lock now (probed with a shared lock, released at once)."""
+        try:
+            import fcntl
+        except ImportError:
+            return False
+        if self._lock is not None:
+            return True
+        try:
+            with (self.path / self.LOCK).open("r", encoding="utf-8") as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        return False
 
     # -- paths ------------------------------------------------------------------------------------------------------
     @property
@@ -162,6 +371,11 @@ class RunDir:
         return self.path / self.CHECKPOINTS
 
     @property
+    def staging(self) -> Path:
+        """Where checkpoints are saved before they are complete (`lowmem_ft.train.saving`)."""
+        return self.checkpoints / self.STAGING
+
+    @property
     def accelerate_file(self) -> Path:
         return self.path / self.ACCELERATE
 
@@ -182,9 +396,13 @@ class RunDir:
         """adapter/ (LoRA adapter + tokenizer), or model/ for a full fine-tune."""
         return self.path / ("model" if full else "adapter")
 
+    def staged(self, path: Path) -> Path:
+        """Where `path` (a directory of the run, e.g. adapter/) is written before it is renamed into place."""
+        return path.with_name(f".{path.name}.partial")
+
     # -- records ----------------------------------------------------------------------------------------------------
     def _write_json(self, path: Path, data: Any) -> None:
-        path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+        write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
     def _read_json(self, path: Path) -> dict[str, Any] | None:
         """A record, or None when it is absent or not a JSON object (a run directory may be damaged or hand-made)."""
@@ -199,7 +417,7 @@ class RunDir:
     def write_recipe(self, recipe: Recipe) -> None:
         from lowmem_ft.recipe.load import dump
 
-        self.recipe_file.write_text(dump(recipe, header=f"resolved recipe of run {self.name}"), encoding="utf-8")
+        write_atomic(self.recipe_file, dump(recipe, header=f"resolved recipe of run {self.name}"))
 
     def read_recipe(self, overrides: list[str] | dict | None = None) -> Recipe:
         """The resolved recipe the run was trained with, plus any new `--set` overrides."""
@@ -210,7 +428,27 @@ class RunDir:
         return resolve(self.recipe_file, overrides)
 
     def write_info(self, info: dict[str, Any]) -> None:
-        self._write_json(self.info_file, info)
+        """run.json: `info`, keeping the run's status."""
+        status = self.read_info().get("status")
+        self._write_json(self.info_file, {**info, "status": status} if status is not None else info)
+
+    def write_status(self, status: RunStatus) -> None:
+        """run.json's `status` (the rest of run.json unchanged)."""
+        self._write_json(self.info_file, {**self.read_info(), "status": status.to_dict()})
+
+    def read_status(self) -> RunStatus | None:
+        """The run's status, or None when run.json records none (a run from before statuses, or not a run)."""
+        record = self.read_info().get("status")
+        return RunStatus.from_dict(record) if isinstance(record, dict) and "state" in record else None
+
+    def describe_status(self) -> str:
+        """The status in words; a run recorded as running whose lock is free ended without a word (killed)."""
+        status = self.read_status()
+        if status is None:
+            return "no status recorded"
+        if status.state == "running" and not self.in_use():
+            return f"stopped without recording how (pid {status.pid} is gone: killed?); {self.continuation()}"
+        return status.describe()
 
     def read_info(self) -> dict[str, Any]:
         return self._read_json(self.info_file) or {}
@@ -246,12 +484,10 @@ class RunDir:
 
     def write_metrics(self, metrics: dict[str, Any], history: list[dict[str, Any]]) -> None:
         self._write_json(self.metrics_file, metrics)
-        with self.log_history_file.open("w", encoding="utf-8") as handle:
-            for row in history:
-                handle.write(json.dumps(row) + "\n")
+        write_atomic(self.log_history_file, "".join(json.dumps(row) + "\n" for row in history))
 
     def write_launch(self, accelerate_config: str, info: dict[str, Any]) -> None:
-        self.accelerate_file.write_text(accelerate_config, encoding="utf-8")
+        write_atomic(self.accelerate_file, accelerate_config)
         self._write_json(self.launch_file, info)
 
     def read_launch(self) -> dict[str, Any]:
@@ -262,14 +498,77 @@ class RunDir:
             )
         return info
 
-    def last_checkpoint(self) -> Path | None:
-        """The checkpoint to resume from (transformers' `get_last_checkpoint`), or None."""
+    def checkpoint_dirs(self) -> list[Path]:
+        """The `checkpoint-N` directories, newest (highest N) first, complete or not."""
         if not self.checkpoints.is_dir():
-            return None
-        from transformers.trainer_utils import get_last_checkpoint
+            return []
+        found = [p for p in self.checkpoints.iterdir() if CHECKPOINT.match(p.name) and p.is_dir()]
+        return sorted(found, key=lambda p: int(CHECKPOINT.match(p.name).group(1)), reverse=True)
 
-        last = get_last_checkpoint(str(self.checkpoints))
-        return Path(last) if last else None
+    def resume_point(self) -> ResumePoint:
+        """The newest complete checkpoint (`checkpoint_problem`), and the newer incomplete ones it skipped."""
+        skipped = []
+        for path in self.checkpoint_dirs():
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return ResumePoint(path, skipped)
+            skipped.append((path, problem))
+        return ResumePoint(None, skipped)
+
+    def last_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from: the newest complete one, or None."""
+        return self.resume_point().checkpoint
+
+    def continuation(self) -> str:
+        """What the directory holds to go on from, and the command that does (the end of a run's last line)."""
+        point = self.resume_point()
+        if point.checkpoint is None:
+            return f"no checkpoint kept; start the run again with the same command (it reuses {self.path})"
+        return f"kept {point.checkpoint} (step {point.step}); continue with: lowmem-ft train --resume {self.path}"
+
+    def checkpoint_size(self) -> int:
+        """Bytes of the newest complete checkpoint (0 when there is none): what the next save will take."""
+        last = self.last_checkpoint()
+        return sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) if last is not None else 0
+
+    def clear_staging(self) -> None:
+        """Remove what a save cut short left: `checkpoints/.staging/`, `.adapter.partial`. A checkpoint it was
+        replacing (moved aside as `replaced-checkpoint-N` before the new one took its name) is put back when the new
+        one never arrived."""
+        for partial in self.path.glob(".*.partial*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        if not self.staging.is_dir():
+            return
+        for item in self.staging.iterdir():
+            final = self.checkpoints / item.name.removeprefix("replaced-")
+            if item.name.startswith("replaced-") and not final.exists():
+                os.replace(item, final)
+                log.info("put back %s, which an interrupted save was replacing", final.name)
+        log.info("removing the incomplete save(s) %s", ", ".join(p.name for p in self.staging.iterdir()) or "-")
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def trim_memory_log(self, step: int, rank: int = 0) -> int:
+        """Drop the samples (and start records) of steps after `step` — the steps a run resumed from checkpoint
+        `step` redoes — so each step is in the file once; events stay, as history. Rewritten atomically; returns
+        how many records were dropped (unreadable lines count too)."""
+        path = self.memory_file(rank)
+        if not path.is_file():
+            return 0
+        kept, dropped = [], 0
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += line.strip() != ""
+                continue
+            redone = record.get("step", 0) > step and record.get("event") in (None, "start")
+            if redone:
+                dropped += 1
+            else:
+                kept.append(line)
+        if dropped:
+            write_atomic(path, "".join(line + "\n" for line in kept))
+        return dropped
 
     def memory_log(self, rank: int = 0) -> MemoryLog:
         """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`)."""
@@ -292,3 +591,13 @@ class RunDir:
                 else:
                     log.samples.append(record)
         return log
+
+
+def _ancestors() -> set[int]:
+    """Process ids above this one (parent, grandparent, …)."""
+    try:
+        import psutil
+
+        return {p.pid for p in psutil.Process().parents()}
+    except Exception:  # psutil missing or /proc unreadable: no one counts as a parent
+        return {os.getppid()}

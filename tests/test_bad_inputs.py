@@ -146,9 +146,11 @@ def _runs(run: Path, root: Path) -> None:
     (_run_copy(run, r / "run-json-inf", checkpoints=True) / "run.json").write_text('{"choice": {"vram_gb": Infinity}}')
     # checkpoints for --resume
     shutil.rmtree(_run_copy(run, r / "no-checkpoints", checkpoints=True) / "checkpoints")
+    # `--resume` takes the newest complete checkpoint (an earlier one when the newest is damaged, tests/test_rundir.py):
+    # with checkpoint-1 gone, the damaged checkpoint-2 is all there is, and the run cannot continue
     for name in ("empty-newest", "truncated-newest", "state-corrupt", "state-no-step", "optimizer-truncated",
                  "no-optimizer", "only-one-corrupt", "optimizer-garbage"):  # fmt: skip
-        _run_copy(run, r / f"ck-{name}", checkpoints=True)
+        shutil.rmtree(_run_copy(run, r / f"ck-{name}", checkpoints=True) / "checkpoints" / "checkpoint-1")
     newest = "checkpoints/checkpoint-2"
     for f in (r / "ck-empty-newest" / newest).iterdir():
         f.unlink()
@@ -159,7 +161,6 @@ def _runs(run: Path, root: Path) -> None:
     _truncate(optimizer, optimizer.stat().st_size // 2)
     (r / "ck-no-optimizer" / newest / "optimizer.pt").unlink()
     (r / "ck-optimizer-garbage" / newest / "optimizer.pt").write_bytes(b"not a torch file at all")
-    shutil.rmtree(r / "ck-only-one-corrupt" / "checkpoints" / "checkpoint-1")
     _truncate(r / "ck-only-one-corrupt" / newest / "adapter_model.safetensors", 10)
     full = root / "out" / "full"
     full.mkdir(parents=True)
@@ -450,11 +451,11 @@ RUNS = [
     ("generate {runs}/adapter-no-weights --prompt hi", ["holds no LoRA adapter", "adapter_model.safetensors"]),
     ("merge {runs}/adapter-empty-weights --output {tmp}/m", ["adapter_model.safetensors is truncated", "0 bytes"]),
     # checkpoints for --resume
-    ("train --resume {runs}/no-checkpoints", ["no checkpoint saved yet", "without --resume"]),
-    ("train --resume {runs}/ck-empty-newest", ["checkpoint-2", "no trainer_state.json", "resume from checkpoint-1"]),
+    ("train --resume {runs}/no-checkpoints", ["no complete checkpoint", "without --resume"]),
+    ("train --resume {runs}/ck-empty-newest", ["skipped checkpoint-2", "no trainer_state.json", "without --resume"]),
     (
         "train --resume {runs}/ck-truncated-newest",
-        ["checkpoint-2", "adapter_model.safetensors is truncated", "resume from checkpoint-1"],
+        ["skipped checkpoint-2", "adapter_model.safetensors is truncated", "without --resume"],
     ),  # fmt: skip
     ("train --resume {runs}/ck-state-corrupt", ["checkpoint-2", "trainer_state.json is broken", "not valid JSON"]),
     ("train --resume {runs}/ck-state-no-step", ["checkpoint-2", "trainer_state.json has no global_step"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -81,6 +82,42 @@ def test_write_report_saves_a_valid_png(tmp_path):
     image = matplotlib.image.imread(png)
     assert image.shape[:2] == (500, 1000) and image.std() > 0.01  # 10×5 in at 100 dpi, not blank
     assert text.startswith("memory: measured peak")
+
+
+def test_the_summary_starts_with_the_runs_status(tmp_path):
+    from lowmem_ft.rundir import RunDir, RunStatus
+
+    cuda_run(tmp_path)
+    status = RunStatus(
+        "interrupted", pid=1, step=7, reason="interrupted by SIGINT: stopped after step 7", signal="SIGINT"
+    )
+    RunDir(tmp_path).write_status(status)
+    _, text = write_report(tmp_path)
+    assert text.splitlines()[0] == "run: interrupted at step 7 (SIGINT)"
+    RunDir(tmp_path).write_status(RunStatus("failed", pid=1, step=3, reason="disk full while saving checkpoint-3"))
+    assert write_report(tmp_path)[1].splitlines()[0] == "run: failed at step 3: disk full while saving checkpoint-3"
+
+
+def test_a_plot_that_cannot_be_written_leaves_no_empty_file(tmp_path, monkeypatch):
+    """Disk full at the end of a run used to leave a 0-byte memory.png (the figure is drawn to a temporary file and
+    renamed). The writer is patched to fail as a full disk does, after writing part of the file."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    cuda_run(tmp_path)
+    write_report(tmp_path)
+    before = (tmp_path / "memory.png").read_bytes()
+
+    def full(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    png, text = write_report(tmp_path)
+    assert text.endswith("(memory.png not written: No space left on device)")
+    assert png.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.jsonl", "memory.png"]  # the old plot, no temp file
 
 
 def test_cpu_run_plots_host_memory_and_says_so(tmp_path):

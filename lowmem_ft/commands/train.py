@@ -44,7 +44,9 @@ def add_parser(sub) -> None:
         type=flags.run_name,
         help="run name (a name, not a path); the run goes to <training.output_dir>/<name> (default: model-timestamp)",
     )
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete checkpoint"
+    )
     p.add_argument("--eval-data", help="evaluation data, any source --data takes (data.eval_path)")
     p.add_argument(
         "--format",
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     hub_repo = _hub_preflight(args)
     overrides = flag_overrides(args)
     if args.resume:
-        run_dir, recipe, choice = resume(args.resume, overrides)
+        run_dir, recipe, choice = resume(args.resume, overrides, lock=True)
     else:
         run_dir, (recipe, choice) = None, choose(args, overrides)
     if (args.gpus or 1) > 1 or args.nodes > 1:
@@ -233,43 +235,34 @@ def new_run(recipe, name: str | None):
     return RunDir.new(recipe.training.output_dir, name, recipe.model.name_or_path)
 
 
-def resume(path, overrides: dict | None = None):
+def resume(path, overrides: dict | None = None, lock: bool = False):
     """The one resume path (`--resume`, and a relaunch of `--gpus` ranks): the run's recipe (with any new `--set`) and
-    how it was chosen, continued from its last checkpoint.
+    how it was chosen, continued from its newest complete checkpoint. `lock`: hold the run directory first
+    (`--resume`; the ranks of a launch run under their launcher's lock).
 
     A run directory is data: its recipe.yaml cannot turn on model.trust_remote_code, only this command line can
     (`--trust-remote-code` in `overrides`; `lowmem_ft.recipe.load` drops the file's)."""
+    from lowmem_ft.errors import UserError
     from lowmem_ft.planning import Choice
     from lowmem_ft.rundir import RunDir
 
     run = RunDir.existing(path)
+    if lock:
+        run.lock()  # a run still going is said as such, before its checkpoints are looked at
     recipe = run.read_recipe(overrides)
-    _check_checkpoint(run)
+    point = run.resume_point()
+    if point.checkpoint is None:
+        run.unlock()
+        raise UserError(
+            f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without --resume "
+            "(same --name)"
+        )
     _check_inputs(recipe, run.path)
     # the plan of the original run (prediction, VRAM, margin) carries on
     choice = (run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)).resumed(
         str(run.recipe_file)
     )
     return run, recipe, choice
-
-
-def _check_checkpoint(run) -> None:
-    """The checkpoint `--resume` continues from: there is one, and it is complete (`lowmem_ft.checks`)."""
-    import re
-
-    from lowmem_ft.checks import checkpoint_problem
-    from lowmem_ft.errors import UserError
-
-    checkpoint = run.last_checkpoint()
-    if checkpoint is None:
-        raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
-    problem = checkpoint_problem(checkpoint)
-    if problem:
-        numbered = (re.fullmatch(r"checkpoint-(\d+)", c.name) for c in run.checkpoints.iterdir())
-        steps = sorted((int(m.group(1)), run.checkpoints / m.group(0)) for m in numbered if m)
-        earlier = [c for _, c in steps if c != checkpoint and checkpoint_problem(c) is None]
-        hint = f"delete it to resume from {earlier[-1].name}" if earlier else "start the run again without --resume"
-        raise UserError(f"--resume {run.path}: {checkpoint.name}: {problem}; {hint}")
 
 
 def choose(args: argparse.Namespace, overrides: dict):
@@ -352,8 +345,9 @@ def _print_done(m: dict, run_dir) -> None:
 def _launch(args: argparse.Namespace, recipe, choice, run_dir, hub_repo=None) -> int:
     """--gpus N: check, write the run directory's launch files, print the relaunch command, run accelerate."""
     import shlex
+    import signal
 
-    from lowmem_ft.errors import UserError
+    from lowmem_ft.errors import Interrupted, UserError
     from lowmem_ft.train import launch
 
     plan = launch.plan_launch(
@@ -366,13 +360,19 @@ def _launch(args: argparse.Namespace, recipe, choice, run_dir, hub_repo=None) ->
         planned=choice,
     )
     resumed = run_dir is not None
-    run_dir = run_dir or new_run(recipe, args.name)
+    run_dir = run_dir or new_run(recipe, args.name)  # locked (new or resumed) while the ranks, its children, run
     cmd = launch.prepare(run_dir, recipe, plan, choice, resumed)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
     print(f"relaunch by hand: {shlex.join(cmd)}")
-    code = launch.run(cmd)
+    try:
+        code = launch.run(cmd)
+    finally:
+        run_dir.unlock()
     if code != 0:
+        status = run_dir.read_status()
+        if status is not None and status.state == "interrupted":  # rank 0's line, and its exit code (130 / 143)
+            raise Interrupted(status.reason or "interrupted", getattr(signal, status.signal or "SIGINT"))
         raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")
     _push(run_dir.path, hub_repo)  # once, from this process, after every rank finished
     return 0  # rank 0 printed the "done" line

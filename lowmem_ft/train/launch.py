@@ -17,8 +17,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -263,9 +265,30 @@ def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resum
 
 
 def run(cmd: list[str]) -> int:
-    """Run `accelerate launch`; its processes print their own progress."""
+    """Run `accelerate launch`; its processes print their own progress.
+
+    A terminal's Ctrl-C reaches the ranks as well as this process: they finish their step, save a checkpoint and
+    exit (`lowmem_ft.train.interrupt`), so this process waits for them instead of ending first; a second Ctrl-C a
+    second later stops waiting. A SIGTERM sent to this process alone is passed on to accelerate.
+    """
     env = dict(os.environ)
     # the children import this checkout of lowmem_ft, wherever they start
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    process = subprocess.Popen(cmd, env=env)
+    first: list[float] = []
+
+    def on_sigint(signum, frame):
+        if first and time.monotonic() - first[0] >= 1.0:
+            raise KeyboardInterrupt
+        first[:] = first or [time.monotonic()]
+
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)),
+    }
+    try:
+        return process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -4,22 +4,31 @@ Like torchtune's recipes, setup is a list of steps in an order whose comments sa
 in a library module: the device (`device`), W&B (`tracking`), the trainer arguments (`args`), data
 (`lowmem_ft.data.prepare`), model (`model`), memory policy and observation (`guard`, `monitor`), the OOM-safe
 trainer (`trainer`), and every file of the run directory (`lowmem_ft.rundir.RunDir`).
+
+Around the three steps, `FineTune.recorded` keeps the run's record: the run directory locked, run.json's status
+(running → completed, interrupted or failed with the one-line reason), SIGINT/SIGTERM answered by a checkpoint
+after the step in progress (`interrupt`), and every way a run can end said in one line — what was kept and how to
+go on (`--resume`, or the same command again when nothing was kept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import platform
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.errors import UserError
+from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
-from lowmem_ft.rundir import RunDir
+from lowmem_ft.rundir import RunDir, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +84,53 @@ def _forget_bnb_overrides(model) -> None:
     manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
 
 
+def launched_rank() -> int:
+    """This process's rank before the trainer exists: torchrun's `RANK` (0 for a single process)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 class FineTune:
     """One fine-tune of `recipe` into `run`; `choice` says how the recipe was chosen (and the plan's figures).
 
-    `resume`: continue from the run's last checkpoint (`--resume`, or a relaunch of `train --gpus` ranks).
+    `resume`: continue from the run's newest complete checkpoint (`--resume`, or a relaunch of `train --gpus` ranks).
     `callbacks`: extra trainer callbacks (tests inject faults this way).
+
+    The process that writes the run directory (rank 0) locks it first (`RunDir.lock`; a run on it already is a
+    one-line error) and removes what an interrupted save left.
     """
 
     def __init__(
         self, recipe: Recipe, run: RunDir, choice: Choice, *, resume: bool = False, callbacks: list | None = None
     ):
+        from lowmem_ft.train.interrupt import StopOnSignal
+
         self.recipe, self.run, self.choice = recipe, run, choice
-        self.checkpoint = run.last_checkpoint() if resume else None
-        if resume and self.checkpoint is None:
-            raise UserError(f"--resume {run.path}: no checkpoint saved yet; start the run again without --resume")
+        self.is_main = launched_rank() == 0  # the trainer's process_index agrees (`_setup_args`)
+        if self.is_main:
+            run.lock()
+            run.clear_staging()
+        self.checkpoint, self.resume_step = self._resume_point() if resume else (None, None)
         self.callbacks = list(callbacks or [])
+        self.stop = StopOnSignal()
+        self.status: RunStatus | None = None
+
+    def _resume_point(self) -> tuple[Path, int]:
+        """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
+        UserError when there is none."""
+        run = self.run
+        point = run.resume_point()
+        if point.checkpoint is None:
+            run.unlock()
+            raise UserError(
+                f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without "
+                "--resume (same --name)"
+            )
+        before = run.read_status()
+        if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
+            ended = "stopped without recording how" if before.state == "running" else before.describe()
+            log.info("%s: the run before this one %s", run.path, ended)
+        (log.warning if point.skipped else log.info)("%s", point.describe())
+        return point.checkpoint, point.step
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> FineTune:
@@ -164,6 +205,11 @@ class FineTune:
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
+        if self.resume_step is not None:  # the steps after the checkpoint are redone: their samples would repeat
+            dropped = self.run.trim_memory_log(self.resume_step, self.args.process_index)
+            if dropped:
+                log.info("memory log: dropped %d record(s) of steps after %d, which this run redoes", dropped,
+                         self.resume_step)  # fmt: skip
         # under `train --gpus` each rank writes its own device's file (memory.jsonl on rank 0, memory.rank{R}.jsonl)
         self.monitor = MemoryMonitor(
             self.run.memory_file(self.args.process_index),
@@ -192,8 +238,9 @@ class FineTune:
             processing_class=self.tokenizer,
             guard=self.guard,
             monitor=self.monitor,
+            run=self.run,
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
-            callbacks=[self.guard, self.monitor, *self.callbacks],
+            callbacks=[self.guard, self.monitor, self.stop, *self.callbacks],
         )
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
@@ -247,7 +294,10 @@ class FineTune:
             step = self.trainer.state.global_step + 1
             raise self.guard.outside_step(step, exc, self.monitor.reader()) from None
         finally:
-            self.monitor.close()
+            try:
+                self.monitor.close()  # flushes: fails on a full disk, which the run's end then reports
+            except OSError as exc:
+                log.warning("memory log %s: %s", self.monitor.path, exc)
             if self.is_main:
                 self._report()
         self.elapsed = time.time() - started
@@ -272,19 +322,46 @@ class FineTune:
         from lowmem_ft.train import tracking
 
         trainer = self.trainer
+        if self.stop.stopped_at is not None:  # stopped on a signal: the checkpoint holds the run, no final weights
+            raise self._interrupted()
         if trainer.is_fsdp_enabled:
             # checkpoints stay sharded (resumable); the adapter is gathered whole (peft's FSDP example does the same)
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-        # every rank joins (FSDP/ZeRO gather), rank 0 writes the weights and the tokenizer
-        trainer.save_model(str(self.run.weights(self.recipe.adapter.kind == "full")))
+        self._save_weights()
         history = trainer.state.log_history
         metrics = self._metrics(history)
         if self.is_main:
             self.run.write_metrics(metrics, history)
             self._write_card()
         tracking.finish(self.tracking, self.run if self.is_main else None)
-        _forget_bnb_overrides(trainer.model)
-        return RunResult(self.run.path, metrics, history, model=trainer.model, is_main=self.is_main)
+        _forget_bnb_overrides(self.trainer.model)
+        return RunResult(self.run.path, metrics, history, model=self.trainer.model, is_main=self.is_main)
+
+    def _save_weights(self) -> None:
+        """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
+        rank 0 writes the weights and the tokenizer."""
+        from lowmem_ft.train.ranks import barrier
+        from lowmem_ft.train.saving import rename_into_place
+
+        final = self.run.weights(self.recipe.adapter.kind == "full")
+        staged = self.run.staged(final)
+        self.trainer.save_model(str(staged))
+        barrier()
+        if self.is_main:
+            rename_into_place(staged, final, aside=staged.with_name(f"{staged.name}.replaced"))
+
+    def _interrupted(self):
+        """Metrics and log history of the steps done, and the interruption to raise (`recorded` adds what was kept)."""
+        from lowmem_ft.train import tracking
+
+        history = self.trainer.state.log_history
+        step = self.trainer.state.global_step
+        metrics = self._metrics(history) | {"interrupted": self.stop.name, "stopped_after_step": step}
+        if self.is_main:
+            self.run.write_metrics(metrics, history)
+        tracking.finish(self.tracking, self.run if self.is_main else None)
+        _forget_bnb_overrides(self.trainer.model)
+        return Interrupted(f"interrupted by {self.stop.name}: stopped after step {step}", self.stop.stopped_by)
 
     def _write_card(self) -> None:
         """The model card of the saved weights (replacing peft's placeholder): what `--push-to-hub` uploads. The
@@ -324,6 +401,74 @@ class FineTune:
             }
         return metrics
 
+    # -- the run's record ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[None]:
+        """Around setup, fit and finalize: run.json's status (running → completed / interrupted / failed), the
+        signal handlers, and every ending as one line; the run directory unlocked at the end."""
+        self.stop.install()
+        if self.is_main:
+            self.status = RunStatus.running()
+            self._record(self.status)
+        try:
+            yield
+        except BaseException as exc:
+            ending = self._ending(exc)
+            if ending is exc:
+                raise
+            raise ending from None
+        else:
+            self._end("completed", step=self.trainer.state.global_step)
+        finally:
+            self.stop.uninstall()
+            self.run.unlock()
+
+    def _record(self, status: RunStatus) -> None:
+        try:
+            self.run.write_status(status)
+        except OSError as exc:  # a full disk: the run's end is said on the console all the same
+            log.warning("could not record the run's status (%s) in %s: %s", status.state, self.run.info_file, exc)
+
+    def _end(self, state: str, **info: Any) -> None:
+        if self.status is None:  # rank 0 records; the other ranks' ends are the same
+            return
+        if state != "completed":  # what --resume would continue from
+            kept = self.run.last_checkpoint()
+            info["checkpoint"] = str(kept) if kept is not None else None
+        self._record(self.status.ended(state, **info))
+
+    def _ending(self, exc: BaseException) -> BaseException:
+        """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
+        for everything but a bug."""
+        from lowmem_ft.train.saving import DiskFull, is_disk_full
+
+        trainer = getattr(self, "trainer", None)
+        step = trainer.state.global_step if trainer is not None else None
+        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: abort at once
+            exc = Interrupted(f"aborted by a second SIGINT during step {(step or 0) + 1}", signal.SIGINT)
+        if isinstance(exc, Interrupted):
+            exc = Interrupted(f"{exc}; {self.run.continuation()}", exc.signum)
+            self._end("interrupted", step=step, reason=str(exc), signal=signal.Signals(exc.signum).name)
+            return exc
+        if not isinstance(exc, DiskFull) and is_disk_full(exc):
+            exc = self._disk_full(exc)
+        if isinstance(exc, UserError):
+            self._end("failed", step=step, reason=str(exc))
+            return exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self._end("failed", step=step, reason=f"{type(exc).__name__}: {first}"[:500])
+        return exc
+
+    def _disk_full(self, exc: BaseException):
+        """A full disk outside a checkpoint save (memory log, final weights, run files): the same one line."""
+        from lowmem_ft.train.saving import Saver
+
+        trainer = getattr(self, "trainer", None)
+        saver = trainer.saver if trainer is not None else Saver(self.run)
+        if trainer is not None and not saver.needed:
+            saver.needed = saver.expected_bytes(trainer)
+        return saver.disk_full(f"writing {getattr(exc, 'filename', None) or self.run.path}")
+
 
 def train(
     recipe: Recipe,
@@ -336,6 +481,7 @@ def train(
     """Fine-tune per `recipe` into the run directory `run` (already created): setup, fit, finalize."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     job = FineTune(recipe, run, choice or Choice("recipe", "given"), resume=resume, callbacks=callbacks)
-    job.setup()
-    job.fit()
-    return job.finalize()
+    with job.recorded():
+        job.setup()
+        job.fit()
+        return job.finalize()

@@ -90,6 +90,19 @@ def split_packed(inputs: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     return [_piece(inputs, starts, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+def piece_spans(inputs: dict[str, Any], parts: list[dict[str, Any]]) -> tuple[int, int, list[tuple[int, int]]]:
+    """Where the pieces lie in their micro batch: the dimension it was cut along (0: rows of a padded batch, 1:
+    tokens of a packed row), the micro batch's size along it, and each piece's (start, size), in order."""
+    dim = 1 if sample_starts(inputs) is not None else 0
+    key = "input_ids" if "input_ids" in inputs else "labels"
+    spans, start = [], 0
+    for part in parts:
+        size = part[key].shape[dim]
+        spans.append((start, size))
+        start += size
+    return dim, inputs[key].shape[dim], spans
+
+
 def samples_in(inputs: dict[str, Any]) -> int:
     """Samples a piece holds: rows of a padded batch, samples of a packed row."""
     starts = sample_starts(inputs)

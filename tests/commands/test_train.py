@@ -180,3 +180,19 @@ def test_no_target(capsys, tiny_model, chat_data):
 def test_resume_of_a_non_run(capsys, tmp_path):
     err = _one_line_error(capsys, main(["train", "--resume", str(tmp_path)]))
     assert "not a run directory" in err
+
+
+def test_resume_of_a_run_without_a_complete_checkpoint(capsys, tmp_path):
+    """It says to start again, which works under the same --name (tests/test_rundir.py, tests/train/test_saving.py)."""
+    from lowmem_ft.rundir import RunDir, RunStatus
+
+    run = RunDir.new(tmp_path, "early", "m")
+    run.recipe_file.write_text("model:\n  name_or_path: m\n")
+    run.write_status(RunStatus.running().ended("failed", reason="bad data"))
+    (run.checkpoints / "checkpoint-3").mkdir(parents=True)  # cut short: no trainer_state.json
+    run.unlock()
+    err = _one_line_error(capsys, main(["train", "--resume", str(run.path)]))
+    assert err.endswith(
+        f"--resume {run.path}: no complete checkpoint (skipped checkpoint-3: no trainer_state.json (the save did not "
+        "finish)), nothing to continue; start the run again without --resume (same --name)"
+    )
