@@ -4,6 +4,11 @@ One idea: every memory saving costs speed, so search the knobs (quantization, op
 offloading, chunked loss, micro batch with gradient accumulation keeping the effective batch) as variants of the
 frozen `Setup` (`dataclasses.replace`) and keep the fitting variant with the lowest estimated time per sample.
 
+The long-context savers (host embeddings, tiled norms, tiled MLP, LoRA recompute, and the MLP tile size) are a staged
+search on top: only when no setup fits without them, sets of them are added in order of cost — each set searched
+like the start — and the first set where something fits wins, so every saver a plan turns on is needed. With the
+chunked loss chosen, its chunk is then sized from what the rest of the step leaves of the budget.
+
 A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.planning`), the `Target` it must
 fit, and which knobs the user fixed (`Setup` field names, plus "gradient_accumulation" and "eval_batch_size"): those
 are never changed. The answer is a `Plan` record. Sequence length is the request's: choosing it from the data, and
@@ -20,16 +25,58 @@ from typing import Any, Literal, get_args
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes
+from lowmem_ft.memory.estimate import (
+    ALLOCATOR_FRACTION,
+    DTYPE_BYTES,
+    GB,
+    TRL_TOKEN_CHUNK,
+    Estimate,
+    Setup,
+    estimate,
+    eval_peak_bytes,
+    largest_loss_chunk,
+    loss_chunk_tokens,
+    mlp_tile_tokens,
+)
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
 from lowmem_ft.memory.target import Target
 
-# Relative step-time costs of each saving: rough, from published comparisons, used only to rank configurations.
-# Checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of forward+backward). NF4 dequantizes
-# every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a 16-bit LoRA step at batch 1).
-# Offloading copies each layer input to host and back (≈ +10 % where the copy does not fully overlap).
-# Chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
-COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05}
+# Relative step-time cost of each saving, used only to rank configurations (a setup's cost is their product).
+# Rough, from published comparisons: checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of
+# forward+backward); NF4 dequantizes every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a
+# 16-bit LoRA step at batch 1); offloading copies each layer input to host and back (≈ +10 % where the copy does not
+# fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
+# The long-context savers: CPU step-time ratios, not GPU ones (scripts/bench_context.py, benchmarks/context_cpu.md:
+# each on top of checkpointing + the chunked loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the
+# norms recomputed tile by tile), tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA
+# branches' forward again, as many small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the
+# CPU; 1.02 stands for a GPU's host gather and host→device copy of 2·hidden B per token (~33 ms per 100k tokens
+# predicted at PCIe 4 speed, a few % of a step that long). The order they give — host embeddings, tiled norms, tiled
+# MLP, LoRA recompute — is kept for a GPU: the MLP's recompute is FLOPs (most of a layer's), the norms' a
+# memory-bound pass, and LoRA recompute, whose GPU cost is the least known, comes last.
+COST = {
+    "checkpointing": 1.33,
+    "nf4": 1.3,
+    "int8": 1.5,
+    "offloading": 1.10,
+    "chunked_loss": 1.05,
+    "embeddings_on_host": 1.02,
+    "tiled_norms": 1.09,
+    "tiled_mlp": 1.16,
+    "recompute_lora": 1.39,
+}
+# The long-context savers the planner may turn on (`Setup` fields; lowmem_ft/train/savers.py applies them), the ones
+# the MLP tile size sizes, and the tiles it tries below the default (hidden_size) when one of those is on: smaller
+# tiles decide tight cards (benchmarks/long_context_predicted.md: Llama-3.1-8B at 8 GB, 2,960 tokens with tiles of
+# 4,096, 12,768 with tiles of 1,024). A smaller tile costs kernel launches, not FLOPs (a 256-token tile of a 7B's MLP
+# is still a ~15 GFLOP matmul), so the planner tries it before adding another saver.
+SAVERS = ("embeddings_on_host", "tiled_norms", "tiled_mlp", "recompute_lora")
+TILED = ("tiled_norms", "tiled_mlp", "recompute_lora")
+SMALLER_TILES = (1024, 256)
+# The loss chunk sized from the budget (`chunk_sizes`): a multiple of 128 tokens (below that a power of two, at least
+# 16), at most TRL's own token tile of 4,096 (a matmul that size already fills a GPU: larger chunks only take memory),
+# at most the micro batch's tokens (one chunk).
+LOSS_CHUNK_MIN, LOSS_CHUNK_STEP, LOSS_CHUNK_MAX = 16, 128, TRL_TOKEN_CHUNK
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.
 SEQ_MULTIPLE = 16
@@ -57,6 +104,9 @@ KNOBS = frozenset(
         "gradient_accumulation",
         "eval_batch_size",
         "lora_targets",
+        "loss_chunk_tokens",
+        *SAVERS,
+        "mlp_tile_tokens",
     }
 )
 MAX_SEQ_LEN = 262144  # where `max_seq_len` starts its search
@@ -136,12 +186,19 @@ class Plan:
     def effective_batch(self) -> int:
         return self.setup.micro_batch_size * self.gradient_accumulation * self.gpus
 
+    @property
+    def host_gb(self) -> float:
+        """Host memory the plan's setup keeps per process: offloaded layer inputs (pinned), input embeddings on the
+        host, paged optimizer states when evicted, offloaded model states (the estimate's "host" components)."""
+        return sum(c.bytes for c in self.estimate.components if c.phase == "host") / GB
+
     def to_dict(self) -> dict[str, Any]:
         """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.planning` adds)."""
         return {
             **self.target.to_dict(),
             "headroom_gb": round(self.headroom_gb, 3),
             "fits": self.fits,
+            "host_gb": round(self.host_gb, 3),
             "strategy": self.strategy,
             "offload": self.offload,
             **({"per_device": _share_dict(self.share)} if self.share is not None else {}),
@@ -284,6 +341,7 @@ def _cost(s: Setup) -> float:
         (s.gradient_checkpointing, "checkpointing"),
         (s.activation_offloading, "offloading"),
         (s.loss_impl == "chunked", "chunked_loss"),
+        *((getattr(s, saver), saver) for saver in SAVERS),
     ):
         if on:
             cost *= COST[name]
@@ -310,17 +368,122 @@ class _Scored:
         return self.estimate.peak_gb
 
 
+def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:
+    est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
+    return _Scored(_cost(s), s, est, share)
+
+
+def _runnable(s: Setup, strat: str, off: bool) -> bool:
+    """Whether a setup can run under a strategy stage: int8 weights cannot be sharded (no float storage to flatten),
+    an offloaded optimizer steps on the host (a torch optimizer)."""
+    return not (strat not in ("single", "ddp") and s.quantization == "int8") and not (
+        off and s.optimizer not in OFFLOAD_OPTIMIZERS
+    )
+
+
 def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
-    gpus = request.target.gpus
-    scored = []
-    for s in _candidates(start, request.fixed, arch):
-        if strat not in ("single", "ddp") and s.quantization == "int8":
-            continue
-        if off and s.optimizer not in OFFLOAD_OPTIMIZERS:
-            continue
-        est, share = per_device_estimate(arch, s, gpus, strat, off)
-        scored.append(_Scored(_cost(s), s, est, share))
-    return scored
+    return [
+        _score(arch, request, s, strat, off)
+        for s in _candidates(start, request.fixed, arch)
+        if _runnable(s, strat, off)
+    ]
+
+
+# -- the long-context savers: a staged search --------------------------------------------------------------------
+def _saver_refusal(name: str, arch: Architecture, s: Setup, gpus: int) -> str | None:
+    """Why the saver `name` cannot be used for this setup (the reason line's "off: …"), None when it can."""
+    if name == "embeddings_on_host":
+        if s.adapter != "lora":
+            return "full fine-tuning trains the embeddings"
+        if arch.tie_embeddings:
+            return "the input embeddings are tied to the lm_head, which the loss uses on the device"
+        if gpus > 1:
+            return "not supported with several processes"
+    if name == "recompute_lora" and s.adapter != "lora":
+        return "no LoRA branches (full fine-tuning)"
+    if name == "tiled_mlp" and arch.experts:
+        return f"a mixture of {arch.experts} experts is not tiled (its router sees the whole sequence)"
+    return None
+
+
+def _tiled(s: Setup) -> bool:
+    return any(getattr(s, name) for name in TILED)
+
+
+def _tile_options(arch: Architecture, s: Setup, fixed: frozenset[str]) -> list[int]:
+    """MLP tile sizes to try, largest first: the start's (0 = hidden_size), then the smaller of SMALLER_TILES."""
+    if "mlp_tile_tokens" in fixed:
+        return [s.mlp_tile_tokens]
+    largest = s.mlp_tile_tokens or arch.hidden_size
+    return [s.mlp_tile_tokens, *(tile for tile in SMALLER_TILES if tile < largest)]
+
+
+def _saver_stages(arch: Architecture, request: Request) -> list[dict[str, Any]]:
+    """The saver settings to search, in order (`Setup` fields to replace): the start's first, then every set of the
+    savers that apply and the user did not fix, cheapest set first (the product of their `COST`), each with its MLP
+    tiles from the largest down. Every saver of the first set that fits is needed: each subset of it costs less, so
+    it was searched before and nothing fitted."""
+    s, fixed = request.start, request.fixed
+    free = [
+        name
+        for name in SAVERS
+        if name not in fixed and not getattr(s, name) and _saver_refusal(name, arch, s, request.target.gpus) is None
+    ]
+    sets = [names for r in range(len(free) + 1) for names in itertools.combinations(free, r)]
+    sets.sort(key=lambda names: math.prod(COST[name] for name in names))
+    stages = []
+    for names in sets:
+        tiled = _tiled(s) or any(name in TILED for name in names)
+        for tile in _tile_options(arch, s, fixed) if tiled else [s.mlp_tile_tokens]:
+            stages.append({**dict.fromkeys(names, True), "mlp_tile_tokens": tile})
+    return stages
+
+
+def _stage_start(request: Request, off: bool, savers: dict[str, Any], first: bool) -> Setup:
+    """Where a stage's search starts: the request's setup with the stage's savers; an offloaded optimizer is a torch
+    one; beyond the first stage the loss chunk is the smallest (`LOSS_CHUNK_MIN`) unless fixed — it is sized from
+    the budget once a setup is chosen (`_size_loss_chunk`)."""
+    start = request.start
+    if off and "optimizer" not in request.fixed:  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
+        start = replace(start, optimizer="adamw_torch")
+    if first:
+        return start
+    start = replace(start, **savers)
+    return start if "loss_chunk_tokens" in request.fixed else replace(start, loss_chunk_tokens=LOSS_CHUNK_MIN)
+
+
+def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> Setup | None:
+    """The stage's setup with each knob at its least memory (NF4, paged 8-bit states, checkpointing with offloading,
+    the chunked loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
+    none runs. A saver stage whose smallest setup does not fit is skipped after this one estimate: each of these
+    values lowers the predicted peak on its own, so no other setup of the stage would fit."""
+    options = _options(start, request.fixed, arch)
+
+    def least(key: str, order: tuple[Any, ...]) -> Any:
+        return next((value for value in order if value in options[key]), options[key][0])
+
+    optimizers = [o for o in options["optimizer"] if o in OFFLOAD_OPTIMIZERS] if off else options["optimizer"]
+    checkpointing = least("gradient_checkpointing", (True,))
+    s = replace(
+        start,
+        quantization=least("quantization", ("nf4", "int8") if strat in ("single", "ddp") else ("nf4",)),
+        optimizer=next((o for o in ("paged_adamw_8bit", *optimizers) if o in optimizers), start.optimizer),
+        gradient_checkpointing=checkpointing,
+        activation_offloading=checkpointing and least("activation_offloading", (True,)),
+        loss_impl=least("loss_impl", ("chunked",)),
+        micro_batch_size=min(options["micro_batch_size"]),
+    )
+    return s if _runnable(s, strat, off) else None
+
+
+def _search_order(arch: Architecture, request: Request, stages: list) -> list[tuple[str, bool, dict, bool]]:
+    """(strategy, offload, savers, first) in the order searched: every strategy stage with the start's savers (the
+    search as it was before the long-context savers, so its choices stay), then each strategy stage with the saver
+    stages in cost order — a cheaper strategy with savers before a dearer one."""
+    savers = _saver_stages(arch, request)
+    return [(st, off, savers[0], True) for st, off in stages] + [
+        (st, off, knobs, False) for st, off in stages for knobs in savers[1:]
+    ]
 
 
 def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
@@ -342,62 +505,87 @@ def plan(arch: Architecture, request: Request) -> Plan:
 
     With several devices the peak is per device, and the strategy stages (`STAGES[request.strategy]`) are tried in
     order: the first stage where some setup fits wins, so DDP is kept whenever the model fits whole on each device.
-    `request.offload` None lets the planner offload as a last stage; True/False fixes it. Raises UserError with the
-    smallest setup's need and what would fit when nothing does.
+    `request.offload` None lets the planner offload as a last stage; True/False fixes it. Only when no stage fits
+    with the start's savers are the long-context savers added (`_search_order`). Raises UserError with the smallest
+    setup's need and what would fit when nothing does.
     """
     gpus, budget = request.target.gpus, request.target.budget_gb
-    if gpus < 1:
-        raise UserError(f"--gpus {gpus}: must be at least 1")
-    request, target_reason = _lora_targets(arch, request)
-    if "loss_impl" in request.fixed:
-        _refuse_chunked_loss(arch, request.start)
-    fixed = request.fixed
-    stages = (
-        [("single", False)]
-        if gpus == 1
-        else _stages(
-            request.strategy,
-            request.offload,
-            request.start.optimizer if "optimizer" in fixed else None,
-            request.start.quantization if "quantization" in fixed else None,
-        )
-    )
-    tried: list = []  # (strategy, offload, smallest estimate, share) of each stage, for the reason line
-    scored: list[_Scored] = []
-    for strat, off in stages:
-        start = request.start
-        if off and "optimizer" not in fixed:  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
-            start = replace(start, optimizer="adamw_torch")
-        stage_scored = _score_stage(arch, request, start, strat, off)
-        if not stage_scored:
+    request, target_reason, stages = _prepare(arch, request)
+    tried: dict[tuple[str, bool], _Scored] = {}  # the smallest setup seen per strategy stage, for the reason line
+    last: list[_Scored] = []
+    for strat, off, savers, first in _search_order(arch, request, stages):
+        start = _stage_start(request, off, savers, first)
+        if not first:
+            smallest = _smallest(arch, request, start, strat, off)
+            if smallest is not None:
+                last = [_score(arch, request, smallest, strat, off)]
+                tried[(strat, off)] = last[0]
+                if last[0].peak_gb > budget:
+                    continue
+        scored = _score_stage(arch, request, start, strat, off)
+        if not scored:
             continue
-        scored = stage_scored
-        smallest = min(scored, key=lambda x: x.peak_gb)
-        tried.append((strat, off, smallest.estimate, smallest.share))
+        last = scored
+        tried[(strat, off)] = min(scored, key=lambda x: x.peak_gb)
         fitting = [x for x in scored if x.peak_gb <= budget]
         if not fitting:
             continue
         # Offloaded weights and states cross PCIe every step, which dwarfs the other costs: fewest host bytes first.
         fitting.sort(key=lambda x: (x.share.host if off else 0.0, x.cost, x.peak_gb))
-        best = fitting[0]
         if gpus > 1:
-            tried[-1] = (strat, off, best.estimate, best.share)
-        return _plan_of(arch, request, best, fitting, strat, off, tried, target_reason)
+            tried[(strat, off)] = fitting[0]
+        return _plan_of(arch, request, fitting, strat, off, _tried(tried, stages, (strat, off)), target_reason)
     if not tried:
         raise UserError(f"--strategy {request.strategy}: no configuration of {arch.name or 'the model'} can use it")
     stage = ""
     if gpus > 1:
-        stage = f" per device with {_strategy_reason(*tried[-1][:2], request.strategy, gpus, tried, budget)}"
-    raise UserError(_nothing_fits(arch, request, scored) + stage + _what_fits_instead(arch, request))
+        strategies = _tried(tried, stages, None)
+        stage = f" per device with {_strategy_reason(*strategies[-1][:2], request.strategy, gpus, strategies, budget)}"
+    raise UserError(_nothing_fits(arch, request, last) + stage + _what_fits_instead(arch, request))
 
 
-def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], strat, off, tried, target_reason) -> Plan:
-    """The Plan record of the chosen setup, with a reason per knob."""
-    s, gpus = best.setup, request.target.gpus
+def _prepare(arch: Architecture, request: Request) -> tuple[Request, str, list[tuple[str, bool]]]:
+    """The request as searched (LoRA targets this model has), the adapter reason's addition, and the strategy
+    stages; refuses a chunked loss the user fixed on a model it does not reproduce, and a device count below one."""
+    if request.target.gpus < 1:
+        raise UserError(f"--gpus {request.target.gpus}: must be at least 1")
+    request, target_reason = _lora_targets(arch, request)
+    fixed = request.fixed
+    if "loss_impl" in fixed:
+        _refuse_chunked_loss(arch, request.start)
+    if request.target.gpus == 1:
+        return request, target_reason, [("single", False)]
+    stages = _stages(
+        request.strategy,
+        request.offload,
+        request.start.optimizer if "optimizer" in fixed else None,
+        request.start.quantization if "quantization" in fixed else None,
+    )
+    return request, target_reason, stages
+
+
+def _tried(tried: dict, stages: list, upto: tuple[str, bool] | None) -> list:
+    """(strategy, offload, estimate, share) of each strategy stage tried, in stage order, up to `upto`."""
+    out = []
+    for stage in stages:
+        if stage in tried:
+            out.append((*stage, tried[stage].estimate, tried[stage].share))
+        if stage == upto:
+            break
+    return out
+
+
+def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, target_reason) -> Plan:
+    """The Plan record of the chosen setup (the first of `fitting`, its loss chunk then sized from the budget), with
+    a reason per knob."""
+    gpus = request.target.gpus
+    best, chunk_reason = _size_loss_chunk(arch, request, fitting[0], strat, off)
+    s = best.setup
     accumulation = _accumulation(request, s.micro_batch_size)
     eval_batch, eval_reason = _eval_batch(arch, request, s)
     fits_16bit = any(x.setup.quantization == "none" for x in fitting)
-    reasons = _reasons(request, s, accumulation, fits_16bit)
+    savers = {**_saver_reasons(arch, request, fitting[0], strat, off), "loss_chunk_tokens": chunk_reason}
+    reasons = _reasons(request, s, accumulation, fits_16bit, savers)
     reasons["adapter"] += target_reason
     if not arch.chunked_loss_exact and "loss_impl" not in request.fixed:
         reasons["chunked_loss"] = f"off: not verified for model_type {arch.model_type!r} (its loss may differ)"
@@ -423,7 +611,113 @@ def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], stra
     )
 
 
-def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool) -> dict[str, str]:
+# -- the loss chunk, sized from the budget -----------------------------------------------------------------------
+def chunk_sizes(n: int, least: int) -> list[int]:
+    """The loss chunks the planner may choose for a micro batch of `n` tokens, ascending: powers of two from
+    LOSS_CHUNK_MIN below LOSS_CHUNK_STEP, multiples of LOSS_CHUNK_STEP up to LOSS_CHUNK_MAX, and all `n` tokens in one
+    chunk when that is within LOSS_CHUNK_MAX — none below `least` (the chunk the setup was searched with, which is
+    one of them: a sized chunk only grows) and none above `n`."""
+    ladder = {1 << p for p in range(LOSS_CHUNK_MIN.bit_length() - 1, LOSS_CHUNK_STEP.bit_length() - 1)}
+    ladder |= set(range(LOSS_CHUNK_STEP, LOSS_CHUNK_MAX + 1, LOSS_CHUNK_STEP))
+    if n <= LOSS_CHUNK_MAX:
+        ladder.add(n)
+    return sorted({size for size in ladder if least < size <= n} | {least})
+
+
+def _size_loss_chunk(arch: Architecture, request: Request, best: _Scored, strat: str, off: bool) -> tuple[_Scored, str]:
+    """With the chunked loss, `best` with the largest chunk of `chunk_sizes` whose working set fits what the rest of
+    the step leaves of the budget: fewer, larger chunks when there is room. `largest_loss_chunk` over that room is
+    the first guess, checked (and moved up or down the sizes) with the whole estimate. A chunk the user fixed is
+    kept. Returns the setup and its reason line."""
+    s, fixed, budget = best.setup, request.fixed, request.target.budget_gb
+    if s.loss_impl != "chunked":
+        if "loss_chunk_tokens" in fixed:
+            return best, "set by you (--set); unused: the chunked loss is off"
+        unchunked = replace(s, loss_chunk_tokens=request.start.loss_chunk_tokens)  # a saver stage's 16 means nothing
+        return _score(arch, request, unchunked, strat, off), "off: no chunked loss"
+    if "loss_chunk_tokens" in fixed:
+        return best, f"{loss_chunk_tokens(arch, s):,} tokens, set by you (--set)"
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    sizes = chunk_sizes(n, loss_chunk_tokens(arch, s))
+    least = _score(arch, request, replace(s, loss_chunk_tokens=1), strat, off).estimate
+    loss_least = least.by_name()["logits / loss working set"]
+    allocator = 1 + (ALLOCATOR_FRACTION if s.device == "cuda" else 0.0)  # grows with the transient peak
+    room = max(0.0, (budget * GB - least.peak_bytes) / allocator + loss_least)
+    guess = largest_loss_chunk(arch, s, room)
+    i = max((j for j, size in enumerate(sizes) if size <= guess), default=0)
+
+    def at(j: int) -> _Scored:
+        return best if j == 0 else _score(arch, request, replace(s, loss_chunk_tokens=sizes[j]), strat, off)
+
+    sized = at(i)
+    while i > 0 and sized.peak_gb > budget:  # the room is an estimate: the whole estimate decides
+        i -= 1
+        sized = at(i)
+    while i + 1 < len(sizes) and (larger := at(i + 1)).peak_gb <= budget:
+        i, sized = i + 1, larger
+    chunk, working = sizes[i], sized.estimate.by_name()["logits / loss working set"] / GB
+    if chunk == n:
+        return sized, f"{chunk:,} tokens: the micro batch in one chunk (working set {working:.2f} GB)"
+    if i + 1 == len(sizes):  # LOSS_CHUNK_MAX, or an automatic chunk above it (a small vocabulary)
+        return sized, f"{chunk:,} tokens (working set {working:.2f} GB): larger chunks would add memory, not speed"
+    return sized, (
+        f"{chunk:,} tokens: the largest chunk that fits (working set {working:.2f} GB; {sizes[i + 1]:,} tokens need "
+        f"{at(i + 1).peak_gb:.2f} GB of the {budget:.2f} GB budget)"
+    )
+
+
+# -- why each saver is on or off ---------------------------------------------------------------------------------
+SAVER_WHAT = {
+    "embeddings_on_host": "the {table:.2f} GB input embedding table stays in host RAM",
+    "tiled_norms": "the norms run in tiles of {tile:,} tokens (no fp32 copy of the whole sequence)",
+    "tiled_mlp": "the MLPs run in tiles of {tile:,} tokens (no tokens × intermediate tensor)",
+    "recompute_lora": "the LoRA branches are recomputed in backward (no fp32 copies of their inputs kept)",
+}
+
+
+def _saver_reasons(arch: Architecture, request: Request, chosen: _Scored, strat: str, off: bool) -> dict[str, str]:
+    """ "on: …" with what the setup would need without the saver, "off: not needed", or why it cannot be used; and
+    the MLP tile size. `chosen` is the setup as searched (its loss chunk not yet sized)."""
+    s, fixed, budget = chosen.setup, request.fixed, request.target.budget_gb
+    figures = {"table": DTYPE_BYTES[s.compute_dtype] * arch.embedding_params / GB, "tile": mlp_tile_tokens(arch, s)}
+    out = {}
+    for name in SAVERS:
+        refusal = _saver_refusal(name, arch, s, request.target.gpus)
+        if name in fixed:
+            out[name] = "set by you (--set)"
+        elif not getattr(s, name):
+            out[name] = f"off: {refusal}" if refusal else "off: not needed"
+        elif getattr(request.start, name):
+            out[name] = "on (from the recipe)"
+        else:
+            without = _score(arch, request, replace(s, **{name: False}), strat, off).peak_gb
+            what = SAVER_WHAT[name].format(**figures)
+            out[name] = f"on: {what}; without it this setup needs {without:.1f} GB of the {budget:.1f} GB budget"
+    out["mlp_tile_tokens"] = _tile_reason(arch, request, chosen, strat, off)
+    return out
+
+
+def _tile_reason(arch: Architecture, request: Request, chosen: _Scored, strat: str, off: bool) -> str:
+    s = chosen.setup
+    tile = mlp_tile_tokens(arch, s)
+    if not _tiled(s):
+        return "unused: no tiled saver is on"
+    if "mlp_tile_tokens" in request.fixed:
+        return f"{tile:,} tokens, set by you (--set)"
+    if s.mlp_tile_tokens == request.start.mlp_tile_tokens:
+        return f"{tile:,} tokens" + (" (hidden_size, the default)" if not s.mlp_tile_tokens else " (from the recipe)")
+    options = _tile_options(arch, request.start, request.fixed)
+    larger = options[options.index(s.mlp_tile_tokens) - 1]
+    need = _score(arch, request, replace(s, mlp_tile_tokens=larger), strat, off).peak_gb
+    larger_tokens = larger or arch.hidden_size
+    return (
+        f"{tile:,} tokens: the largest tile that fits (tiles of {larger_tokens:,} need {need:.2f} GB of the "
+        f"{request.target.budget_gb:.2f} GB budget)"
+    )
+
+
+def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool, savers: dict[str, str]) -> dict[str, str]:
+    """One line per knob, the long-context savers' (`savers`) after the chunked loss's."""
     start, fixed = request.start, request.fixed
 
     def why(key: str, text: str) -> str:
@@ -462,6 +756,7 @@ def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool) ->
             "on: checkpointed layer inputs do not fit on the device" if s.activation_offloading else "off: not needed",
         ),
         "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
+        **savers,
         "micro_batch_size": why(
             "micro_batch_size", f"{s.micro_batch_size}: largest that fits with the fewest savings; {batch}"
         ),
@@ -491,7 +786,12 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
     savings = [STORAGE[s.quantization], f"batch {s.micro_batch_size}"]
     savings += [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
                                       (s.activation_offloading, "offloading"),
-                                      (s.loss_impl == "chunked", "chunked loss")) if on]  # fmt: skip
+                                      (s.loss_impl == "chunked", f"chunked loss ({loss_chunk_tokens(arch, s)}-token chunks)"),
+                                      (s.embeddings_on_host, "host embeddings"),
+                                      (s.tiled_norms, "tiled norms"),
+                                      (s.tiled_mlp, "tiled MLP"),
+                                      (s.recompute_lora, "LoRA recompute"),
+                                      (_tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:
         est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
@@ -551,6 +851,8 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
 
     def fits(length: int) -> bool:
         at = replace(request, start=replace(request.start, max_seq_len=length), fixed=request.fixed | {"max_seq_len"})
+        if _fits_with_every_saver(arch, at):
+            return True
         try:
             plan(arch, at)
         except UserError:
@@ -558,3 +860,19 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
         return True
 
     return _longest(fits, limit)
+
+
+def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:
+    """Whether the last stage's smallest setup (every saver the planner may add, the smallest tile) fits on some
+    strategy stage — then `plan` finds a fitting setup (that stage searches it), in one estimate per strategy."""
+    try:
+        request, _, stages = _prepare(arch, request)
+    except UserError:
+        return False
+    savers = _saver_stages(arch, request)
+    for strat, off in stages:
+        start = _stage_start(request, off, savers[-1], len(savers) == 1)
+        smallest = _smallest(arch, request, start, strat, off)
+        if smallest is not None and _score(arch, request, smallest, strat, off).peak_gb <= request.target.budget_gb:
+            return True
+    return False

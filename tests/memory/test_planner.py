@@ -80,8 +80,8 @@ def test_fixed_accumulation_is_kept_and_a_changed_effective_batch_is_said():
 
 
 def test_nothing_fits_says_what_would():
-    with pytest.raises(UserError, match=r"needs .* GB at seq 8192 even with NF4.*--seq-len \d+"):
-        _plan(8, "8gb", {"memory": {"max_seq_len": 8192}})
+    with pytest.raises(UserError, match=r"needs .* GB at seq 65536 even with NF4.*tiled MLP.*--seq-len \d+"):
+        _plan(8, "8gb", {"memory": {"max_seq_len": 65536}})
     with pytest.raises(UserError, match="smaller model"):
         _plan(8, "8gb", arch=load_architecture("Qwen/Qwen2.5-72B"))
 
