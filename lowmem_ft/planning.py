@@ -375,10 +375,11 @@ def _length(
 # -- host memory -------------------------------------------------------------------------------------------------
 def with_host_ram(p: Plan, ram_gb: float | None = None) -> Plan:
     """The plan with a `host_ram` reason line when its setup keeps memory on the host (offloaded layer inputs are
-    pinned: they cannot be swapped out): how much, per process, against this machine's RAM (`ram_gb`, psutil's
-    total when None; the memory model stays machine-free), and a warning when the plan needs more than that."""
-    if p.host_gb <= 0:
-        return p
+    pinned: they cannot be swapped out; host embeddings, offloaded states): how much in all (paged optimizer states
+    included, as evicted), per process, against this machine's RAM (`ram_gb`, psutil's total when None; the memory
+    model stays machine-free), and a warning when the plan needs more than that."""
+    if all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0):
+        return p  # bnb's paged states live on the device until evicted: no line of their own
     if ram_gb is None:
         import psutil
 

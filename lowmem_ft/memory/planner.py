@@ -692,7 +692,7 @@ def _saver_reasons(arch: Architecture, request: Request, chosen: _Scored, strat:
         else:
             without = _score(arch, request, replace(s, **{name: False}), strat, off).peak_gb
             what = SAVER_WHAT[name].format(**figures)
-            out[name] = f"on: {what}; without it this setup needs {without:.1f} GB of the {budget:.1f} GB budget"
+            out[name] = f"on: {what}; without it this setup needs {without:.2f} GB of the {budget:.2f} GB budget"
     out["mlp_tile_tokens"] = _tile_reason(arch, request, chosen, strat, off)
     return out
 
