@@ -529,9 +529,12 @@ def context_request(
 
 
 def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: str = "all",
-                    limit: int = 262144) -> int:  # fmt: skip
+                    limit: int = 262144, positions: bool = True) -> int:  # fmt: skip
     """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
     `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers` says which savers the planner may
-    turn on (`SAVER_SETS`). What `scripts/max_context.py` tabulates and the GPU check runs."""
+    turn on (`SAVER_SETS`); `positions` caps the length at the model's positions as `plan` and `train` do (False:
+    what memory allows). What `scripts/max_context.py` tabulates and the GPU check runs."""
     arch, request = context_request(model, vram_gb, overrides, savers)
+    if positions and arch.max_position_embeddings:
+        limit = min(limit, round_seq_len(arch.max_position_embeddings, up=False))
     return max_seq_len(arch, request, limit=limit)

@@ -43,6 +43,15 @@ PUBLISHED = {
     ("meta-llama/Llama-3.1-8B", 40): ("—", "12,264"),
 }
 TARGETS = {8: 3000, 24: 100_000, 40: 200_000}  # issue #13's, for Llama-3.1-8B
+HEADER = """Longest trainable sequence the planner predicts: NF4 QLoRA, LoRA rank 32 on all linear layers, batch 1,
+under VRAM − the tier's margin (0.75 / 1.5 / 2.0 GB), `python scripts/max_context.py`. Predictions of the memory model
+checked on the CPU (benchmarks/long_context_cpu.md), not GPU measurements: its CUDA terms (context, cuBLAS
+workspaces, allocator, Triton loss) are assumptions until the GPU check runs. Lengths are not capped at the models'
+131,072 positions (what memory allows; `plan` and `train` cap a run there). Host RAM is not a limit here: the last
+column says what the plan keeps in host memory (pinned offloaded layer inputs, host embeddings, paged states).
+Published figures: https://unsloth.ai/blog/llama3-3 (Llama-3.1-8B, QLoRA rank 32 on all linear layers).
+
+"""
 SAVERS = ("embeddings_on_host", "tiled_norms", "tiled_mlp", "recompute_lora")
 
 
@@ -75,7 +84,10 @@ def main(argv=None) -> int:
     longest = {}
     for name in MODELS:
         for vram in VRAMS:
-            found = [longest_context(name, vram, FIXED, savers=s, limit=LIMIT) for s in ("none", "previous", "all")]
+            found = [
+                longest_context(name, vram, FIXED, savers=s, limit=LIMIT, positions=False)
+                for s in ("none", "previous", "all")
+            ]
             longest[(name, vram)] = found[-1]
             unsloth, hf = PUBLISHED.get((name, vram), ("—", "—"))
             lines.append(f"| {name} | {vram} GB | " + " | ".join(f"{n:,}" for n in found) + f" | {unsloth} | {hf} |")
@@ -98,7 +110,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print("\n".join(lines[len(MODELS) * len(VRAMS) + 2 :]))
     if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+        Path(args.out).write_text(HEADER + text + "\n", encoding="utf-8")
     return 0
 
 

@@ -316,11 +316,13 @@ def replace_reasons(p):
     return replace(p, reasons={k: v for k, v in p.reasons.items() if k != "host_ram"})
 
 
-def test_longest_context_grows_with_each_saver_set():
+def test_longest_context_grows_with_each_saver_set_up_to_the_models_positions():
     from lowmem_ft.planning import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "memory": {"micro_batch_size": 1}}
     none, previous, every = (
-        longest_context("Qwen/Qwen2.5-7B", 24, fixed, savers=s, limit=1 << 20) for s in ("none", "previous", "all")
+        longest_context("Qwen/Qwen2.5-7B", 24, fixed, savers=s, limit=1 << 20, positions=False)
+        for s in ("none", "previous", "all")
     )
     assert 0 < none < previous < every
+    assert every > 131_072 == longest_context("Qwen/Qwen2.5-7B", 24, fixed, limit=1 << 20)  # capped as train caps

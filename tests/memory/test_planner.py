@@ -428,11 +428,12 @@ def test_max_seq_len_with_the_savers_is_the_planners_limit():
 
 @pytest.mark.parametrize(("vram", "tokens"), [(8, 3000), (24, 100_000), (40, 200_000)])
 def test_issue_13_targets_llama_8b_qlora_r32_all_linear_batch_1(vram, tokens):
-    """The issue's targets, as benchmarks/max_context.md tabulates them (predicted by the CPU-checked model)."""
+    """The issue's targets, as benchmarks/max_context.md tabulates them (predicted by the CPU-checked model; not
+    capped at the model's 131,072 positions, which `train` caps a run at)."""
     from lowmem_ft.planning import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora", "r": 32, "target_modules": ["all-linear"]},
              "memory": {"micro_batch_size": 1}}  # fmt: skip
-    assert longest_context("meta-llama/Llama-3.1-8B", vram, fixed, limit=1 << 20) >= tokens
+    assert longest_context("meta-llama/Llama-3.1-8B", vram, fixed, limit=1 << 20, positions=False) >= tokens
     before = longest_context("meta-llama/Llama-3.1-8B", vram, fixed, savers="previous", limit=1 << 20)
     assert before < tokens  # what the planner reached before issue #13
