@@ -4,10 +4,11 @@ One idea: every memory saving costs speed, so search the knobs (quantization, op
 offloading, chunked loss, micro batch with gradient accumulation keeping the effective batch) as variants of the
 frozen `Setup` (`dataclasses.replace`) and keep the fitting variant with the lowest estimated time per sample.
 
-The long-context savers (host embeddings, tiled norms, tiled MLP, LoRA recompute, and the MLP tile size) are a staged
-search on top: only when no setup fits without them, sets of them are added in order of cost — each set searched
-like the start — and the first set where something fits wins, so every saver a plan turns on is needed. With the
-chunked loss chosen, its chunk is then sized from what the rest of the step leaves of the budget.
+The long-context savers (host embeddings, tiled norms, tiled MLP, LoRA recompute, and the MLP tile size;
+`lowmem_ft.memory.long_context`) are a staged search on top: only when no setup fits without them, sets of them are
+added in order of cost — each set searched like the start — and the first set where something fits wins, so every
+saver a plan turns on is needed. With the chunked loss chosen, its chunk is then sized from what the rest of the step
+leaves of the budget.
 
 A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.planning`), the `Target` it must
 fit, and which knobs the user fixed (`Setup` field names, plus "gradient_accumulation" and "eval_batch_size"): those
@@ -24,20 +25,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import (
-    ALLOCATOR_FRACTION,
-    DTYPE_BYTES,
-    GB,
-    TRL_TOKEN_CHUNK,
-    Estimate,
-    Setup,
-    estimate,
-    eval_peak_bytes,
-    largest_loss_chunk,
-    loss_chunk_tokens,
-    mlp_tile_tokens,
-)
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
+from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
 from lowmem_ft.memory.target import Target
 
@@ -45,38 +36,9 @@ from lowmem_ft.memory.target import Target
 # Rough, from published comparisons: checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of
 # forward+backward); NF4 dequantizes every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a
 # 16-bit LoRA step at batch 1); offloading copies each layer input to host and back (≈ +10 % where the copy does not
-# fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
-# The long-context savers: CPU step-time ratios, not GPU ones (scripts/bench_context.py, benchmarks/context_cpu.md:
-# each on top of checkpointing + the chunked loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the
-# norms recomputed tile by tile), tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA
-# branches' forward again, as many small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the
-# CPU; 1.02 stands for a GPU's host gather and host→device copy of 2·hidden B per token (~33 ms per 100k tokens
-# predicted at PCIe 4 speed, a few % of a step that long). The order they give — host embeddings, tiled norms, tiled
-# MLP, LoRA recompute — is kept for a GPU: the MLP's recompute is FLOPs (most of a layer's), the norms' a
-# memory-bound pass, and LoRA recompute, whose GPU cost is the least known, comes last.
-COST = {
-    "checkpointing": 1.33,
-    "nf4": 1.3,
-    "int8": 1.5,
-    "offloading": 1.10,
-    "chunked_loss": 1.05,
-    "embeddings_on_host": 1.02,
-    "tiled_norms": 1.09,
-    "tiled_mlp": 1.16,
-    "recompute_lora": 1.39,
-}
-# The long-context savers the planner may turn on (`Setup` fields; lowmem_ft/train/savers.py applies them), the ones
-# the MLP tile size sizes, and the tiles it tries below the default (hidden_size) when one of those is on: smaller
-# tiles decide tight cards (benchmarks/long_context_predicted.md: Llama-3.1-8B at 8 GB, 2,960 tokens with tiles of
-# 4,096, 12,768 with tiles of 1,024). A smaller tile costs kernel launches, not FLOPs (a 256-token tile of a 7B's MLP
-# is still a ~15 GFLOP matmul), so the planner tries it before adding another saver.
-SAVERS = ("embeddings_on_host", "tiled_norms", "tiled_mlp", "recompute_lora")
-TILED = ("tiled_norms", "tiled_mlp", "recompute_lora")
-SMALLER_TILES = (1024, 256)
-# The loss chunk sized from the budget (`chunk_sizes`): a multiple of 128 tokens (below that a power of two, at least
-# 16), at most TRL's own token tile of 4,096 (a matmul that size already fills a GPU: larger chunks only take memory),
-# at most the micro batch's tokens (one chunk).
-LOSS_CHUNK_MIN, LOSS_CHUNK_STEP, LOSS_CHUNK_MAX = 16, 128, TRL_TOKEN_CHUNK
+# fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %). The long-context
+# savers': CPU step-time ratios (`long_context.SAVER_COST` says where they come from).
+COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05, **SAVER_COST}
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.
 SEQ_MULTIPLE = 16
@@ -389,56 +351,7 @@ def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str,
     ]
 
 
-# -- the long-context savers: a staged search --------------------------------------------------------------------
-def _saver_refusal(name: str, arch: Architecture, s: Setup, gpus: int) -> str | None:
-    """Why the saver `name` cannot be used for this setup (the reason line's "off: …"), None when it can."""
-    if name == "embeddings_on_host":
-        if s.adapter != "lora":
-            return "full fine-tuning trains the embeddings"
-        if arch.tie_embeddings:
-            return "the input embeddings are tied to the lm_head, which the loss uses on the device"
-        if gpus > 1:
-            return "not supported with several processes"
-    if name == "recompute_lora" and s.adapter != "lora":
-        return "no LoRA branches (full fine-tuning)"
-    if name == "tiled_mlp" and arch.experts:
-        return f"a mixture of {arch.experts} experts is not tiled (its router sees the whole sequence)"
-    return None
-
-
-def _tiled(s: Setup) -> bool:
-    return any(getattr(s, name) for name in TILED)
-
-
-def _tile_options(arch: Architecture, s: Setup, fixed: frozenset[str]) -> list[int]:
-    """MLP tile sizes to try, largest first: the start's (0 = hidden_size), then the smaller of SMALLER_TILES."""
-    if "mlp_tile_tokens" in fixed:
-        return [s.mlp_tile_tokens]
-    largest = s.mlp_tile_tokens or arch.hidden_size
-    return [s.mlp_tile_tokens, *(tile for tile in SMALLER_TILES if tile < largest)]
-
-
-def _saver_stages(arch: Architecture, request: Request) -> list[dict[str, Any]]:
-    """The saver settings to search, in order (`Setup` fields to replace): the start's first, then every set of the
-    savers that apply and the user did not fix, cheapest set first (the product of their `COST`), each with its MLP
-    tiles from the largest down. Every saver of the first set that fits is needed: each subset of it costs less, so
-    it was searched before and nothing fitted."""
-    s, fixed = request.start, request.fixed
-    free = [
-        name
-        for name in SAVERS
-        if name not in fixed and not getattr(s, name) and _saver_refusal(name, arch, s, request.target.gpus) is None
-    ]
-    sets = [names for r in range(len(free) + 1) for names in itertools.combinations(free, r)]
-    sets.sort(key=lambda names: math.prod(COST[name] for name in names))
-    stages = []
-    for names in sets:
-        tiled = _tiled(s) or any(name in TILED for name in names)
-        for tile in _tile_options(arch, s, fixed) if tiled else [s.mlp_tile_tokens]:
-            stages.append({**dict.fromkeys(names, True), "mlp_tile_tokens": tile})
-    return stages
-
-
+# -- the long-context savers: a staged search (lowmem_ft.memory.long_context) ---------------------------------
 def _stage_start(request: Request, off: bool, savers: dict[str, Any], first: bool) -> Setup:
     """Where a stage's search starts: the request's setup with the stage's savers; an offloaded optimizer is a torch
     one; beyond the first stage the loss chunk is the smallest (`LOSS_CHUNK_MIN`) unless fixed — it is sized from
@@ -480,7 +393,7 @@ def _search_order(arch: Architecture, request: Request, stages: list) -> list[tu
     """(strategy, offload, savers, first) in the order searched: every strategy stage with the start's savers (the
     search as it was before the long-context savers, so its choices stay), then each strategy stage with the saver
     stages in cost order — a cheaper strategy with savers before a dearer one."""
-    savers = _saver_stages(arch, request)
+    savers = long_context.saver_stages(arch, request.start, request.fixed, request.target.gpus)
     return [(st, off, savers[0], True) for st, off in stages] + [
         (st, off, knobs, False) for st, off in stages for knobs in savers[1:]
     ]
@@ -584,7 +497,16 @@ def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, 
     accumulation = _accumulation(request, s.micro_batch_size)
     eval_batch, eval_reason = _eval_batch(arch, request, s)
     fits_16bit = any(x.setup.quantization == "none" for x in fitting)
-    savers = {**_saver_reasons(arch, request, fitting[0], strat, off), "loss_chunk_tokens": chunk_reason}
+    savers = long_context.saver_reasons(
+        arch,
+        fitting[0].setup,
+        request.start,
+        request.fixed,
+        gpus,
+        request.target.budget_gb,
+        _scorer(arch, request, strat, off),
+    )
+    savers["loss_chunk_tokens"] = chunk_reason
     reasons = _reasons(request, s, accumulation, fits_16bit, savers)
     reasons["adapter"] += target_reason
     if not arch.chunked_loss_exact and "loss_impl" not in request.fixed:
@@ -611,109 +533,22 @@ def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, 
     )
 
 
-# -- the loss chunk, sized from the budget -----------------------------------------------------------------------
-def chunk_sizes(n: int, least: int) -> list[int]:
-    """The loss chunks the planner may choose for a micro batch of `n` tokens, ascending: powers of two from
-    LOSS_CHUNK_MIN below LOSS_CHUNK_STEP, multiples of LOSS_CHUNK_STEP up to LOSS_CHUNK_MAX, and all `n` tokens in one
-    chunk when that is within LOSS_CHUNK_MAX — none below `least` (the chunk the setup was searched with, which is
-    one of them: a sized chunk only grows) and none above `n`."""
-    ladder = {1 << p for p in range(LOSS_CHUNK_MIN.bit_length() - 1, LOSS_CHUNK_STEP.bit_length() - 1)}
-    ladder |= set(range(LOSS_CHUNK_STEP, LOSS_CHUNK_MAX + 1, LOSS_CHUNK_STEP))
-    if n <= LOSS_CHUNK_MAX:
-        ladder.add(n)
-    return sorted({size for size in ladder if least < size <= n} | {least})
+def _scorer(arch: Architecture, request: Request, strat: str, off: bool) -> long_context.Score:
+    return lambda s: _score(arch, request, s, strat, off)
 
 
 def _size_loss_chunk(arch: Architecture, request: Request, best: _Scored, strat: str, off: bool) -> tuple[_Scored, str]:
-    """With the chunked loss, `best` with the largest chunk of `chunk_sizes` whose working set fits what the rest of
-    the step leaves of the budget: fewer, larger chunks when there is room. `largest_loss_chunk` over that room is
-    the first guess, checked (and moved up or down the sizes) with the whole estimate. A chunk the user fixed is
-    kept. Returns the setup and its reason line."""
-    s, fixed, budget = best.setup, request.fixed, request.target.budget_gb
+    """`best` with its loss chunk sized from the budget (`long_context.size_loss_chunk`), unless the user fixed it
+    or the loss is not chunked; and the chunk's reason line."""
+    s = best.setup
     if s.loss_impl != "chunked":
-        if "loss_chunk_tokens" in fixed:
+        if "loss_chunk_tokens" in request.fixed:
             return best, "set by you (--set); unused: the chunked loss is off"
         unchunked = replace(s, loss_chunk_tokens=request.start.loss_chunk_tokens)  # a saver stage's 16 means nothing
         return _score(arch, request, unchunked, strat, off), "off: no chunked loss"
-    if "loss_chunk_tokens" in fixed:
+    if "loss_chunk_tokens" in request.fixed:
         return best, f"{loss_chunk_tokens(arch, s):,} tokens, set by you (--set)"
-    n = s.micro_batch_size * (s.max_seq_len - 1)
-    sizes = chunk_sizes(n, loss_chunk_tokens(arch, s))
-    least = _score(arch, request, replace(s, loss_chunk_tokens=1), strat, off).estimate
-    loss_least = least.by_name()["logits / loss working set"]
-    allocator = 1 + (ALLOCATOR_FRACTION if s.device == "cuda" else 0.0)  # grows with the transient peak
-    room = max(0.0, (budget * GB - least.peak_bytes) / allocator + loss_least)
-    guess = largest_loss_chunk(arch, s, room)
-    i = max((j for j, size in enumerate(sizes) if size <= guess), default=0)
-
-    def at(j: int) -> _Scored:
-        return best if j == 0 else _score(arch, request, replace(s, loss_chunk_tokens=sizes[j]), strat, off)
-
-    sized = at(i)
-    while i > 0 and sized.peak_gb > budget:  # the room is an estimate: the whole estimate decides
-        i -= 1
-        sized = at(i)
-    while i + 1 < len(sizes) and (larger := at(i + 1)).peak_gb <= budget:
-        i, sized = i + 1, larger
-    chunk, working = sizes[i], sized.estimate.by_name()["logits / loss working set"] / GB
-    if chunk == n:
-        return sized, f"{chunk:,} tokens: the micro batch in one chunk (working set {working:.2f} GB)"
-    if i + 1 == len(sizes):  # LOSS_CHUNK_MAX, or an automatic chunk above it (a small vocabulary)
-        return sized, f"{chunk:,} tokens (working set {working:.2f} GB): larger chunks would add memory, not speed"
-    return sized, (
-        f"{chunk:,} tokens: the largest chunk that fits (working set {working:.2f} GB; {sizes[i + 1]:,} tokens need "
-        f"{at(i + 1).peak_gb:.2f} GB of the {budget:.2f} GB budget)"
-    )
-
-
-# -- why each saver is on or off ---------------------------------------------------------------------------------
-SAVER_WHAT = {
-    "embeddings_on_host": "the {table:.2f} GB input embedding table stays in host RAM",
-    "tiled_norms": "the norms run in tiles of {tile:,} tokens (no fp32 copy of the whole sequence)",
-    "tiled_mlp": "the MLPs run in tiles of {tile:,} tokens (no tokens × intermediate tensor)",
-    "recompute_lora": "the LoRA branches are recomputed in backward (no fp32 copies of their inputs kept)",
-}
-
-
-def _saver_reasons(arch: Architecture, request: Request, chosen: _Scored, strat: str, off: bool) -> dict[str, str]:
-    """ "on: …" with what the setup would need without the saver, "off: not needed", or why it cannot be used; and
-    the MLP tile size. `chosen` is the setup as searched (its loss chunk not yet sized)."""
-    s, fixed, budget = chosen.setup, request.fixed, request.target.budget_gb
-    figures = {"table": DTYPE_BYTES[s.compute_dtype] * arch.embedding_params / GB, "tile": mlp_tile_tokens(arch, s)}
-    out = {}
-    for name in SAVERS:
-        refusal = _saver_refusal(name, arch, s, request.target.gpus)
-        if name in fixed:
-            out[name] = "set by you (--set)"
-        elif not getattr(s, name):
-            out[name] = f"off: {refusal}" if refusal else "off: not needed"
-        elif getattr(request.start, name):
-            out[name] = "on (from the recipe)"
-        else:
-            without = _score(arch, request, replace(s, **{name: False}), strat, off).peak_gb
-            what = SAVER_WHAT[name].format(**figures)
-            out[name] = f"on: {what}; without it this setup needs {without:.2f} GB of the {budget:.2f} GB budget"
-    out["mlp_tile_tokens"] = _tile_reason(arch, request, chosen, strat, off)
-    return out
-
-
-def _tile_reason(arch: Architecture, request: Request, chosen: _Scored, strat: str, off: bool) -> str:
-    s = chosen.setup
-    tile = mlp_tile_tokens(arch, s)
-    if not _tiled(s):
-        return "unused: no tiled saver is on"
-    if "mlp_tile_tokens" in request.fixed:
-        return f"{tile:,} tokens, set by you (--set)"
-    if s.mlp_tile_tokens == request.start.mlp_tile_tokens:
-        return f"{tile:,} tokens" + (" (hidden_size, the default)" if not s.mlp_tile_tokens else " (from the recipe)")
-    options = _tile_options(arch, request.start, request.fixed)
-    larger = options[options.index(s.mlp_tile_tokens) - 1]
-    need = _score(arch, request, replace(s, mlp_tile_tokens=larger), strat, off).peak_gb
-    larger_tokens = larger or arch.hidden_size
-    return (
-        f"{tile:,} tokens: the largest tile that fits (tiles of {larger_tokens:,} need {need:.2f} GB of the "
-        f"{request.target.budget_gb:.2f} GB budget)"
-    )
+    return long_context.size_loss_chunk(arch, best, request.target.budget_gb, _scorer(arch, request, strat, off))
 
 
 def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool, savers: dict[str, str]) -> dict[str, str]:
@@ -791,7 +626,7 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
                                       (s.tiled_norms, "tiled norms"),
                                       (s.tiled_mlp, "tiled MLP"),
                                       (s.recompute_lora, "LoRA recompute"),
-                                      (_tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
+                                      (long_context.tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:
         est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
@@ -869,7 +704,7 @@ def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:
         request, _, stages = _prepare(arch, request)
     except UserError:
         return False
-    savers = _saver_stages(arch, request)
+    savers = long_context.saver_stages(arch, request.start, request.fixed, request.target.gpus)
     for strat, off in stages:
         start = _stage_start(request, off, savers[-1], len(savers) == 1)
         smallest = _smallest(arch, request, start, strat, off)

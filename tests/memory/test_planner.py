@@ -307,43 +307,6 @@ def test_the_old_choice_stays_wherever_it_fits_without_the_new_savers():
                 assert new.setup == old.setup and new.gradient_accumulation == old.gradient_accumulation
 
 
-def test_saver_stages_go_cheapest_first_with_tiles_from_large_to_small():
-    import math
-
-    from lowmem_ft.memory.planner import COST, _saver_stages
-
-    stages = _saver_stages(LLAMA8, request(24, "24gb"))
-    assert stages[0] == {"mlp_tile_tokens": 0}  # the start as it is
-    costs = [math.prod(COST[name] for name in SAVERS if stage.get(name)) for stage in stages]
-    assert costs == sorted(costs)
-    sets = {tuple(name for name in SAVERS if stage.get(name)) for stage in stages}
-    assert len(sets) == 2 ** len(SAVERS)  # every set of the four, once
-    tiled = [s["mlp_tile_tokens"] for s in stages if s.get("tiled_mlp") and not s.get("tiled_norms")
-             and not s.get("recompute_lora") and not s.get("embeddings_on_host")]  # fmt: skip
-    assert tiled == [0, 1024, 256]  # hidden_size (4096) first, then smaller tiles
-
-
-def test_savers_are_tried_only_where_they_apply():
-    from lowmem_ft.memory.planner import _saver_stages
-
-    def tried(arch, vram=24, tier="24gb", overrides=None, **kw) -> set[str]:
-        stages = _saver_stages(arch, request(vram, tier, overrides, **kw))
-        return {name for stage in stages for name in SAVERS if stage.get(name)}
-
-    assert tried(LLAMA8) == set(SAVERS)
-    tied = load_architecture("Qwen/Qwen2.5-0.5B")  # tie_word_embeddings: the table is the lm_head too
-    assert tied.tie_embeddings and "embeddings_on_host" not in tried(tied)
-    assert "embeddings_on_host" not in tried(LLAMA8, gpus=2)  # one process per device: not with DDP / FSDP
-    full = {"adapter": {"kind": "full"}, "model": {"quantization": "none"}}
-    assert tried(LLAMA8, 40, "40gb", full) == {"tiled_norms", "tiled_mlp"}
-    moe = replace(LLAMA8, experts=8)
-    assert "tiled_mlp" not in tried(moe)
-    p = _at(24, "24gb", 40_000, arch=moe)
-    assert not p.setup.tiled_mlp and p.reasons["tiled_mlp"].startswith("off: a mixture of 8 experts")
-    p = _at(24, "24gb", 65536, arch=tied)
-    assert p.reasons["embeddings_on_host"].startswith("off: the input embeddings are tied")
-
-
 def test_savers_and_tiles_the_user_fixed_are_kept():
     on = _at(24, "24gb", 2048, {"memory": {"tiled_mlp": True, "mlp_tile_tokens": 512}})
     assert on.setup.tiled_mlp and on.setup.mlp_tile_tokens == 512
@@ -367,7 +330,7 @@ def test_the_loss_chunk_is_the_largest_that_fits_the_budget():
     """With the chunked loss on, the chunk grows into what the rest of the step leaves (never above the micro
     batch's tokens or TRL's 4,096-token tile); one more step of the sizes would not fit; a fixed chunk is kept."""
     from lowmem_ft.memory.estimate import loss_chunk_tokens
-    from lowmem_ft.memory.planner import LOSS_CHUNK_MAX, chunk_sizes
+    from lowmem_ft.memory.long_context import LOSS_CHUNK_MAX, chunk_sizes
 
     chunked = {"memory": {"chunked_loss": True}}
     p = _at(24, "24gb", 2048, chunked)
@@ -389,15 +352,6 @@ def test_the_loss_chunk_is_the_largest_that_fits_the_budget():
 
 
 CHUNK_AUTO_LLAMA = 64 * 2**20 // (4 * 128256)  # 130 tokens: losses.py's 64 MiB of fp32 logits
-
-
-def test_chunk_sizes_are_kernel_friendly_and_only_grow():
-    from lowmem_ft.memory.planner import chunk_sizes
-
-    assert chunk_sizes(100_000, 16)[:5] == [16, 32, 64, 128, 256] and chunk_sizes(100_000, 16)[-1] == 4096
-    assert all(k % 128 == 0 for k in chunk_sizes(100_000, 16) if k >= 128)
-    assert chunk_sizes(300, 130) == [130, 256, 300]  # the searched chunk first, then larger, then all 300 at once
-    assert chunk_sizes(10, 10) == [10]
 
 
 def test_a_stage_is_skipped_only_when_its_smallest_setup_does_not_fit():
