@@ -19,8 +19,8 @@ before it; each child appends its result as one JSON line to `$OUT/results.jsonl
 - `train`: `lowmem-ft train --vram 24` on the random 7B for two steps, W&B off, beside a 20 Hz sampler of NVML and
   torch's allocator (memory.jsonl resets the peak counters at every sample, so reserved between samples is the
   sampler's); measured peaks against the run's plan.json.
-- `context`: the planner's longest trainable context at 24 GB for Llama-3.1-8B (`planner_longest_context`), one
-  optimizer step of `lowmem-ft train` at that length.
+- `context`: the planner's longest trainable context at 24 GB for Llama-3.1-8B (`planner_longest_context`), at most
+  `CONTEXT_LIMIT` tokens, one optimizer step of `lowmem-ft train` at that length.
 
 Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times): install
 ~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a point 15 s + 1.5 s per billion, train
@@ -75,17 +75,20 @@ SMOKE_MODELS = {
 SMOKE_TIERS = ((8, "qlora", 1, 64), (24, "qlora", 2, 48), (40, "lora", 2, 64))
 SMOKE_POINTS = ("tiny-qwen2",)  # the harness's code is the same for both: one model's points keep the smoke short
 SMOKE_CONTEXT_LIMIT = 256  # the tiny model's longest context at 8 GB would be the planner's 262k ceiling
+# With the long-context savers (issue #13) the planner fits Llama-3.1-8B's whole 131,072 positions in 24 GB: one step
+# that long is minutes of H200 time (and ~35 GB of pinned host memory), past the context step's budget; 32,768 tokens
+# is beyond what fitted without them (~29k), so the run still exercises savers the planner turned on.
+CONTEXT_LIMIT = 32768
 # (samples, shortest, longest) tokens of the train run's data: p99 ≈ 2,000 → the planner's 2,048 tokens
 TRAIN_DATA, SMOKE_TRAIN_DATA = (32, 1536, 2000), (16, 48, 100)
-# The knobs scripts/max_context.py fixes for its "with savers" column: NF4 LoRA, batch 1; the planner picks the rest.
+# The knobs the context run fixes: NF4 LoRA (the tier's rank and modules), batch 1; the planner picks the rest.
 CONTEXT_FIXED = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora"}, "memory": {"micro_batch_size": 1}}
 
 
 # -- the planner, through one adapter (branch core reshapes memory.planner) ------------------------------------------
 def planner_longest_context(model: str, vram_gb: float, limit: int = 262144) -> int:
-    """The planner's longest trainable max_seq_len for `model` (catalog id or directory) at `vram_gb`: QLoRA,
-    batch 1, checkpointing / offloading / chunked loss as the planner chooses (scripts/max_context.py's "with
-    savers"); 0 when nothing fits."""
+    """The planner's longest trainable max_seq_len for `model` (catalog id or directory) at `vram_gb`, at most
+    `limit` and the model's positions: QLoRA, batch 1, every saver as the planner chooses; 0 when nothing fits."""
     from lowmem_ft.planning import longest_context
 
     return longest_context(model, vram_gb, CONTEXT_FIXED, limit=limit)
@@ -618,7 +621,7 @@ class Check:
 
     def run_context(self, model_dir: Path, params_b: float) -> None:
         vram = 8 if self.smoke else RUN_VRAM
-        limit = SMOKE_CONTEXT_LIMIT if self.smoke else 262144
+        limit = SMOKE_CONTEXT_LIMIT if self.smoke else CONTEXT_LIMIT
         seq = planner_longest_context(str(model_dir), vram, limit=limit)
         if not seq:
             self.note("context", "skipped", detail=f"the planner fits no length at {vram} GB")

@@ -44,6 +44,12 @@ RECIPE_KNOBS = {
     "memory.max_seq_len": "max_seq_len",
     "memory.activation_offloading": "activation_offloading",
     "memory.chunked_loss": "loss_impl",
+    "memory.loss_chunk_tokens": "loss_chunk_tokens",
+    "memory.tiled_mlp": "tiled_mlp",
+    "memory.tiled_norms": "tiled_norms",
+    "memory.recompute_lora": "recompute_lora",
+    "memory.embeddings_on_host": "embeddings_on_host",
+    "memory.mlp_tile_tokens": "mlp_tile_tokens",
     "memory.safety_margin_gb": "safety_margin_gb",
     "memory.gradient_accumulation": "gradient_accumulation",
     "memory.eval_batch_size": "eval_batch_size",
@@ -226,6 +232,12 @@ def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
             max_seq_len=s.max_seq_len,
             activation_offloading=s.activation_offloading,
             chunked_loss=s.loss_impl == "chunked",
+            loss_chunk_tokens=s.loss_chunk_tokens or 0,
+            tiled_mlp=s.tiled_mlp,
+            tiled_norms=s.tiled_norms,
+            recompute_lora=s.recompute_lora,
+            embeddings_on_host=s.embeddings_on_host,
+            mlp_tile_tokens=s.mlp_tile_tokens,
             eval_batch_size=p.eval_batch_size,
         ),
     )
@@ -360,6 +372,28 @@ def _length(
     return length, f"{length} tokens from the recipe", False
 
 
+# -- host memory -------------------------------------------------------------------------------------------------
+def with_host_ram(p: Plan, ram_gb: float | None = None) -> Plan:
+    """The plan with a `host_ram` reason line when its setup keeps memory on the host (offloaded layer inputs are
+    pinned: they cannot be swapped out; host embeddings, offloaded states): how much in all (paged optimizer states
+    included, as evicted), per process, against this machine's RAM (`ram_gb`, psutil's total when None; the memory
+    model stays machine-free), and a warning when the plan needs more than that."""
+    if all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0):
+        return p  # bnb's paged states live on the device until evicted: no line of their own
+    if ram_gb is None:
+        import psutil
+
+        ram_gb = psutil.virtual_memory().total / GB
+    parts = ", ".join(f"{c.name} {c.gb:.2f}" for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
+    per = " per process" if p.gpus > 1 else ""
+    why = f"{p.host_gb:.1f} GB{per} ({parts}); this machine has {ram_gb:.1f} GB"
+    if p.host_gb > ram_gb:
+        why += ": MORE than it has — train on a machine with more RAM, or on shorter sequences (--seq-len)"
+        _say_once(logging.WARNING, f"host RAM: the plan keeps {p.host_gb:.1f} GB{per} in host memory ({parts}), "
+                                   f"more than this machine's {ram_gb:.1f} GB")  # fmt: skip
+    return replace(p, reasons={**p.reasons, "host_ram": why})
+
+
 # -- choosing ----------------------------------------------------------------------------------------------------
 
 
@@ -452,22 +486,35 @@ def choose_recipe(
         request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
                           start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
-        checked = _adapter_reason(check(arch, request), start, origins)
+        checked = with_host_ram(_adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
     fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
         arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
         origins=origins,
     )  # fmt: skip
-    planned = _adapter_reason(planned, start, origins)
+    planned = with_host_ram(_adapter_reason(planned, start, origins))
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 
-def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: bool = True,
-                    limit: int = 262144) -> int:  # fmt: skip
-    """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
-    `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers=False` keeps activation offloading and
-    the chunked loss as the tier has them. What `scripts/max_context.py` tabulates and the GPU check runs."""
+# What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation
+# offloading and the chunked loss at its automatic 64 MiB chunks: the planner before the long-context savers),
+# "none" (neither). The knobs left out are fixed at the tier recipe's values (off).
+LONG_CONTEXT_KNOBS = frozenset(
+    {"tiled_mlp", "tiled_norms", "recompute_lora", "embeddings_on_host", "mlp_tile_tokens", "loss_chunk_tokens"}
+)
+SAVER_SETS = {
+    "all": frozenset(),
+    "previous": LONG_CONTEXT_KNOBS,
+    "none": LONG_CONTEXT_KNOBS | {"activation_offloading", "loss_impl"},
+}
+
+
+def context_request(
+    model: str, vram_gb: float, overrides: dict | None = None, savers: str = "all"
+) -> tuple[Any, Request]:
+    """(architecture, request) of `longest_context`: the tier recipe for `vram_gb` with `overrides` fixed and the
+    savers outside `SAVER_SETS[savers]` fixed off."""
     from lowmem_ft.memory.arch import load_architecture
 
     fixed = merge(overrides or {}, {"model": {"name_or_path": model}})
@@ -476,6 +523,18 @@ def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *
         setup_from_recipe(start),
         target_for(vram_gb, start),
         start.memory.gradient_accumulation,
-        fixed=fixed_knobs(fixed) | (set() if savers else {"activation_offloading", "loss_impl"}),
+        fixed=fixed_knobs(fixed) | SAVER_SETS[savers],
     )
-    return max_seq_len(load_architecture(model, start.model.trust_remote_code), request, limit=limit)
+    return load_architecture(model, start.model.trust_remote_code), request
+
+
+def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: str = "all",
+                    limit: int = 262144, positions: bool = True) -> int:  # fmt: skip
+    """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
+    `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers` says which savers the planner may
+    turn on (`SAVER_SETS`); `positions` caps the length at the model's positions as `plan` and `train` do (False:
+    what memory allows). What `scripts/max_context.py` tabulates and the GPU check runs."""
+    arch, request = context_request(model, vram_gb, overrides, savers)
+    if positions and arch.max_position_embeddings:
+        limit = min(limit, round_seq_len(arch.max_position_embeddings, up=False))
+    return max_seq_len(arch, request, limit=limit)

@@ -7,7 +7,8 @@ Pure arithmetic over `lowmem_ft.memory.estimate` (no planner, no GPU): QLoRA NF4
 chunk gets what the rest leaves, `largest_loss_chunk`), CUDA overheads on, under VRAM − the tier's margin
 (0.75 / 1.5 / 2.0 GB). Each row adds one saver. These are predictions of the CPU-checked model
 (benchmarks/long_context_cpu.md), not measurements: the CUDA-only terms are the assumptions listed in
-lowmem_ft/memory/estimate.py. The planner does not turn these savers on by itself yet.
+lowmem_ft/memory/estimate.py. The planner turns them on by itself when needed: `scripts/max_context.py`
+tabulates its own choice.
 """
 
 from __future__ import annotations

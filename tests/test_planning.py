@@ -113,8 +113,8 @@ def test_a_long_sample_never_plans_beyond_the_models_positions():
 def test_a_capped_length_that_does_not_fit_is_shortened_further():
     from lowmem_ft.data.profile import LengthProfile
 
-    profile = LengthProfile.from_lengths([100_000] * 10)  # Qwen-7B (v1): 8192 positions, ~1k tokens fit in 8 GB
-    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides={"model": {"name_or_path": "Qwen/Qwen-7B"}},
+    profile = LengthProfile.from_lengths([100_000] * 10)  # Qwen-7B (v1): 8192 positions, ~5k tokens fit in 7 GB
+    recipe, choice = choose_recipe(vram_gb=7, recipe=None, overrides={"model": {"name_or_path": "Qwen/Qwen-7B"}},
                                    profile=profile)  # fmt: skip
     assert 0 < recipe.memory.max_seq_len < 8192 and "the longest that fits" in choice.reasons["max_seq_len"]
 
@@ -237,3 +237,92 @@ def test_a_base_of_another_name_is_a_warning(tiny_model, qv_adapter, tmp_path, c
         recipe, _ = choose_recipe(vram_gb=8, recipe=None, overrides=_with_adapter(tiny_model, str(renamed)))
     assert recipe.model.name_or_path == tiny_model
     assert f"was trained on x/other, not {tiny_model}" in caplog.text
+
+
+# -- long documents: the planner turns the long-context savers on by itself (issue #13) ---------------------------
+LLAMA8 = {"model": {"name_or_path": "meta-llama/Llama-3.1-8B"}}
+SAVERS = ("embeddings_on_host", "tiled_norms", "tiled_mlp", "recompute_lora")
+
+
+def test_train_vram_24_on_long_documents_picks_the_savers_by_itself():
+    """`train --vram 24 --data long.jsonl` on Llama-3.1-8B: documents of 60k-110k tokens (p99 ~110k, within the
+    model's 131,072 positions) get the whole length, with the savers on and a reason line for each, carried into the
+    recipe the run trains with."""
+    from lowmem_ft.data.profile import LengthProfile
+
+    profile = LengthProfile.from_lengths(list(range(60_000, 110_001, 500)))
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides=LLAMA8, profile=profile)
+    p, m = choice.plan, recipe.memory
+    assert p.fits and m.max_seq_len == p.setup.max_seq_len >= 109_000
+    assert "covers" in choice.reasons["max_seq_len"]
+    assert m.tiled_mlp and m.tiled_norms and m.activation_offloading and recipe.model.quantization == "nf4"
+    for name in SAVERS:
+        assert getattr(m, name) == getattr(p.setup, name)
+        expected = "on: " if getattr(m, name) else "off: not needed"
+        assert choice.reasons[name].startswith(expected), (name, choice.reasons[name])
+    assert "without it this setup needs" in choice.reasons["tiled_mlp"]
+    assert choice.reasons["mlp_tile_tokens"].startswith(f"{p.setup.mlp_tile_tokens or 4096:,} tokens")
+    assert setup_from_recipe(recipe) == p.setup  # the recipe is the plan: what train builds is what was predicted
+    record = choice.plan_record(recipe)
+    assert record["recipe"]["memory"]["tiled_mlp"] is True and record["host_gb"] > 20  # offloaded layer inputs
+    assert choice.reasons["host_ram"].startswith(f"{p.host_gb:.1f} GB (")
+
+
+def test_the_same_documents_on_a_short_budget_are_cut_with_the_savers_on():
+    from lowmem_ft.data.profile import LengthProfile
+
+    profile = LengthProfile.from_lengths([100_000] * 20)
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides=LLAMA8, profile=profile)
+    assert 3000 < recipe.memory.max_seq_len < 100_000 and "the longest that fits" in choice.reasons["max_seq_len"]
+    assert recipe.memory.tiled_mlp and recipe.memory.embeddings_on_host
+
+
+def test_new_savers_are_fixed_knobs_and_round_trip():
+    overrides = {"memory": {"tiled_mlp": True, "mlp_tile_tokens": 512, "loss_chunk_tokens": 256,
+                            "embeddings_on_host": False, "recompute_lora": True, "tiled_norms": False}}  # fmt: skip
+    assert fixed_knobs(overrides) == {"tiled_mlp", "mlp_tile_tokens", "loss_chunk_tokens", "embeddings_on_host",
+                                      "recompute_lora", "tiled_norms"}  # fmt: skip
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides={**QWEN7, **overrides})
+    m = recipe.memory
+    assert (m.tiled_mlp, m.mlp_tile_tokens, m.loss_chunk_tokens, m.recompute_lora) == (True, 512, 256, True)
+    assert setup_from_recipe(recipe) == choice.plan.setup and apply_plan(recipe, choice.plan) == recipe
+
+
+def test_host_ram_is_said_and_warned_about_past_the_machines(caplog):
+    from lowmem_ft.planning import with_host_ram
+
+    _, choice = choose_recipe(vram_gb=24, recipe=None, overrides=LLAMA8, seq_len=100_000)
+    p = choice.plan
+    assert p.host_gb > 26  # 26.2 GB of offloaded layer inputs at 100k tokens
+    roomy = with_host_ram(replace_reasons(p), ram_gb=512)
+    assert (
+        roomy.reasons["host_ram"].startswith(f"{p.host_gb:.1f} GB (")
+        and "offloaded layer inputs 26.21" in (roomy.reasons["host_ram"])
+    )
+    assert roomy.reasons["host_ram"].endswith("this machine has 512.0 GB")
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.planning"):
+        tight = with_host_ram(replace_reasons(p), ram_gb=16)
+    assert "MORE than it has" in tight.reasons["host_ram"]
+    assert (
+        f"the plan keeps {p.host_gb:.1f} GB in host memory" in caplog.text and "this machine's 16.0 GB" in caplog.text
+    )
+    _, short = choose_recipe(vram_gb=80, recipe=None, overrides={"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}})
+    assert short.plan.host_gb < 0.1 and "host_ram" not in short.reasons  # only bnb's paged states (on the device)
+
+
+def replace_reasons(p):
+    from dataclasses import replace
+
+    return replace(p, reasons={k: v for k, v in p.reasons.items() if k != "host_ram"})
+
+
+def test_longest_context_grows_with_each_saver_set_up_to_the_models_positions():
+    from lowmem_ft.planning import longest_context
+
+    fixed = {"model": {"quantization": "nf4"}, "memory": {"micro_batch_size": 1}}
+    none, previous, every = (
+        longest_context("Qwen/Qwen2.5-7B", 24, fixed, savers=s, limit=1 << 20, positions=False)
+        for s in ("none", "previous", "all")
+    )
+    assert 0 < none < previous < every
+    assert every > 131_072 == longest_context("Qwen/Qwen2.5-7B", 24, fixed, limit=1 << 20)  # capped as train caps

@@ -80,6 +80,7 @@ class Architecture:
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
+    experts: int = 0  # routed experts of a mixture-of-experts MLP (see `_experts`); 0: a dense MLP
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
@@ -146,6 +147,7 @@ class Architecture:
             final_logit_softcapping=config.get("final_logit_softcapping"),
             logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,
+            experts=_experts(config),
         )
 
     # -- what the training path may use on this architecture ------------------------------------------------------
@@ -262,6 +264,14 @@ def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     else:
         count = layers
     return {"sliding_window": int(window), "sliding_layers": count}
+
+
+def _experts(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer, from the config key each family uses (Mixtral / GPT-OSS `num_local_experts`,
+    Qwen2-MoE / Qwen3-MoE / OLMoE `num_experts`, DeepSeek `n_routed_experts`); 0 for a dense MLP. The planner does not
+    tile such an MLP (`memory.tiled_mlp` refuses it: its router sees the whole sequence)."""
+    counts = [config.get(key) for key in ("num_local_experts", "num_experts", "n_routed_experts")]
+    return max([n for n in counts if isinstance(n, int) and not isinstance(n, bool)], default=0)
 
 
 def _logit_scale(config: dict[str, Any]) -> float:

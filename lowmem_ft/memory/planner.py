@@ -4,6 +4,12 @@ One idea: every memory saving costs speed, so search the knobs (quantization, op
 offloading, chunked loss, micro batch with gradient accumulation keeping the effective batch) as variants of the
 frozen `Setup` (`dataclasses.replace`) and keep the fitting variant with the lowest estimated time per sample.
 
+The long-context savers (host embeddings, tiled norms, tiled MLP, LoRA recompute, and the MLP tile size;
+`lowmem_ft.memory.long_context`) are a staged search on top: only when no setup fits without them, sets of them are
+added in order of cost — each set searched like the start — and the first set where something fits wins, so every
+saver a plan turns on is needed. With the chunked loss chosen, its chunk is then sized from what the rest of the step
+leaves of the budget.
+
 A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.planning`), the `Target` it must
 fit, and which knobs the user fixed (`Setup` field names, plus "gradient_accumulation" and "eval_batch_size"): those
 are never changed. The answer is a `Plan` record. Sequence length is the request's: choosing it from the data, and
@@ -19,17 +25,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
+from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
 from lowmem_ft.memory.target import Target
 
-# Relative step-time costs of each saving: rough, from published comparisons, used only to rank configurations.
-# Checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of forward+backward). NF4 dequantizes
-# every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a 16-bit LoRA step at batch 1).
-# Offloading copies each layer input to host and back (≈ +10 % where the copy does not fully overlap).
-# Chunked loss recomputes the head projection per chunk in backward (≈ +5 %).
-COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05}
+# Relative step-time cost of each saving, used only to rank configurations (a setup's cost is their product).
+# Rough, from published comparisons: checkpointing recomputes the forward (≈ +1/3 of a step: forward ≈ 1/3 of
+# forward+backward); NF4 dequantizes every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a
+# 16-bit LoRA step at batch 1); offloading copies each layer input to host and back (≈ +10 % where the copy does not
+# fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %). The long-context
+# savers': CPU step-time ratios (`long_context.SAVER_COST` says where they come from).
+COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05, **SAVER_COST}
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.
 SEQ_MULTIPLE = 16
@@ -57,6 +66,9 @@ KNOBS = frozenset(
         "gradient_accumulation",
         "eval_batch_size",
         "lora_targets",
+        "loss_chunk_tokens",
+        *SAVERS,
+        "mlp_tile_tokens",
     }
 )
 MAX_SEQ_LEN = 262144  # where `max_seq_len` starts its search
@@ -136,12 +148,19 @@ class Plan:
     def effective_batch(self) -> int:
         return self.setup.micro_batch_size * self.gradient_accumulation * self.gpus
 
+    @property
+    def host_gb(self) -> float:
+        """Host memory the plan's setup keeps per process: offloaded layer inputs (pinned), input embeddings on the
+        host, paged optimizer states when evicted, offloaded model states (the estimate's "host" components)."""
+        return sum(c.bytes for c in self.estimate.components if c.phase == "host") / GB
+
     def to_dict(self) -> dict[str, Any]:
         """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.planning` adds)."""
         return {
             **self.target.to_dict(),
             "headroom_gb": round(self.headroom_gb, 3),
             "fits": self.fits,
+            "host_gb": round(self.host_gb, 3),
             "strategy": self.strategy,
             "offload": self.offload,
             **({"per_device": _share_dict(self.share)} if self.share is not None else {}),
@@ -284,6 +303,7 @@ def _cost(s: Setup) -> float:
         (s.gradient_checkpointing, "checkpointing"),
         (s.activation_offloading, "offloading"),
         (s.loss_impl == "chunked", "chunked_loss"),
+        *((getattr(s, saver), saver) for saver in SAVERS),
     ):
         if on:
             cost *= COST[name]
@@ -310,17 +330,73 @@ class _Scored:
         return self.estimate.peak_gb
 
 
+def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:
+    est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
+    return _Scored(_cost(s), s, est, share)
+
+
+def _runnable(s: Setup, strat: str, off: bool) -> bool:
+    """Whether a setup can run under a strategy stage: int8 weights cannot be sharded (no float storage to flatten),
+    an offloaded optimizer steps on the host (a torch optimizer)."""
+    return not (strat not in ("single", "ddp") and s.quantization == "int8") and not (
+        off and s.optimizer not in OFFLOAD_OPTIMIZERS
+    )
+
+
 def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
-    gpus = request.target.gpus
-    scored = []
-    for s in _candidates(start, request.fixed, arch):
-        if strat not in ("single", "ddp") and s.quantization == "int8":
-            continue
-        if off and s.optimizer not in OFFLOAD_OPTIMIZERS:
-            continue
-        est, share = per_device_estimate(arch, s, gpus, strat, off)
-        scored.append(_Scored(_cost(s), s, est, share))
-    return scored
+    return [
+        _score(arch, request, s, strat, off)
+        for s in _candidates(start, request.fixed, arch)
+        if _runnable(s, strat, off)
+    ]
+
+
+# -- the long-context savers: a staged search (lowmem_ft.memory.long_context) ---------------------------------
+def _stage_start(request: Request, off: bool, savers: dict[str, Any], first: bool) -> Setup:
+    """Where a stage's search starts: the request's setup with the stage's savers; an offloaded optimizer is a torch
+    one; beyond the first stage the loss chunk is the smallest (`LOSS_CHUNK_MIN`) unless fixed — it is sized from
+    the budget once a setup is chosen (`_size_loss_chunk`)."""
+    start = request.start
+    if off and "optimizer" not in request.fixed:  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
+        start = replace(start, optimizer="adamw_torch")
+    if first:
+        return start
+    start = replace(start, **savers)
+    return start if "loss_chunk_tokens" in request.fixed else replace(start, loss_chunk_tokens=LOSS_CHUNK_MIN)
+
+
+def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> Setup | None:
+    """The stage's setup with each knob at its least memory (NF4, paged 8-bit states, checkpointing with offloading,
+    the chunked loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
+    none runs. A saver stage whose smallest setup does not fit is skipped after this one estimate: each of these
+    values lowers the predicted peak on its own, so no other setup of the stage would fit."""
+    options = _options(start, request.fixed, arch)
+
+    def least(key: str, order: tuple[Any, ...]) -> Any:
+        return next((value for value in order if value in options[key]), options[key][0])
+
+    optimizers = [o for o in options["optimizer"] if o in OFFLOAD_OPTIMIZERS] if off else options["optimizer"]
+    checkpointing = least("gradient_checkpointing", (True,))
+    s = replace(
+        start,
+        quantization=least("quantization", ("nf4", "int8") if strat in ("single", "ddp") else ("nf4",)),
+        optimizer=next((o for o in ("paged_adamw_8bit", *optimizers) if o in optimizers), start.optimizer),
+        gradient_checkpointing=checkpointing,
+        activation_offloading=checkpointing and least("activation_offloading", (True,)),
+        loss_impl=least("loss_impl", ("chunked",)),
+        micro_batch_size=min(options["micro_batch_size"]),
+    )
+    return s if _runnable(s, strat, off) else None
+
+
+def _search_order(arch: Architecture, request: Request, stages: list) -> list[tuple[str, bool, dict, bool]]:
+    """(strategy, offload, savers, first) in the order searched: every strategy stage with the start's savers (the
+    search as it was before the long-context savers, so its choices stay), then each strategy stage with the saver
+    stages in cost order — a cheaper strategy with savers before a dearer one."""
+    savers = long_context.saver_stages(arch, request.start, request.fixed, request.target.gpus)
+    return [(st, off, savers[0], True) for st, off in stages] + [
+        (st, off, knobs, False) for st, off in stages for knobs in savers[1:]
+    ]
 
 
 def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
@@ -342,62 +418,96 @@ def plan(arch: Architecture, request: Request) -> Plan:
 
     With several devices the peak is per device, and the strategy stages (`STAGES[request.strategy]`) are tried in
     order: the first stage where some setup fits wins, so DDP is kept whenever the model fits whole on each device.
-    `request.offload` None lets the planner offload as a last stage; True/False fixes it. Raises UserError with the
-    smallest setup's need and what would fit when nothing does.
+    `request.offload` None lets the planner offload as a last stage; True/False fixes it. Only when no stage fits
+    with the start's savers are the long-context savers added (`_search_order`). Raises UserError with the smallest
+    setup's need and what would fit when nothing does.
     """
     gpus, budget = request.target.gpus, request.target.budget_gb
-    if gpus < 1:
-        raise UserError(f"--gpus {gpus}: must be at least 1")
-    request, target_reason = _lora_targets(arch, request)
-    if "loss_impl" in request.fixed:
-        _refuse_chunked_loss(arch, request.start)
-    fixed = request.fixed
-    stages = (
-        [("single", False)]
-        if gpus == 1
-        else _stages(
-            request.strategy,
-            request.offload,
-            request.start.optimizer if "optimizer" in fixed else None,
-            request.start.quantization if "quantization" in fixed else None,
-        )
-    )
-    tried: list = []  # (strategy, offload, smallest estimate, share) of each stage, for the reason line
-    scored: list[_Scored] = []
-    for strat, off in stages:
-        start = request.start
-        if off and "optimizer" not in fixed:  # the host steps the optimizer: a torch optimizer (bnb's are CUDA)
-            start = replace(start, optimizer="adamw_torch")
-        stage_scored = _score_stage(arch, request, start, strat, off)
-        if not stage_scored:
+    request, target_reason, stages = _prepare(arch, request)
+    tried: dict[tuple[str, bool], _Scored] = {}  # the smallest setup seen per strategy stage, for the reason line
+    last: list[_Scored] = []
+    for strat, off, savers, first in _search_order(arch, request, stages):
+        start = _stage_start(request, off, savers, first)
+        if not first:
+            smallest = _smallest(arch, request, start, strat, off)
+            if smallest is not None:
+                last = [_score(arch, request, smallest, strat, off)]
+                tried[(strat, off)] = last[0]
+                if last[0].peak_gb > budget:
+                    continue
+        scored = _score_stage(arch, request, start, strat, off)
+        if not scored:
             continue
-        scored = stage_scored
-        smallest = min(scored, key=lambda x: x.peak_gb)
-        tried.append((strat, off, smallest.estimate, smallest.share))
+        last = scored
+        tried[(strat, off)] = min(scored, key=lambda x: x.peak_gb)
         fitting = [x for x in scored if x.peak_gb <= budget]
         if not fitting:
             continue
         # Offloaded weights and states cross PCIe every step, which dwarfs the other costs: fewest host bytes first.
         fitting.sort(key=lambda x: (x.share.host if off else 0.0, x.cost, x.peak_gb))
-        best = fitting[0]
         if gpus > 1:
-            tried[-1] = (strat, off, best.estimate, best.share)
-        return _plan_of(arch, request, best, fitting, strat, off, tried, target_reason)
+            tried[(strat, off)] = fitting[0]
+        return _plan_of(arch, request, fitting, strat, off, _tried(tried, stages, (strat, off)), target_reason)
     if not tried:
         raise UserError(f"--strategy {request.strategy}: no configuration of {arch.name or 'the model'} can use it")
     stage = ""
     if gpus > 1:
-        stage = f" per device with {_strategy_reason(*tried[-1][:2], request.strategy, gpus, tried, budget)}"
-    raise UserError(_nothing_fits(arch, request, scored) + stage + _what_fits_instead(arch, request))
+        strategies = _tried(tried, stages, None)
+        stage = f" per device with {_strategy_reason(*strategies[-1][:2], request.strategy, gpus, strategies, budget)}"
+    raise UserError(_nothing_fits(arch, request, last) + stage + _what_fits_instead(arch, request))
 
 
-def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], strat, off, tried, target_reason) -> Plan:
-    """The Plan record of the chosen setup, with a reason per knob."""
-    s, gpus = best.setup, request.target.gpus
+def _prepare(arch: Architecture, request: Request) -> tuple[Request, str, list[tuple[str, bool]]]:
+    """The request as searched (LoRA targets this model has), the adapter reason's addition, and the strategy
+    stages; refuses a chunked loss the user fixed on a model it does not reproduce, and a device count below one."""
+    if request.target.gpus < 1:
+        raise UserError(f"--gpus {request.target.gpus}: must be at least 1")
+    request, target_reason = _lora_targets(arch, request)
+    fixed = request.fixed
+    if "loss_impl" in fixed:
+        _refuse_chunked_loss(arch, request.start)
+    if request.target.gpus == 1:
+        return request, target_reason, [("single", False)]
+    stages = _stages(
+        request.strategy,
+        request.offload,
+        request.start.optimizer if "optimizer" in fixed else None,
+        request.start.quantization if "quantization" in fixed else None,
+    )
+    return request, target_reason, stages
+
+
+def _tried(tried: dict, stages: list, upto: tuple[str, bool] | None) -> list:
+    """(strategy, offload, estimate, share) of each strategy stage tried, in stage order, up to `upto`."""
+    out = []
+    for stage in stages:
+        if stage in tried:
+            out.append((*stage, tried[stage].estimate, tried[stage].share))
+        if stage == upto:
+            break
+    return out
+
+
+def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, target_reason) -> Plan:
+    """The Plan record of the chosen setup (the first of `fitting`, its loss chunk then sized from the budget), with
+    a reason per knob."""
+    gpus = request.target.gpus
+    best, chunk_reason = _size_loss_chunk(arch, request, fitting[0], strat, off)
+    s = best.setup
     accumulation = _accumulation(request, s.micro_batch_size)
     eval_batch, eval_reason = _eval_batch(arch, request, s)
     fits_16bit = any(x.setup.quantization == "none" for x in fitting)
-    reasons = _reasons(request, s, accumulation, fits_16bit)
+    savers = long_context.saver_reasons(
+        arch,
+        fitting[0].setup,
+        request.start,
+        request.fixed,
+        gpus,
+        request.target.budget_gb,
+        _scorer(arch, request, strat, off),
+    )
+    savers["loss_chunk_tokens"] = chunk_reason
+    reasons = _reasons(request, s, accumulation, fits_16bit, savers)
     reasons["adapter"] += target_reason
     if not arch.chunked_loss_exact and "loss_impl" not in request.fixed:
         reasons["chunked_loss"] = f"off: not verified for model_type {arch.model_type!r} (its loss may differ)"
@@ -423,7 +533,26 @@ def _plan_of(arch, request: Request, best: _Scored, fitting: list[_Scored], stra
     )
 
 
-def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool) -> dict[str, str]:
+def _scorer(arch: Architecture, request: Request, strat: str, off: bool) -> long_context.Score:
+    return lambda s: _score(arch, request, s, strat, off)
+
+
+def _size_loss_chunk(arch: Architecture, request: Request, best: _Scored, strat: str, off: bool) -> tuple[_Scored, str]:
+    """`best` with its loss chunk sized from the budget (`long_context.size_loss_chunk`), unless the user fixed it
+    or the loss is not chunked; and the chunk's reason line."""
+    s = best.setup
+    if s.loss_impl != "chunked":
+        if "loss_chunk_tokens" in request.fixed:
+            return best, "set by you (--set); unused: the chunked loss is off"
+        unchunked = replace(s, loss_chunk_tokens=request.start.loss_chunk_tokens)  # a saver stage's 16 means nothing
+        return _score(arch, request, unchunked, strat, off), "off: no chunked loss"
+    if "loss_chunk_tokens" in request.fixed:
+        return best, f"{loss_chunk_tokens(arch, s):,} tokens, set by you (--set)"
+    return long_context.size_loss_chunk(arch, best, request.target.budget_gb, _scorer(arch, request, strat, off))
+
+
+def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool, savers: dict[str, str]) -> dict[str, str]:
+    """One line per knob, the long-context savers' (`savers`) after the chunked loss's."""
     start, fixed = request.start, request.fixed
 
     def why(key: str, text: str) -> str:
@@ -462,6 +591,7 @@ def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool) ->
             "on: checkpointed layer inputs do not fit on the device" if s.activation_offloading else "off: not needed",
         ),
         "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
+        **savers,
         "micro_batch_size": why(
             "micro_batch_size", f"{s.micro_batch_size}: largest that fits with the fewest savings; {batch}"
         ),
@@ -491,7 +621,12 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
     savings = [STORAGE[s.quantization], f"batch {s.micro_batch_size}"]
     savings += [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
                                       (s.activation_offloading, "offloading"),
-                                      (s.loss_impl == "chunked", "chunked loss")) if on]  # fmt: skip
+                                      (s.loss_impl == "chunked", f"chunked loss ({loss_chunk_tokens(arch, s)}-token chunks)"),
+                                      (s.embeddings_on_host, "host embeddings"),
+                                      (s.tiled_norms, "tiled norms"),
+                                      (s.tiled_mlp, "tiled MLP"),
+                                      (s.recompute_lora, "LoRA recompute"),
+                                      (long_context.tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:
         est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
@@ -551,6 +686,8 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
 
     def fits(length: int) -> bool:
         at = replace(request, start=replace(request.start, max_seq_len=length), fixed=request.fixed | {"max_seq_len"})
+        if _fits_with_every_saver(arch, at):
+            return True
         try:
             plan(arch, at)
         except UserError:
@@ -558,3 +695,19 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
         return True
 
     return _longest(fits, limit)
+
+
+def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:
+    """Whether the last stage's smallest setup (every saver the planner may add, the smallest tile) fits on some
+    strategy stage — then `plan` finds a fitting setup (that stage searches it), in one estimate per strategy."""
+    try:
+        request, _, stages = _prepare(arch, request)
+    except UserError:
+        return False
+    savers = long_context.saver_stages(arch, request.start, request.fixed, request.target.gpus)
+    for strat, off in stages:
+        start = _stage_start(request, off, savers[-1], len(savers) == 1)
+        smallest = _smallest(arch, request, start, strat, off)
+        if smallest is not None and _score(arch, request, smallest, strat, off).peak_gb <= request.target.budget_gb:
+            return True
+    return False

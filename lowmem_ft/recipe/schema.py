@@ -154,8 +154,10 @@ class MemorySection:
     )
     loss_chunk_tokens: int = _f(
         0,
-        "chunked_loss only: tokens per loss chunk; 0 = automatic (64 MiB of fp32 logits per chunk). Larger chunks are "
-        "fewer, faster matmuls and a larger loss working set (lowmem_ft.memory.estimate.largest_loss_chunk).",
+        "chunked_loss only: tokens per loss chunk; 0 = automatic: under --vram the planner sizes it from the budget "
+        "(the largest that fits what the rest of the step leaves, at most 4,096 tokens), else 64 MiB of fp32 logits "
+        "per chunk. Larger chunks are fewer, faster matmuls and a larger loss working set "
+        "(lowmem_ft.memory.estimate.largest_loss_chunk).",
     )
     tiled_mlp: bool = _f(
         False,
@@ -164,7 +166,9 @@ class MemorySection:
         "forward per step.",
     )
     mlp_tile_tokens: int = _f(
-        0, "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens)."
+        0,
+        "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens; under --vram "
+        "the planner tries tiles of 1,024 and 256 tokens when the larger ones do not fit).",
     )
     tiled_norms: bool = _f(
         False,

@@ -159,3 +159,15 @@ def test_family_quirks_the_training_path_reads():
     assert phi3.adapter_modules(["q_proj", "down_proj"]) == ["qkv_proj", "down_proj"]
     olmo = Architecture.from_config({**SMALL["llama"], "model_type": "olmo2"})
     assert not olmo.chunked_loss_exact and "olmo2" in olmo.chunked_loss_refusal
+
+
+def test_mixture_of_experts_is_read_from_each_familys_key():
+    """`Architecture.experts`: the planner does not tile an MoE MLP (memory.tiled_mlp refuses it)."""
+    from lowmem_ft.memory.arch import Architecture
+
+    dense = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "intermediate_size": 128}  # fmt: skip
+    assert Architecture.from_config(dense).experts == 0
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):  # Mixtral, Qwen2-MoE, DeepSeek
+        assert Architecture.from_config({**dense, key: 8}).experts == 8
+    assert Architecture.from_config({**dense, "num_experts": None, "num_local_experts": True}).experts == 0
