@@ -6,8 +6,8 @@ cut last line of a crashed run), never from a live trainer, so the same code ser
 the budget (VRAM − safety margin) are shown together, in decimal GB.
 
 On the CPU the monitor counts live tensor bytes exactly (`lowmem_ft.train.exact`), and each sample carries the
-memory model's prediction for its phase and batch: the report compares the two — "measured 25.7 MB, predicted
-26.1 MB (−1.6 %)", error = (measured − predicted) / predicted — at the run's peak and per phase, and draws the
+memory model's prediction for its phase and batch: the report compares the two — "measured peak 25.7 MB,
+predicted 26.1 MB (−1.6 %)", error = (measured − predicted) / predicted — at the run's peak and per phase, and draws the
 measured curve against the predicted one.
 """
 
@@ -134,7 +134,7 @@ def _exact_lines(s: dict[str, Any]) -> list[str]:
                 f"{s['peak_step']}; no prediction (the memory model cannot describe this model)"]  # fmt: skip
     batch = f", batch {e['batch'][0]} × {e['batch'][1]} tokens" if e.get("batch") else ""
     lines = [
-        f"memory: measured {size(e['measured_gb'])}, predicted {size(e['predicted_gb'])} ({percent(e['error'])}) — "
+        f"memory: measured peak {size(e['measured_gb'])}, predicted {size(e['predicted_gb'])} ({percent(e['error'])}) — "
         f"{EXACT_LABEL} on the CPU against the memory model; peak in {e['phase']} of step {e['step']}{batch}",
         "  per phase, measured / predicted: "
         + ", ".join(

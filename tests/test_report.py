@@ -140,7 +140,7 @@ def test_cpu_summary_compares_exact_measurement_with_the_memory_model(tmp_path):
     assert (e["outside_phase"], e["outside_gb"]) == ("save", 0.00056)
     text = format_summary(s)
     first = text.splitlines()[0]
-    assert first.startswith("memory: measured 9.40 MB, predicted 9.45 MB (−0.5 %)")
+    assert first.startswith("memory: measured peak 9.40 MB, predicted 9.45 MB (−0.5 %)")
     assert "peak in backward of step 1, batch 2 × 49 tokens" in first
     assert "optimizer 0.57 MB / 0.55 MB (+3.6 %)" in text
     assert "save (no activations) peaked at 0.56 MB, below the training peak" in text

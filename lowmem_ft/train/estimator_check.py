@@ -77,6 +77,9 @@ def trainer_optimizer(model, args):
         import bitsandbytes
 
         manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        # each point starts clean: bitsandbytes keeps overrides process-wide, by parameter position
+        # (index2config), so an earlier point's embedding override would apply to whatever sits there now
+        manager.initialize()
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})

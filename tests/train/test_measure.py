@@ -79,6 +79,9 @@ def test_bitsandbytes_cpu_optimizer_kernels_are_counted():
     for min_8bit, copies in ((4096, 6), (10**9, 4)):
         param = torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))
         param.grad = torch.randn(n, dtype=torch.bfloat16)
+        # bitsandbytes keeps overrides process-wide by parameter position (GlobalOptimManager.index2config): a
+        # Trainer run earlier in this process leaves its embeddings' 32-bit override at their position
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
         optimizer = bnb.optim.AdamW8bit([param], min_8bit_size=min_8bit)
         optimizer.step()  # the states exist before the measured step
         with PeakMemory(device="cpu", roots=[param, optimizer.state]) as pm:

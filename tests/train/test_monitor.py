@@ -229,4 +229,4 @@ def test_cpu_run_counts_live_tensors_exactly_at_every_sample(tiny_model, tmp_pat
     assert samples["forward"]["peak_live_gb"] > 2 * samples["optimizer"]["live_gb"]  # activations and the loss
     assert "predicted_peak_live_gb" not in samples["save"]
     out = capsys.readouterr().out
-    assert "memory: measured " in out and ", predicted " in out and "exact live tensor bytes" in out
+    assert "memory: measured peak " in out and ", predicted " in out and "exact live tensor bytes" in out
