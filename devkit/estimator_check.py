@@ -13,11 +13,9 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
@@ -67,23 +65,25 @@ def recipe_for(model_dir: Path, p: Point):
     return resolve(None, overrides)
 
 
-@contextmanager
-def _bnb_cpu_kernels_visible():
-    """Let PeakMemory see the temporaries of bitsandbytes' CPU 8-bit optimizer kernel.
+def trainer_optimizer(model, args):
+    """The optimizer transformers' `Trainer.create_optimizer` builds for `args.optim`, with its bitsandbytes override:
+    every `nn.Embedding` weight keeps 32-bit states under an 8-bit optimizer (trainer.py), as in a real run."""
+    import torch
+    from transformers import Trainer
 
-    bitsandbytes registers `_optimizer_update_8bit_blockwise_cpu` (backends/cpu/ops.py) as the CPU kernel of a
-    custom op; a kernel runs below every TorchDispatchMode, so its fp32 dequantized states and upcasts would be
-    invisible. `bitsandbytes.functional.optimizer_update_8bit_blockwise` takes the kernel's exact arguments, so
-    calling the kernel's Python function in its place runs the same code with its torch ops in view.
-    """
-    try:
-        import bitsandbytes.functional as bnb_functional
-        from bitsandbytes.backends.cpu.ops import _optimizer_update_8bit_blockwise_cpu
-    except ImportError:
-        yield
-        return
-    with mock.patch.object(bnb_functional, "optimizer_update_8bit_blockwise", _optimizer_update_8bit_blockwise_cpu):
-        yield
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = cls([q for q in model.parameters() if q.requires_grad], **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        # each point starts clean: bitsandbytes keeps overrides process-wide, by parameter position
+        # (index2config), so an earlier point's embedding override would apply to whatever sits there now
+        manager.initialize()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[int, int]]:
@@ -98,7 +98,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     step "optimizer n" (clip + step + zero_grad); "peak" is the overall peak.
     """
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
     from lowmem_ft.train.measure import PeakMemory
@@ -111,13 +111,13 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer.__init__ does
     model.train()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer], use_cpu=True)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = trainer_optimizer(model, args)
     trainable = [q for q in model.parameters() if q.requires_grad]
-    optimizer = cls(trainable, **kwargs)
     vocab = base.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    # tensors that exist now (weights, quantization state, LoRA) are found by PeakMemory's walk of the gc objects
-    with PeakMemory() as pm, _bnb_cpu_kernels_visible():
+    # tensors that exist now (weights, quantization state, LoRA) are found by walking the model; bitsandbytes' CPU
+    # optimizer kernels are Python, and PeakMemory counts their temporaries (measure.python_cpu_kernels)
+    with PeakMemory(roots=[model, optimizer.state]) as pm:
         pm.mark("static")
         for step, micro in ((1, 1), (2, 1), (2, 2)):
             seq = p.seq if (step, micro) == (2, 2) else warmup_seq
@@ -182,7 +182,7 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     "backward n.k", "optimizer n" as `measure` labels them), each with the allocator's peaks within that phase.
     """
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
     from lowmem_ft.train.device import cap_process_memory
@@ -198,9 +198,8 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
     model.train()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer])
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = trainer_optimizer(model, args)
     trainable = [q for q in model.parameters() if q.requires_grad]
-    optimizer = cls(trainable, **kwargs)
     vocab = base.config.vocab_size
     torch.cuda.reset_peak_memory_stats()
     phases = {"static": _cuda_sample(before)}

@@ -14,11 +14,9 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
@@ -98,20 +96,6 @@ def recipe_for(model_dir: Path, p: LongPoint):
     return resolve(None, overrides)
 
 
-@contextmanager
-def _bnb_cpu_kernels_visible():
-    """bitsandbytes' CPU 8-bit optimizer kernel run through its Python function, so PeakMemory sees its temporaries
-    (the same patch as `estimator_check._bnb_cpu_kernels_visible`)."""
-    try:
-        import bitsandbytes.functional as bnb_functional
-        from bitsandbytes.backends.cpu.ops import _optimizer_update_8bit_blockwise_cpu
-    except ImportError:
-        yield
-        return
-    with mock.patch.object(bnb_functional, "optimizer_update_8bit_blockwise", _optimizer_update_8bit_blockwise_cpu):
-        yield
-
-
 def _loss_head(model, p: LongPoint) -> None:
     """The loss `train` installs: TRL's fused head (SFTTrainer.__init__), replaced by ours when chunked."""
     from trl.trainer.utils import add_fused_lm_head
@@ -152,7 +136,7 @@ def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tup
     optimizer = cls(trainable, **kwargs)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    with PeakMemory() as pm, _bnb_cpu_kernels_visible():
+    with PeakMemory() as pm:  # bitsandbytes' Python CPU optimizer kernels run under its mode (python_cpu_kernels)
         pm.mark("static")
         for step, micro in ((1, 1), (2, 1), (2, 2)):
             seq = p.seq if (step, micro) == (2, 2) else warmup_seq

@@ -111,7 +111,7 @@ def _gb(value: Any) -> str:
 
 def _memory_lines(run: RunDir, info: dict[str, Any]) -> list[str]:
     """Predicted peak, budget and the measured peak, as a table."""
-    from lowmem_ft.report import summarize
+    from lowmem_ft.report import EXACT_LABEL, summarize
 
     choice = info.get("choice") or {}
     measured: dict[str, Any] = {}
@@ -127,7 +127,11 @@ def _memory_lines(run: RunDir, info: dict[str, Any]) -> list[str]:
     if "measured_peak_gb" in measured:
         where = f"{measured['measure']}, {measured['peak_phase']} of step {measured['peak_step']}"
         rows.append(("measured peak", f"{_gb(measured['measured_peak_gb'])} ({where})"))
-        if measured["measure"] == "host RSS":
+        exact = measured.get("exact") or {}
+        if exact.get("predicted_gb"):  # a CPU run: its exact live bytes against the memory model's CPU form
+            rows.append(("memory model on this run (CPU)", f"measured {_gb(exact['measured_gb'])}, predicted "
+                         f"{_gb(exact['predicted_gb'])} ({exact['error'] * 100:+.1f} %)"))  # fmt: skip
+        if measured["measure"] in (EXACT_LABEL, "host RSS"):
             rows.append(("note", "trained without CUDA: the measured peak is host memory, not GPU memory"))
     else:
         rows.append(("measured peak", "— (no memory.jsonl)"))

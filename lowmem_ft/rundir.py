@@ -83,6 +83,14 @@ class MemoryLog:
     `start["budget_gb"]` is VRAM − margin; files written before that meaning (a `budget_gb` without `vram_gb`, when
     the field held the VRAM itself) are read in the current meaning. `unreadable` counts lines that are not JSON —
     the last line of a run that crashed while writing it.
+
+    Predictions, one meaning each: `start["predicted_peak_gb"]` is the plan's peak on CUDA (overheads included; None
+    without a plan); on the CPU, `start["predicted_cpu_peak_gb"]` and `start["predicted_cpu_phases_gb"]` are the
+    memory model's CPU form (live tensor bytes) for the plan's batch `start["predicted_cpu_batch"]` ([rows,
+    tokens]), and `start["exact"]` says the samples count live tensors exactly. A CPU sample's `live_gb` is live
+    tensor bytes at the sample, `peak_live_gb` their exact peak since the previous sample, and
+    `predicted_peak_live_gb` the memory model's prediction of that peak for the sample's phase and `batch` (the
+    rows × tokens that ran); phases without one (save, eval) have none.
     """
 
     start: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded tiny model and the zoo (built once per session), and the CUDA marker."""
+"""Shared fixtures: the embedded tiny model and the zoo (built once per session), the CUDA marker, and the
+memory-model check every CPU training run of every test goes through."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def _forget_bnb_module_overrides():
     optim = sys.modules.get("bitsandbytes.optim")
     if optim is not None:
         optim.GlobalOptimManager.get_instance().module_weight_config_triple.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """After a test passes: every run it trained on the CPU under its tmp_path measured its memory exactly, and the
+    memory model must agree with it (tests/train/tiny_runs.py `memory_disagreements`, ≤ 8 % per run and per phase).
+    A test opts out with `@pytest.mark.memory_unchecked(reason=...)`, saying why."""
+    result = yield
+    unchecked = item.get_closest_marker("memory_unchecked")
+    assert unchecked is None or unchecked.kwargs.get("reason"), "memory_unchecked needs reason=... (why not checked)"
+    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if tmp is not None and unchecked is None:
+        from tests.train.tiny_runs import memory_disagreements
+
+        problems = memory_disagreements(tmp)
+        assert not problems, "the memory model disagrees with the exact CPU measurement:\n" + "\n".join(problems)
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -158,7 +158,10 @@ def test_the_card_records_recipe_plan_and_measured_peak(pushed):
     assert "# team/tiny-lora" in card and "AutoPeftModelForCausalLM.from_pretrained('team/tiny-lora')" in card
     assert f"| predicted peak (plan) | {plan['predicted_peak_gb']:.2f} GB |" in card
     assert f"| budget (VRAM − margin) | {plan['budget_gb']:.2f} GB |" in card
-    assert f"| measured peak | {measured['measured_peak_gb']:.2f} GB (host RSS, " in card
+    assert f"| measured peak | {measured['measured_peak_gb']:.2f} GB (exact live tensor bytes, " in card
+    exact = measured["exact"]
+    assert f"| memory model on this run (CPU) | measured {exact['measured_gb']:.2f} GB, predicted " in card
+    assert "trained without CUDA" in card
     assert f"  max_seq_len: {recipe.memory.max_seq_len}\n" in card and "  quantization: " in card
     assert "- max_seq_len: " in card  # the plan's reason lines
     assert f"- `{CHAT}` (messages)" in card and "training samples; loss on assistant turns" in card

@@ -142,3 +142,61 @@ def test_cpu_run_plots_host_memory_and_says_so(tmp_path):
     text = format_summary(summarize(header, samples, events))
     assert "0.60 GB (host RSS) in backward of step 1" in text and "no CUDA device" in text
     assert "predicted peak: none" in text
+
+
+def exact_cpu_run(run_dir):
+    start = {"event": "start", "step": 0, "predicted_peak_gb": 0.58, "vram_gb": 8, "safety_margin_gb": 0.75,
+             "budget_gb": 7.25, "exact": True, "predicted_cpu_peak_gb": 0.0122, "predicted_cpu_batch": [2, 64]}  # fmt: skip
+    records = [start]
+    for step, tokens in ((1, 49), (2, 40)):
+        scale = tokens / 49
+        for phase, measured, predicted in (("forward", 0.0086, 0.00857), ("backward", 0.0094, 0.00945),
+                                           ("optimizer", 0.00057, 0.00055)):  # fmt: skip
+            if phase != "optimizer":
+                measured, predicted = measured * scale, predicted * scale
+            records.append({"step": step, "phase": phase, "rss_gb": 0.7, "live_gb": 0.0005, "peak_live_gb": measured,
+                            "predicted_peak_live_gb": predicted} | ({"batch": [2, tokens]} if phase != "optimizer" else {}))  # fmt: skip
+    records.append({"step": 2, "phase": "save", "rss_gb": 0.72, "live_gb": 0.0005, "peak_live_gb": 0.00056})
+    write_memory(run_dir, records)
+
+
+def test_cpu_summary_compares_exact_measurement_with_the_memory_model(tmp_path):
+    exact_cpu_run(tmp_path)
+    s = summarize(*load_memory(tmp_path))
+    assert s["measure"] == "exact live tensor bytes" and s["measured_peak_gb"] == 0.0094
+    e = s["exact"]
+    assert (e["measured_gb"], e["predicted_gb"], e["phase"], e["step"], e["batch"]) == (
+        0.0094,
+        0.00945,
+        "backward",
+        1,
+        [2, 49],
+    )
+    assert e["error"] == pytest.approx(-0.005 / 0.945)
+    assert e["phases"]["optimizer"]["error"] == pytest.approx(0.02 / 0.55)
+    assert (e["outside_phase"], e["outside_gb"]) == ("save", 0.00056)
+    text = format_summary(s)
+    first = text.splitlines()[0]
+    assert first.startswith("memory: measured peak 9.40 MB, predicted 9.45 MB (−0.5 %)")
+    assert "peak in backward of step 1, batch 2 × 49 tokens" in first
+    assert "optimizer 0.57 MB / 0.55 MB (+3.6 %)" in text
+    assert "save (no activations) peaked at 0.56 MB, below the training peak" in text
+    assert "the plan's batch (2 × 64 tokens) is predicted at 12.20 MB on the CPU" in text
+    assert "the GPU plan predicts 0.58 GB with CUDA overheads" in text and "host RSS peak 720.00 MB" in text
+    assert "headroom" not in text  # the budget is a GPU figure
+
+
+def test_cpu_plot_draws_measured_against_predicted_and_rss_on_its_own_axis(tmp_path):
+    exact_cpu_run(tmp_path)
+    fig = plot(*load_memory(tmp_path))
+    ax, rss = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    measured = lines["measured: exact peak of live tensors since the previous sample"]
+    predicted = lines["predicted: memory model (CPU form), same phase and batch"]
+    assert len(measured.get_xdata()) == 7 and len(predicted.get_xdata()) == 6  # the save has no prediction
+    assert predicted.get_linestyle() == "--"
+    assert set(lines["predicted peak for the plan's batch (2 × 64 tokens): 12.20 MB"].get_ydata()) == {0.0122}
+    assert not any(label.startswith("VRAM") for label in lines)  # GPU figures are not drawn for a CPU run
+    assert [line.get_label() for line in rss.get_lines()] == ["host RSS (right axis)"]
+    legend = [t.get_text() for t in rss.get_legend().get_texts()]
+    assert "host RSS (right axis)" in legend and measured.get_label() in legend

@@ -27,6 +27,12 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # each → 4 + 8/64 + 32/(64·256) ≈ 4.127 bits/param.
 NF4_BITS = 4.5
 NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+# Beyond the per-parameter bits, each quantized linear's QuantState holds the NF4 code (16 fp32) and, with double
+# quant, the absmax offset (one fp32) and the 8-bit code of the absmax quantization (256 fp32): 64 + 4 + 1024 B (read
+# from a quantized Linear4bit's quant_state; found by the exact CPU measurement of real runs, lowmem_ft.train.exact,
+# as 1092 B of static memory per linear the estimate lacked).
+NF4_STATE_BYTES = 16 * 4
+NF4_DQ_STATE_BYTES = 16 * 4 + 4 + 256 * 4
 # bitsandbytes Linear8bitLt (LLM.int8): int8 weight + one fp32 scale (SCB) per output row.
 INT8_ROW_SCALE_BYTES = 4
 # bitsandbytes optim/optimizer.py Optimizer2State.init_state: 8-bit states are two uint8 tensors plus two fp32
@@ -237,33 +243,65 @@ def weight_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     n_rest = arch.total_params - n_lin  # embeddings, lm_head (once if tied), norms, biases
     if s.quantization == "nf4":
         bits = NF4_DQ_BITS if s.double_quant else NF4_BITS
-        return n_lin * bits / 8, n_rest * c, f"NF4 {bits:.3f} bit/param (bitsandbytes quantize_4bit, block 64)"
+        state = arch.num_layers * len(arch.linears) * (NF4_DQ_STATE_BYTES if s.double_quant else NF4_STATE_BYTES)
+        return n_lin * bits / 8 + state, n_rest * c, f"NF4 {bits:.3f} bit/param (bitsandbytes quantize_4bit, block 64)"
     if s.quantization == "int8":
         rows = arch.num_layers * sum(lin.out_features for lin in arch.linears)
         return n_lin + rows * INT8_ROW_SCALE_BYTES, n_rest * c, "int8 + fp32 row scales (bnb Linear8bitLt)"
     return n_lin * c, n_rest * c, f"{s.compute_dtype} ({c} B/param)"
 
 
-def optimizer_state_bytes(tensors: list[tuple[int, int]], optimizer: str, device: Device) -> tuple[float, float]:
-    """(on device, paged = may leave the device) bytes of optimizer states for these trainable tensors."""
-    on_device = paged = 0.0
+def trainer_fp32_states(arch: Architecture, s: Setup) -> int:
+    """Elements of the trainable tensor whose states a bitsandbytes 8-bit optimizer keeps in 32 bits: transformers'
+    `Trainer.create_optimizer` registers every `nn.Embedding` weight with bitsandbytes' `GlobalOptimManager` as
+    `optim_bits: 32` (trainer.py). Only a full fine-tune trains the embeddings. Found by the exact CPU measurement of
+    real runs (`lowmem_ft.train.exact`): the estimator harness built its optimizer without the override."""
+    if s.adapter != "full" or "8bit" not in s.optimizer:
+        return 0
+    return arch.embedding_params
+
+
+def _bnb_tensors(tensors: list[tuple[int, int]], optimizer: str, fp32_numel: int) -> list[tuple[int, int, bool, int]]:
+    """(numel, bytes per element, 8-bit states?, count) of bitsandbytes' trainable tensors, one of `fp32_numel`
+    elements kept in 32 bits (`trainer_fp32_states`); optimizer/optimizer.py `init_state`: 8-bit only from
+    `min_8bit_size` elements."""
+    out = []
     for (numel, elem), count in Counter(tensors).items():  # a model repeats a few shapes many times
-        if optimizer == "adamw_torch":
-            on_device += count * 2 * numel * elem  # torch AdamW: exp_avg, exp_avg_sq zeros_like(param) → param dtype
-        elif optimizer == "adafactor":
-            on_device += count * (4 * numel**0.5 * 2 if numel > 1 else 4)  # factored row+col (approx. square), fp32
+        eight_bit = "8bit" in optimizer and numel >= BNB_MIN_8BIT_SIZE
+        if eight_bit and numel == fp32_numel:
+            out.append((numel, elem, False, 1))
+            count -= 1
+        if count:
+            out.append((numel, elem, eight_bit, count))
+    return out
+
+
+def optimizer_state_bytes(
+    tensors: list[tuple[int, int]], optimizer: str, device: Device, fp32_numel: int = 0
+) -> tuple[float, float]:
+    """(on device, paged = may leave the device) bytes of optimizer states for these trainable tensors;
+    `fp32_numel`: the tensor whose bitsandbytes states stay 32-bit (`trainer_fp32_states`)."""
+    on_device = paged = 0.0
+    if optimizer in ("adamw_torch", "adafactor"):
+        for (numel, elem), count in Counter(tensors).items():
+            if optimizer == "adamw_torch":  # torch AdamW: exp_avg, exp_avg_sq zeros_like(param) → param dtype
+                on_device += count * 2 * numel * elem
+            else:  # factored row+col (approx. square), fp32
+                on_device += count * (4 * numel**0.5 * 2 if numel > 1 else 4)
+        return on_device, paged
+    for numel, _, eight_bit, count in _bnb_tensors(tensors, optimizer, fp32_numel):
+        blocks = -(-numel // BNB_BLOCK)
+        size = count * (2 * numel + 2 * 4 * blocks if eight_bit else 2 * 4 * numel)
+        if optimizer.startswith("paged") and device == "cuda" and numel >= BNB_PAGED_MIN:
+            paged += size
         else:
-            eight_bit = "8bit" in optimizer and numel >= BNB_MIN_8BIT_SIZE
-            blocks = -(-numel // BNB_BLOCK)
-            size = count * (2 * numel + 2 * 4 * blocks if eight_bit else 2 * 4 * numel)
-            if optimizer.startswith("paged") and device == "cuda" and numel >= BNB_PAGED_MIN:
-                paged += size
-            else:
-                on_device += size
+            on_device += size
     return on_device, paged
 
 
-def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: Device) -> tuple[float, str]:
+def optimizer_step_temp(
+    tensors: list[tuple[int, int]], optimizer: str, device: Device, fp32_numel: int = 0
+) -> tuple[float, str]:
     """Temporaries the optimizer step allocates (measured on the CPU; read from torch/optim/adamw.py on CUDA)."""
     if not tensors:
         return 0.0, ""
@@ -277,11 +315,16 @@ def optimizer_step_temp(tensors: list[tuple[int, int]], optimizer: str, device: 
     # bitsandbytes: CUDA kernels update in place; the CPU fallback dequantizes a tensor's states to fp32.
     if device == "cuda":
         return 0.0, "bitsandbytes fused kernel, in place"
-    # backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu: fp32 state1, state2, grad (g.float()), p.float(),
-    # and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once, one tensor at a time (measured:
-    # 6.0 with PeakMemory seeing inside the kernel, devkit.estimator_check._bnb_cpu_kernels_visible).
-    big = max(n for n, _ in tensors)
-    return 6 * 4 * big, "bitsandbytes CPU kernel: 6 fp32 copies of the largest tensor (measured)"
+    # backends/cpu/ops.py, one tensor at a time. _optimizer_update_8bit_blockwise_cpu: fp32 state1, state2, grad
+    # (g.float()), p.float(), and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once;
+    # _optimizer_update_32bit_cpu: grad, p.float(), the sqrt + eps denominator and the update: 4. An fp32 parameter
+    # needs no p.float() copy: one fewer. Measured with PeakMemory seeing inside the kernels (they are Python,
+    # lowmem_ft.train.measure.python_cpu_kernels): 6 / 5 (8-bit, bf16 / fp32 parameter), 4 / 3 (32-bit).
+    copies = max(
+        numel * ((6 if eight_bit else 4) - (elem == 4))
+        for numel, elem, eight_bit, _ in _bnb_tensors(tensors, optimizer, fp32_numel)
+    )
+    return 4 * copies, "bitsandbytes CPU kernel: 6 (8-bit states) or 4 (32-bit) fp32 copies of a tensor (measured)"
 
 
 # -- activations ------------------------------------------------------------------------------------------------
@@ -555,7 +598,8 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
         comps.append(Component("LoRA parameters (fp32)", 4 * n_train, "static", "peft autocast_adapter_dtype=True"))
     grads = sum(n * e for n, e in trainable)
     comps.append(Component("gradients", grads, "static", "one per trainable parameter, in its dtype"))
-    states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
+    fp32_states = trainer_fp32_states(arch, s)
+    states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device, fp32_states)
     comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
     if paged:
         comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
@@ -709,7 +753,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     fwd_peak, bwd_peak = _forward_backward(arch, s, comps)
     fwd_bwd = max(fwd_peak, bwd_peak)
 
-    step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device)
+    step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device, trainer_fp32_states(arch, s))
     comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", step_src))
 
     model_peak = static + max(fwd_bwd, step_temp)
@@ -726,6 +770,25 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     return Estimate(comps, s, model_peak, overhead, phase, notes, phases)
 
 
+def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, the MLP's tensors in flight without autograd (evaluation), at its peak.
+
+    Gated: act(gate) is alive while `up_proj` runs; a plain up_proj leaves act(gate), up and their product (3·c·i). A
+    LoRA `up_proj` (peft lora/layer.py Linear.forward: `result + lora_B(lora_A(x)) * scaling`) holds its base output
+    (c·i) and lora_B's fp32 output and its scaled copy (4 + 4 B) beside act(gate): (2·c + 8)·i. Measured with
+    PeakMemory on Qwen2MLP (i 16384, under no_grad): 12.0 / 6.0 B per i-element (plain, fp32 / bf16), 16.0 / 12.06
+    (LoRA on gate/up/down). The fused gate_up_proj (Phi-3) doubles the LoRA part (read from the code, unmeasured);
+    a plain (non-gated) MLP holds its up output and the activation (2·c·i), or a LoRA up_proj's three tensors.
+    """
+    c, i = DTYPE_BYTES[s.compute_dtype], arch.intermediate_size
+    adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
+    if "gate_up_proj" in adapted:
+        return (2 * c + 16) * i
+    if arch.mlp == "gated":
+        return (2 * c + 8) * i if "up_proj" in adapted else 3 * c * i
+    return (c + 8) * i if adapted & {"up_proj", "fc1", "c_fc"} else 2 * c * i
+
+
 def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     """Peak of one evaluation forward during training, overheads included: the eval batch size's memory.
 
@@ -733,8 +796,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     the gradients (transformers' Trainer zeroes them with `set_to_none`), and nothing is kept for backward: the
     working set is one layer's tensors in flight (bounded by what that layer saves when training — the same
     tensors, created and freed in turn), the residual stream and layer output, the final norm and loss input, and
-    the forward of the loss (TRL's fused head also runs in evaluation). Derived from the calibrated training terms,
-    not measured on its own.
+    the forward of the loss (TRL's fused head also runs in evaluation). The layer and the loss peak one after the
+    other, not together; checked against exact CPU measurements of real runs' evaluations (`lowmem_ft.train.exact`).
     """
     train = estimate(arch, s)
     s, _ = effective_setup(arch, s)
@@ -743,11 +806,50 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     c, t = DTYPE_BYTES[s.compute_dtype], es.tokens
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
-    working = layer_activation_bytes(arch, es) * t + 2 * c * arch.hidden_size * t + head_saved_bytes(arch, es) * t
-    if es.tiled_mlp:  # without gradients the tiles run one after another: one tile's MLP tensors at a time
-        working += mlp_tile_tokens(arch, es) * mlp_activation_bytes(arch, es)
-    transient = working + loss_fwd + dequant
+    # Without autograd nothing outlives its layer: the peak is one layer's tensors in flight (beside the dequantized
+    # weight), or later the loss's forward beside the final norm and loss input — never both (measured with the
+    # exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them over-predicted by up to 25 %).
+    # With tiled_mlp the MLP's tiles run one after another: one tile's MLP tensors at a time.
+    mlp = eval_mlp_bytes(arch, es) * (mlp_tile_tokens(arch, es) if es.tiled_mlp else t)
+    layer = max(layer_activation_bytes(arch, es) * t, mlp) + 2 * c * arch.hidden_size * t
+    transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd)
     overhead = 0.0
     if s.device == "cuda":
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_FRACTION * transient
     return static + transient + overhead
+
+
+# -- the phases of a real run (the CPU monitor's prediction) ------------------------------------------------------
+RunPhase = Literal["forward", "backward", "optimizer step", "eval"]
+
+
+def phase_peak_bytes(
+    arch: Architecture, s: Setup, phase: RunPhase, *, grads: bool = True, states: bool = True, ddp: bool = False
+) -> float:
+    """Live tensor bytes at the peak of one phase of a training run, for a batch of `s.micro_batch_size` rows ×
+    `s.max_seq_len` tokens: what the monitor's exact CPU measurement (`lowmem_ft.train.exact`) is compared with.
+
+    `estimate` gives the steady state, where every static component is alive in every phase. A real run is not
+    always there: transformers' Trainer frees the gradients after each optimizer step (`model.zero_grad()`, set to
+    None), so the first forward of each optimizer step runs without them (`grads=False`), and the optimizer creates
+    its states in its first step (`states=False` before it). The backward always counts the gradients: they are
+    complete when it ends. `eval` is `eval_peak_bytes` (no gradients). `ddp`: one process of several, whose
+    gradients lowmem-ft's trainer averages with one flat all-reduce before the optimizer step
+    (`lowmem_ft.train.trainer` `_average_gradients`: a flat copy of every gradient, freed before the step). The CPU
+    form only (`s.device == "cpu"`): on CUDA the same phases carry device overheads the monitor reads from the
+    allocator instead.
+    """
+    if s.device != "cpu":
+        raise ValueError("phase_peak_bytes is the CPU form (live tensor bytes, no device overheads)")
+    est = estimate(arch, s)
+    absent = 0.0
+    if not states:
+        absent += sum(c.bytes for c in est.components if c.name.startswith("optimizer states"))
+    if phase == "eval":
+        return eval_peak_bytes(arch, s, s.micro_batch_size) - absent
+    gradients = est.by_name()["gradients"]
+    if not grads and phase == "forward":
+        absent += gradients
+    if ddp and phase == "optimizer step":
+        return max(est.phases[phase], est.phases["static"] + gradients) - absent
+    return est.phases[phase] - absent

@@ -25,6 +25,7 @@ from lowmem_ft.memory.estimate import (
     Setup,
     _trainable_tensors,  # the estimate's own list of trainable tensors, so both count the same parameters
     optimizer_state_bytes,
+    trainer_fp32_states,
     weight_bytes,
 )
 
@@ -265,7 +266,7 @@ def states_of(arch: Architecture, s: Setup) -> ModelStates:
     trainable = _trainable_tensors(arch, s)
     n_train = float(sum(n for n, _ in trainable)) or 1.0
     train_bytes = sum(n * e for n, e in trainable)
-    opt_on_device, _paged = optimizer_state_bytes(trainable, s.optimizer, s.device)
+    opt_on_device, _paged = optimizer_state_bytes(trainable, s.optimizer, s.device, trainer_fp32_states(arch, s))
     layer_norms = arch.num_layers * arch.norm_params * c
     root_bytes = w_rest - layer_norms  # embeddings, lm_head (once if tied), final norm
     if s.adapter == "full":

@@ -3,9 +3,24 @@
 `PeakMemory` is a `TorchDispatchMode` that sees every tensor an operator returns and counts each distinct
 storage once, until Python frees it (a weakref callback on the `UntypedStorage`, the mechanism torch's own
 `torch.distributed._tools.mem_tracker.MemTracker` uses). Tensors that exist before it starts (weights, quantization
-constants, optimizer states) are found once by walking the garbage collector's objects. What it cannot see:
-workspace a kernel allocates and frees inside one C++ call, and device overheads (CUDA context, allocator rounding)
-— the estimator's "device overhead" terms, which the CPU harness excludes on purpose.
+constants, optimizer states) are found once: by walking the garbage collector's objects, or, given `roots` (a run's
+model and optimizer), by walking what those objects hold — so tensors of an earlier run still alive in the same
+process (a test session) are not counted as this run's. What it cannot see: workspace a kernel allocates and frees
+inside one C++ call, and device overheads (CUDA context, allocator rounding) — the estimator's "device overhead"
+terms, which the CPU form of the memory model excludes on purpose.
+
+Kernels written in Python (bitsandbytes' CPU optimizer kernels, `bitsandbytes/backends/cpu/ops.py`) are registered
+as the CPU kernel of a custom op, and a kernel runs below every dispatch mode, so their fp32 dequantized states and
+upcasts would be invisible. `PeakMemory` routes those ops, when their tensors are on the CPU, to the same Python
+function with the mode re-entered (`python_cpu_kernels`): the same code runs with the same arguments, and its torch
+ops are counted. Nothing in the libraries is patched.
+
+Why not torch's own tools: `torch.cuda.memory._record_memory_history` and the allocator statistics are CUDA-only
+(torch 2.13 keeps no CPU allocator statistics: `torch._C._cpu` has none); `torch.profiler(profile_memory=True)` sees
+CPU allocations but buffers every event of every operator until it stops (memory grows with the run) and gives no
+running peak without post-processing them; `MemTracker` is this same mechanism plus module hooks and misses tensors
+that are neither parameters, buffers nor optimizer states (bitsandbytes' quantization constants). The measured cost
+of each is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
 
     with PeakMemory() as pm:
         loss = model(**batch).loss; loss.backward(); optimizer.step()
@@ -16,13 +31,20 @@ workspace a kernel allocates and frees inside one C++ call, and device overheads
 from __future__ import annotations
 
 import gc
+import sys
+import types
 import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary, weakref
+
+# Objects whose contents are code or process-wide state, never a run's tensors: the walk from `roots` stops there.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes)
 
 
 @dataclass
@@ -32,67 +54,153 @@ class Mark:
     peak_bytes: int  # highest live bytes since the previous mark
 
 
+class _Ref(weakref.ref):
+    """A weak reference to a storage that remembers what it counted, so freeing it needs no lookup but its own."""
+
+    __slots__ = ("key", "nbytes")
+
+
+def python_cpu_kernels() -> dict[Any, Callable]:
+    """Custom ops whose CPU kernel is a Python function, mapped to that function (empty while bitsandbytes is not
+    imported: then none of its ops can run, and importing it only for this would cost a second and a warning).
+
+    bitsandbytes 0.50 registers these with `register_kernel(op, "cpu")` (backends/cpu/ops.py) and takes each op's
+    arguments in the op's schema order, so calling the function is calling the kernel."""
+    if "bitsandbytes" not in sys.modules:
+        return {}
+    try:
+        import bitsandbytes  # noqa: F401  (registers the ops)
+        from bitsandbytes.backends.cpu import ops as cpu_ops
+    except ImportError:
+        return {}
+    kernels = {}
+    for op, name in (
+        ("optimizer_update_8bit_blockwise", "_optimizer_update_8bit_blockwise_cpu"),
+        ("optimizer_update_32bit", "_optimizer_update_32bit_cpu"),
+    ):
+        fn = getattr(cpu_ops, name, None)
+        overload = getattr(getattr(torch.ops.bitsandbytes, op, None), "default", None)
+        if fn is not None and overload is not None:
+            kernels[overload] = fn
+    return kernels
+
+
+def reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """Every tensor the `roots` hold: through attributes, containers (dict keys too: optimizer states are keyed by
+    parameter), and parameters' gradients; not through code, classes or modules (process-wide state)."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            if obj is None or isinstance(obj, _OPAQUE):
+                continue
+            if isinstance(obj, torch.Tensor):
+                yield obj
+                if obj.is_leaf and obj.grad is not None:
+                    stack.append(obj.grad)
+            if isinstance(obj, dict):
+                stack.extend(obj.keys())
+                stack.extend(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                stack.extend(obj)
+            attributes = vars(obj)
+        except (TypeError, ReferenceError):  # no __dict__ (slots, builtins), or a dead weak proxy
+            continue
+        if isinstance(attributes, dict):
+            stack.extend(attributes.values())
+
+
 @dataclass
 class PeakMemory(TorchDispatchMode):
     device: str | None = None  # count only storages on this device type ("cpu", "cuda"); None counts all
+    roots: list | None = None  # find pre-existing tensors from these objects (None: every object the gc knows)
     live_bytes: int = 0
     peak_bytes: int = 0
     marks: list[Mark] = field(default_factory=list)
 
     def __post_init__(self):
         super().__init__()
-        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: list = []
+        self._live: dict[int, _Ref] = {}  # id of a live storage → its reference
         self._window_peak = 0
+        self._kernels: dict[Any, Callable] = {}
+        self._depth = 0
+        self._cpu_only = self.device == "cpu"  # the common case, tested without building a torch.device
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def _track(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
-            return
-        if self.device is not None and tensor.device.type != self.device:
+        if self._cpu_only:
+            if not tensor.is_cpu:  # meta tensors too
+                return
+        elif tensor.is_meta or (self.device is not None and tensor.device.type != self.device):
             return
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
             return
         nbytes = storage.nbytes()
-        known = self._sizes.get(storage)
-        if known is not None:
-            if known != nbytes:  # resized in place
-                self._sizes[storage] = nbytes
-                self._add(nbytes - known)
-            return
-        self._sizes[storage] = nbytes
-        self._refs.append(weakref.ref(storage, self._release(nbytes)))
-        self._add(nbytes)
+        ref = self._live.get(id(storage))
+        if ref is not None:
+            if ref.nbytes == nbytes:
+                return
+            self.live_bytes += nbytes - ref.nbytes  # resized in place
+            ref.nbytes = nbytes
+        else:
+            # The callback runs when the storage's Python object is freed, before its id can be reused; torch keeps
+            # one Python object per storage for as long as the storage lives (PyObject preservation).
+            ref = _Ref(storage, self._freed)
+            ref.key, ref.nbytes = id(storage), nbytes
+            self._live[ref.key] = ref
+            self.live_bytes += nbytes
+        if self.live_bytes > self._window_peak:
+            self._window_peak = self.live_bytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
 
-    def _release(self, nbytes: int):
-        def callback(_ref):
-            self.live_bytes -= nbytes
+    def _freed(self, ref: _Ref) -> None:
+        self.live_bytes -= ref.nbytes
+        self._live.pop(ref.key, None)
 
-        return callback
-
-    def _add(self, nbytes: int) -> None:
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._window_peak = max(self._window_peak, self.live_bytes)
+    def window(self) -> tuple[int, int]:
+        """(live bytes now, the peak since the previous window or mark), and start the next window."""
+        live = self.live_bytes
+        peak = max(self._window_peak, live)
+        self._window_peak = live
+        return live, peak
 
     def mark(self, label: str) -> Mark:
-        """Record live bytes now and the peak since the previous mark."""
-        m = Mark(label, self.live_bytes, self._window_peak)
+        """Record live bytes now and the peak since the previous mark (kept in `marks`)."""
+        m = Mark(label, *self.window())
         self.marks.append(m)
-        self._window_peak = self.live_bytes
         return m
 
     def reset_peak(self) -> None:
         self.peak_bytes = self._window_peak = self.live_bytes
 
-    # -- TorchDispatchMode ---------------------------------------------------------------------------------------
-    def __enter__(self):
+    def _existing(self) -> Iterable[Any]:
+        if self.roots is not None:
+            return reachable_tensors(self.roots)
         gc.collect()
+        return gc.get_objects()
+
+    # -- TorchDispatchMode ---------------------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's `__torch_dispatch__` in `torch._disable_dynamo` unless told otherwise; nothing here is
+        # compiled, and the wrapper costs ~1.3 µs of every operator (benchmarks/monitor_overhead.md, per operator).
+        return False
+
+    def __enter__(self):
+        self._depth += 1
+        if self._depth > 1:  # re-entered to run a Python kernel (`__torch_dispatch__`): already counting
+            return super().__enter__()
+        self._kernels = python_cpu_kernels()  # the run's libraries are imported by now
         with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
             warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
+            for obj in self._existing():
                 try:
                     if isinstance(obj, torch.Tensor):
                         self._track(obj)
@@ -101,9 +209,27 @@ class PeakMemory(TorchDispatchMode):
         self.reset_peak()
         return super().__enter__()
 
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self._live.clear()  # stop counting: let go of the references (and their callbacks)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._track(leaf)
+        kwargs = kwargs or {}
+        kernel = self._kernels.get(func)
+        if kernel is not None and all(t.is_cpu for t in tree_leaves(args) if isinstance(t, torch.Tensor)):
+            with self:  # the kernel's own torch ops, counted like any others
+                return kernel(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        elif isinstance(out, (tuple, list)):  # several outputs; foreach ops return lists
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._track(item)
+                elif isinstance(item, (tuple, list, dict)):
+                    for leaf in tree_leaves(item):
+                        if isinstance(leaf, torch.Tensor):
+                            self._track(leaf)
         return out

@@ -10,6 +10,9 @@ Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; eve
 - `device_used_gb`, `device_total_gb`: NVML, which also sees the CUDA context, other processes and memory torch's
   allocator does not own (bitsandbytes' paged optimizer states live in CUDA unified memory).
 - `rss_gb`: host resident set size (psutil) — the only figure without CUDA, so the same code runs on the CPU.
+- On the CPU, exactly (`lowmem_ft.train.exact.ExactMemory`, given as `exact`): `live_gb` (live tensor bytes now),
+  `peak_live_gb` (their exact peak since the previous sample), and the memory model's prediction of that peak for the
+  phase and the batch that ran, `predicted_peak_live_gb`, with the batch as `batch` ([rows, tokens]).
 
 Reading these is host-side bookkeeping (no device synchronisation), so a sample costs microseconds; the measured
 overhead is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
@@ -38,6 +41,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lowmem_ft.memory.target import Target
+from lowmem_ft.train.exact import ExactMemory
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,11 @@ class MemoryReader:
         return {k: round(v, 5) for k, v in out.items()}
 
 
+def _held(sample: dict[str, Any]) -> float | None:
+    """Tensor bytes a sample holds: the allocator's on CUDA, the exact count on the CPU."""
+    return sample.get("allocated_gb", sample.get("live_gb"))
+
+
 def used_gb(sample: dict[str, Any]) -> float | None:
     """Memory a sample holds against the budget: the allocator's high-water mark plus what NVML sees beyond it
     (CUDA context, other processes, unified memory) — all of it counts against a card of the budget's size."""
@@ -152,6 +161,7 @@ class MemoryMonitor(TrainerCallback):
         predicted_peak_gb: the planner's prediction, recorded next to the measurement.
         target: the memory the run must fit (VRAM, margin, budget = VRAM − margin); None without one.
         reader: returns one sample's figures; `MemoryReader()` by default (tests pass synthetic ones).
+        exact: on the CPU, the exact live tensor bytes and their prediction (`ExactMemory`); None: not measured.
         use_wandb: log to the active W&B run (transformers' WandbCallback starts it).
         write: write the memory file at all.
         rank, world_size: this process in a multi-process run (default: torchrun's RANK / WORLD_SIZE).
@@ -164,6 +174,7 @@ class MemoryMonitor(TrainerCallback):
         predicted_peak_gb: float | None = None,
         target: Target | None = None,
         reader: Callable[[], dict[str, float]] | None = None,
+        exact: ExactMemory | None = None,
         use_wandb: bool = False,
         write: bool = True,
         rank: int | None = None,
@@ -178,6 +189,7 @@ class MemoryMonitor(TrainerCallback):
         self.predicted_peak_gb = predicted_peak_gb
         self.target = target
         self.reader = reader or MemoryReader()
+        self.exact = exact
         self.use_wandb = use_wandb
         self.write = write
         self.state = None
@@ -218,6 +230,8 @@ class MemoryMonitor(TrainerCallback):
         record |= self._tag
         record |= self._tags
         record |= self.reader()
+        if self.exact is not None:
+            record |= self.exact.read(phase)
         record |= extra
         self.run_peak_gb = max(self.run_peak_gb, record.get("peak_gb", record.get("rss_gb", 0.0)))
         self._write(record)
@@ -247,6 +261,8 @@ class MemoryMonitor(TrainerCallback):
         return record
 
     def close(self) -> None:
+        if self.exact is not None:
+            self.exact.stop()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -274,20 +290,21 @@ class MemoryMonitor(TrainerCallback):
     def _check_leak(self) -> None:
         last: dict[str, dict[str, Any]] = {}
         for s in self._step_samples:
-            if s["phase"] in TRAIN_PHASES and "allocated_gb" in s:
+            if s["phase"] in TRAIN_PHASES and _held(s) is not None:
                 last[s["phase"]] = s
         for phase, s in last.items():
             series = self._by_phase.setdefault(phase, [])
-            series.append(s["allocated_gb"])
+            series.append(_held(s))
             del series[: -(LEAK_STEPS + 1)]
             if phase in self._leak_warned or len(series) <= LEAK_STEPS:
                 continue
             rising = all(b > a for a, b in zip(series, series[1:], strict=False))
             if rising and series[-1] - series[0] >= LEAK_MIN_GB:
                 self._leak_warned.add(phase)
+                what = "allocated" if "allocated_gb" in s else "live tensor"
                 self.event(
                     "leak",
-                    f"allocated memory after {phase} grew in each of the last {LEAK_STEPS} steps "
+                    f"{what} memory after {phase} grew in each of the last {LEAK_STEPS} steps "
                     f"({series[0]:.2f} → {series[-1]:.2f} GB): something keeps tensors alive across steps "
                     "(a loss kept with its graph, an ever-growing list of outputs?)",
                     step=self.state.global_step,
@@ -312,7 +329,8 @@ class MemoryMonitor(TrainerCallback):
         if not samples or run is None:
             return
         metrics: dict[str, float] = {"train/global_step": step}
-        for key in ("peak_gb", "reserved_gb", "device_used_gb", "rss_gb", "fragmentation_gb"):
+        keys = ("peak_gb", "reserved_gb", "device_used_gb", "rss_gb", "fragmentation_gb", "live_gb", "peak_live_gb")
+        for key in (*keys, "predicted_peak_live_gb"):
             values = [s[key] for s in samples if key in s]
             if values:
                 metrics[f"memory/{key}"] = max(values)
@@ -327,7 +345,7 @@ class MemoryMonitor(TrainerCallback):
         run.log(metrics)
 
     # -- TrainerCallback ------------------------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.state = state
         self._write(
             {
@@ -337,11 +355,14 @@ class MemoryMonitor(TrainerCallback):
                 "predicted_peak_gb": self.predicted_peak_gb,
                 **(self.target.to_dict() if self.target is not None else {"vram_gb": None, "budget_gb": None}),
                 "cuda": "allocated_gb" in self.reader(),
+                **(self.exact.start_fields() if self.exact is not None else {}),
                 **self._tags,
             }
         )
         if model is not None and not self._hooks:
             self.attach(model)
+        if model is not None and self.exact is not None:
+            self.exact.start(model, optimizer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.sample("optimizer")
@@ -395,3 +416,6 @@ class MemoryMonitor(TrainerCallback):
             for key in ("measured_peak_gb", "peak_phase", "peak_step"):
                 if summary.get(key) is not None:
                     run.summary[f"memory/{key}"] = summary[key]
+            for key in ("measured_gb", "predicted_gb", "error", "planned_gb"):  # CPU: exact vs the memory model
+                if summary.get("exact", {}).get(key) is not None:
+                    run.summary[f"memory/exact/{key}"] = summary["exact"][key]

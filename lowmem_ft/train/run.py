@@ -199,6 +199,7 @@ class FineTune:
     def _setup_trainer(self) -> None:
         from lowmem_ft.train import progress, tracking
         from lowmem_ft.train.args import eval_batch_size
+        from lowmem_ft.train.exact import ExactMemory
         from lowmem_ft.train.guard import MemoryGuard
         from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.monitor import MemoryMonitor
@@ -210,11 +211,21 @@ class FineTune:
             if dropped:
                 log.info("memory log: dropped %d record(s) of steps after %d, which this run redoes", dropped,
                          self.resume_step)  # fmt: skip
+        # On the CPU the monitor counts live tensor bytes exactly and compares them with the memory model's CPU form
+        # of this run's setup (the plan's figure, in run.json, is the CUDA one) — with or without --vram.
+        exact = (
+            ExactMemory.for_recipe(
+                self.recipe, eval_batch_size(self.recipe), self.args.world_size, config=self.model.config
+            )
+            if self.args.device.type == "cpu"
+            else None
+        )
         # under `train --gpus` each rank writes its own device's file (memory.jsonl on rank 0, memory.rank{R}.jsonl)
         self.monitor = MemoryMonitor(
             self.run.memory_file(self.args.process_index),
             predicted_peak_gb=self.choice.predicted_peak_gb,
             target=self.target,
+            exact=exact,
             use_wandb=self.tracking.enabled,
             rank=self.args.process_index,
             world_size=self.args.world_size,

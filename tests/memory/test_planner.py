@@ -8,7 +8,7 @@ import pytest
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import load_architecture
-from lowmem_ft.memory.estimate import Setup, estimate
+from lowmem_ft.memory.estimate import NF4_STATE_BYTES, Setup, estimate
 from lowmem_ft.memory.planner import Request, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.planning import fixed_knobs, plan_setup, setup_from_recipe
@@ -110,7 +110,8 @@ def test_estimate_components_respond_to_knobs():
     weights = QWEN7.num_layers * sum(lin.in_features * lin.out_features for lin in QWEN7.linears)  # biases stay 16-bit
     assert e["base weights (linears)"] == pytest.approx(weights * 4.127 / 8, rel=1e-3)
     no_dq = estimate(QWEN7, Setup(double_quant=False)).by_name()["base weights (linears)"]
-    assert no_dq == pytest.approx(weights * 4.5 / 8, rel=1e-6)
+    constants = QWEN7.num_layers * len(QWEN7.linears) * NF4_STATE_BYTES  # each linear's NF4 code (QuantState)
+    assert no_dq == pytest.approx(weights * 4.5 / 8 + constants, rel=1e-6)
     hf = estimate(QWEN7, Setup(max_seq_len=2048, loss_impl="hf_full")).by_name()["logits / loss working set"]
     assert hf > 10 * e["logits / loss working set"]  # full fp32 logits vs TRL's tiles
     off = estimate(QWEN7, Setup(max_seq_len=2048, activation_offloading=True)).by_name()

@@ -171,3 +171,24 @@ def test_wandb_offline_run_holds_memory_metrics_and_plan(tiny_model, tmp_path, m
     phases = {r.get("phase") for r in map(json.loads, (result.run_dir / "memory.jsonl").read_text().splitlines())}
     assert {"forward", "backward", "optimizer"} <= phases
     assert (result.run_dir / "memory.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_cpu_run_counts_live_tensors_exactly_at_every_sample(tiny_model, tmp_path, capsys):
+    """On the CPU every sample of a real run carries exact live bytes and the prediction for its phase and batch;
+    the start record the CPU form's peak for the plan's batch; the console line compares them (agreement within
+    8 % is checked for this and every run by tests/conftest.py)."""
+    from tests.train.tiny_runs import memory_records, tiny_run
+
+    result = tiny_run(tiny_model, "tests/data/numbered.jsonl", tmp_path, "exact", "training.max_steps=2")
+    start, *rest = memory_records(result.run_dir)
+    assert start["exact"] and start["predicted_cpu_batch"] == [4, 48] and start["predicted_cpu_peak_gb"] > 0
+    samples = {r["phase"]: r for r in rest if "phase" in r}
+    for phase in ("forward", "backward", "optimizer"):
+        s = samples[phase]
+        assert 0 < s["live_gb"] <= s["peak_live_gb"] and s["predicted_peak_live_gb"] > 0, phase
+    assert samples["forward"]["batch"][0] == 4 and samples["forward"]["batch"][1] <= 48
+    assert samples["forward"]["peak_live_gb"] > 2 * samples["optimizer"]["live_gb"]  # activations and the loss
+    assert "predicted_peak_live_gb" not in samples["save"]
+    out = capsys.readouterr().out
+    assert "memory: measured peak " in out and ", predicted " in out and "exact live tensor bytes" in out

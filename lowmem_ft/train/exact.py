@@ -1,0 +1,175 @@
+"""Exact memory of a CPU run, sample by sample, next to the memory model's prediction of the same thing.
+
+On the CPU there is no allocator to ask, so the run counts its live tensor bytes itself: `ExactMemory` keeps
+`lowmem_ft.train.measure.PeakMemory` running from the start of training to its end — through the real `train` path:
+SFTTrainer, the collator, evaluation, checkpoint saves, bitsandbytes' CPU optimizer kernels — and at every sample of
+the monitor reports `live_gb` (live now) and `peak_live_gb` (the exact peak since the previous sample).
+
+Beside each it puts the memory model's CPU form for the same phase and the batch that actually ran
+(`predicted_peak_live_gb`, from `lowmem_ft.memory.estimate.phase_peak_bytes`): the batch's rows × tokens, whether
+gradients and optimizer states were alive yet, whether activation checkpointing was on (the guard may switch it on
+mid-run). Those are observed on the model and the optimizer, never assumed, so a disagreement is a gap in the memory
+model, not in the bookkeeping. The plan's batch (micro batch × `max_seq_len`) is the worst case: batches that ran
+are usually shorter, and the start record carries the prediction for the plan's batch too
+(`predicted_cpu_peak_gb`).
+
+Not seen (PeakMemory sees what Python can reach or an operator returns): tensors only C++ holds — DDP's reducer
+buckets, allocated when the model is wrapped, before training starts (the planner's per-device DDP estimate counts
+them, `lowmem_ft.memory.sharding`).
+
+Phases without a prediction: `eval` (after an evaluation loop) and `save` (a checkpoint): both run with no gradient
+and no activation alive, so they stay below the training peak (the report says so when they do not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.estimate import GB, RunPhase, Setup, estimate, phase_peak_bytes
+from lowmem_ft.train.measure import PeakMemory
+
+log = logging.getLogger(__name__)
+
+# monitor phase → the memory model's phase whose peak a sample's `peak_live_gb` measures
+PREDICTED: dict[str, RunPhase] = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer step",
+    "eval_forward": "eval",
+}
+
+
+@dataclass
+class ExactMemory:
+    """Exact live tensor bytes of a CPU run and their prediction; `arch` None: measured, not predicted.
+
+    Args:
+        arch: the model's architecture (the memory model's view of it).
+        setup: the run's memory setup in its CPU form (`planning.setup_from_recipe(recipe, device="cpu")`).
+        eval_batch: the evaluation batch the run starts with (for the start record's eval prediction).
+        ddp: one of several processes (`train --gpus N` on the CPU is DDP): the trainer's gradient average.
+    """
+
+    arch: Architecture | None
+    setup: Setup
+    eval_batch: int = 1
+    ddp: bool = False
+    _meter: PeakMemory | None = field(default=None, init=False, repr=False)
+    _hooks: list = field(default_factory=list, init=False, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.setup.device != "cpu":
+            raise ValueError("ExactMemory compares with the CPU form of the memory model (Setup.device='cpu')")
+        self._train: tuple[int, int] | None = None  # rows × tokens of the last training forward
+        self._eval: tuple[int, int] | None = None  # ... and of the last evaluation forward
+        self._grads = False  # gradients alive when the last training forward began
+        self._states = False  # optimizer states alive when the last forward began
+        self._checkpointing = self.setup.gradient_checkpointing
+        self._trainable: list = []
+        self._optimizer = None
+        self._base = None
+
+    @classmethod
+    def for_recipe(cls, recipe, eval_batch: int, processes: int = 1, config=None) -> ExactMemory:
+        """The CPU form of `recipe`'s setup, with the architecture the planner reads (config.json), else that of the
+        loaded model's `config` (a Hub model read from the cache while offline)."""
+        from lowmem_ft.memory.arch import load_architecture
+        from lowmem_ft.planning import setup_from_recipe
+
+        try:
+            arch = load_architecture(recipe.model.name_or_path, recipe.model.trust_remote_code)
+        except UserError as exc:
+            arch = None
+            with contextlib.suppress(UserError):
+                arch = Architecture.from_config(config.to_dict(), recipe.model.name_or_path) if config else None
+            if arch is None:  # a model the memory model cannot describe: measured, not predicted
+                log.warning("memory: measuring without a prediction (%s)", exc)
+        return cls(arch, setup_from_recipe(recipe, device="cpu"), eval_batch, ddp=processes > 1)
+
+    # -- the plan's batch -----------------------------------------------------------------------------------------
+    def start_fields(self) -> dict[str, Any]:
+        """For memory.jsonl's start record: the CPU form's peak and phase peaks for the plan's batch (GB)."""
+        if self.arch is None:
+            return {"exact": True, "predicted_cpu_peak_gb": None}
+        s = self.setup
+        phases = {p: phase_peak_bytes(self.arch, s, p, ddp=self.ddp) for p in ("forward", "backward", "optimizer step")}
+        phases["eval"] = phase_peak_bytes(self.arch, replace(s, micro_batch_size=self.eval_batch), "eval")
+        return {
+            "exact": True,
+            "predicted_cpu_peak_gb": round(estimate(self.arch, s).model_peak_bytes / GB, 6),
+            "predicted_cpu_phases_gb": {p: round(b / GB, 6) for p, b in phases.items()},
+            "predicted_cpu_batch": [s.micro_batch_size, s.max_seq_len],
+        }
+
+    # -- measuring ------------------------------------------------------------------------------------------------
+    def start(self, model, optimizer=None) -> None:
+        """Count from now: the tensors `model` and `optimizer` hold, and every tensor created until `stop`."""
+        if self._meter is not None:
+            return
+        self._base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._optimizer = optimizer
+        # The run's own tensors only (not those of an earlier run in the same process); the optimizer's states,
+        # not the optimizer object (bitsandbytes' process-wide GlobalOptimManager hangs off it).
+        roots = [model] + ([optimizer.state] if optimizer is not None else [])
+        self._meter = PeakMemory(device="cpu", roots=roots)
+        self._meter.__enter__()
+        self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+
+    def stop(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self._meter = None
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            return
+        batch = (int(ids.shape[0]), int(ids.shape[1]))
+        self._states = self._optimizer is not None and len(self._optimizer.state) > 0
+        if not module.training:
+            self._eval = batch
+            return
+        self._train = batch
+        self._grads = any(p.grad is not None for p in self._trainable)
+        checkpointing = getattr(self._base, "is_activation_checkpointing", None)
+        if isinstance(checkpointing, bool):
+            self._checkpointing = checkpointing
+
+    def read(self, phase: str) -> dict[str, Any]:
+        """This sample's exact figures (GB), its batch and the prediction of `peak_live_gb` for its phase."""
+        if self._meter is None:
+            return {}
+        live, peak = self._meter.window()
+        out: dict[str, Any] = {"live_gb": round(live / GB, 6), "peak_live_gb": round(peak / GB, 6)}
+        what = PREDICTED.get(phase)
+        batch = self._eval if what == "eval" else self._train
+        if what is None or batch is None:
+            return out
+        if what != "optimizer step":
+            out["batch"] = list(batch)
+        if self.arch is not None:
+            out["predicted_peak_live_gb"] = self._predict(what, batch)
+        return out
+
+    def _predict(self, what: RunPhase, batch: tuple[int, int]) -> float:
+        grads = self._grads if what == "forward" else what != "eval"
+        states = self._states or what == "optimizer step"
+        key = (what, batch, grads, states, self._checkpointing)
+        if key not in self._cache:
+            rows, tokens = batch
+            s = replace(self.setup, micro_batch_size=rows, max_seq_len=tokens, gradient_checkpointing=key[-1])
+            b = phase_peak_bytes(self.arch, s, what, grads=grads, states=states, ddp=self.ddp)
+            self._cache[key] = round(b / GB, 6)
+        return self._cache[key]
