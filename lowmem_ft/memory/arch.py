@@ -100,28 +100,7 @@ class Architecture:
         kv = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or h // heads)
         inter = int(config["intermediate_size"])
-        q_out, kv_out = heads * head_dim, kv * head_dim
-        # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
-        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
-        o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
-        mlp_bias = bool(config.get("mlp_bias", False))
-        if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
-            linears = (
-                Linear("qkv_proj", h, q_out + 2 * kv_out),
-                Linear("o_proj", q_out, h),
-                Linear("gate_up_proj", h, 2 * inter),
-                Linear("down_proj", inter, h),
-            )
-        else:
-            linears = (
-                Linear("q_proj", h, q_out, qkv_bias),
-                Linear("k_proj", h, kv_out, qkv_bias),
-                Linear("v_proj", h, kv_out, qkv_bias),
-                Linear("o_proj", q_out, h, o_bias),
-                Linear("gate_proj", h, inter, mlp_bias),
-                Linear("up_proj", h, inter, mlp_bias),
-                Linear("down_proj", inter, h, mlp_bias),
-            )
+        linears = _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter)
         act = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
         return cls(
             name=name or str(config.get("_name_or_path", "")),
@@ -289,6 +268,30 @@ def _logit_scale(config: dict[str, Any]) -> float:
 
 # model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
 _NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
+
+
+def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
+    """The linear layers of one decoder block, as transformers names them."""
+    # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
+    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
+    mlp_bias = bool(config.get("mlp_bias", False))
+    if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
+        return (
+            Linear("qkv_proj", h, q_out + 2 * kv_out),
+            Linear("o_proj", q_out, h),
+            Linear("gate_up_proj", h, 2 * inter),
+            Linear("down_proj", inter, h),
+        )
+    return (
+        Linear("q_proj", h, q_out, qkv_bias),
+        Linear("k_proj", h, kv_out, qkv_bias),
+        Linear("v_proj", h, kv_out, qkv_bias),
+        Linear("o_proj", q_out, h, o_bias),
+        Linear("gate_proj", h, inter, mlp_bias),
+        Linear("up_proj", h, inter, mlp_bias),
+        Linear("down_proj", inter, h, mlp_bias),
+    )
 
 
 def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:

@@ -122,32 +122,9 @@ def per_device(
     - offload_params (ZeRO-3 / FSDP only): the weight shard lives on the host too.
     """
     _check(strategy, gpus, offload_optimizer, offload_params)
-    p = states.trainable_params
-    n = float(gpus)
-    weights = states.frozen_weight_bytes + p * states.weight_bytes_per_param
+    weights, grads, step_state, gathered, comm, notes = _divided(states, strategy, float(gpus))
     replicated = states.replicated_bytes
-    grads = p * states.grad_bytes_per_param
-    step_state = p * (
-        states.grad_accum_bytes_per_param + states.master_bytes_per_param + states.optimizer_bytes_per_param
-    )
-    notes: list[str] = []
-    gathered = comm = host = 0.0
-
-    if strategy == "ddp":
-        comm = grads
-    if strategy in ("zero1", "zero2", "zero3", "fsdp"):
-        step_state /= n
-    if strategy in ("zero2", "zero3", "fsdp"):
-        grads /= n
-    if strategy in ("zero3", "fsdp"):
-        weights /= n
-        gathered, notes = _gathered(states, strategy)
-        if strategy == "zero3":
-            # stage3.py: 4 × largest_layer_params = the layer's 16-bit parameters and gradients; and its 18 bytes
-            # per parameter (2 params16 + 4 grads32 + 4 params32 + 8 Adam) carry no persistent 16-bit gradient
-            # partition: gradients are reduce-scattered straight into the fp32 partition.
-            grads = 0.0
-
+    host = 0.0
     if offload_optimizer:
         host += step_state
         step_state = 0.0
@@ -171,6 +148,34 @@ def per_device(
         offload_params=offload_params,
         notes=tuple(notes),
     )
+
+
+def _divided(states: ModelStates, strategy: Strategy, n: float) -> tuple[float, float, float, float, float, list[str]]:
+    """(weights, gradients, optimizer step state, gathered unit, DDP buckets, notes) per device before any offload:
+    what `strategy` divides by the `n` devices and what it adds."""
+    p = states.trainable_params
+    weights = states.frozen_weight_bytes + p * states.weight_bytes_per_param
+    grads = p * states.grad_bytes_per_param
+    step_state = p * (
+        states.grad_accum_bytes_per_param + states.master_bytes_per_param + states.optimizer_bytes_per_param
+    )
+    notes: list[str] = []
+    gathered = comm = 0.0
+    if strategy == "ddp":
+        comm = grads
+    if strategy in ("zero1", "zero2", "zero3", "fsdp"):
+        step_state /= n
+    if strategy in ("zero2", "zero3", "fsdp"):
+        grads /= n
+    if strategy in ("zero3", "fsdp"):
+        weights /= n
+        gathered, notes = _gathered(states, strategy)
+        if strategy == "zero3":
+            # stage3.py: 4 × largest_layer_params = the layer's 16-bit parameters and gradients; and its 18 bytes
+            # per parameter (2 params16 + 4 grads32 + 4 params32 + 8 Adam) carry no persistent 16-bit gradient
+            # partition: gradients are reduce-scattered straight into the fp32 partition.
+            grads = 0.0
+    return weights, grads, step_state, gathered, comm, notes
 
 
 def _check(strategy: str, gpus: int, offload_optimizer: bool, offload_params: bool) -> None:

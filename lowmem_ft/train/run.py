@@ -145,7 +145,9 @@ class FineTune:
         # Data before the model: tokenizing fails fast on bad lines, before any weight is read.
         self._setup_data()
         self._setup_model()
-        # Guard and monitor are bound to the trainer that runs the steps they look after.
+        # Monitor and guard after the model (the exact CPU count's prediction reads its config), before the trainer
+        # that runs the steps they look after and takes them as callbacks.
+        self._setup_memory()
         self._setup_trainer()
         # The run directory last: it records what setup decided (data summary, parameter counts).
         self._write_run_files()
@@ -196,14 +198,12 @@ class FineTune:
         set_seed(self.recipe.training.seed)
         self.model = build_model(self.recipe)
 
-    def _setup_trainer(self) -> None:
-        from lowmem_ft.train import progress, tracking
+    def _setup_memory(self) -> None:
+        """The monitor (observes, records; exact live bytes on the CPU) and the guard (decides step-downs)."""
         from lowmem_ft.train.args import eval_batch_size
         from lowmem_ft.train.exact import ExactMemory
         from lowmem_ft.train.guard import MemoryGuard
-        from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.monitor import MemoryMonitor
-        from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
         if self.resume_step is not None:  # the steps after the checkpoint are redone: their samples would repeat
@@ -239,6 +239,13 @@ class FineTune:
             target=self.target,
         )
         self.monitor.watch(self.guard.watch)
+
+    def _setup_trainer(self) -> None:
+        from lowmem_ft.train import progress, tracking
+        from lowmem_ft.train.losses import install_loss_head
+        from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+
+        m = self.recipe.memory
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
         self.trainer = MemorySafeSFTTrainer(
