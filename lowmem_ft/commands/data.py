@@ -59,13 +59,8 @@ def add_parser(sub) -> None:
     )
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's tokenizer code")
     s.add_argument("--recipe", metavar="NAME_OR_FILE", help="take the data (and model) keys from this recipe")
-    s.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe key, repeatable (e.g. --set 'data.mix=[{path: a.jsonl, weight: 3}, {path: b.csv}]')",
+    flags.add_set(
+        s, "override one recipe key, repeatable (e.g. --set 'data.mix=[{path: a.jsonl, weight: 3}, {path: b.csv}]')"
     )
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
     s.set_defaults(func=run)

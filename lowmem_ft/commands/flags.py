@@ -1,4 +1,5 @@
-"""Flag values checked where they enter: argparse `type=` functions shared by the commands.
+"""Flags shared by the commands: argparse `type=` functions that check values where they enter, and the flags
+several commands take (`--set`, `--push-to-hub`).
 
 The one idea: a bad flag value is refused while the command line is parsed — before any file is read or any model
 loaded — in one line that names the flag, the rule and the value (`lowmem_ft.cli` prints argparse's errors as one
@@ -71,3 +72,19 @@ def run_name(text: str) -> str:
         return check_run_name(text)
     except UserError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--name ")) from None
+
+
+def add_set(parser, help: str) -> None:
+    """`--set SECTION.KEY=VALUE`, repeatable, into `args.overrides` (parsed by `lowmem_ft.recipe.load`)."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_push_to_hub(parser, what: str, when: str) -> None:
+    """`--push-to-hub REPO` and `--hub-private` (`lowmem_ft.hub`): upload `what` with its model card `when`."""
+    parser.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help=f"upload {what} with a model card to this Hub repo (NAME or ORG/NAME) {when}; login and network are "
+        "checked before any work starts",
+    )
+    parser.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")

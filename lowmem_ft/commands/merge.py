@@ -47,13 +47,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="allow the base model's (or tokenizer's) own code; the run directory's recipe cannot turn this on",
     )
-    p.add_argument(
-        "--push-to-hub",
-        metavar="REPO",
-        help="upload the merged model with a model card to this Hub repo (NAME or ORG/NAME); login and network are "
-        "checked before the merge starts",
-    )
-    p.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")
+    flags.add_push_to_hub(p, "the merged model", "when the merge is done")
     p.set_defaults(func=run)
 
 

@@ -43,14 +43,7 @@ def add_parser(sub) -> None:
         help="with --gpus N: auto picks DDP when the model fits per device, else FSDP, then FSDP + CPU offload",
     )
     p.add_argument("--offload", action="store_true", default=None, help="plan with optimizer states in host RAM")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="fix one recipe key; the planner does not change it (repeatable)",
-    )
+    flags.add_set(p, "fix one recipe key; the planner does not change it (repeatable)")
     p.add_argument("--output", metavar="FILE.yaml", help="write the resolved recipe here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(

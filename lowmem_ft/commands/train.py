@@ -31,14 +31,7 @@ def add_parser(sub) -> None:
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe key; repeatable (e.g. --set training.max_steps=100)",
-    )
+    flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
     p.add_argument(
         "--name",
         type=flags.run_name,
@@ -79,13 +72,7 @@ def add_parser(sub) -> None:
         help="continue training this LoRA adapter (a directory, runs/NAME, or a Hub id); the plan counts its rank "
         "and target modules (adapter.name_or_path)",
     )
-    h.add_argument(
-        "--push-to-hub",
-        metavar="REPO",
-        help="upload the adapter (or model) with a model card to this Hub repo (NAME or ORG/NAME) when training "
-        "ends; login and network are checked before training starts",
-    )
-    h.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")
+    flags.add_push_to_hub(h, "the adapter (or model)", "when training ends")
     g = p.add_argument_group("several GPUs (through accelerate launch)")
     g.add_argument(
         "--gpus", type=flags.count, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)"
