@@ -174,7 +174,7 @@ class Saver:
                 output_dir=str(self.run.checkpoints),
                 save_total_limit=trainer.args.save_total_limit,
                 best_model_checkpoint=state.best_model_checkpoint,
-                use_mtime=True,
-            )
+                use_mtime=False,  # the step in the name orders them; mtime ties within a second on fast runs and
+            )  # then transformers warns "mtime may not be reliable" on every save
         barrier()
         return final

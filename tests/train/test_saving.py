@@ -273,3 +273,29 @@ def test_is_disk_full(exc, full):
         raise RuntimeError("wrapped") from exc
     except RuntimeError as wrapped:
         assert is_disk_full(wrapped) is full
+
+
+def test_rotation_orders_checkpoints_by_step_not_mtime(tmp_path, caplog):
+    """Saves a second apart share an mtime on fast runs: rotation keeps the newest steps (9 and 10, not 10 and 8
+    by name), and transformers' "mtime may not be reliable" warning never reaches the console."""
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    from lowmem_ft.train.saving import Saver
+
+    run = RunDir(tmp_path / "run")
+    for step in (8, 9):
+        (run.checkpoints / f"checkpoint-{step}").mkdir(parents=True)
+    (run.staging / "checkpoint-10").mkdir(parents=True)
+    for path in [*run.checkpoints.iterdir(), run.staging / "checkpoint-10"]:
+        os.utime(path, (1_000_000, 1_000_000))
+    trainer = SimpleNamespace(args=SimpleNamespace(should_save=True, save_total_limit=2),
+                              state=SimpleNamespace(best_model_checkpoint=None))  # fmt: skip
+    hf_logging.enable_propagation()
+    try:
+        Saver(run).publish(trainer, 10)
+    finally:
+        hf_logging.disable_propagation()
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["checkpoint-10", "checkpoint-9"]
+    assert not [r for r in caplog.records if "mtime" in r.getMessage()]
