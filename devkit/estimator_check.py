@@ -60,9 +60,36 @@ def recipe_for(model_dir: Path, p: Point):
         "model": {"name_or_path": str(model_dir), "quantization": "nf4" if p.adapter == "qlora" else "none"},
         "adapter": {"kind": "full" if p.adapter == "full" else "lora", "r": 8},
         "optimizer": {"name": p.optimizer},
-        "memory": {"gradient_checkpointing": p.checkpointing, "micro_batch_size": p.batch, "max_seq_len": p.seq},
+        "memory": {
+            "gradient_checkpointing": p.checkpointing,
+            "micro_batch_size": p.batch,
+            "max_seq_len": p.seq,
+            "gradient_accumulation": 1,  # each micro batch is let go before the next: see `trainer_batches`
+        },
     }
     return resolve(None, overrides)
+
+
+def trainer_batches(vocab: int, rows: int, lengths: list[int], gen=None, device: str = "cpu"):
+    """The micro batches of `lengths` tokens as a training run holds them: `(input_ids, attention_mask, labels)`,
+    int64, labels a tensor of their own (TRL's collator pads them separately); one row of a padded batch masked
+    at its start. On the CPU the loader's next batch exists before the current one runs (accelerate's
+    DataLoaderShard iterates one ahead; on CUDA that one is still on the host), so each is made one batch ahead —
+    what the memory model's batch term counts (`lowmem_ft.memory.estimate.BATCH_BYTES_PER_TOKEN`, accumulation 1)."""
+    import torch
+
+    def make(seq: int):
+        ids = torch.randint(0, vocab, (rows, seq), generator=gen, device=device)
+        mask = torch.ones_like(ids)
+        if rows > 1:
+            mask[-1, : seq // 4] = 0  # left padding on one row: the mask a padded batch carries
+        return ids, mask, ids.clone()
+
+    ahead = [make(lengths[0])]
+    for i in range(len(lengths)):
+        if device == "cpu":
+            ahead.append(make(lengths[min(i + 1, len(lengths) - 1)]))
+        yield ahead.pop(0)
 
 
 def trainer_optimizer(model, args):
@@ -119,13 +146,12 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     # optimizer kernels are Python, and PeakMemory counts their temporaries (measure.python_cpu_kernels)
     with PeakMemory(roots=[model, optimizer.state]) as pm:
         pm.mark("static")
-        for step, micro in ((1, 1), (2, 1), (2, 2)):
-            seq = p.seq if (step, micro) == (2, 2) else warmup_seq
-            ids = torch.randint(0, vocab, (p.batch, seq), generator=gen)
-            mask = torch.ones_like(ids)
-            if p.batch > 1:
-                mask[-1, : seq // 4] = 0  # left padding on one row: the mask a padded batch carries
-            out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+        steps = ((1, 1), (2, 1), (2, 2))
+        lengths = [p.seq if (step, micro) == (2, 2) else warmup_seq for step, micro in steps]
+        for (step, micro), (ids, mask, labels) in zip(
+            steps, trainer_batches(vocab, p.batch, lengths, gen), strict=True
+        ):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
             loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
             pm.mark(f"forward {step}.{micro}")
             loss.backward()
@@ -204,12 +230,10 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     torch.cuda.reset_peak_memory_stats()
     phases = {"static": _cuda_sample(before)}
     with PeakMemory(device="cuda") as pm:
-        for step, micro in ((1, 1), (2, 1), (2, 2)):
-            ids = torch.randint(0, vocab, (p.batch, p.seq), device="cuda")
-            mask = torch.ones_like(ids)
-            if p.batch > 1:
-                mask[-1, : p.seq // 4] = 0
-            out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+        steps = ((1, 1), (2, 1), (2, 2))
+        batches = trainer_batches(vocab, p.batch, [p.seq] * len(steps), device="cuda")
+        for (step, micro), (ids, mask, labels) in zip(steps, batches, strict=True):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
             loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
             phases[f"forward {step}.{micro}"] = _cuda_sample(before)
             loss.backward()

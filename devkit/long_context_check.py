@@ -16,8 +16,8 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from devkit.estimator_check import trainer_batches, write_model  # noqa: F401 (write_model: this module's API too)
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
 from lowmem_ft.planning import setup_from_recipe
@@ -63,18 +63,6 @@ class LongPoint:
         return ", ".join(on)
 
 
-def write_model(config: dict[str, Any], out: Path, seed: int = 0) -> Path:
-    """A random-initialized model of `config` saved to `out` (bf16 safetensors, like a Hub checkpoint)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    (out / "lowmem_config.json").write_text(json.dumps(config))
-    return out
-
-
 def recipe_for(model_dir: Path, p: LongPoint):
     overrides = {
         "model": {"name_or_path": str(model_dir), "quantization": "nf4" if p.adapter == "qlora" else "none"},
@@ -91,6 +79,7 @@ def recipe_for(model_dir: Path, p: LongPoint):
             "embeddings_on_host": p.host_embeddings,
             "chunked_loss": p.chunked_loss,
             "loss_chunk_tokens": p.loss_chunk_tokens,
+            "gradient_accumulation": 1,  # each micro batch is let go before the next (trainer_batches)
         },
     }
     return resolve(None, overrides)
@@ -138,13 +127,12 @@ def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tup
     gen = torch.Generator().manual_seed(1)
     with PeakMemory() as pm:  # bitsandbytes' Python CPU optimizer kernels run under its mode (python_cpu_kernels)
         pm.mark("static")
-        for step, micro in ((1, 1), (2, 1), (2, 2)):
-            seq = p.seq if (step, micro) == (2, 2) else warmup_seq
-            ids = torch.randint(0, vocab, (p.batch, seq), generator=gen)
-            mask = torch.ones_like(ids)
-            if p.batch > 1:
-                mask[-1, : seq // 4] = 0
-            out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+        steps = ((1, 1), (2, 1), (2, 2))
+        lengths = [p.seq if (step, micro) == (2, 2) else warmup_seq for step, micro in steps]
+        for (step, micro), (ids, mask, labels) in zip(
+            steps, trainer_batches(vocab, p.batch, lengths, gen), strict=True
+        ):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
             loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
             pm.mark(f"forward {step}.{micro}")
             loss.backward()

@@ -195,6 +195,7 @@ def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
         gradient_checkpointing=mem.gradient_checkpointing,
         micro_batch_size=mem.micro_batch_size,
         max_seq_len=mem.max_seq_len,
+        gradient_accumulation=mem.gradient_accumulation,
         activation_offloading=mem.activation_offloading,
         # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
         # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.

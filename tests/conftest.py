@@ -37,21 +37,65 @@ def _forget_bnb_module_overrides():
         optim.GlobalOptimManager.get_instance().module_weight_config_triple.clear()
 
 
+_TEST_DIRS: set = set()  # every test's own tmp_path so far: the other directories under the base are fixtures'
+_FIXTURE_DIRS: set = set()  # fixtures' directories already looked at
+_CHECKED: set = set()  # memory files already checked
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """After a test passes: every run it trained on the CPU under its tmp_path measured its memory exactly, and the
-    memory model must agree with it (tests/train/tiny_runs.py `memory_disagreements`, ≤ 8 % per run and per phase).
-    A test opts out with `@pytest.mark.memory_unchecked(reason=...)`, saying why."""
+    """After a test passes: every run it trained on the CPU measured its memory exactly, and the memory model must
+    agree with it (tests/train/tiny_runs.py `memory_disagreements`, ≤ 8 % per run and per phase).
+
+    Checked: the runs under the test's `tmp_path`, and the runs its fixtures made in `tmp_path_factory` directories
+    (module- and session-scoped fixtures: the base directory's other folders, after the first test that ran with
+    them; `pytest_sessionfinish` checks them all once more for runs added later). A test opts its own runs out with
+    `@pytest.mark.memory_unchecked(reason=...)`, saying why; fixtures' runs are always checked."""
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if tmp is not None:
+        _TEST_DIRS.add(tmp)  # before the test runs: a failed test's directory is not a fixture's
     result = yield
     unchecked = item.get_closest_marker("memory_unchecked")
     assert unchecked is None or unchecked.kwargs.get("reason"), "memory_unchecked needs reason=... (why not checked)"
-    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
-    if tmp is not None and unchecked is None:
-        from tests.train.tiny_runs import memory_disagreements
-
-        problems = memory_disagreements(tmp)
-        assert not problems, "the memory model disagrees with the exact CPU measurement:\n" + "\n".join(problems)
+    files = _memory_files(tmp) if tmp is not None and unchecked is None else []
+    new = [d for d in _fixture_dirs(item.config) if d not in _FIXTURE_DIRS]
+    _FIXTURE_DIRS.update(new)
+    problems = _disagreements(files + [f for d in new for f in _memory_files(d)])
+    assert not problems, "the memory model disagrees with the exact CPU measurement:\n" + "\n".join(problems)
     return result
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fixtures' runs made or continued after their first test: checked once more at the end (a failure fails the
+    session)."""
+    files = [f for d in _fixture_dirs(session.config) for f in _memory_files(d) if f not in _CHECKED]
+    problems = _disagreements(files)
+    if problems:
+        session.config.get_terminal_writer().line(
+            "the memory model disagrees with the exact CPU measurement of fixtures' runs:\n" + "\n".join(problems),
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _fixture_dirs(config) -> list:
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or factory._basetemp is None:  # nothing made a temporary directory yet
+        return []
+    return [d for d in factory.getbasetemp().iterdir() if d.is_dir() and not d.is_symlink() and d not in _TEST_DIRS]
+
+
+def _memory_files(root) -> list:
+    return sorted(root.rglob("memory*.jsonl"))
+
+
+def _disagreements(files: list) -> list[str]:
+    if not files:
+        return []
+    from tests.train.tiny_runs import memory_disagreements
+
+    _CHECKED.update(files)
+    return [problem for path in files for problem in memory_disagreements(path)]
 
 
 @pytest.fixture(scope="session")

@@ -62,14 +62,19 @@ CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
 # memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
 # (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
-# Working sets measured with PeakMemory on the function alone (bf16 and fp32; n 1000-2000, V 2000-5000, k 250-1000;
-# devkit/long_context_check.py measures them in the whole model): forward 12 B per logit of the chunk — the fp32
-# logits and two fp32 temporaries of logsumexp / the entropy statistics (the c-byte matmul output is freed by then);
-# backward 8 B per logit (fp32 logits, exp) plus the c-byte cast of the logits gradient when c < 4, on top of the
-# c-byte `grad_hidden` of all n tokens. The loss input `hidden[mask]` is a c-byte copy kept from forward to backward.
+# Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
+# bf16 and fp32, with and without a softcap): forward 8 B — the fp32 logits and the softmax made from them in place
+# (12 with a softcap in fp32: the tanh's temporaries); backward 4 B — the fp32 logits turned into their gradient in
+# place — plus the c-byte matmul output / gradient cast when c < 4 (6.0 and 4.0 measured); with a softcap the
+# logits stay for its derivative: 16 B. On top of the backward's chunk, the c-byte `grad_hidden` of all n tokens
+# and three fp32 per-token gradients (log-probs' gradient, masked_scatter's backward and its zeros: 12 B per token,
+# measured in a tiny-model run at 4,096 tokens). The loss input `hidden[mask]` is a c-byte copy kept from forward
+# to backward, beside its int64 targets, fp32 log-probs and two bool masks (CHUNKED_TOKEN_BYTES, same run).
 CHUNK_FP32_BYTES = 64 * 2**20
-CHUNK_FWD_BYTES_PER_LOGIT = 12
-CHUNK_BWD_BYTES_PER_LOGIT = 8
+CHUNK_FWD_BYTES_PER_LOGIT, CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32 = 8, 12
+CHUNK_BWD_BYTES_PER_LOGIT, CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP = 4, 16
+CHUNK_BWD_BYTES_PER_TOKEN = 3 * 4
+CHUNKED_TOKEN_BYTES = 8 + 4 + 2
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
@@ -80,10 +85,19 @@ HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
 # layers, difference = one layer; benchmarks/estimator_cpu.md).
 DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
 # Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
-# computed once by the model's rotary embedding, saved by every layer's `q * cos`), int64 input ids, attention mask
-# and the loss's targets (8 B each), fp32 log_z and entropy the fused head saves (4 B each). Measured remainder
-# 23-35 B/token beyond RoPE (PeakMemory, the 1-layer model's forward minus one layer).
-TOKEN_BOOKKEEPING_BYTES = 3 * 8 + 2 * 4
+# computed once by the model's rotary embedding, saved by every layer's `q * cos`), the loss's int64 shifted targets
+# (8 B) and fp32 log_z and entropy the fused head saves (4 B each). Measured remainder 23-35 B/token beyond RoPE
+# with one batch's tensors (PeakMemory, the 1-layer model's forward minus one layer).
+TOKEN_BOOKKEEPING_BYTES = 8 + 2 * 4
+# The batch's tensors, int64 (TRL DataCollatorForLanguageModeling: input_ids, labels and attention_mask, or
+# position_ids when padding-free): 3 × 8 B per token. transformers' Trainer fetches a whole accumulation window's
+# micro batches before the window's first forward (trainer.py get_batch_samples), each already on the device
+# (accelerate DataLoaderShard.__iter__ sends a batch there before yielding it), and they stay referenced through the
+# optimizer step; the loader also holds the next batch, on the host, to see the end of the data — device memory on
+# the CPU only. Measured on the CPU (PeakMemory, a tiny-model run at 4,096 tokens, accumulation 1, optimizer step):
+# six (1, 4096) int64 tensors from the collator's `torch.full`, 196.6 KB.
+BATCH_BYTES_PER_TOKEN = 3 * 8
+BATCH = "batch tensors (ids, labels, mask)"
 # Backward transients measured on the CPU with PeakMemory (the backbone alone with `last_hidden_state.sum()`; Qwen2-
 # and Llama-shaped layers, h 512/384, i 1408/1024): without checkpointing the backward's first op, the final RMSNorm
 # backward, holds ~5 fp32 hidden-sized gradients (20·h B/token: 10236 and 7676 measured vs 10240 and 7680); with
@@ -144,6 +158,7 @@ class Setup:
     gradient_checkpointing: bool = True
     micro_batch_size: int = 1
     max_seq_len: int = 1024
+    gradient_accumulation: int = 1  # micro batches per optimizer step (their batch tensors are held together)
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
     loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
@@ -487,7 +502,8 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
     # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
     loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0
-    return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
+    chunked = CHUNKED_TOKEN_BYTES if s.loss_impl == "chunked" else 0
+    return norm + loss_input + chunked + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
@@ -506,18 +522,29 @@ def loss_chunk_tokens(arch: Architecture, s: Setup) -> int:
     return max(1, min(n, s.loss_chunk_tokens or CHUNK_FP32_BYTES // (4 * arch.vocab_size)))
 
 
+def _chunk_per_logit(arch: Architecture, s: Setup) -> tuple[int, int]:
+    """(forward, backward) bytes per logit of one loss chunk (CHUNK_*_BYTES_PER_LOGIT)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    if arch.final_logit_softcapping:
+        fwd = CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32 if c == 4 else CHUNK_FWD_BYTES_PER_LOGIT
+        return fwd, CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP
+    return CHUNK_FWD_BYTES_PER_LOGIT, CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)
+
+
+def _chunk_backward_fixed(arch: Architecture, s: Setup) -> float:
+    """The chunked loss's backward beyond its chunk: every token's c-byte hidden-state gradient and fp32 ones."""
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    return (DTYPE_BYTES[s.compute_dtype] * arch.hidden_size + CHUNK_BWD_BYTES_PER_TOKEN) * n
+
+
 def chunk_forward_bytes(arch: Architecture, s: Setup, k: int) -> float:
-    """The chunked loss's forward working set for chunks of `k` tokens (CHUNK_FWD_BYTES_PER_LOGIT)."""
-    return CHUNK_FWD_BYTES_PER_LOGIT * k * arch.vocab_size
+    """The chunked loss's forward working set for chunks of `k` tokens."""
+    return _chunk_per_logit(arch, s)[0] * k * arch.vocab_size
 
 
 def chunk_backward_bytes(arch: Architecture, s: Setup, k: int) -> float:
-    """The chunked loss's backward working set: one chunk (CHUNK_BWD_BYTES_PER_LOGIT, + the c-byte gradient cast
-    when the compute dtype is not fp32) and the c-byte gradient of every token's hidden state."""
-    c = DTYPE_BYTES[s.compute_dtype]
-    n = s.micro_batch_size * (s.max_seq_len - 1)
-    per_logit = CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)
-    return per_logit * k * arch.vocab_size + c * n * arch.hidden_size
+    """The chunked loss's backward working set: one chunk of `k` tokens and every token's gradients."""
+    return _chunk_per_logit(arch, s)[1] * k * arch.vocab_size + _chunk_backward_fixed(arch, s)
 
 
 def largest_loss_chunk(arch: Architecture, s: Setup, budget_bytes: float) -> int:
@@ -525,11 +552,11 @@ def largest_loss_chunk(arch: Architecture, s: Setup, budget_bytes: float) -> int
     one token does not. At most the micro batch's tokens. Pure arithmetic, for the planner: fewer, larger chunks
     when there is room (`memory.loss_chunk_tokens`)."""
     n = s.micro_batch_size * (s.max_seq_len - 1)
-    c = DTYPE_BYTES[s.compute_dtype]
-    per_token_fwd = CHUNK_FWD_BYTES_PER_LOGIT * arch.vocab_size
-    per_token_bwd = (CHUNK_BWD_BYTES_PER_LOGIT + (c if c < 4 else 0)) * arch.vocab_size
-    fixed_bwd = c * n * arch.hidden_size
-    k = min(budget_bytes // per_token_fwd, (budget_bytes - fixed_bwd) // per_token_bwd)
+    fwd, bwd = _chunk_per_logit(arch, s)
+    k = min(
+        budget_bytes // (fwd * arch.vocab_size),
+        (budget_bytes - _chunk_backward_fixed(arch, s)) // (bwd * arch.vocab_size),
+    )
     return int(max(0, min(n, k)))
 
 
@@ -601,6 +628,10 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
     fp32_states = trainer_fp32_states(arch, s)
     states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device, fp32_states)
     comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
+    held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
+    comps.append(Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
+                           f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
+                           + (" + the loader's next one)" if s.device == "cpu" else ")")))  # fmt: skip
     if paged:
         comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
@@ -738,7 +769,10 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # a tiled norm's output is a concatenation of its tiles: the final norm's stays beside the loss's forward, and
     # under checkpointing a layer's beside its largest transient (c·h per token; measured with tiled_norms)
     norm_out = c * h * t if s.tiled_norms else 0.0
-    fwd_peak = kept + max(loss_fwd + norm_out, forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing)
+    # the chunked loss copies the final norm's output (`hidden[mask]`), which itself stays alive through the loss's
+    # forward (the model's `hidden_states`; PeakMemory, tiny-model runs at 4,096 tokens with and without tiled norms)
+    head_out = c * h * t if s.tiled_norms or s.loss_impl == "chunked" else 0.0
+    fwd_peak = kept + max(loss_fwd + head_out, forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing)
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
@@ -813,6 +847,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     mlp = eval_mlp_bytes(arch, es) * (mlp_tile_tokens(arch, es) if es.tiled_mlp else t)
     layer = max(layer_activation_bytes(arch, es) * t, mlp) + 2 * c * arch.hidden_size * t
     transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd)
+    transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
     overhead = 0.0
     if s.device == "cuda":
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_FRACTION * transient

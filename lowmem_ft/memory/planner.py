@@ -331,6 +331,7 @@ class _Scored:
 
 
 def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:
+    s = replace(s, gradient_accumulation=_accumulation(request, s.micro_batch_size))
     est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
     return _Scored(_cost(s), s, est, share)
 
@@ -367,7 +368,7 @@ def _stage_start(request: Request, off: bool, savers: dict[str, Any], first: boo
 
 def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> Setup | None:
     """The stage's setup with each knob at its least memory (NF4, paged 8-bit states, checkpointing with offloading,
-    the chunked loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
+    the smaller loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
     none runs. A saver stage whose smallest setup does not fit is skipped after this one estimate: each of these
     values lowers the predicted peak on its own, so no other setup of the stage would fit."""
     options = _options(start, request.fixed, arch)
@@ -383,9 +384,12 @@ def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, of
         optimizer=next((o for o in ("paged_adamw_8bit", *optimizers) if o in optimizers), start.optimizer),
         gradient_checkpointing=checkpointing,
         activation_offloading=checkpointing and least("activation_offloading", (True,)),
-        loss_impl=least("loss_impl", ("chunked",)),
         micro_batch_size=min(options["micro_batch_size"]),
     )
+    # the chunked loss keeps ~15 B per token more than TRL's fused head (its targets and statistics): where the
+    # loss does not set the peak (full fine-tuning at long lengths) the fused head is the smaller
+    losses = [replace(s, loss_impl=impl) for impl in options["loss_impl"]]
+    s = min(losses, key=lambda x: _score(arch, request, x, strat, off).estimate.peak_bytes)
     return s if _runnable(s, strat, off) else None
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import (
+    BATCH,
     DTYPE_BYTES,
     Component,
     Estimate,
@@ -321,6 +322,7 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
         Component("gathered units (all-gather)", share.gathered, "static", "; ".join(share.notes)),
         Component("DDP gradient buckets", share.comm_buffers, "static", "gradient_as_bucket_view=False"),
     ]  # fmt: skip
+    per += [c for c in est.components if c.name == BATCH]  # each device holds its own micro batches
     if share.host:
         per.append(Component("offloaded to host (per process)", share.host, "host", "CPU offload"))
     rest = [c for c in est.components if c.phase != "static"]

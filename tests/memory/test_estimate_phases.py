@@ -88,12 +88,13 @@ def test_bitsandbytes_cpu_step_copies(elem, min_numel, copies):
 def test_eval_peak_is_the_layer_or_the_loss_not_their_sum():
     """The tiny vocabulary's loss dominates: the eval peak is the loss's forward beside the final norm's output,
     not the loss plus a layer's tensors (what the model summed before real runs were measured)."""
-    from lowmem_ft.memory.estimate import head_saved_bytes, loss_bytes
+    from lowmem_ft.memory.estimate import BATCH_BYTES_PER_TOKEN, head_saved_bytes, loss_bytes
 
     s = replace(CPU, lora_dropout=0.0)
     static = sum(c.bytes for c in estimate(TINY, s).components if c.phase == "static" and c.name != "gradients")
     loss_fwd, _, _ = loss_bytes(TINY, s)
-    assert eval_peak_bytes(TINY, s, 4) == static + head_saved_bytes(TINY, s) * s.tokens + loss_fwd
+    batch = BATCH_BYTES_PER_TOKEN * s.tokens * 2  # the eval batch and the loader's next one
+    assert eval_peak_bytes(TINY, s, 4) == static + head_saved_bytes(TINY, s) * s.tokens + loss_fwd + batch
 
 
 def test_eval_mlp_in_flight_as_measured():

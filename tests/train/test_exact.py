@@ -83,3 +83,16 @@ def test_the_check_fails_a_run_the_model_gets_wrong(tmp_path):
 def test_a_test_may_opt_out_saying_why(tmp_path):
     write_run(tmp_path / "bad", [sample("forward", 1.0, 2.0)])
     assert memory_disagreements(tmp_path) != []
+
+
+def test_fixtures_runs_are_checked_too(request, tmp_path_factory):
+    """A run made in a `tmp_path_factory` directory (a module or session fixture's) is found among the fixtures'
+    directories the hook checks after the test, and its disagreement is reported."""
+    from tests import conftest
+
+    made = tmp_path_factory.mktemp("fixture_made")
+    write_run(made / "bad", [sample("forward", 1.0, 2.0)])
+    assert made in conftest._fixture_dirs(request.config)
+    problems = conftest._disagreements(conftest._memory_files(made))
+    assert problems and "forward measured 1.000000 GB vs predicted 2.000000 GB (-50.0%)" in problems[-1]
+    (made / "bad" / "memory.jsonl").unlink()  # not a real run: the hook would fail this test on it

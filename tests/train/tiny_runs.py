@@ -62,7 +62,8 @@ MEMORY_TOLERANCE = 0.08
 
 
 def memory_disagreements(root: Path, tolerance: float = MEMORY_TOLERANCE) -> list[str]:
-    """Where the exact CPU measurement of every run under `root` disagrees with the memory model (empty: none).
+    """Where the exact CPU measurement of every run under `root` (a directory, or one memory file) disagrees with
+    the memory model (empty: none).
 
     Each memory file whose start record says it was measured exactly (a CPU run through `train`): the peak of the
     batches that ran and each phase's peak within `tolerance` of the prediction for the same phase and batch, and
@@ -71,7 +72,8 @@ def memory_disagreements(root: Path, tolerance: float = MEMORY_TOLERANCE) -> lis
     from lowmem_ft.report import compare_exact
 
     problems = []
-    for path in sorted(Path(root).rglob("memory*.jsonl")):
+    root = Path(root)
+    for path in [root] if root.is_file() else sorted(root.rglob("memory*.jsonl")):
         records = []
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
