@@ -425,56 +425,67 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     exist for one tile at a time in backward (`tiled_mlp_transient_bytes`).
     """
     c = DTYPE_BYTES[s.compute_dtype]
-    h = arch.hidden_size
-    q = arch.num_heads * arch.head_dim
-    kv = arch.num_kv_heads * arch.head_dim
-    full = s.adapter == "full"
     masked = masked_layers(arch, s) > 0 if masked is None else masked
+    total = _norm_bytes(arch, s) + _linear_input_bytes(arch, s) + _attention_bytes(arch, s, masked)
+    if s.tiled_mlp:
+        return total + c * arch.hidden_size
+    if s.adapter == "full":  # the MLP's linear inputs were counted with the others (`_linear_input_bytes`)
+        return total + (3 * c * arch.intermediate_size if arch.mlp == "gated" else c * arch.intermediate_size)
+    return total + mlp_activation_bytes(arch, s)
+
+
+def _norm_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what a layer's RMSNorms keep (q/k norms included)."""
+    c, h = DTYPE_BYTES[s.compute_dtype], arch.hidden_size
+    full = s.adapter == "full"
     # RMSNorm: hidden.to(float32) is kept (pow and mul both need it) + rsqrt per token; with a trainable weight the
     # normalized input of `weight *` is kept too: c bytes (Llama: weight * hidden.to(dtype)), or 4 for Gemma's
     # norm, which multiplies in fp32 (modeling_gemma*.py: output * (1.0 + self.weight.float())).
     normalized = (4 if arch.norm_fp32_output else c) * h if full else 0
-    per_norm = 4 * h + 4 + normalized
-    total = arch.norms_per_layer * per_norm
+    total = arch.norms_per_layer * (4 * h + 4 + normalized)
     if s.tiled_norms:  # each norm keeps a view of its c-byte input; under checkpointing the first one's input is the
         # layer input the checkpoint holds already (measured per layer: 1,808 B/token for the probe, tiled MLP and
         # recompute_lora on, without checkpointing)
         total = c * h * (arch.norms_per_layer - (1 if s.gradient_checkpointing else 0))
-    # Linears: a trainable weight keeps its input (c bytes); a frozen one keeps nothing. Inputs shared by several
-    # linears (q/k/v, gate/up) are one tensor.
-    if full:
-        shared: dict[tuple[int, bool], int] = {}
-        for lin in arch.linears:
-            if s.tiled_mlp and is_mlp_linear(arch, lin):
-                continue
-            shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
-        total += c * sum(shared.values())
-    else:
-        total += _lora_input_bytes(arch, s, mlp=False)
     # q/k RMSNorm over head_dim (Qwen3, Gemma-3): the fp32 upcast of q and k and an rsqrt per head, as any RMSNorm
     # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md); `memory.tiled_norms` leaves them as are.
     if arch.qk_norm:
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
         if full:
             total += (4 if arch.norm_fp32_output else c) * (q + kv)
-    # Attention (SDPA flash/efficient, or flash_attention_2): q, k, v, output (c bytes) + fp32 logsumexp per head.
-    # With an explicit mask (padding, or a sliding window the sequence reaches) transformers repeats k/v to all heads
-    # (sdpa_attention.py repeat_kv, `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a
-    # c-byte additive mask (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at
-    # s 128, bf16). Eager attention always repeats k/v (eager_attention_forward), its s² scores are a term of their own.
+    return total
+
+
+def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, the linears' kept inputs outside the MLP's own tensors: a trainable weight keeps its input (c
+    bytes), a frozen one nothing; inputs shared by several linears (q/k/v, gate/up) are one tensor. LoRA: peft's."""
+    if s.adapter != "full":
+        return _lora_input_bytes(arch, s, mlp=False)
+    shared: dict[tuple[int, bool], int] = {}
+    for lin in arch.linears:
+        if s.tiled_mlp and is_mlp_linear(arch, lin):
+            continue
+        shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
+    return DTYPE_BYTES[s.compute_dtype] * sum(shared.values())
+
+
+def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
+    """Per token, what a layer's attention keeps (its s² eager scores are a term of their own).
+
+    SDPA flash/efficient, or flash_attention_2: q, k, v, output (c bytes) + fp32 logsumexp per head. With an
+    explicit mask (padding, or a sliding window the sequence reaches) transformers repeats k/v to all heads
+    (sdpa_attention.py repeat_kv, `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a
+    c-byte additive mask (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at
+    s 128, bf16). Eager attention always repeats k/v (eager_attention_forward)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     repeated = masked or s.attn_implementation == "eager"
     kv_kept = q if repeated else kv
     # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
     fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
     v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
-    total += c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads
-    if masked:
-        total += c * s.max_seq_len
-    if s.tiled_mlp:
-        return total + c * h
-    if full:  # the MLP's linear inputs were counted with the others above
-        return total + (3 * c * arch.intermediate_size if arch.mlp == "gated" else c * arch.intermediate_size)
-    return total + mlp_activation_bytes(arch, s)
+    return c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads + (c * s.max_seq_len if masked else 0)
 
 
 def first_layer_discount(arch: Architecture, s: Setup) -> float:
