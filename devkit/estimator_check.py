@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,3 +273,42 @@ def run_point(model_dir: Path, p: Point) -> Point:
     p.predicted = est.model_peak_bytes
     p.predicted_phases = est.phases
     return p
+
+
+# -- the accuracy tables of scripts/validate_estimator.py and scripts/validate_long_context.py ---------------------
+TABLE_PHASES = ("static", "forward", "backward", "optimizer step")
+TARGETS = "(targets: median ≤ 3 %, max ≤ 8 %)"
+
+
+def phase_measurements(p) -> dict[str, int]:
+    """Measured peak per phase of a point's steady-state step (micro-step 2.2: states and accumulated gradients
+    exist); `p` a `Point` or a `LongPoint` that ran (`run_point`)."""
+    ph = p.phases
+    return {
+        "static": ph["backward 2.1"][1],  # weights + states + gradients, nothing in flight
+        "forward": ph["forward 2.2"][0],
+        "backward": ph["backward 2.2"][0],
+        "optimizer step": ph["optimizer 2"][0],
+    }
+
+
+def phase_cells(measured: dict[str, int], predicted: dict[str, float], digits: int = 1) -> str:
+    """`measured / predicted` MB per phase, as the tables' phase columns."""
+    return " | ".join(f"{measured[k] / 1e6:.{digits}f} / {predicted[k] / 1e6:.{digits}f}" for k in TABLE_PHASES)
+
+
+def write_accuracy_table(columns: list[str], rows: list[str], errors: list[float], out: str | None) -> str:
+    """Print the summary (median and max |error|) and, with `out`, write the table: `columns` (the point's own,
+    before the phase and peak columns), one row per point."""
+    abs_err = [abs(e) for e in errors]
+    summary = (
+        f"median |error| {statistics.median(abs_err):.1%}, max |error| {max(abs_err):.1%} over {len(errors)} points"
+    )
+    header = [*columns, "static MB", "forward MB", "backward MB", "step MB", "peak measured MB",
+              "peak predicted MB", "error"]  # fmt: skip
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header), *rows])
+    print(summary)
+    if out:
+        note = "Phase cells: measured / predicted peak live MB (micro-step 2.2 and step 2)."
+        Path(out).write_text(f"{note}\n\n{table}\n\n{summary} {TARGETS}\n", encoding="utf-8")
+    return summary

@@ -159,17 +159,6 @@ def predict(model_dir: Path, p: LongPoint) -> Estimate:
     return estimate(arch, setup_from_recipe(recipe_for(model_dir, p), device="cpu"))
 
 
-def phase_measurements(p: LongPoint) -> dict[str, int]:
-    """Measured peak per phase of the steady-state step (micro-step 2.2: states and accumulated gradients exist)."""
-    ph = p.phases
-    return {
-        "static": ph["backward 2.1"][1],
-        "forward": ph["forward 2.2"][0],
-        "backward": ph["backward 2.2"][0],
-        "optimizer step": ph["optimizer 2"][0],
-    }
-
-
 def run_point(model_dir: Path, p: LongPoint) -> LongPoint:
     p.phases = measure(model_dir, p)
     p.measured = p.phases["peak"][0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -24,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.long_context_check import LongPoint, phase_measurements, run_point, write_model  # noqa: E402
+from devkit.estimator_check import phase_cells, phase_measurements, write_accuracy_table  # noqa: E402
+from devkit.long_context_check import LongPoint, run_point, write_model  # noqa: E402
 
 ARCHS = {
     "llama (V 2000, h 128, i 512, 2 L, GQA 4/2)": {
@@ -61,7 +61,6 @@ POINTS = [
     dict(adapter="lora", checkpointing=True, seq=1024, tiled_mlp=True, host_embeddings=True, chunked_loss=False),
 ]  # fmt: skip
 QUICK = [0, 1, 4]
-PHASES = ("static", "forward", "backward", "optimizer step")
 
 
 def main(argv=None) -> int:
@@ -79,8 +78,7 @@ def main(argv=None) -> int:
                 started = time.time()
                 p = run_point(model_dir, LongPoint(arch.split(" ")[0], **kw))
                 errors.append(p.error)
-                measured = phase_measurements(p)
-                cells = " | ".join(f"{measured[k] / 1e6:.2f} / {p.predicted_phases[k] / 1e6:.2f}" for k in PHASES)
+                cells = phase_cells(phase_measurements(p), p.predicted_phases, digits=2)
                 extra = (f", tile {p.tile_tokens}" if p.tile_tokens else "") + ("" if p.dropout else ", no dropout")
                 row = (
                     f"| {p.arch} | {p.adapter} | {'on' if p.checkpointing else 'off'} | {p.seq} | {p.knobs()}{extra} | "
@@ -88,24 +86,7 @@ def main(argv=None) -> int:
                 )
                 rows.append(row)
                 print(row, f"({time.time() - started:.0f} s)", flush=True)
-    abs_err = [abs(e) for e in errors]
-    summary = (
-        f"median |error| {statistics.median(abs_err):.1%}, max |error| {max(abs_err):.1%} over {len(errors)} points"
-    )
-    table = "\n".join(
-        [
-            "| model | adapter | ckpt | seq | knobs | optimizer | static MB | forward MB | backward MB | step MB "
-            "| peak measured MB | peak predicted MB | error |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-            *rows,
-        ]
-    )
-    print(summary)
-    if args.out:
-        note = "Phase cells: measured / predicted peak live MB (micro-step 2.2 and step 2)."
-        Path(args.out).write_text(
-            f"{note}\n\n{table}\n\n{summary} (targets: median ≤ 3 %, max ≤ 8 %)\n", encoding="utf-8"
-        )
+    write_accuracy_table(["model", "adapter", "ckpt", "seq", "knobs", "optimizer"], rows, errors, args.out)
     return 0
 
 
