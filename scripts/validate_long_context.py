@@ -38,7 +38,11 @@ ARCHS = {
     "mistral (V 4000, h 160, i 384, 2 L, MHA 5/5)": {
         "model_type": "mistral", "vocab_size": 4000, "hidden_size": 160, "intermediate_size": 384,
         "num_hidden_layers": 2, "num_attention_heads": 5, "num_key_value_heads": 5,
-        "sliding_window": None,  # a window below seq makes SDPA materialize an s × s mask (not modelled yet)
+        "sliding_window": None,
+    },
+    "mistral-sw (as above, 2,048-token window)": {  # Mistral-7B-v0.1's kind: longer sequences get s × s masks
+        "model_type": "mistral", "vocab_size": 4000, "hidden_size": 160, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 5, "num_key_value_heads": 5, "sliding_window": 2048,
     },
 }  # fmt: skip
 

@@ -412,6 +412,20 @@ def masked_layers(arch: Architecture, s: Setup) -> int:
     return 0
 
 
+def attention_mask_bytes(arch: Architecture, s: Setup) -> float:
+    """The explicit attention masks masking_utils builds once per forward for the masked layers (`masked_layers`):
+    bool, b × 1 × s × s, one per kind of layer masked (a padded batch of a model with sliding and full layers gets
+    both). Passed to every layer, so alive from the forward to the end of the backward (each checkpoint keeps it).
+    Measured (PeakMemory, devkit/long_context_check.py on the Mistral shape with a 4,096-token window, 8,192 tokens,
+    checkpointing): 67 MB the model lacked before, 1 B per element; each masked layer's SDPA adds its c-byte additive
+    copy beside it (`layer_activation_bytes`, and the forward transient under checkpointing)."""
+    n_masked = masked_layers(arch, s)
+    if n_masked == 0:
+        return 0.0
+    kinds = 2 if s.micro_batch_size > 1 and 0 < arch.sliding_layers < arch.num_layers else 1
+    return kinds * s.micro_batch_size * s.max_seq_len**2
+
+
 def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = None) -> float:
     """Bytes one decoder layer keeps for backward per token, without checkpointing (autograd's saved tensors).
 
@@ -733,6 +747,9 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
     c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
     n_masked = masked_layers(arch, s)
     layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
+    mask = attention_mask_bytes(arch, s)
+    if mask:
+        comps.append(Component("attention masks (s², bool)", mask, "forward/backward", "masking_utils sdpa_mask"))
     all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
     if s.gradient_checkpointing:
         boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
@@ -752,7 +769,7 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
             kept += eager
         else:
             layer += eager
-    return kept, layer
+    return kept + mask, layer
 
 
 def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
@@ -783,7 +800,10 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # the chunked loss copies the final norm's output (`hidden[mask]`), which itself stays alive through the loss's
     # forward (the model's `hidden_states`; PeakMemory, tiny-model runs at 4,096 tokens with and without tiled norms)
     head_out = c * h * t if s.tiled_norms or s.loss_impl == "chunked" else 0.0
-    fwd_peak = kept + max(loss_fwd + head_out, forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing)
+    # under checkpointing a masked layer's forward makes its c-byte additive mask (kept when not checkpointing)
+    additive = c * s.micro_batch_size * s.max_seq_len**2 if s.gradient_checkpointing and masked_layers(arch, s) else 0
+    layer_fwd = forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing + additive
+    fwd_peak = kept + max(loss_fwd + head_out, layer_fwd)
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
@@ -857,7 +877,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     # With tiled_mlp the MLP's tiles run one after another: one tile's MLP tensors at a time.
     mlp = eval_mlp_bytes(arch, es) * (mlp_tile_tokens(arch, es) if es.tiled_mlp else t)
     layer = max(layer_activation_bytes(arch, es) * t, mlp) + 2 * c * arch.hidden_size * t
-    transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd)
+    transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd) + attention_mask_bytes(arch, es)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
     overhead = 0.0
     if s.device == "cuda":

@@ -88,13 +88,15 @@ def test_bitsandbytes_cpu_step_copies(elem, min_numel, copies):
 def test_eval_peak_is_the_layer_or_the_loss_not_their_sum():
     """The tiny vocabulary's loss dominates: the eval peak is the loss's forward beside the final norm's output,
     not the loss plus a layer's tensors (what the model summed before real runs were measured)."""
-    from lowmem_ft.memory.estimate import BATCH_BYTES_PER_TOKEN, head_saved_bytes, loss_bytes
+    from lowmem_ft.memory.estimate import BATCH_BYTES_PER_TOKEN, attention_mask_bytes, head_saved_bytes, loss_bytes
 
     s = replace(CPU, lora_dropout=0.0)
     static = sum(c.bytes for c in estimate(TINY, s).components if c.phase == "static" and c.name != "gradients")
     loss_fwd, _, _ = loss_bytes(TINY, s)
     batch = BATCH_BYTES_PER_TOKEN * s.tokens * 2  # the eval batch and the loader's next one
-    assert eval_peak_bytes(TINY, s, 4) == static + head_saved_bytes(TINY, s) * s.tokens + loss_fwd + batch
+    mask = attention_mask_bytes(TINY, s)  # a padded batch: its bool mask, b × s × s
+    assert mask == 4 * s.max_seq_len**2
+    assert eval_peak_bytes(TINY, s, 4) == static + head_saved_bytes(TINY, s) * s.tokens + loss_fwd + batch + mask
 
 
 def test_eval_mlp_in_flight_as_measured():
@@ -114,3 +116,21 @@ def test_nf4_weights_count_each_linears_quantization_constants():
     linears = TINY.num_layers * len(TINY.linears)
     assert packed - n_lin * (4 + 8 / 64 + 32 / (64 * 256)) / 8 == pytest.approx(linears * NF4_DQ_STATE_BYTES)
     assert NF4_DQ_STATE_BYTES == 1092  # code 16 fp32 + offset + the 256-entry code of the absmax quantization
+
+
+def test_a_sliding_window_the_sequence_reaches_costs_its_masks():
+    """Mistral-7B-v0.1's 4,096-token window: at 8,192 tokens transformers builds a b × s × s bool mask (shared) and
+    each layer's SDPA a c-byte additive copy; below the window neither exists (measured on the long-context
+    yardstick: the model under-predicted such a run by 28 % without them)."""
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.estimate import attention_mask_bytes
+
+    arch = load_architecture("mistralai/Mistral-7B-v0.1")
+    assert arch.sliding_window == 4096
+    short, long = Setup(max_seq_len=4095), Setup(max_seq_len=8192)
+    assert attention_mask_bytes(arch, short) == 0 and attention_mask_bytes(arch, long) == 8192**2
+    names = estimate(arch, long).by_name()
+    assert names["attention masks (s², bool)"] == 8192**2
+    windowless = replace(arch, sliding_window=None, sliding_layers=0)
+    extra = estimate(arch, long).model_peak_bytes - estimate(windowless, long).model_peak_bytes
+    assert extra >= 8192**2 * (1 + 2)  # the shared bool mask and, at least, one layer's bf16 additive copy
