@@ -122,6 +122,11 @@ RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
 # the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
 TILED_NORMS_RECOMPUTE_BWD_H = 4
 TILE_BWD_I_TILED_NORMS = 8
+# That 4·h was measured with recompute_lora on. With tiled MLP and norms but peft's own LoRA branches, the recomputed
+# attention's LoRA backward holds more fp32 in flight: 10.1·h B/token (PeakMemory at 2,048 tokens, tiles of 64, the
+# long-context yardstick's Llama, Qwen2 and Mistral shapes: 10.10, 10.06, 10.11; the 4·h under-predicted those peaks
+# by 7.6-8.3 %); 10.5 keeps it on the safe side.
+TILED_NORMS_BWD_H = 10.5
 # The largest transient of one layer's forward (LoRA), beyond what the layers keep for backward and RoPE's cos/sin:
 # measured at the layers' own peak (PeakMemory's window peak read by a forward pre-hook on the final norm, so the
 # head's tensors, which do not exist yet, are not in it) and attributed op by op (a PeakMemory subclass recording
@@ -809,7 +814,9 @@ def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
     tile = mlp_tile_tokens(arch, s)
     if s.gradient_checkpointing:
         if s.tiled_mlp:
-            attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.tiled_norms else TILED_RECOMPUTE_BWD_H
+            attn_h = TILED_RECOMPUTE_BWD_H
+            if s.tiled_norms:
+                attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.recompute_lora else TILED_NORMS_BWD_H
             grads = max(attn_h * h * t, tiled_mlp_transient_bytes(arch, s))
             return grads, f"attention gradients or one MLP tile of {tile} tokens (measured)"
         bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
