@@ -122,12 +122,37 @@ RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
 # the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
 TILED_NORMS_RECOMPUTE_BWD_H = 4
 TILE_BWD_I_TILED_NORMS = 8
-# The largest transient of one layer's forward (LoRA; measured with PeakMemory as above, where it sets the forward
-# peak once the loss chunk is small): in peft's LoRA layer with the widest input, the input (c), its fp32 cast (4),
-# the dropout noise or mask (DROPOUT_MASK_BYTES) and the dropped copy (4) per input element, beside the layer's
-# c-byte hidden state. Under checkpointing nothing of it is kept; without, the noise and dropped copy are counted
-# as kept already, so the cast is what is new (c + 4 + mask). Fitted within 4 % (ckpt) and 20 % (no ckpt).
-FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT = 8, 4
+# That 4·h was measured with recompute_lora on. With tiled MLP and norms but peft's own LoRA branches, the recomputed
+# attention's LoRA backward holds more fp32 in flight: 10.1·h B/token (PeakMemory at 2,048 tokens, tiles of 64, the
+# long-context yardstick's Llama, Qwen2 and Mistral shapes: 10.10, 10.06, 10.11; the 4·h under-predicted those peaks
+# by 7.6-8.3 %); 10.5 keeps it on the safe side.
+TILED_NORMS_BWD_H = 10.5
+# The largest transient of one layer's forward (LoRA), beyond what the layers keep for backward and RoPE's cos/sin:
+# measured at the layers' own peak (PeakMemory's window peak read by a forward pre-hook on the final norm, so the
+# head's tensors, which do not exist yet, are not in it) and attributed op by op (a PeakMemory subclass recording
+# each live storage's creating op and shape at the peak); Llama- (h 128, i 512, GQA 4/2), Qwen2- (h 96, i 448,
+# GQA 6/2) and Mistral-shaped (h 160, i 384, MHA) models of devkit/long_context_check.py at 2,048 tokens, LoRA r 8,
+# every combination of tiled_mlp / tiled_norms / recompute_lora, with and without checkpointing (14 setups per
+# shape, 42 in all; the terms below, FWD_TOKEN_STATS_BYTES included, are within 4 B/token of each).
+# In peft's LoRA layer (lora/layer.py Linear.forward) the base output comes first (c bytes per output element),
+# then the input's fp32 cast (4), the dropout noise (DROPOUT_MASK_BYTES) and dropped copy (4), lora_B's fp32 output
+# and its scaled copy (4 + 4 per output element). Under checkpointing nothing of it is kept: the moment of the
+# widest-input linear holds the input and its three copies (c + mask + FWD_TRANSIENT_CKPT per input element)
+# beside three c-byte hidden-sized tensors (the residual sum after attention, the MLP input and the base output:
+# FWD_BESIDE_CKPT). Without checkpointing the noise and dropped copy are kept already, and the peak is the widest-
+# input linear's output side: input and cast (c + FWD_TRANSIENT_NO_CKPT) beside base output, lora_B output and
+# scaled copy (c + FWD_OUTPUT_FP32 per output element), and four hidden-sized tensors (the model's input embeddings,
+# which its forward holds, the layer's input, the residual sum, the MLP input; two with tiled norms, whose saved
+# views of their inputs are counted as kept).
+FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT, FWD_OUTPUT_FP32 = 8, 4, 8
+FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
+# With tiled_mlp under checkpointing the peak moves to the attention's output projection: q, k, v and the attention
+# output (c each), the layer input's norm output and the projection's base output (c·h each) beside its LoRA copies
+# (peft: mask + 8 per input element; recompute_lora: 8 per output element, the fp32 tile outputs and their
+# concatenation). Measured as above: 2,816 / 3,840 / 2,048 B/token (Llama / Mistral / Qwen2 shape, peft LoRA) and
+# 2,304 / 3,200 / 1,664 (recompute_lora), each +8.
+# Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
+FWD_TOKEN_STATS_BYTES = 2 * 4
 # Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
 # measures NVML device use minus torch's reserved bytes.
 CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
@@ -675,9 +700,14 @@ def tiled_mlp_transient_bytes(arch: Architecture, s: Setup) -> float:
 
 
 def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
-    """The largest transient of one layer's forward beyond what it keeps (FWD_TRANSIENT_*): peft's fp32 copies of
-    the input of the adapted linear with the widest input. With `tiled_mlp` the MLP's linears see one tile at a
-    time, under the tile's checkpoint (nothing kept), beside the tile outputs gathered so far (c·h per token)."""
+    """The largest transient of one layer's forward beyond what the layers keep (FWD_TRANSIENT_* and FWD_BESIDE_*,
+    measured at the layers' own peak): peft's fp32 copies around the adapted linear with the widest input, beside
+    the hidden-sized tensors in flight. With `tiled_mlp` the MLP's linears see one tile at a time, under the tile's
+    checkpoint (nothing kept), beside the tile outputs gathered so far, the residual sum and the MLP input (3·c·h
+    per token: the forward of the yardstick's 1,024-token-tile points, where this moment is the peak, is exact on
+    the three shapes); under checkpointing the attention's output projection is the other moment
+    (`_attention_output_bytes`). RoPE's cos/sin, which also exist while the layers run, are the caller's
+    (`_forward_backward`)."""
     if s.adapter == "full":
         return 0.0
     c = DTYPE_BYTES[s.compute_dtype]
@@ -685,38 +715,95 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
     lins = lora_linears(arch, s)
     if s.recompute_lora:
-        return recompute_forward_transient_bytes(arch, s, lins)
-    outside = [lin.in_features for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
-    per_elem = c + drop + (FWD_TRANSIENT_CKPT if s.gradient_checkpointing else FWD_TRANSIENT_NO_CKPT)
-    transient = (per_elem * max(outside, default=0) + c * h) * t
+        return recompute_forward_transient_bytes(arch, s, lins) + FWD_TOKEN_STATS_BYTES * t
+    outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    wide = max(outside, key=lambda lin: lin.in_features, default=None)
+    wide_in = wide.in_features if wide else 0
+    if s.gradient_checkpointing:
+        transient = ((c + drop + FWD_TRANSIENT_CKPT) * wide_in + FWD_BESIDE_CKPT * c * h) * t
+        if s.tiled_mlp:
+            transient = max(transient, _attention_output_bytes(arch, s, (drop + FWD_TRANSIENT_CKPT) * wide_in))
+    elif s.tiled_mlp:  # the attention's linears, with two hidden-sized tensors beside (measured)
+        transient = ((c + drop + FWD_TRANSIENT_NO_CKPT) * wide_in + 2 * c * h) * t
+    else:
+        beside = FWD_BESIDE_NO_CKPT_TILED_NORMS if s.tiled_norms else FWD_BESIDE_NO_CKPT
+        wide_out = wide.out_features if wide else 0
+        transient = ((c + FWD_TRANSIENT_NO_CKPT) * wide_in + (c + FWD_OUTPUT_FP32) * wide_out + beside * c * h) * t
     if s.tiled_mlp:
         inside = max((lin.in_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
         tile = mlp_tile_tokens(arch, s)
-        transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + c * h * t)
-    return transient
+        transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + 3 * c * h * t)
+    return transient + FWD_TOKEN_STATS_BYTES * t
+
+
+def _attention_output_bytes(arch: Architecture, s: Setup, lora_copies: float) -> float:
+    """Under checkpointing with `tiled_mlp`: the moment of the attention's output projection — q, k, v and the
+    attention output (c bytes each), the norm output and the projection's base output (c·h each) and its LoRA
+    copies (`lora_copies` bytes per token; measured, see FWD_TRANSIENT_CKPT)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return (c * (2 * q + 2 * kv) + 2 * c * arch.hidden_size + lora_copies) * s.tokens
+
+
+def masked_attention_forward_bytes(arch: Architecture, s: Setup) -> float:
+    """Under checkpointing, a masked layer's SDPA moment (`masked_layers`; 0 when none): the c-byte additive mask
+    SDPA makes from the bool one (b × s × s, kept per layer when not checkpointing: `_attention_bytes`), beside q, k,
+    v and the output (c each; with GQA `repeat_kv` adds k and v expanded to every head), the norm output (c·h), the
+    logsumexp (fp32 per head) and the per-token statistics. Measured at the layers' peak (PeakMemory, op
+    attribution) on the yardstick's Mistral shape with a 2,048-token window at 4,096 tokens: 9,820 B/token, exact;
+    the repeated k/v are read from transformers' sdpa_attention.py, not measured. The additive mask lives only
+    through SDPA, so this is a moment of its own, not added to the layer's other transients."""
+    if not (s.gradient_checkpointing and masked_layers(arch, s)):
+        return 0.0
+    c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    repeated = 2 * q if kv < q else 0
+    tensors = c * (2 * q + 2 * kv + repeated + arch.hidden_size) + 4 * arch.num_heads + FWD_TOKEN_STATS_BYTES
+    return c * s.micro_batch_size * s.max_seq_len**2 + tensors * t
+
+
+def final_norm_forward_bytes(arch: Architecture, s: Setup) -> float:
+    """The final RMSNorm's forward beside what the layers keep: the last layer's output (its input) and, without
+    checkpointing, the model's input embeddings (its forward holds `inputs_embeds`; under checkpointing they are the
+    first layer's kept input), then the fp32 upcast, the normalized fp32 copy, its cast back and the weighted output
+    (4 + 4 + c + c per element; Gemma's norm multiplies in fp32 and casts once: 4 + 4 + 4 + c) and the per-token mean
+    and rsqrt. Measured at the forward's peak with PeakMemory (op attribution): 2,056 B/token on the Llama-shaped
+    yardstick model (h 128) without checkpointing, where it is above the loss's forward. A tiled norm's fp32 copies
+    exist for one tile at a time (0: the layers' or the loss's moment is larger)."""
+    if s.tiled_norms:
+        return 0.0
+    c, h = DTYPE_BYTES[s.compute_dtype], arch.hidden_size
+    stream = c * h * (1 if s.gradient_checkpointing else 2)
+    copies = (12 + c if arch.norm_fp32_output else 8 + 2 * c) * h
+    return (stream + copies + FWD_TOKEN_STATS_BYTES) * s.tokens
 
 
 def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
     """With `recompute_lora` the fp32 input copies live inside each branch's tile; what remains is output-side: the
-    base layer's c-byte output, the branch's fp32 update and (peft's plain Linear) their fp32 sum, for the adapted
-    linear with the widest output, beside one c-byte tensor of the widest live activation (FWD_TRANSIENT_CKPT
-    bytes per output element); without checkpointing part of it is kept already (FWD_TRANSIENT_NO_CKPT, beside a
-    c-byte hidden state). Fitted on the CPU yardstick: within 5 % of the transient with checkpointing, 20 % without
-    (where the backward sets the peak)."""
+    base layer's c-byte output and the branch's fp32 tile outputs and their concatenation (FWD_TRANSIENT_CKPT bytes
+    per output element; peft's plain Linear then adds them in fp32), for the adapted linear with the widest output,
+    beside one c-byte tensor of the widest live activation and the two hidden-sized ones of FWD_BESIDE_CKPT. Without
+    checkpointing part of the fp32 output is kept already (FWD_TRANSIENT_NO_CKPT), beside three c-byte hidden-sized
+    tensors (one with tiled MLP and norms: the rest are the tiled norms' kept inputs). With `tiled_mlp` under
+    checkpointing the attention's output projection is the larger moment; one MLP tile's moment as in
+    `forward_transient_bytes`. Measured as FWD_TRANSIENT_CKPT says: within 4 B/token on the three shapes."""
     c = DTYPE_BYTES[s.compute_dtype]
     h, t = arch.hidden_size, s.tokens
     outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
     widest = max((lin.out_features for lin in outside), default=0)
     live = max([h] + [arch.intermediate_size for lin in outside if is_mlp_linear(arch, lin)])
     if s.gradient_checkpointing:
-        transient = ((c + FWD_TRANSIENT_CKPT) * widest + c * live) * t
+        transient = ((c + FWD_TRANSIENT_CKPT) * widest + c * live + (FWD_BESIDE_CKPT - 1) * c * h) * t
+        if s.tiled_mlp:
+            transient = max(transient, _attention_output_bytes(arch, s, FWD_TRANSIENT_CKPT * h))
     else:
-        transient = ((c + FWD_TRANSIENT_NO_CKPT) * widest + c * h) * t
+        beside = 1 if s.tiled_mlp and s.tiled_norms else 3
+        transient = ((c + FWD_TRANSIENT_NO_CKPT) * widest + beside * c * h) * t
     if s.tiled_mlp:
         inside = max((lin.out_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
         tile = mlp_tile_tokens(arch, s)
         i = arch.intermediate_size
-        transient = max(transient, ((c + FWD_TRANSIENT_CKPT) * inside + c * i) * tile + c * h * t)
+        transient = max(transient, ((c + FWD_TRANSIENT_CKPT) * inside + c * i) * tile + 3 * c * h * t)
     return transient
 
 
@@ -727,7 +814,9 @@ def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
     tile = mlp_tile_tokens(arch, s)
     if s.gradient_checkpointing:
         if s.tiled_mlp:
-            attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.tiled_norms else TILED_RECOMPUTE_BWD_H
+            attn_h = TILED_RECOMPUTE_BWD_H
+            if s.tiled_norms:
+                attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.recompute_lora else TILED_NORMS_BWD_H
             grads = max(attn_h * h * t, tiled_mlp_transient_bytes(arch, s))
             return grads, f"attention gradients or one MLP tile of {tile} tokens (measured)"
         bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
@@ -794,16 +883,16 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # Full fine-tuning: the embedding's dense backward makes a new c-byte V × h gradient beside the accumulated one,
     # and the CPU measurement shows about two such buffers at the end of the backward (embedding_dense_backward).
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
-    # a tiled norm's output is a concatenation of its tiles: the final norm's stays beside the loss's forward, and
-    # under checkpointing a layer's beside its largest transient (c·h per token; measured with tiled_norms)
-    norm_out = c * h * t if s.tiled_norms else 0.0
     # the chunked loss copies the final norm's output (`hidden[mask]`), which itself stays alive through the loss's
     # forward (the model's `hidden_states`; PeakMemory, tiny-model runs at 4,096 tokens with and without tiled norms)
     head_out = c * h * t if s.tiled_norms or s.loss_impl == "chunked" else 0.0
-    # under checkpointing a masked layer's forward makes its c-byte additive mask (kept when not checkpointing)
-    additive = c * s.micro_batch_size * s.max_seq_len**2 if s.gradient_checkpointing and masked_layers(arch, s) else 0
-    layer_fwd = forward_transient_bytes(arch, s) + norm_out * s.gradient_checkpointing + additive
-    fwd_peak = kept + max(loss_fwd + head_out, layer_fwd)
+    # The forward peaks in one of three places: the last decoder layer, beside everything the layers keep and RoPE's
+    # cos/sin (the final norm, the loss input and the loss's bookkeeping do not exist yet); the final norm
+    # (`final_norm_forward_bytes`); the head and loss, beside the head's saved tensors. Measured apart with
+    # PeakMemory's window read by a forward pre-hook on the final norm (the layers' peak alone), attributed op by op.
+    rope = 2 * c * arch.head_dim * t
+    layer_fwd = rope + max(forward_transient_bytes(arch, s), masked_attention_forward_bytes(arch, s))
+    fwd_peak = kept - head + max(head + loss_fwd + head_out, layer_fwd, rope + final_norm_forward_bytes(arch, s))
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
