@@ -88,37 +88,28 @@ class Architecture:
         if "text_config" in config and "hidden_size" not in config:
             config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
         model_type = str(config.get("model_type", ""))
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if k not in config]
+        needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        if model_type not in NON_LLAMA_BLOCKS and model_type != "qwen":
+            needed.append("intermediate_size")
+        missing = [k for k in needed if k not in config]
         if missing:
             raise UserError(
                 f"model '{name}': config.json lacks {', '.join(missing)}; lowmem-ft plans decoder-only causal LMs"
             )
         if model_type == "qwen":
             return _qwen_v1(config, name)
-        h = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or h // heads)
-        inter = int(config["intermediate_size"])
-        linears = _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter)
-        act = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
+        if model_type in NON_LLAMA_BLOCKS:
+            shape = NON_LLAMA_BLOCKS[model_type](config)
+        else:
+            shape = _llama_block(config, model_type)
         return cls(
             name=name or str(config.get("_name_or_path", "")),
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
-            hidden_size=h,
+            hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            intermediate_size=inter,
-            mlp="gated",
-            hidden_act=act,
-            tie_embeddings=bool(config.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            norm="rms",
-            norms_per_layer=4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
             qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
-            linears=linears,
+            **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
@@ -268,6 +259,107 @@ def _logit_scale(config: dict[str, Any]) -> float:
 
 # model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
 _NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
+
+
+def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Heads, widths, norms and linears of a Llama-shaped block (Llama, Qwen, Mistral, Gemma, Phi-3, Granite, ...):
+    q/k/v/o projections, a gated MLP, RMSNorm."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    inter = int(config["intermediate_size"])
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", model_type.startswith("gemma"))),
+        "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
+        "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
+    }
+
+
+def _gpt_neox_block(config: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX / Pythia (modeling_gpt_neox.py): fused query_key_value and dense with `attention_bias` (default
+    true), a plain MLP dense_h_to_4h → GELU → dense_4h_to_h with biases, two LayerNorms, untied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    bias = bool(config.get("attention_bias", True))
+    linears = (
+        Linear("query_key_value", h, 3 * h, bias),
+        Linear("dense", h, h, bias),
+        Linear("dense_h_to_4h", h, inter, True),
+        Linear("dense_4h_to_h", inter, h, True),
+    )
+    return _plain_block(config, heads, heads, h // heads, inter, linears, tied=False, norms=2)
+
+
+def _falcon_block(config: dict[str, Any]) -> dict[str, Any]:
+    """Falcon (modeling_falcon.py): fused query_key_value whose width follows the attention kind (new decoder
+    architecture: num_kv_heads groups; multi-query: one k/v head; else 3 × hidden), dense, a plain MLP of
+    `ffn_hidden_size` (default 4 × hidden), biases only with `bias` (default false), LayerNorms: one per layer with
+    parallel attention (two with the new architecture or `num_ln_in_parallel_attn` 2), two without; tied default."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = h // heads
+    new_arch = bool(config.get("new_decoder_architecture", False))
+    multi_query = bool(config.get("multi_query", True))
+    kv = int(config.get("num_kv_heads") or heads) if new_arch else (1 if multi_query else heads)
+    inter = int(config.get("ffn_hidden_size") or 4 * h)
+    bias = bool(config.get("bias", False))
+    linears = (
+        Linear("query_key_value", h, (heads + 2 * kv) * head_dim, bias),
+        Linear("dense", h, h, bias),
+        Linear("dense_h_to_4h", h, inter, bias),
+        Linear("dense_4h_to_h", inter, h, bias),
+    )
+    if not config.get("parallel_attn", True):
+        norms = 2
+    else:
+        norms = int(config.get("num_ln_in_parallel_attn") or (2 if new_arch else 1))
+    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=norms)
+
+
+def _starcoder2_block(config: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2 (modeling_starcoder2.py): q/k/v/o and a plain MLP c_fc → GELU → c_proj, all with `use_bias`
+    (default true), two LayerNorms, tied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = h // heads
+    bias = bool(config.get("use_bias", True))
+    linears = (
+        Linear("q_proj", h, heads * head_dim, bias),
+        Linear("k_proj", h, kv * head_dim, bias),
+        Linear("v_proj", h, kv * head_dim, bias),
+        Linear("o_proj", heads * head_dim, h, bias),
+        Linear("c_fc", h, inter, bias),
+        Linear("c_proj", inter, h, bias),
+    )
+    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=2)
+
+
+def _plain_block(config, heads, kv, head_dim, inter, linears, tied: bool, norms: int) -> dict[str, Any]:
+    """The shape fields of a block with a plain (non-gated) MLP and LayerNorms (weight and bias)."""
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "mlp": "plain",
+        "hidden_act": str(config.get("hidden_act") or config.get("activation") or "gelu"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", tied)),
+        "norm": "layer",
+        "norms_per_layer": norms,
+        "linears": linears,
+    }
+
+
+# model_type → its block's shape, for native families whose blocks are not Llama-shaped (fused or differently named
+# projections, plain MLPs, LayerNorms, other defaults). Any other model_type is read as Llama-shaped.
+NON_LLAMA_BLOCKS = {"gpt_neox": _gpt_neox_block, "falcon": _falcon_block, "starcoder2": _starcoder2_block}
 
 
 def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
