@@ -178,7 +178,8 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
 
 
 def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
-    """Every system/user/tool message before the last assistant turn must be in the text trained on."""
+    """Every system/user/tool message before the last assistant turn, and every assistant tool call (by its function
+    name), must be in the text trained on."""
     text = out[-1][0]
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
     for i, message in enumerate(messages[: last + 1]):
@@ -188,6 +189,13 @@ def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) ->
         if content.strip() not in text and json.dumps(content) not in text:  # Llama 3.x renders tool output | tojson
             raise SampleError(
                 f"the chat template drops message {i + 1} ({message['role']}): its content is not in the rendered text"
+            )
+    for i, message in enumerate(messages[: last + 1]):
+        names = [call["function"]["name"] for call in message.get("tool_calls") or []]
+        if any(name not in text for name in names):  # a template that renders an assistant turn's content only
+            raise SampleError(
+                f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
+                "it would learn an empty turn"
             )
 
 

@@ -84,11 +84,25 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
         arguments = function.get("arguments", {})
         if not isinstance(arguments, dict | str):
             raise BadLine(f"'{at}.arguments' must be an object or a JSON string, got {type(arguments).__name__}")
+        arguments = _arguments_object(arguments)
         entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
         out.append(entry)
     return out
+
+
+def _arguments_object(arguments: dict | str) -> dict | str:
+    """A call's arguments as the object transformers' templates expect: OpenAI's format gives them as a JSON
+    string, which templates that write `arguments | tojson` (Qwen2.5, Llama 3) would render as a quoted, escaped
+    string — the model would learn to call tools that way. A string that is not a JSON object is kept as given."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 def _turn(turn: Any, where: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict:

@@ -193,3 +193,23 @@ def test_tool_calls_survive_the_dataset_unchanged(zoo_models):
     rows = tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
     assert '"arguments": {"a": 2}}' in tokenizer.decode(rows[0]["input_ids"])
     assert '"arguments": {"b": 3}}' in tokenizer.decode(rows[1]["input_ids"])
+
+
+def test_template_that_drops_tool_calls_is_refused(zoo_models):
+    """ChatML (and Granite 3.0, Phi-3, DeepSeek-R1's template with a content of "") renders an assistant turn's
+    content only: a tool-call turn would become an empty turn, and the model would learn to answer nothing."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"], chat_template="chatml")
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops the tool calls of message 2 \(assistant"):
+        tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=False)
+    with pytest.raises(UserError, match=r"drops the tool calls of message 2"):  # training on every token loses it too
+        tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=True)
+
+
+def test_tool_call_arguments_given_as_a_json_string_are_learned_as_an_object(zoo_models):
+    """OpenAI's format (and most tool-use data sets) gives `arguments` as a JSON string; templates that write
+    `arguments | tojson` (Qwen2.5, Llama 3) would teach the model a quoted, escaped string instead of the object."""
+    record = json.loads(json.dumps(TOOL_RECORD))
+    record["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"a": 2}'
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    (row,) = tk.tokenize_records([convert(record, "messages")], "messages", tokenizer, train_on_prompt=False)
+    assert '"arguments": {"a": 2}}' in "".join(_loss_runs(tokenizer, row))
