@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,6 +130,7 @@ def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, i
     else:
         out = _turns(messages, tools, render)
     _check_nothing_dropped(messages, out)
+    _check_answers_kept(messages, out, masking)
     return out
 
 
@@ -163,8 +165,8 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
         if not upto.startswith(prompt):
             raise SampleError(
                 f"message {i + 1} (assistant): the template renders the conversation before this turn differently "
-                "once the turn is added (the prompt the model sees at inference is not the start of the training "
-                "text; e.g. a system message kept only when a user turn is last)",
+                f"once the turn is added ({_parting(prompt, upto)}; e.g. a system message kept only when a user turn "
+                "is last, or a generation prompt that opens a block the rendered turn lacks)",
                 masking=True,
             )
         said = upto[len(prompt) :].rstrip()
@@ -175,6 +177,16 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
         return [(full, [span for _, span in turns])]
     # Earlier turns are rewritten once later ones follow: train each turn as the model sees it at inference.
     return [(upto, [span]) for upto, span in turns]
+
+
+def _parting(prompt: str, text: str, width: int = 24) -> str:
+    """Where the inference prompt and the training text part, for an error message (one line, reprs)."""
+    k = len(os.path.commonprefix([prompt, text]))
+    start = max(0, k - width)
+    return (
+        f"the prompt the model sees at inference has {prompt[start : k + width]!r} where the training text has "
+        f"{text[start : k + width]!r}"
+    )
 
 
 def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
@@ -196,6 +208,27 @@ def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) ->
             raise SampleError(
                 f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
                 "it would learn an empty turn"
+            )
+
+
+def _check_answers_kept(messages: list[dict], out: list[tuple[str, list]], masking: Masking) -> None:
+    """What each trained assistant turn says must be in its sample's text, whitespace aside: a template may rewrite
+    the assistant's content (DeepSeek-R1's strips everything up to `</think>` from every turn), and the data's
+    reasoning would then be lost without a word. With the loss on every token only the last turn is checked: a
+    template may drop earlier turns' reasoning by design (Qwen3), as the model sees them at inference."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if masking == "all":
+        pairs = [(out[-1][0], turns[-1])]
+    elif len(out) == 1:
+        pairs = [(out[0][0], i) for i in turns]
+    else:  # one sample per assistant turn, in order
+        pairs = [(text, i) for (text, _), i in zip(out, turns, strict=True)]
+    for text, i in pairs:
+        said = "".join((messages[i].get("content") or "").split())
+        if said and said not in "".join(text.split()):
+            raise SampleError(
+                f"the chat template drops part of message {i + 1} (assistant): what it says is not in the rendered "
+                "text (e.g. reasoning before </think> removed)"
             )
 
 

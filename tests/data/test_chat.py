@@ -213,3 +213,40 @@ def test_tool_call_arguments_given_as_a_json_string_are_learned_as_an_object(zoo
     tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
     (row,) = tk.tokenize_records([convert(record, "messages")], "messages", tokenizer, train_on_prompt=False)
     assert '"arguments": {"a": 2}}' in "".join(_loss_runs(tokenizer, row))
+
+
+def _r1_finetune() -> str:
+    """DeepSeek-R1-Distill's template as community fine-tunes ship it (one comment added: TRL no longer knows it):
+    it strips everything up to `</think>` from every assistant message, and its generation prompt opens `<think>`."""
+    import trl.chat_template_utils as ctu
+
+    return "{#- fine-tuned from R1-Distill -#}" + ctu.deepseek_r1_distill_chat_template
+
+
+R1_RECORD = {
+    "messages": [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "<think>\ntwo and three\n</think>\n\n2 plus 3 is 5."},
+    ]
+}
+
+
+def test_template_whose_prompt_the_turn_does_not_continue_says_where(zoo_models):
+    """The refusal shows where the inference prompt and the training text part (here R1's `<think>` opening),
+    rather than only naming the system-message case."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = _r1_finetune()
+    with pytest.raises(UserError, match=r"sample 1: message 2 \(assistant\).*<think>\\n.*2 plus 3 is 5") as info:
+        tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=False)
+    assert "\n" not in str(info.value)
+
+
+def test_template_that_strips_the_assistants_reasoning_is_refused(zoo_models):
+    """Training on every token with R1's template would learn the answers without the reasoning the data has."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = _r1_finetune()
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops part of message 2 \(assistant\)"):
+        tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=True)
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"], chat_template="deepseek_r1_distill")  # TRL's: it keeps it
+    (row,) = tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=False)
+    assert "two and three" in "".join(_loss_runs(tokenizer, row))
