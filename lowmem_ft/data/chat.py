@@ -76,6 +76,41 @@ def set_template(tokenizer, spec: str | None) -> str:
 
 def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer") -> ChatTemplate:
     """How this tokenizer's chat template (already set by `set_template`) is trained on."""
+    template = _chat_template_for(tokenizer, train_on_prompt, source)
+    _warn_without_end_token(tokenizer, template)
+    return template
+
+
+_WARNED_NO_END: set[str] = set()  # templates warned about in this process (one warning per template)
+
+
+def _warn_without_end_token(tokenizer, template: ChatTemplate) -> None:
+    """Warn when the template closes an assistant turn with no special token: the loss ends with the turn's text,
+    so the model never learns a token to stop on. Trained as rendered (appending EOS would change the format the
+    template defines); the way out is a template with an end-of-turn token (`data.chat_template`)."""
+    said = "Hello there."
+    try:
+        text = Renderer(tokenizer, template)(
+            [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": said}]
+        )
+    except SampleError:  # a template that needs more (a system message, tools): the data will tell
+        return
+    if said not in text or template.text in _WARNED_NO_END:
+        return
+    tail = text[text.rindex(said) + len(said) :]
+    specials = [t for t in {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()} if t]
+    if not any(t in tail for t in specials):
+        _WARNED_NO_END.add(template.text)
+        log.warning(
+            "the chat template (%s) ends an assistant turn with no special token (%r): the model will not learn to "
+            "stop, and generation runs to max_new_tokens; set data.chat_template to a template with an end-of-turn "
+            "token",
+            template.source.split(";")[0],
+            tail,
+        )
+
+
+def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTemplate:
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     text = tokenizer.chat_template

@@ -250,3 +250,24 @@ def test_template_that_strips_the_assistants_reasoning_is_refused(zoo_models):
     tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"], chat_template="deepseek_r1_distill")  # TRL's: it keeps it
     (row,) = tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=False)
     assert "two and three" in "".join(_loss_runs(tokenizer, row))
+
+
+def test_template_whose_turns_have_no_end_token_is_warned_about(zoo_models, caplog):
+    """A template that closes an assistant turn with plain text only (`### Assistant: ...\\n`) gives the model no
+    token to learn to stop on: generation would run to max_new_tokens. Every zoo family's template has one."""
+    plain = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}### User: {{ m['content'] }}\n{% else %}"
+        "### Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Assistant:{% endif %}"
+    )
+    for family in NAMES:
+        tokenizer = tk.load_tokenizer(zoo_models[family])
+        with caplog.at_level("WARNING", logger="lowmem_ft.data.chat"):
+            tk.tokenize_records(_records("alpaca", family), "alpaca", tokenizer, train_on_prompt=False)
+    assert "end-of-turn" not in caplog.text
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = plain
+    with caplog.at_level("WARNING", logger="lowmem_ft.data.chat"):
+        ds = tk.tokenize_records(_records("alpaca", "qwen2.5"), "alpaca", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, ds[0]) == [" R E D"]  # trained as it is rendered, nothing appended
+    assert "ends an assistant turn with no special token ('\\n')" in caplog.text
+    assert "the model will not learn to stop" in caplog.text
