@@ -81,6 +81,7 @@ class Architecture:
     logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
     experts: int = 0  # routed experts of a mixture-of-experts MLP (see `_experts`); 0: a dense MLP
+    lm_head_bias: bool = False  # Phi-1/2: the LM head adds a bias of vocab_size
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
@@ -163,8 +164,10 @@ class Architecture:
 
     @property
     def lm_head_params(self) -> int:
-        """0 when tied: the head reuses the embedding matrix (counted once)."""
-        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        """0 when tied: the head reuses the embedding matrix (counted once); plus its bias when it has one."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.hidden_size) + (
+            self.vocab_size if self.lm_head_bias else 0
+        )
 
     @property
     def final_norm_params(self) -> int:
@@ -341,6 +344,24 @@ def _starcoder2_block(config: dict[str, Any]) -> dict[str, Any]:
     return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=2)
 
 
+def _phi_block(config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-1 / 1.5 / 2 (modeling_phi.py): q/k/v_proj and dense with biases, a plain MLP fc1 → GELU → fc2 with
+    biases, one LayerNorm per layer (attention and MLP in parallel), an LM head with a bias, untied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = h // heads
+    linears = (
+        Linear("q_proj", h, heads * head_dim, True),
+        Linear("k_proj", h, kv * head_dim, True),
+        Linear("v_proj", h, kv * head_dim, True),
+        Linear("dense", heads * head_dim, h, True),
+        Linear("fc1", h, inter, True),
+        Linear("fc2", inter, h, True),
+    )
+    return {**_plain_block(config, heads, kv, head_dim, inter, linears, tied=False, norms=1), "lm_head_bias": True}
+
+
 def _plain_block(config, heads, kv, head_dim, inter, linears, tied: bool, norms: int) -> dict[str, Any]:
     """The shape fields of a block with a plain (non-gated) MLP and LayerNorms (weight and bias)."""
     return {
@@ -359,7 +380,12 @@ def _plain_block(config, heads, kv, head_dim, inter, linears, tied: bool, norms:
 
 # model_type → its block's shape, for native families whose blocks are not Llama-shaped (fused or differently named
 # projections, plain MLPs, LayerNorms, other defaults). Any other model_type is read as Llama-shaped.
-NON_LLAMA_BLOCKS = {"gpt_neox": _gpt_neox_block, "falcon": _falcon_block, "starcoder2": _starcoder2_block}
+NON_LLAMA_BLOCKS = {
+    "gpt_neox": _gpt_neox_block,
+    "falcon": _falcon_block,
+    "phi": _phi_block,
+    "starcoder2": _starcoder2_block,
+}
 
 
 def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
