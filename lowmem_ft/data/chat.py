@@ -175,8 +175,11 @@ def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, ren
     `<|im_start|>assistant\\n`), and the model never generates that part."""
     cuts = []
     for i, message in enumerate(messages):
-        if message["role"] == "assistant" and i:
-            prompt = render(messages[:i], tools, prompt=True)
+        if message["role"] == "assistant":
+            try:
+                prompt = _prompt_before(messages, i, tools, render)
+            except SampleError:  # an opening turn the template cannot prompt for: its markers alone say
+                continue
             if text.startswith(prompt):
                 cuts.append(len(prompt))
     out = []
@@ -188,6 +191,32 @@ def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, ren
     return out
 
 
+def _prompt_before(messages: list[dict], i: int, tools: Any, render: Renderer) -> str:
+    """What the model is given at inference before assistant turn `i`: the conversation before it with the generation
+    prompt — for a turn that opens the conversation (a greeting), the empty conversation's, or where templates cannot
+    render one (Qwen2.5, Llama 3 read messages[0]) the turn's own rendering up to the end of its generation prompt."""
+    try:
+        return render(messages[:i], tools, prompt=True)
+    except SampleError as exc:
+        if i:
+            raise
+        why = str(exc).removeprefix("the chat template rejects it ")
+    # the generation prompt is what a one-message conversation gains with add_generation_prompt; the opening turn's
+    # prompt is its rendering up to the end of that text (a default system message, then the generation prompt)
+    probe = [{"role": "user", "content": "Hi."}]
+    bare, asked = render(probe, tools), render(probe, tools, prompt=True)
+    generation = asked[len(bare) :] if asked.startswith(bare) else ""
+    upto = render(messages[:1], tools)
+    at = upto.find(generation) if generation.strip() else -1
+    if at < 0:
+        raise SampleError(
+            "message 1 (assistant) opens the conversation, and the chat template cannot render the prompt before it "
+            f"(an empty conversation: {why})",
+            masking=True,
+        )
+    return upto[: at + len(generation)]
+
+
 def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
     """Assistant spans found turn by turn (see the module docstring)."""
     full = render(messages, tools)
@@ -195,7 +224,7 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:i], tools, prompt=True)
+        prompt = _prompt_before(messages, i, tools, render)
         upto = render(messages[: i + 1], tools)
         if not upto.startswith(prompt):
             raise SampleError(

@@ -271,3 +271,33 @@ def test_template_whose_turns_have_no_end_token_is_warned_about(zoo_models, capl
     assert _loss_runs(tokenizer, ds[0]) == [" R E D"]  # trained as it is rendered, nothing appended
     assert "ends an assistant turn with no special token ('\\n')" in caplog.text
     assert "the model will not learn to stop" in caplog.text
+
+
+GREETING = {
+    "messages": [
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D"},
+    ]
+}
+
+
+def test_an_opening_assistant_turn_is_learned_without_its_generation_prompt(zoo_models):
+    """An assistant turn with nothing before it (a greeting) is cut at the end of the generation prompt too: TRL's
+    Qwen2.5 training version opens its markers before the `\\n` of `<|im_start|>assistant\\n`."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    (row,) = tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, row) == ["Hello, how can I help?<|im_end|>", "R E D<|im_end|>"]
+
+
+def test_an_opening_assistant_turn_is_found_where_the_template_cannot_render_an_empty_conversation(zoo_models):
+    """Llama 3.2's template (turn by turn: TRL has no training version) reads messages[0]: the opening turn's prompt
+    is its own rendering up to the end of the generation prompt — not a jinja index error for the whole sample."""
+    tokenizer = tk.load_tokenizer(zoo_models["llama3"])
+    (row,) = tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, row) == ["Hello, how can I help?<|eot_id|>", "R E D<|eot_id|>"]
+    tokenizer.chat_template = (  # no generation prompt at all: nothing says where the opening turn starts
+        "{{ messages[0]['content'] }}{% for m in messages[1:] %}\n{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(UserError, match=r"sample 1: message 1 \(assistant\) opens the conversation.*no element 0"):
+        tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
