@@ -278,10 +278,19 @@ def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         "head_dim": head_dim,
         "intermediate_size": inter,
         "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", model_type.startswith("gemma"))),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", _tied_by_default(model_type))),
         "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
         "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
     }
+
+
+# Llama-shaped families whose config class ties the embeddings when config.json does not say (transformers 5.24's
+# `tie_word_embeddings: bool = True` in configuration_cohere.py, _cohere2, _ernie4_5, _smollm3; every gemma*).
+TIED_BY_DEFAULT = {"cohere", "cohere2", "ernie4_5", "smollm3"}
+
+
+def _tied_by_default(model_type: str) -> bool:
+    return model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT
 
 
 def _gpt_neox_block(config: dict[str, Any]) -> dict[str, Any]:

@@ -212,3 +212,13 @@ def test_non_llama_blocks_match_transformers(kind):
         if isinstance(m, torch.nn.Linear)
     }
     assert {lin.name: (lin.in_features, lin.out_features, lin.bias) for lin in arch.linears} == real
+
+
+@pytest.mark.parametrize("model_type", ["smollm3", "ernie4_5", "llama", "qwen2"])
+def test_tied_embeddings_default_to_the_familys_config_class(model_type):
+    """A config.json without `tie_word_embeddings` ties as its config class does (SmolLM3, ERNIE 4.5, Cohere: true;
+    Llama, Qwen2: false): counting an untied head for SmolLM3-3B was 25 % too many parameters here."""
+    config = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 192,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "pad_token_id": 0}  # fmt: skip
+    assert Architecture.from_config(config).total_params == _transformers_count(config)
