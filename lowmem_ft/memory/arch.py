@@ -109,7 +109,7 @@ class Architecture:
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus"),
             **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
@@ -279,11 +279,16 @@ def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         "intermediate_size": inter,
         "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", _tied_by_default(model_type))),
-        "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
+        "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3", "glm4") else 2,
         "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
+        "mlp": "plain" if model_type in UP_DOWN_MLP else "gated",
+        "norm": "layer" if model_type == "nemotron" else "rms",
     }
 
 
+# Llama-shaped families whose MLP is plain: down_proj(act(up_proj(x))), no gate (modeling_arcee.py, _nemotron.py,
+# _apertus.py: ReLU² / xIELU, whose 2 scalars per layer are not counted); Nemotron's norms are LayerNorms (weight, bias).
+UP_DOWN_MLP = {"arcee", "nemotron", "apertus"}
 # Llama-shaped families whose config class ties the embeddings when config.json does not say (transformers 5.24's
 # `tie_word_embeddings: bool = True` in configuration_cohere.py, _cohere2, _ernie4_5, _smollm3; every gemma*).
 TIED_BY_DEFAULT = {"cohere", "cohere2", "ernie4_5", "smollm3"}
@@ -400,8 +405,10 @@ NON_LLAMA_BLOCKS = {
 def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
     """The linear layers of one decoder block, as transformers names them."""
     # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
-    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
-    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
+    # GLM / GLM-4 too, with `attention_bias` true by default (configuration_glm4.py).
+    glm = model_type in ("glm", "glm4")
+    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", glm))
+    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2" and not glm
     mlp_bias = bool(config.get("mlp_bias", False))
     if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
         return (
@@ -410,11 +417,18 @@ def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, 
             Linear("gate_up_proj", h, 2 * inter),
             Linear("down_proj", inter, h),
         )
-    return (
+    attention = (
         Linear("q_proj", h, q_out, qkv_bias),
         Linear("k_proj", h, kv_out, qkv_bias),
         Linear("v_proj", h, kv_out, qkv_bias),
         Linear("o_proj", q_out, h, o_bias),
+    )
+    if glm:  # modeling_glm4.py: a fused gate_up_proj, no biases in the MLP
+        return (*attention, Linear("gate_up_proj", h, 2 * inter), Linear("down_proj", inter, h))
+    if model_type in UP_DOWN_MLP:
+        return (*attention, Linear("up_proj", h, inter, mlp_bias), Linear("down_proj", inter, h, mlp_bias))
+    return (
+        *attention,
         Linear("gate_proj", h, inter, mlp_bias),
         Linear("up_proj", h, inter, mlp_bias),
         Linear("down_proj", inter, h, mlp_bias),

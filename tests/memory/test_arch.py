@@ -176,7 +176,8 @@ def test_mixture_of_experts_is_read_from_each_familys_key():
 # Families outside the zoo whose decoder blocks are not Llama-shaped, as their config.json files ship (only the keys
 # the published files set: the family's own defaults — biases, tied embeddings, ffn width — must be read as
 # transformers reads them). EleutherAI/pythia-*, tiiuae/falcon-7b (multi-query, parallel attention), falcon-40b
-# (new decoder architecture), microsoft/phi-2, bigcode/starcoder2-3b.
+# (new decoder architecture), microsoft/phi-2, bigcode/starcoder2-3b, THUDM/glm-4-9b, arcee-ai/AFM-4.5B,
+# nvidia/Minitron-8B (nemotron).
 OUTSIDERS = {
     "gpt_neox": {"model_type": "gpt_neox", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
                  "num_hidden_layers": 2, "num_attention_heads": 4},
@@ -186,6 +187,14 @@ OUTSIDERS = {
                   "num_attention_heads": 4, "multi_query": False, "parallel_attn": False, "bias": True},
     "falcon-40b": {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True},
+    "glm-4": {"model_type": "glm4", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0},
+    "glm": {"model_type": "glm", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0},
+    "arcee": {"model_type": "arcee", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "nemotron": {"model_type": "nemotron", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "phi-2": {"model_type": "phi", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
               "num_hidden_layers": 2, "num_attention_heads": 4},
     "starcoder2": {"model_type": "starcoder2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
