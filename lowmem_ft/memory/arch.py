@@ -534,4 +534,9 @@ def load_architecture(name_or_path: str, trust_remote_code: bool = False) -> Arc
     """
     del trust_remote_code  # reading config.json runs no repository code
     config, _ = load_config_dict(name_or_path)
-    return Architecture.from_config(config, name=name_or_path)
+    arch = Architecture.from_config(config, name=name_or_path)
+    if Path(name_or_path).is_dir() and not arch.remote_code and not arch.experts:
+        from lowmem_ft.memory.layout import warn_if_mismatched
+
+        warn_if_mismatched(arch, Path(name_or_path))
+    return arch
