@@ -153,6 +153,17 @@ def _say_once(level: int, message: str) -> None:
         log.log(level, message)
 
 
+def _check_plannable(arch, model: str) -> None:
+    """Refuse what the memory model cannot describe: a mixture of experts' expert weights are not counted (one dense
+    MLP per layer is: Mixtral-8x7B reads as 7.2B of its 46.7B parameters), so any plan for it would be wrong."""
+    if arch.experts:
+        raise UserError(
+            f"model {model}: a mixture of {arch.experts} experts; the memory model counts one dense MLP per layer "
+            f"({arch.total_params / 1e9:.1f}B parameters), not the experts' weights, so lowmem-ft cannot plan it "
+            "for --vram; train it with --recipe and no --vram, sized yourself"
+        )
+
+
 def _check_adapter_fits(arch, recipe: Recipe) -> None:
     """An adapter whose matrices do not fit the model's layers is one line, before any data or weight is read."""
     if not recipe.adapter.name_or_path:
@@ -476,6 +487,7 @@ def choose_recipe(
 
     target = target_for(vram_gb, start, gpus)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    _check_plannable(arch, start.model.name_or_path)
     _check_adapter_fits(arch, start)
     model = start.model.name_or_path
     if recipe is not None:

@@ -326,3 +326,24 @@ def test_longest_context_grows_with_each_saver_set_up_to_the_models_positions():
     )
     assert 0 < none < previous < every
     assert every > 131_072 == longest_context("Qwen/Qwen2.5-7B", 24, fixed, limit=1 << 20)  # capped as train caps
+
+
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1 config.json (the keys that set its shape)
+    "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", [None, "24gb"])
+def test_a_mixture_of_experts_is_not_planned(tmp_path, recipe):
+    """The memory model counts one dense MLP per layer: Mixtral-8x7B read as 7.2B parameters (of 46.7B) was
+    planned in 16-bit at 24 GB ("16-bit weights fit"), a certain OOM. Refused in one line until it counts experts."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    with pytest.raises(UserError, match=r"a mixture of 8 experts.*cannot plan it.*--recipe") as info:
+        choose_recipe(vram_gb=24, recipe=recipe, overrides={"model": {"name_or_path": str(tmp_path)}})
+    assert "\n" not in str(info.value)
+    recipe_only, _ = choose_recipe(vram_gb=None, recipe="24gb", overrides={"model": {"name_or_path": str(tmp_path)}})
+    assert recipe_only.model.name_or_path == str(tmp_path)  # without --vram nothing is planned: the recipe as given

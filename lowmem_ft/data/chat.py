@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -75,6 +76,41 @@ def set_template(tokenizer, spec: str | None) -> str:
 
 def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer") -> ChatTemplate:
     """How this tokenizer's chat template (already set by `set_template`) is trained on."""
+    template = _chat_template_for(tokenizer, train_on_prompt, source)
+    _warn_without_end_token(tokenizer, template)
+    return template
+
+
+_WARNED_NO_END: set[str] = set()  # templates warned about in this process (one warning per template)
+
+
+def _warn_without_end_token(tokenizer, template: ChatTemplate) -> None:
+    """Warn when the template closes an assistant turn with no special token: the loss ends with the turn's text,
+    so the model never learns a token to stop on. Trained as rendered (appending EOS would change the format the
+    template defines); the way out is a template with an end-of-turn token (`data.chat_template`)."""
+    said = "Hello there."
+    try:
+        text = Renderer(tokenizer, template)(
+            [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": said}]
+        )
+    except SampleError:  # a template that needs more (a system message, tools): the data will tell
+        return
+    if said not in text or template.text in _WARNED_NO_END:
+        return
+    tail = text[text.rindex(said) + len(said) :]
+    specials = [t for t in {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()} if t]
+    if not any(t in tail for t in specials):
+        _WARNED_NO_END.add(template.text)
+        log.warning(
+            "the chat template (%s) ends an assistant turn with no special token (%r): the model will not learn to "
+            "stop, and generation runs to max_new_tokens; set data.chat_template to a template with an end-of-turn "
+            "token",
+            template.source.split(";")[0],
+            tail,
+        )
+
+
+def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTemplate:
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     text = tokenizer.chat_template
@@ -129,6 +165,7 @@ def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, i
     else:
         out = _turns(messages, tools, render)
     _check_nothing_dropped(messages, out)
+    _check_answers_kept(messages, out, masking)
     return out
 
 
@@ -138,8 +175,11 @@ def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, ren
     `<|im_start|>assistant\\n`), and the model never generates that part."""
     cuts = []
     for i, message in enumerate(messages):
-        if message["role"] == "assistant" and i:
-            prompt = render(messages[:i], tools, prompt=True)
+        if message["role"] == "assistant":
+            try:
+                prompt = _prompt_before(messages, i, tools, render)
+            except SampleError:  # an opening turn the template cannot prompt for: its markers alone say
+                continue
             if text.startswith(prompt):
                 cuts.append(len(prompt))
     out = []
@@ -151,6 +191,32 @@ def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, ren
     return out
 
 
+def _prompt_before(messages: list[dict], i: int, tools: Any, render: Renderer) -> str:
+    """What the model is given at inference before assistant turn `i`: the conversation before it with the generation
+    prompt — for a turn that opens the conversation (a greeting), the empty conversation's, or where templates cannot
+    render one (Qwen2.5, Llama 3 read messages[0]) the turn's own rendering up to the end of its generation prompt."""
+    try:
+        return render(messages[:i], tools, prompt=True)
+    except SampleError as exc:
+        if i:
+            raise
+        why = str(exc).removeprefix("the chat template rejects it ")
+    # the generation prompt is what a one-message conversation gains with add_generation_prompt; the opening turn's
+    # prompt is its rendering up to the end of that text (a default system message, then the generation prompt)
+    probe = [{"role": "user", "content": "Hi."}]
+    bare, asked = render(probe, tools), render(probe, tools, prompt=True)
+    generation = asked[len(bare) :] if asked.startswith(bare) else ""
+    upto = render(messages[:1], tools)
+    at = upto.find(generation) if generation.strip() else -1
+    if at < 0:
+        raise SampleError(
+            "message 1 (assistant) opens the conversation, and the chat template cannot render the prompt before it "
+            f"(an empty conversation: {why})",
+            masking=True,
+        )
+    return upto[: at + len(generation)]
+
+
 def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
     """Assistant spans found turn by turn (see the module docstring)."""
     full = render(messages, tools)
@@ -158,13 +224,13 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:i], tools, prompt=True)
+        prompt = _prompt_before(messages, i, tools, render)
         upto = render(messages[: i + 1], tools)
         if not upto.startswith(prompt):
             raise SampleError(
                 f"message {i + 1} (assistant): the template renders the conversation before this turn differently "
-                "once the turn is added (the prompt the model sees at inference is not the start of the training "
-                "text; e.g. a system message kept only when a user turn is last)",
+                f"once the turn is added ({_parting(prompt, upto)}; e.g. a system message kept only when a user turn "
+                "is last, or a generation prompt that opens a block the rendered turn lacks)",
                 masking=True,
             )
         said = upto[len(prompt) :].rstrip()
@@ -177,8 +243,19 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
     return [(upto, [span]) for upto, span in turns]
 
 
+def _parting(prompt: str, text: str, width: int = 24) -> str:
+    """Where the inference prompt and the training text part, for an error message (one line, reprs)."""
+    k = len(os.path.commonprefix([prompt, text]))
+    start = max(0, k - width)
+    return (
+        f"the prompt the model sees at inference has {prompt[start : k + width]!r} where the training text has "
+        f"{text[start : k + width]!r}"
+    )
+
+
 def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
-    """Every system/user/tool message before the last assistant turn must be in the text trained on."""
+    """Every system/user/tool message before the last assistant turn, and every assistant tool call (by its function
+    name), must be in the text trained on."""
     text = out[-1][0]
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
     for i, message in enumerate(messages[: last + 1]):
@@ -188,6 +265,34 @@ def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) ->
         if content.strip() not in text and json.dumps(content) not in text:  # Llama 3.x renders tool output | tojson
             raise SampleError(
                 f"the chat template drops message {i + 1} ({message['role']}): its content is not in the rendered text"
+            )
+    for i, message in enumerate(messages[: last + 1]):
+        names = [call["function"]["name"] for call in message.get("tool_calls") or []]
+        if any(name not in text for name in names):  # a template that renders an assistant turn's content only
+            raise SampleError(
+                f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
+                "it would learn an empty turn"
+            )
+
+
+def _check_answers_kept(messages: list[dict], out: list[tuple[str, list]], masking: Masking) -> None:
+    """What each trained assistant turn says must be in its sample's text, whitespace aside: a template may rewrite
+    the assistant's content (DeepSeek-R1's strips everything up to `</think>` from every turn), and the data's
+    reasoning would then be lost without a word. With the loss on every token only the last turn is checked: a
+    template may drop earlier turns' reasoning by design (Qwen3), as the model sees them at inference."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if masking == "all":
+        pairs = [(out[-1][0], turns[-1])]
+    elif len(out) == 1:
+        pairs = [(out[0][0], i) for i in turns]
+    else:  # one sample per assistant turn, in order
+        pairs = [(text, i) for (text, _), i in zip(out, turns, strict=True)]
+    for text, i in pairs:
+        said = "".join((messages[i].get("content") or "").split())
+        if said and said not in "".join(text.split()):
+            raise SampleError(
+                f"the chat template drops part of message {i + 1} (assistant): what it says is not in the rendered "
+                "text (e.g. reasoning before </think> removed)"
             )
 
 

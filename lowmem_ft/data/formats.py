@@ -84,11 +84,25 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
         arguments = function.get("arguments", {})
         if not isinstance(arguments, dict | str):
             raise BadLine(f"'{at}.arguments' must be an object or a JSON string, got {type(arguments).__name__}")
+        arguments = _arguments_object(arguments)
         entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
         out.append(entry)
     return out
+
+
+def _arguments_object(arguments: dict | str) -> dict | str:
+    """A call's arguments as the object transformers' templates expect: OpenAI's format gives them as a JSON
+    string, which templates that write `arguments | tojson` (Qwen2.5, Llama 3) would render as a quoted, escaped
+    string — the model would learn to call tools that way. A string that is not a JSON object is kept as given."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 def _turn(turn: Any, where: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict:
@@ -122,12 +136,21 @@ def _turn(turn: Any, where: str, role_key: str, content_key: str, roles: dict[st
     return out
 
 
-def _messages(turns: Any, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
+# The two shapes of a chat turn, each with its role names: a turn is read by its own keys, so `conversations` holding
+# role/content turns (lmsys-chat-1m, many Hub exports) or `messages` holding from/value turns read as they are.
+TURN_SHAPES = {"role": ("role", "content", {r: r for r in ROLES}), "from": ("from", "value", SHAREGPT_ROLES)}
+
+
+def _messages(turns: Any, key: str, role_key: str) -> list[dict]:
     if not isinstance(turns, list):
         raise BadLine(f"field '{key}' must be a list of turns, got {type(turns).__name__}")
     if not turns:
         raise BadLine(f"field '{key}' is empty")
-    out = [_turn(turn, f"{key}[{i}]", role_key, content_key, roles) for i, turn in enumerate(turns)]
+    other = "from" if role_key == "role" else "role"
+    out = []
+    for i, turn in enumerate(turns):
+        shape = TURN_SHAPES[other if isinstance(turn, dict) and role_key not in turn and other in turn else role_key]
+        out.append(_turn(turn, f"{key}[{i}]", *shape))
     if not any(m["role"] == "assistant" for m in out):
         raise BadLine(f"field '{key}' has no assistant turn to learn from")
     return out
@@ -155,12 +178,12 @@ def convert(record: dict[str, Any], fmt: str) -> dict[str, Any]:
     if fmt == "prompt_completion":
         return {"prompt": _string(record, "prompt"), "completion": _string(record, "completion")}
     if fmt == "messages":
-        messages = _messages(record.get("messages"), "messages", "role", "content", {r: r for r in ROLES})
+        messages = _messages(record.get("messages"), "messages", "role")
         return {"messages": messages, **_tools(record)}
     if fmt == "sharegpt":
         if "conversations" not in record:
             raise BadLine("missing field 'conversations'")
-        messages = _messages(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
+        messages = _messages(record["conversations"], "conversations", "from")
         return {"messages": messages, **_tools(record)}
     if fmt == "alpaca":
         instruction = _string(record, "instruction")

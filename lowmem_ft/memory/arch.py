@@ -81,6 +81,7 @@ class Architecture:
     logit_scale: float = 1.0  # multiplies the LM head's output (Granite: 1 / logits_scaling)
     remote_code: bool = False
     experts: int = 0  # routed experts of a mixture-of-experts MLP (see `_experts`); 0: a dense MLP
+    lm_head_bias: bool = False  # Phi-1/2: the LM head adds a bias of vocab_size
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
@@ -88,37 +89,28 @@ class Architecture:
         if "text_config" in config and "hidden_size" not in config:
             config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
         model_type = str(config.get("model_type", ""))
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if k not in config]
+        needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        if model_type not in NON_LLAMA_BLOCKS and model_type != "qwen":
+            needed.append("intermediate_size")
+        missing = [k for k in needed if k not in config]
         if missing:
             raise UserError(
                 f"model '{name}': config.json lacks {', '.join(missing)}; lowmem-ft plans decoder-only causal LMs"
             )
         if model_type == "qwen":
             return _qwen_v1(config, name)
-        h = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or h // heads)
-        inter = int(config["intermediate_size"])
-        linears = _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter)
-        act = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
+        if model_type in NON_LLAMA_BLOCKS:
+            shape = NON_LLAMA_BLOCKS[model_type](config)
+        else:
+            shape = _llama_block(config, model_type)
         return cls(
             name=name or str(config.get("_name_or_path", "")),
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
-            hidden_size=h,
+            hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            intermediate_size=inter,
-            mlp="gated",
-            hidden_act=act,
-            tie_embeddings=bool(config.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            norm="rms",
-            norms_per_layer=4 if model_type in ("gemma2", "gemma3_text", "gemma3") else 2,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
-            linears=linears,
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus"),
+            **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
@@ -172,8 +164,10 @@ class Architecture:
 
     @property
     def lm_head_params(self) -> int:
-        """0 when tied: the head reuses the embedding matrix (counted once)."""
-        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        """0 when tied: the head reuses the embedding matrix (counted once); plus its bias when it has one."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.hidden_size) + (
+            self.vocab_size if self.lm_head_bias else 0
+        )
 
     @property
     def final_norm_params(self) -> int:
@@ -270,11 +264,151 @@ def _logit_scale(config: dict[str, Any]) -> float:
 _NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
 
 
+def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Heads, widths, norms and linears of a Llama-shaped block (Llama, Qwen, Mistral, Gemma, Phi-3, Granite, ...):
+    q/k/v/o projections, a gated MLP, RMSNorm."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    inter = int(config["intermediate_size"])
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", _tied_by_default(model_type))),
+        "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3", "glm4") else 2,
+        "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
+        "mlp": "plain" if model_type in UP_DOWN_MLP else "gated",
+        "norm": "layer" if model_type == "nemotron" else "rms",
+    }
+
+
+# Llama-shaped families whose MLP is plain: down_proj(act(up_proj(x))), no gate (modeling_arcee.py, _nemotron.py,
+# _apertus.py: ReLU² / xIELU, whose 2 scalars per layer are not counted); Nemotron's norms are LayerNorms (weight, bias).
+UP_DOWN_MLP = {"arcee", "nemotron", "apertus"}
+# Llama-shaped families whose config class ties the embeddings when config.json does not say (transformers 5.24's
+# `tie_word_embeddings: bool = True` in configuration_cohere.py, _cohere2, _ernie4_5, _smollm3; every gemma*).
+TIED_BY_DEFAULT = {"cohere", "cohere2", "ernie4_5", "smollm3"}
+
+
+def _tied_by_default(model_type: str) -> bool:
+    return model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT
+
+
+def _gpt_neox_block(config: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX / Pythia (modeling_gpt_neox.py): fused query_key_value and dense with `attention_bias` (default
+    true), a plain MLP dense_h_to_4h → GELU → dense_4h_to_h with biases, two LayerNorms, untied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    bias = bool(config.get("attention_bias", True))
+    linears = (
+        Linear("query_key_value", h, 3 * h, bias),
+        Linear("dense", h, h, bias),
+        Linear("dense_h_to_4h", h, inter, True),
+        Linear("dense_4h_to_h", inter, h, True),
+    )
+    return _plain_block(config, heads, heads, h // heads, inter, linears, tied=False, norms=2)
+
+
+def _falcon_block(config: dict[str, Any]) -> dict[str, Any]:
+    """Falcon (modeling_falcon.py): fused query_key_value whose width follows the attention kind (new decoder
+    architecture: num_kv_heads groups; multi-query: one k/v head; else 3 × hidden), dense, a plain MLP of
+    `ffn_hidden_size` (default 4 × hidden), biases only with `bias` (default false), LayerNorms: one per layer with
+    parallel attention (two with the new architecture or `num_ln_in_parallel_attn` 2), two without; tied default."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = h // heads
+    new_arch = bool(config.get("new_decoder_architecture", False))
+    multi_query = bool(config.get("multi_query", True))
+    kv = int(config.get("num_kv_heads") or heads) if new_arch else (1 if multi_query else heads)
+    inter = int(config.get("ffn_hidden_size") or 4 * h)
+    bias = bool(config.get("bias", False))
+    linears = (
+        Linear("query_key_value", h, (heads + 2 * kv) * head_dim, bias),
+        Linear("dense", h, h, bias),
+        Linear("dense_h_to_4h", h, inter, bias),
+        Linear("dense_4h_to_h", inter, h, bias),
+    )
+    if not config.get("parallel_attn", True):
+        norms = 2
+    else:
+        norms = int(config.get("num_ln_in_parallel_attn") or (2 if new_arch else 1))
+    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=norms)
+
+
+def _starcoder2_block(config: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2 (modeling_starcoder2.py): q/k/v/o and a plain MLP c_fc → GELU → c_proj, all with `use_bias`
+    (default true), two LayerNorms, tied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = h // heads
+    bias = bool(config.get("use_bias", True))
+    linears = (
+        Linear("q_proj", h, heads * head_dim, bias),
+        Linear("k_proj", h, kv * head_dim, bias),
+        Linear("v_proj", h, kv * head_dim, bias),
+        Linear("o_proj", heads * head_dim, h, bias),
+        Linear("c_fc", h, inter, bias),
+        Linear("c_proj", inter, h, bias),
+    )
+    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=2)
+
+
+def _phi_block(config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-1 / 1.5 / 2 (modeling_phi.py): q/k/v_proj and dense with biases, a plain MLP fc1 → GELU → fc2 with
+    biases, one LayerNorm per layer (attention and MLP in parallel), an LM head with a bias, untied by default."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = h // heads
+    linears = (
+        Linear("q_proj", h, heads * head_dim, True),
+        Linear("k_proj", h, kv * head_dim, True),
+        Linear("v_proj", h, kv * head_dim, True),
+        Linear("dense", heads * head_dim, h, True),
+        Linear("fc1", h, inter, True),
+        Linear("fc2", inter, h, True),
+    )
+    return {**_plain_block(config, heads, kv, head_dim, inter, linears, tied=False, norms=1), "lm_head_bias": True}
+
+
+def _plain_block(config, heads, kv, head_dim, inter, linears, tied: bool, norms: int) -> dict[str, Any]:
+    """The shape fields of a block with a plain (non-gated) MLP and LayerNorms (weight and bias)."""
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "mlp": "plain",
+        "hidden_act": str(config.get("hidden_act") or config.get("activation") or "gelu"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", tied)),
+        "norm": "layer",
+        "norms_per_layer": norms,
+        "linears": linears,
+    }
+
+
+# model_type → its block's shape, for native families whose blocks are not Llama-shaped (fused or differently named
+# projections, plain MLPs, LayerNorms, other defaults). Any other model_type is read as Llama-shaped.
+NON_LLAMA_BLOCKS = {
+    "gpt_neox": _gpt_neox_block,
+    "falcon": _falcon_block,
+    "phi": _phi_block,
+    "starcoder2": _starcoder2_block,
+}
+
+
 def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
     """The linear layers of one decoder block, as transformers names them."""
     # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
-    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
-    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
+    # GLM / GLM-4 too, with `attention_bias` true by default (configuration_glm4.py).
+    glm = model_type in ("glm", "glm4")
+    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", glm))
+    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2" and not glm
     mlp_bias = bool(config.get("mlp_bias", False))
     if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
         return (
@@ -283,11 +417,18 @@ def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, 
             Linear("gate_up_proj", h, 2 * inter),
             Linear("down_proj", inter, h),
         )
-    return (
+    attention = (
         Linear("q_proj", h, q_out, qkv_bias),
         Linear("k_proj", h, kv_out, qkv_bias),
         Linear("v_proj", h, kv_out, qkv_bias),
         Linear("o_proj", q_out, h, o_bias),
+    )
+    if glm:  # modeling_glm4.py: a fused gate_up_proj, no biases in the MLP
+        return (*attention, Linear("gate_up_proj", h, 2 * inter), Linear("down_proj", inter, h))
+    if model_type in UP_DOWN_MLP:
+        return (*attention, Linear("up_proj", h, inter, mlp_bias), Linear("down_proj", inter, h, mlp_bias))
+    return (
+        *attention,
         Linear("gate_proj", h, inter, mlp_bias),
         Linear("up_proj", h, inter, mlp_bias),
         Linear("down_proj", inter, h, mlp_bias),
@@ -393,4 +534,9 @@ def load_architecture(name_or_path: str, trust_remote_code: bool = False) -> Arc
     """
     del trust_remote_code  # reading config.json runs no repository code
     config, _ = load_config_dict(name_or_path)
-    return Architecture.from_config(config, name=name_or_path)
+    arch = Architecture.from_config(config, name=name_or_path)
+    if Path(name_or_path).is_dir() and not arch.remote_code and not arch.experts:
+        from lowmem_ft.memory.layout import warn_if_mismatched
+
+        warn_if_mismatched(arch, Path(name_or_path))
+    return arch

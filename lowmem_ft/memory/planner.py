@@ -406,8 +406,11 @@ def _search_order(arch: Architecture, request: Request, stages: list) -> list[tu
 def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
     """The request with LoRA on every linear when the start's target names match none of this model's."""
     s = request.start
-    if s.adapter != "lora" or arch.lora_targets(list(s.lora_targets)):
+    if s.adapter != "lora":
         return request, ""
+    adapted = arch.adapter_modules(list(s.lora_targets))
+    if adapted:
+        return request, _partial_targets(arch, s.lora_targets, adapted)
     if "lora_targets" in request.fixed:
         raise UserError(
             f"adapter.target_modules {list(s.lora_targets)} match no linear layer of {arch.name}; "
@@ -415,6 +418,19 @@ def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
         )
     why = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
     return replace(request, start=replace(s, lora_targets=("all-linear",))), why
+
+
+def _partial_targets(arch: Architecture, targets: tuple[str, ...], adapted: list[str]) -> str:
+    """The adapter line's note when some target names are not this model's (the recipes' Llama names on Phi-2 or
+    StarCoder2 match the attention only): which are absent and which linears stay frozen, or "" when none is."""
+    absent = [t for t in targets if t != "all-linear" and not arch.adapter_modules([t])]
+    frozen = [name for name in arch.linear_names if name not in adapted]
+    if not absent or not frozen:
+        return ""
+    return (
+        f"; adapts {', '.join(adapted)} only: {', '.join(absent)} are absent, so {', '.join(frozen)} stay frozen "
+        "(--set adapter.target_modules=all-linear adapts them too)"
+    )
 
 
 def plan(arch: Architecture, request: Request) -> Plan:

@@ -193,3 +193,111 @@ def test_tool_calls_survive_the_dataset_unchanged(zoo_models):
     rows = tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
     assert '"arguments": {"a": 2}}' in tokenizer.decode(rows[0]["input_ids"])
     assert '"arguments": {"b": 3}}' in tokenizer.decode(rows[1]["input_ids"])
+
+
+def test_template_that_drops_tool_calls_is_refused(zoo_models):
+    """ChatML (and Granite 3.0, Phi-3, DeepSeek-R1's template with a content of "") renders an assistant turn's
+    content only: a tool-call turn would become an empty turn, and the model would learn to answer nothing."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"], chat_template="chatml")
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops the tool calls of message 2 \(assistant"):
+        tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=False)
+    with pytest.raises(UserError, match=r"drops the tool calls of message 2"):  # training on every token loses it too
+        tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=True)
+
+
+def test_tool_call_arguments_given_as_a_json_string_are_learned_as_an_object(zoo_models):
+    """OpenAI's format (and most tool-use data sets) gives `arguments` as a JSON string; templates that write
+    `arguments | tojson` (Qwen2.5, Llama 3) would teach the model a quoted, escaped string instead of the object."""
+    record = json.loads(json.dumps(TOOL_RECORD))
+    record["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"a": 2}'
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    (row,) = tk.tokenize_records([convert(record, "messages")], "messages", tokenizer, train_on_prompt=False)
+    assert '"arguments": {"a": 2}}' in "".join(_loss_runs(tokenizer, row))
+
+
+def _r1_finetune() -> str:
+    """DeepSeek-R1-Distill's template as community fine-tunes ship it (one comment added: TRL no longer knows it):
+    it strips everything up to `</think>` from every assistant message, and its generation prompt opens `<think>`."""
+    import trl.chat_template_utils as ctu
+
+    return "{#- fine-tuned from R1-Distill -#}" + ctu.deepseek_r1_distill_chat_template
+
+
+R1_RECORD = {
+    "messages": [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "<think>\ntwo and three\n</think>\n\n2 plus 3 is 5."},
+    ]
+}
+
+
+def test_template_whose_prompt_the_turn_does_not_continue_says_where(zoo_models):
+    """The refusal shows where the inference prompt and the training text part (here R1's `<think>` opening),
+    rather than only naming the system-message case."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = _r1_finetune()
+    with pytest.raises(UserError, match=r"sample 1: message 2 \(assistant\).*<think>\\n.*2 plus 3 is 5") as info:
+        tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=False)
+    assert "\n" not in str(info.value)
+
+
+def test_template_that_strips_the_assistants_reasoning_is_refused(zoo_models):
+    """Training on every token with R1's template would learn the answers without the reasoning the data has."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = _r1_finetune()
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops part of message 2 \(assistant\)"):
+        tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=True)
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"], chat_template="deepseek_r1_distill")  # TRL's: it keeps it
+    (row,) = tk.tokenize_records([R1_RECORD], "messages", tokenizer, train_on_prompt=False)
+    assert "two and three" in "".join(_loss_runs(tokenizer, row))
+
+
+def test_template_whose_turns_have_no_end_token_is_warned_about(zoo_models, caplog):
+    """A template that closes an assistant turn with plain text only (`### Assistant: ...\\n`) gives the model no
+    token to learn to stop on: generation would run to max_new_tokens. Every zoo family's template has one."""
+    plain = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}### User: {{ m['content'] }}\n{% else %}"
+        "### Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Assistant:{% endif %}"
+    )
+    for family in NAMES:
+        tokenizer = tk.load_tokenizer(zoo_models[family])
+        with caplog.at_level("WARNING", logger="lowmem_ft.data.chat"):
+            tk.tokenize_records(_records("alpaca", family), "alpaca", tokenizer, train_on_prompt=False)
+    assert "end-of-turn" not in caplog.text
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = plain
+    with caplog.at_level("WARNING", logger="lowmem_ft.data.chat"):
+        ds = tk.tokenize_records(_records("alpaca", "qwen2.5"), "alpaca", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, ds[0]) == [" R E D"]  # trained as it is rendered, nothing appended
+    assert "ends an assistant turn with no special token ('\\n')" in caplog.text
+    assert "the model will not learn to stop" in caplog.text
+
+
+GREETING = {
+    "messages": [
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D"},
+    ]
+}
+
+
+def test_an_opening_assistant_turn_is_learned_without_its_generation_prompt(zoo_models):
+    """An assistant turn with nothing before it (a greeting) is cut at the end of the generation prompt too: TRL's
+    Qwen2.5 training version opens its markers before the `\\n` of `<|im_start|>assistant\\n`."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    (row,) = tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, row) == ["Hello, how can I help?<|im_end|>", "R E D<|im_end|>"]
+
+
+def test_an_opening_assistant_turn_is_found_where_the_template_cannot_render_an_empty_conversation(zoo_models):
+    """Llama 3.2's template (turn by turn: TRL has no training version) reads messages[0]: the opening turn's prompt
+    is its own rendering up to the end of the generation prompt — not a jinja index error for the whole sample."""
+    tokenizer = tk.load_tokenizer(zoo_models["llama3"])
+    (row,) = tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+    assert _loss_runs(tokenizer, row) == ["Hello, how can I help?<|eot_id|>", "R E D<|eot_id|>"]
+    tokenizer.chat_template = (  # no generation prompt at all: nothing says where the opening turn starts
+        "{{ messages[0]['content'] }}{% for m in messages[1:] %}\n{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(UserError, match=r"sample 1: message 1 \(assistant\) opens the conversation.*no element 0"):
+        tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)

@@ -123,3 +123,20 @@ def test_only_bad_lines_is_an_error_even_when_skipping(tmp_path):
     path.write_text("{oops\n\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"no usable records \(1 bad lines skipped\)"):
         load_file(path, skip_bad_lines=True)
+
+
+def test_turn_keys_of_the_other_chat_shape_are_read(tmp_path):
+    """`conversations` holding role/content turns (lmsys-chat-1m, many Hub exports) and `messages` holding
+    from/value turns are read by their turns' own keys, each with its own role names."""
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    ]
+    for row in rows:
+        path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        (record,) = load_file(path).records
+        assert record["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path.write_text(json.dumps({"conversations": [{"speaker": "user", "text": "hi"}]}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"d\.jsonl:1: missing field 'conversations\[0\]\.from'"):
+        load_file(path)

@@ -171,3 +171,63 @@ def test_mixture_of_experts_is_read_from_each_familys_key():
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):  # Mixtral, Qwen2-MoE, DeepSeek
         assert Architecture.from_config({**dense, key: 8}).experts == 8
     assert Architecture.from_config({**dense, "num_experts": None, "num_local_experts": True}).experts == 0
+
+
+# Families outside the zoo whose decoder blocks are not Llama-shaped, as their config.json files ship (only the keys
+# the published files set: the family's own defaults — biases, tied embeddings, ffn width — must be read as
+# transformers reads them). EleutherAI/pythia-*, tiiuae/falcon-7b (multi-query, parallel attention), falcon-40b
+# (new decoder architecture), microsoft/phi-2, bigcode/starcoder2-3b, THUDM/glm-4-9b, arcee-ai/AFM-4.5B,
+# nvidia/Minitron-8B (nemotron).
+OUTSIDERS = {
+    "gpt_neox": {"model_type": "gpt_neox", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4},
+    "falcon-7b": {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "multi_query": True, "parallel_attn": True},
+    "falcon-rw": {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "multi_query": False, "parallel_attn": False, "bias": True},
+    "falcon-40b": {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True},
+    "glm-4": {"model_type": "glm4", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0},
+    "glm": {"model_type": "glm", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0},
+    "arcee": {"model_type": "arcee", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "nemotron": {"model_type": "nemotron", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "phi-2": {"model_type": "phi", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4},
+    "starcoder2": {"model_type": "starcoder2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(OUTSIDERS))
+def test_non_llama_blocks_match_transformers(kind):
+    """Count and linear layers (names, shapes, biases) as the transformers model has them: LoRA targets and the
+    memory model read these, so a Llama-shaped guess silently plans adapters on modules that do not exist."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = OUTSIDERS[kind]
+    arch = Architecture.from_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    assert arch.total_params == sum(p.numel() for p in model.parameters())
+    block = next(m for name, m in model.named_modules() if name.endswith(("layers.0", "h.0")))
+    real = {
+        name.rsplit(".", 1)[-1]: (m.in_features, m.out_features, m.bias is not None)
+        for name, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    assert {lin.name: (lin.in_features, lin.out_features, lin.bias) for lin in arch.linears} == real
+
+
+@pytest.mark.parametrize("model_type", ["smollm3", "ernie4_5", "llama", "qwen2"])
+def test_tied_embeddings_default_to_the_familys_config_class(model_type):
+    """A config.json without `tie_word_embeddings` ties as its config class does (SmolLM3, ERNIE 4.5, Cohere: true;
+    Llama, Qwen2: false): counting an untied head for SmolLM3-3B was 25 % too many parameters here."""
+    config = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 192,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "pad_token_id": 0}  # fmt: skip
+    assert Architecture.from_config(config).total_params == _transformers_count(config)

@@ -394,3 +394,22 @@ def test_issue_13_targets_llama_8b_qlora_r32_all_linear_batch_1(vram, tokens):
     assert longest_context("meta-llama/Llama-3.1-8B", vram, fixed, limit=1 << 20, positions=False) >= tokens
     before = longest_context("meta-llama/Llama-3.1-8B", vram, fixed, savers="previous", limit=1 << 20)
     assert before < tokens  # what the planner reached before issue #13
+
+
+def test_recipe_targets_the_model_only_partly_has_are_named():
+    """The recipes' Llama names on Phi-2 match q/k/v_proj only: its dense, fc1, fc2 stay frozen. The adapter line
+    says so (and how to adapt them) rather than the run quietly adapting three of seven kinds of layer."""
+    from lowmem_ft.memory.arch import Architecture
+
+    phi2 = Architecture.from_config(
+        {"model_type": "phi", "vocab_size": 51200, "hidden_size": 2560, "intermediate_size": 10240,
+         "num_hidden_layers": 32, "num_attention_heads": 32}, name="microsoft/phi-2",
+    )  # fmt: skip
+    p = plan(phi2, request(24, "24gb"))
+    assert p.setup.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert (
+        "adapts q_proj, k_proj, v_proj only: o_proj, gate_proj, up_proj, down_proj are absent" in p.reasons["adapter"]
+    )
+    assert "dense, fc1, fc2 stay frozen" in p.reasons["adapter"]
+    llama = plan(LLAMA8, request(24, "24gb"))
+    assert "absent" not in llama.reasons["adapter"]
