@@ -18,6 +18,15 @@ def add_parser(sub) -> None:
         description="Fine-tune MODEL on DATA. With --vram the recipe is chosen for that much GPU memory; "
         "--recipe uses a shipped recipe (8gb, 24gb, 40gb) or a YAML file; --set section.key=value overrides any key.",
     )
+    _add_inputs(p)
+    _add_recipe_keys(p)
+    _add_adapters(p)
+    _add_launch(p)
+    p.set_defaults(func=run)
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    """What to train and on what: model, data, the VRAM target or recipe, the run's name and state."""
     p.add_argument("--model", help="hub id or local directory of the base model (model.name_or_path)")
     p.add_argument(
         "--data",
@@ -55,6 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-wandb", action="store_true", help="do not log to Weights & Biases (logging.wandb_mode=disabled)"
     )
+
+
+def _add_recipe_keys(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("common recipe keys (each the same as its --set)")
     for dest, (key, flag, metavar, what) in SET_FLAGS.items():
         k.add_argument(flag, dest=dest, metavar=metavar, help=f"{what} ({key})")
@@ -65,6 +77,9 @@ def add_parser(sub) -> None:
         metavar="TRACKER",
         help=f"trackers for metrics, recipe and plan: {', '.join(get_args(Tracker))} (logging.report_to)",
     )
+
+
+def _add_adapters(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("adapters and the Hub")
     h.add_argument(
         "--adapter",
@@ -73,6 +88,9 @@ def add_parser(sub) -> None:
         "and target modules (adapter.name_or_path)",
     )
     flags.add_push_to_hub(h, "the adapter (or model)", "when training ends")
+
+
+def _add_launch(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several GPUs (through accelerate launch)")
     g.add_argument(
         "--gpus", type=flags.count, metavar="N", help="processes per node, one per GPU (CPU processes without CUDA)"
@@ -98,7 +116,6 @@ def add_parser(sub) -> None:
     )
     # what the processes `--gpus` launches run (train in a prepared run directory): internal, not in --help
     g.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
 
 
 # Flags that are exactly `--set` of one recipe key (values parsed and checked as --set's, errors naming the flag):
