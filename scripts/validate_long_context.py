@@ -63,7 +63,9 @@ POINTS = [
     dict(adapter="qlora", checkpointing=True, seq=2048, tiled_mlp=True, loss_chunk_tokens=0, dropout=0.0),  # auto chunk
     dict(adapter="lora", checkpointing=True, seq=4096, **ALL, loss_chunk_tokens=2048),  # a budget-sized large chunk
     dict(adapter="lora", checkpointing=True, seq=1024, tiled_mlp=True, host_embeddings=True, chunked_loss=False),
+    dict(adapter="lora", checkpointing=True, seq=2048, tiled_mlp=True, tiled_norms=True, loss_chunk_tokens=64),
 ]  # fmt: skip
+# (the last: tiled MLP + norms without LoRA recompute, where the recomputed attention's LoRA backward decides)
 QUICK = [0, 1, 4]
 
 
