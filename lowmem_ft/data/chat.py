@@ -266,7 +266,7 @@ def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, i
     else:
         out = _turns(messages, tools, render, trained)
     _check_nothing_dropped(messages, out)
-    _check_answers_kept(messages, out)
+    _check_answers_kept(messages, out, render)
     return [(text, spans) for text, spans, _ in out]
 
 
@@ -390,7 +390,7 @@ def _check_nothing_dropped(messages: list[dict], out: list[Sample]) -> None:
             )
 
 
-def _check_answers_kept(messages: list[dict], out: list[Sample]) -> None:
+def _check_answers_kept(messages: list[dict], out: list[Sample], render: Renderer) -> None:
     """What each trained assistant turn says, and its reasoning, must be in its sample's text, whitespace aside: a
     template may rewrite the assistant's content (DeepSeek-R1's strips everything up to `</think>` from every turn)
     or not render the reasoning the data gives (`reasoning_content` with Llama 3's), and the model would then learn
@@ -407,7 +407,8 @@ def _check_answers_kept(messages: list[dict], out: list[Sample]) -> None:
                     "rendered text (e.g. reasoning before </think> removed)"
                 )
             key = next((k for k in REASONING_KEYS if k in message), None)
-            if key and "".join(message[key].split()) not in flat:
+            # a template that renders no reasoning key at all is refused even where the text happens to be there
+            if key and (not render.reasoning_keys() or "".join(message[key].split()) not in flat):
                 raise SampleError(
                     f"the chat template does not render the reasoning of message {i + 1} (assistant, '{key}'): the "
                     "model would learn the answer without it",

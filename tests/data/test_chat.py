@@ -331,6 +331,9 @@ def test_reasoning_is_learned_or_the_sample_refused(zoo_models, family, key):
                            rf"message 2 \(assistant, '{key}'\).*data.chat_template") as info:  # fmt: skip
             tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)
         assert "\n" not in str(info.value)
+        echo = convert({"messages": [messages[0], {**messages[1], key: "R E D"}]}, "messages")
+        with pytest.raises(UserError, match=r"does not render the reasoning"):  # not fooled by the answer's text
+            tk.tokenize_records([echo], "messages", tokenizer, train_on_prompt=True)
         return
     rows = tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)
     loss = ["".join(_loss_runs(tokenizer, row)) for row in rows]
