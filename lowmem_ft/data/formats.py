@@ -90,16 +90,21 @@ def detect_format(record: dict[str, Any], key: str = "data") -> str:
 
 def _preference(record: dict[str, Any], key: str) -> str:
     """The one line that says preference data is not SFT data, and how to train on its chosen answers."""
+    what = (
+        f"this is preference data (keys {sorted(record)}: a chosen and a rejected answer, for DPO / ORPO / reward "
+        "training) and lowmem-ft trains SFT"
+    )
+    if isinstance(record["chosen"], dict):  # LLaMA-Factory's ranking ShareGPT: the conversation, then one turn each
+        return f"{what}; to fine-tune on the chosen answers, append each 'chosen' turn to its conversation in the data"
     if "prompt" in record:
         how = f"{key}.columns={{completion: chosen}}"
+    elif "instruction" in record:  # LLaMA-Factory's ranking alpaca
+        how = f"{key}.columns={{prompt: instruction, completion: chosen}}"
     elif isinstance(record["chosen"], list):
         how = f"{key}.columns={{messages: chosen}} (the chosen conversation, prompt included)"
     else:
         how = f"{key}.columns={{prompt: QUESTION_COLUMN, completion: chosen}}"
-    return (
-        f"this is preference data (keys {sorted(record)}: a chosen and a rejected answer, for DPO / ORPO / reward "
-        f"training) and lowmem-ft trains SFT; to fine-tune on the chosen answers, map them with {how}"
-    )
+    return f"{what}; to fine-tune on the chosen answers, map them with {how}"
 
 
 def _string(record: dict, key: str, allow_empty: bool = False) -> str:
@@ -345,7 +350,8 @@ def convert(record: dict[str, Any], fmt: str, unread: dict | None = None) -> dic
                 raise BadLine(f"missing field '{key}'")
             if isinstance(record[key], str):
                 raise BadLine(
-                    f"field '{key}' is a string; in this data set it is a list of turns, as in the first record"
+                    f"field '{key}' is a string, where this data set's prompt/completion are lists of turns (TRL's "
+                    "conversational form, as in its first record); give both as lists of turns or both as strings"
                 )
         prompt = _system(record, _messages(record["prompt"], "prompt", "role", unread, learn=False))
         completion = _messages(record["completion"], "completion", "role", unread)

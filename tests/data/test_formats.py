@@ -263,7 +263,7 @@ def test_trl_conversational_prompt_completion_is_read_as_chat(tmp_path):
     assert data.records[0] == {"messages": row["prompt"] + row["completion"], "completion_from": 1}
     with pytest.raises(UserError, match=r"d\.jsonl:1: 'prompt' / 'completion' hold lists of turns .*chat_prompt_compl"):
         load_file(tmp_path / "d.jsonl", fmt="prompt_completion")
-    with pytest.raises(UserError, match=r"d\.jsonl:2: field 'prompt' is a string; in this data set it is a list"):
+    with pytest.raises(UserError, match=r"d\.jsonl:2: field 'prompt' is a string, where this data set's prompt/comp"):
         load_file(_write(tmp_path / "d.jsonl", [row, {"prompt": "q", "completion": "a"}]))
     no_answer = {"prompt": row["prompt"], "completion": [{"role": "user", "content": "more"}]}
     with pytest.raises(UserError, match=r"d\.jsonl:1: field 'completion' has no assistant turn"):
@@ -321,6 +321,14 @@ PREFERENCE = {
 }
 
 
+PREFERENCE["LLaMA-Factory ranking alpaca"] = (
+    {"instruction": "2 plus 2?", "input": "", "chosen": "4.", "rejected": "5."},
+    "data.columns={prompt: instruction, completion: chosen}",
+    {"prompt": "instruction", "completion": "chosen"},
+    {"prompt": "2 plus 2?", "completion": "4."},
+)
+
+
 @pytest.mark.parametrize("case", sorted(PREFERENCE))
 def test_preference_data_is_refused_with_the_mapping_that_trains_on_chosen(tmp_path, case):
     from lowmem_ft.data.readers import read_records
@@ -333,7 +341,17 @@ def test_preference_data_is_refused_with_the_mapping_that_trains_on_chosen(tmp_p
     message = str(info.value)
     assert hint in message and "\n" not in message and message.count(".columns") == 1
     data = read_records(resolve_source(path, columns=columns))  # the mapping the message gives works
-    assert data.records == [record] and data.unused_columns == ["rejected"]
+    assert data.records == [record] and data.unused_columns[-1] == "rejected"
+
+
+def test_llama_factory_ranking_sharegpt_says_to_append_the_chosen_turn(tmp_path):
+    row = {
+        "conversations": [{"from": "human", "value": "2 plus 2?"}],
+        "chosen": {"from": "gpt", "value": "4."},
+        "rejected": {"from": "gpt", "value": "5."},
+    }
+    with pytest.raises(UserError, match=r"preference data .* append each 'chosen' turn to its conversation in the d"):
+        load_file(_write(tmp_path / "d.jsonl", [row]))
 
 
 def test_kto_data_is_refused(tmp_path):
