@@ -16,6 +16,12 @@ turn. Three ways to find them, in order:
    system message unless the user turn is last) is refused for that sample, with `data.chat_template` /
    `data.train_on_prompt` as the ways out.
 
+Not every assistant turn is learned: one of `weight` 0 (Axolotl's per-turn flag) and, in TRL's conversational
+prompt/completion, the prompt's turns are context only; their spans are left out (by markers, each span goes to the
+assistant turn whose inference prompt ends before it), and one sample per turn is made only for the learned ones.
+What each learned turn says, its reasoning included, must be in its sample's text: a template that does not render
+the data's `reasoning_content` is refused for that sample rather than trained on the answers alone.
+
 Whichever way, trailing whitespace after the end-of-turn token (the newline between turns) carries no loss: the model
 stops at the end-of-turn token and never generates it. Every system / user / tool message must appear in the rendered
 text: a template that drops one (a role it does not know) is an error naming the sample, never a silent loss.
@@ -28,6 +34,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from lowmem_ft.data.formats import REASONING_KEYS, content_text
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +54,13 @@ class ChatTemplate:
 
 class SampleError(ValueError):
     """A conversation the template cannot render for training (the message says why). `masking`: the problem is
-    only in finding the assistant tokens, so training on every token (`data.train_on_prompt`) would avoid it."""
+    only in finding the assistant tokens, so training on every token (`data.train_on_prompt`) would avoid it;
+    `fix`: the way out, where it is neither that nor another template."""
 
-    def __init__(self, message: str, masking: bool = False):
+    def __init__(self, message: str, masking: bool = False, fix: str | None = None):
         super().__init__(message)
         self.masking = masking
+        self.fix = fix
 
 
 def set_template(tokenizer, spec: str | None) -> str:
@@ -128,13 +138,26 @@ def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTem
 
 
 class Renderer:
-    """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does."""
+    """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does.
+
+    A turn's content given as a list of text parts reaches the template as a list where the template renders every
+    part of a list for that role (Gemma-3's user and assistant turns); elsewhere as one string, the parts joined by a
+    newline, which is what an OpenAI-compatible server such as vLLM gives a template that takes strings (Qwen2.5 or
+    Mistral would fail on a list; Qwen3's renders a list as nothing, TRL's Llama-3.2 copy as its Python repr). Either
+    way a single text part renders as its string would. The assistant's reasoning reaches the template under the
+    key it renders (`reasoning_content` for Qwen3, `thinking` for gpt-oss) when it renders another than the data's.
+    """
 
     def __init__(self, tokenizer, template: ChatTemplate):
         self.template = template
         self.kwargs = dict(tokenizer.special_tokens_map)
+        self._list_roles: set[str] | None = None
+        self._reasoning_keys: list[str] | None = None
 
     def __call__(self, messages: list[dict], tools: Any = None, *, prompt: bool = False, indices: bool = False):
+        return self._render([self._for_template(m) for m in messages], tools, prompt=prompt, indices=indices)
+
+    def _render(self, messages: list[dict], tools: Any = None, *, prompt: bool = False, indices: bool = False):
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -151,44 +174,133 @@ class Renderer:
             raise SampleError(f"the chat template rejects it ({exc})") from None
         return (rendered[0], generation[0]) if indices else rendered[0]
 
+    def _for_template(self, message: dict) -> dict:
+        content = message.get("content")
+        if isinstance(content, list) and message["role"] not in self.list_roles():
+            message = {**message, "content": content_text(content)}
+        given = next((k for k in REASONING_KEYS if k in message), None)
+        rendered = self.reasoning_keys() if given else []
+        if given and rendered and given not in rendered:
+            message = {**{k: v for k, v in message.items() if k != given}, rendered[0]: message[given]}
+        return message
+
+    def _probe(self, messages: list[dict]) -> str:
+        try:
+            return self._render(messages)
+        except Exception:  # noqa: BLE001 (a template that cannot take the probe: jinja TypeError, SampleError, ...)
+            return ""
+
+    def list_roles(self) -> set[str]:
+        """The roles whose content the template renders in full when it is a list of text parts."""
+        if self._list_roles is None:
+            parts = [{"type": "text", "text": "lowmem-part-one"}, {"type": "text", "text": "lowmem-part-two"}]
+            user, answer = {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}
+            probes = {
+                "system": [{"role": "system", "content": parts}, user, answer],
+                "user": [{"role": "user", "content": parts}, answer],
+                "assistant": [user, {"role": "assistant", "content": parts}],
+            }
+            self._list_roles = set()
+            for role, messages in probes.items():
+                text = self._probe(messages)
+                if all(p["text"] in text for p in parts) and "'type'" not in text and '"type"' not in text:
+                    self._list_roles.add(role)
+        return self._list_roles
+
+    def reasoning_keys(self) -> list[str]:
+        """The reasoning keys (REASONING_KEYS) the template renders on a final assistant turn, in that order."""
+        if self._reasoning_keys is None:
+            said = "lowmem-probe-reasoning"
+            self._reasoning_keys = [
+                key
+                for key in REASONING_KEYS
+                if said
+                in self._probe(
+                    [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello.", key: said}]
+                )
+            ]
+        return self._reasoning_keys
+
+
+Sample = tuple[str, list[tuple[int, int]], list[int]]  # text, loss spans, the assistant turns they are
+
+
+def trained_turns(record: dict) -> list[int]:
+    """The assistant turns of a chat record that carry loss: all but those with `weight` 0, and in a conversational
+    prompt/completion record only the completion's."""
+    start = record.get("completion_from", 0)
+    return [
+        i
+        for i, m in enumerate(record["messages"])
+        if m["role"] == "assistant" and i >= start and m.get("weight", 1) != 0
+    ]
+
 
 def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
-    """(rendered text, character spans that carry the loss) of one conversation: one sample, or one per assistant
-    turn when the template is not prefix-stable. Raises SampleError."""
+    """(rendered text, character spans that carry the loss) of one conversation: one sample, or one per trained
+    assistant turn when the template is not prefix-stable. Raises SampleError."""
     messages, tools = record["messages"], record.get("tools")
     masking = render.template.masking
+    trained = trained_turns(record)
+    out: list[Sample]
     if masking == "all":
-        out = [(render(messages, tools), [])]
+        zero = next((i for i, m in enumerate(messages) if m.get("weight") == 0), None)
+        if zero is not None:
+            raise SampleError(
+                f"message {zero + 1} (assistant) has weight 0, but data.train_on_prompt=true puts the loss on every "
+                "token",
+                fix="set data.train_on_prompt=false to honour the weights, or drop them",
+            )
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        out = [(render(messages, tools), [], [last])]
     elif masking == "markers":
         text, spans = render(messages, tools, indices=True)
-        out = [(text, _after_prompts(text, [tuple(s) for s in spans], messages, tools, render))]
+        owned = _after_prompts(text, [tuple(s) for s in spans], messages, tools, render)
+        if any(turn is None for _, turn in owned) and trained != _assistants(messages):
+            raise SampleError(
+                "the template's generation markers cannot be matched to the assistant turns, and some turns carry "
+                "no loss (weight 0 or the prompt of a prompt/completion record)",
+                masking=True,
+            )
+        out = [(text, [span for span, turn in owned if turn is None or turn in trained], trained)]
     else:
-        out = _turns(messages, tools, render)
+        out = _turns(messages, tools, render, trained)
     _check_nothing_dropped(messages, out)
-    _check_answers_kept(messages, out, masking)
-    return out
+    _check_answers_kept(messages, out, render)
+    return [(text, spans) for text, spans, _ in out]
+
+
+def _assistants(messages: list[dict]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 def _after_prompts(text: str, spans: list, messages: list[dict], tools: Any, render: Renderer) -> list:
-    """Marker spans cut at the end of each assistant turn's inference prompt: a training template may put part of the
-    generation prompt inside its markers (TRL's Qwen2.5 version starts them before the `\\n` of
-    `<|im_start|>assistant\\n`), and the model never generates that part."""
-    cuts = []
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            try:
-                prompt = _prompt_before(messages, i, tools, render)
-            except SampleError:  # an opening turn the template cannot prompt for: its markers alone say
-                continue
-            if text.startswith(prompt):
-                cuts.append(len(prompt))
-    out = []
+    """Marker spans cut at the end of each assistant turn's inference prompt — a training template may put part of
+    the generation prompt inside its markers (TRL's Qwen2.5 version starts them before the `\\n` of
+    `<|im_start|>assistant\\n`), and the model never generates that part —, each with the assistant turn it belongs
+    to: the last whose prompt ends at or before it (None where a prompt cannot be placed in the text and the spans
+    are not one per turn)."""
+    cuts: dict[int, int | None] = {}  # assistant turn → where its inference prompt ends in `text`
+    for i in _assistants(messages):
+        try:
+            prompt = _prompt_before(messages, i, tools, render)
+        except SampleError:  # an opening turn the template cannot prompt for: its markers alone say
+            cuts[i] = 0 if i == 0 else None
+            continue
+        cuts[i] = len(prompt) if text.startswith(prompt) else None
+    cut_spans = []
     for start, end in spans:
-        for cut in cuts:
-            if start < cut < end:
+        for cut in cuts.values():
+            if cut is not None and start < cut < end:
                 start = cut
-        out.append((start, end))
-    return out
+        cut_spans.append((start, end))
+    if all(cut is not None for cut in cuts.values()):
+        owners = [max((i for i, cut in cuts.items() if cut <= start), default=min(cuts)) for start, _ in cut_spans]
+    elif len(cut_spans) == len(cuts):
+        owners = list(cuts)
+    else:
+        owners = [None] * len(cut_spans)
+    return list(zip(cut_spans, owners, strict=True))
 
 
 def _prompt_before(messages: list[dict], i: int, tools: Any, render: Renderer) -> str:
@@ -217,13 +329,11 @@ def _prompt_before(messages: list[dict], i: int, tools: Any, render: Renderer) -
     return upto[: at + len(generation)]
 
 
-def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str, list[tuple[int, int]]]]:
-    """Assistant spans found turn by turn (see the module docstring)."""
+def _turns(messages: list[dict], tools: Any, render: Renderer, trained: list[int]) -> list[Sample]:
+    """The trained assistant turns' spans found turn by turn (see the module docstring)."""
     full = render(messages, tools)
-    turns = []  # (rendering up to the end of the turn, its span there)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    turns = []  # (rendering up to the end of the turn, its span there, the turn)
+    for i in trained:
         prompt = _prompt_before(messages, i, tools, render)
         upto = render(messages[: i + 1], tools)
         if not upto.startswith(prompt):
@@ -236,11 +346,11 @@ def _turns(messages: list[dict], tools: Any, render: Renderer) -> list[tuple[str
         said = upto[len(prompt) :].rstrip()
         if not said.strip():
             raise SampleError(f"message {i + 1} (assistant): the template renders nothing for this turn")
-        turns.append((upto, (len(prompt), len(prompt) + len(said))))
-    if all(full.startswith(upto) for upto, _ in turns):
-        return [(full, [span for _, span in turns])]
+        turns.append((upto, (len(prompt), len(prompt) + len(said)), i))
+    if all(full.startswith(upto) for upto, _, _ in turns):
+        return [(full, [span for _, span, _ in turns], trained)]
     # Earlier turns are rewritten once later ones follow: train each turn as the model sees it at inference.
-    return [(upto, [span]) for upto, span in turns]
+    return [(upto, [span], [i]) for upto, span, i in turns]
 
 
 def _parting(prompt: str, text: str, width: int = 24) -> str:
@@ -253,19 +363,24 @@ def _parting(prompt: str, text: str, width: int = 24) -> str:
     )
 
 
-def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
-    """Every system/user/tool message before the last assistant turn, and every assistant tool call (by its function
-    name), must be in the text trained on."""
-    text = out[-1][0]
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
+def _check_nothing_dropped(messages: list[dict], out: list[Sample]) -> None:
+    """Every system/user/tool message before the last trained assistant turn, and every assistant tool call (by its
+    function name), must be in the text trained on."""
+    text, _, turns = out[-1]
+    last = max(turns, default=len(messages) - 1)
     for i, message in enumerate(messages[: last + 1]):
         content = message.get("content")
-        if message["role"] == "assistant" or not isinstance(content, str) or not content.strip():
+        if message["role"] == "assistant":
             continue
-        if content.strip() not in text and json.dumps(content) not in text:  # Llama 3.x renders tool output | tojson
-            raise SampleError(
-                f"the chat template drops message {i + 1} ({message['role']}): its content is not in the rendered text"
-            )
+        parts = [p["text"] for p in content] if isinstance(content, list) else [content]
+        for part in parts:
+            if not isinstance(part, str) or not part.strip():
+                continue
+            if part.strip() not in text and json.dumps(part) not in text:  # Llama 3.x renders tool output | tojson
+                raise SampleError(
+                    f"the chat template drops message {i + 1} ({message['role']}): its content is not in the rendered "
+                    "text"
+                )
     for i, message in enumerate(messages[: last + 1]):
         names = [call["function"]["name"] for call in message.get("tool_calls") or []]
         if any(name not in text for name in names):  # a template that renders an assistant turn's content only
@@ -275,25 +390,31 @@ def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) ->
             )
 
 
-def _check_answers_kept(messages: list[dict], out: list[tuple[str, list]], masking: Masking) -> None:
-    """What each trained assistant turn says must be in its sample's text, whitespace aside: a template may rewrite
-    the assistant's content (DeepSeek-R1's strips everything up to `</think>` from every turn), and the data's
-    reasoning would then be lost without a word. With the loss on every token only the last turn is checked: a
-    template may drop earlier turns' reasoning by design (Qwen3), as the model sees them at inference."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if masking == "all":
-        pairs = [(out[-1][0], turns[-1])]
-    elif len(out) == 1:
-        pairs = [(out[0][0], i) for i in turns]
-    else:  # one sample per assistant turn, in order
-        pairs = [(text, i) for (text, _), i in zip(out, turns, strict=True)]
-    for text, i in pairs:
-        said = "".join((messages[i].get("content") or "").split())
-        if said and said not in "".join(text.split()):
-            raise SampleError(
-                f"the chat template drops part of message {i + 1} (assistant): what it says is not in the rendered "
-                "text (e.g. reasoning before </think> removed)"
-            )
+def _check_answers_kept(messages: list[dict], out: list[Sample], render: Renderer) -> None:
+    """What each trained assistant turn says, and its reasoning, must be in its sample's text, whitespace aside: a
+    template may rewrite the assistant's content (DeepSeek-R1's strips everything up to `</think>` from every turn)
+    or not render the reasoning the data gives (`reasoning_content` with Llama 3's), and the model would then learn
+    the answers without it. With the loss on every token only the last turn is checked: a template may drop earlier
+    turns' reasoning by design (Qwen3), as the model sees them at inference."""
+    for text, _, turns in out:
+        flat = "".join(text.split())
+        for i in turns:
+            message = messages[i]
+            said = "".join(content_text(message.get("content")).split())
+            if said and said not in flat:
+                raise SampleError(
+                    f"the chat template drops part of message {i + 1} (assistant): what it says is not in the "
+                    "rendered text (e.g. reasoning before </think> removed)"
+                )
+            key = next((k for k in REASONING_KEYS if k in message), None)
+            # a template that renders no reasoning key at all is refused even where the text happens to be there
+            if key and (not render.reasoning_keys() or "".join(message[key].split()) not in flat):
+                raise SampleError(
+                    f"the chat template does not render the reasoning of message {i + 1} (assistant, '{key}'): the "
+                    "model would learn the answer without it",
+                    fix="set data.chat_template to a template that renders it (qwen3 renders reasoning_content), or "
+                    "put the reasoning in the content as the model should write it",
+                )
 
 
 def labels_for(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]], masking):

@@ -57,6 +57,8 @@ def _loss_on(formats: list[str], train_on_prompt: bool) -> str:
     def one(fmt: str) -> str:
         if train_on_prompt or fmt == "text":
             return "all tokens"
+        if fmt == "chat_prompt_completion":
+            return "completion turns"
         return "assistant turns" if fmt in CHAT_FORMATS else "completion"
 
     return ", ".join(dict.fromkeys(one(f) for f in formats))

@@ -315,6 +315,7 @@ class RecordReader:
         self.log_skips = log_skips  # a stream logs each skip as it happens (there is no list to report later)
         self.skipped: list[str] = []
         self.keys: dict[str, None] = {}  # every column seen, in order of appearance
+        self.turn_keys: dict[str, None] = {}  # chat turns' keys no format reads, as messages[].KEY
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         columns, checked = self.source.column_map, False
@@ -329,7 +330,7 @@ class RecordReader:
                 record = rename(row, columns, self.source.key)
                 if self.format is None:
                     self.format = self._detect(record, where)
-                yield convert(record, self.format)
+                yield convert(record, self.format, self.turn_keys)
             except BadLine as exc:
                 if not self.skip_bad_lines:
                     raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None
@@ -348,20 +349,23 @@ class RecordReader:
 
     def _detect(self, record: dict[str, Any], where: str) -> str:
         try:
-            return detect_format(record)
+            return detect_format(record, self.source.key)
         except BadLine as exc:
             if self.skip_bad_lines:
                 raise
+            if ".columns" in str(exc):  # the message already says which columns to map
+                raise UserError(f"{where}: {exc}") from None
             raise UserError(
                 f"{where}: {exc}; or map the data set's columns onto ours with {self.source.key}.columns, "
                 "e.g. {prompt: question, completion: answer}"
             ) from None
 
     def unused_columns(self) -> list[str]:
-        """Columns seen that the format does not read (after data.columns), in order of appearance."""
+        """Columns seen that the format does not read (after data.columns), in order of appearance, then the chat
+        turns' keys that are not read (`messages[].name`)."""
         columns = self.source.column_map
         used = {columns.get(f, f) for f in FORMAT_FIELDS.get(self.format or "", ())}
-        return [k for k in self.keys if k not in used]
+        return [k for k in self.keys if k not in used] + list(self.turn_keys)
 
 
 def read_records(source: DataSource, skip_bad_lines: bool = False) -> LoadedData:

@@ -28,12 +28,14 @@ FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv":
 FORMAT_FIELDS = {
     "text": ("text",),
     "prompt_completion": ("prompt", "completion"),
-    "messages": ("messages", "tools"),
-    "sharegpt": ("conversations", "tools"),
-    "alpaca": ("instruction", "input", "output"),
+    "chat_prompt_completion": ("prompt", "completion", "tools", "system"),
+    "messages": ("messages", "tools", "system"),
+    "sharegpt": ("conversations", "tools", "system"),
+    "alpaca": ("instruction", "input", "output", "system", "history"),
 }
 FIELDS = tuple(dict.fromkeys(f for fields in FORMAT_FIELDS.values() for f in fields))
-OPTIONAL_FIELDS = ("input", "tools")  # alpaca's input and a chat record's tool schemas may be absent
+# alpaca's input and history, a chat record's tool schemas and system prompt may be absent
+OPTIONAL_FIELDS = ("input", "tools", "system", "history")
 MIX_KEYS = ("path", "weight", "split", "subset", "columns", "format")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 

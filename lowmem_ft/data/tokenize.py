@@ -11,7 +11,8 @@ The masking follows TRL: text → loss on every token (EOS appended); prompt/com
 where the tokenized prompt and prompt+completion diverge (`trl.data_utils.common_prefix_length`), EOS appended to
 the completion; chat → the chat template (`data.chat_template`, else the tokenizer's, else ChatML) with the loss on
 what the assistant says, found by `lowmem_ft.data.chat` for any template (its generation markers, TRL's training
-version, or turn by turn). `train_on_prompt` keeps every label.
+version, or turn by turn) — less the turns of weight 0 and, in TRL's conversational prompt/completion, the prompt's.
+`train_on_prompt` keeps every label.
 
 The cache key is a hash of what the source holds (`readers.content_id`: the file bytes, a saved or Hub data set's
 fingerprint), how it is read (kind, split, subset, columns, format), the tokenizer (its serialized
@@ -50,8 +51,9 @@ log = logging.getLogger(__name__)
 
 # bump when the tokenization below changes what it produces (3: keyed by source; chat masking for any template;
 # 4: tool-call arguments given as JSON strings rendered as objects, dropped tool calls refused, an opening assistant
-# turn cut after its generation prompt)
-CACHE_VERSION = 4
+# turn cut after its generation prompt; 5: per-turn weight, reasoning and content parts reach the template, TRL's
+# conversational prompt/completion, alpaca system/history and a chat record's system column read)
+CACHE_VERSION = 5
 BATCH_SIZE = 1000
 STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
 
@@ -158,7 +160,7 @@ def _chat_batch(batch: dict, indices: list[int], tokenizer, template: ChatTempla
                 spans.append(sample_spans)
                 sources.append(index)
         except SampleError as exc:
-            fix = "fix the sample or set data.chat_template to a template that renders it"
+            fix = exc.fix or "fix the sample or set data.chat_template to a template that renders it"
             if exc.masking:
                 fix = "set data.chat_template to a template that renders it, or data.train_on_prompt=true"
             raise UserError(f"{where}: sample {index + 1}: {exc}; {fix}") from None

@@ -16,7 +16,7 @@ Attention = Literal["sdpa", "eager", "flash_attention_2"]
 AdapterKind = Literal["lora", "full"]
 OptimizerName = Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup"]
-DataFormat = Literal["auto", "text", "prompt_completion", "messages", "sharegpt", "alpaca"]
+DataFormat = Literal["auto", "text", "prompt_completion", "chat_prompt_completion", "messages", "sharegpt", "alpaca"]
 Truncate = Literal["keep_start", "keep_end", "drop", "chunk"]
 WandbMode = Literal["online", "offline", "disabled", "auto"]
 # transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
@@ -219,7 +219,11 @@ class DataSection:
         "Read the data as a stream (data sets larger than memory): not cached, the length profile comes from the "
         "first samples, and training.max_steps must be set.",
     )
-    format: DataFormat = _f("auto", "Record shape; auto detects text, prompt/completion, messages, sharegpt, alpaca.")
+    format: DataFormat = _f(
+        "auto",
+        "Record shape; auto detects text, prompt/completion (strings, or lists of turns: chat_prompt_completion), "
+        "messages, sharegpt, alpaca.",
+    )
     train_on_prompt: bool = _f(
         False, "Also compute the loss on prompt / user tokens (default: completion / assistant only)."
     )

@@ -301,3 +301,143 @@ def test_an_opening_assistant_turn_is_found_where_the_template_cannot_render_an_
     )
     with pytest.raises(UserError, match=r"sample 1: message 1 \(assistant\) opens the conversation.*no element 0"):
         tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+
+
+# ---- data shapes from the Hub: reasoning, per-turn weights, content parts, conversational prompt/completion ------
+
+RENDERS_REASONING = {"qwen3", "qwen3-finetune"}  # Qwen3's template puts reasoning_content inside <think>
+
+
+def _think(family: str, reasoning: str, content: str, last: bool) -> str:
+    """What the loss must cover for an assistant turn with reasoning, on a template that renders it."""
+    return FAMILIES[family].reply(content, last).replace("<think>\n\n</think>", f"<think>\n{reasoning}\n</think>")
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "thinking"])
+@pytest.mark.parametrize("family", NAMES)
+def test_reasoning_is_learned_or_the_sample_refused(zoo_models, family, key):
+    """A Qwen3 export's `reasoning_content` (or gpt-oss's `thinking`) is learned inside <think> where the template
+    renders it, with every turn's reasoning; elsewhere the sample is refused, never trained on the answers alone."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    messages = [
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D", key: "three letters"},
+        {"role": "user", "content": "Spell blue."},
+        {"role": "assistant", "content": "B L U E", key: "four letters"},
+    ]
+    record = convert({"messages": messages}, "messages")
+    if family not in RENDERS_REASONING:
+        with pytest.raises(UserError, match=rf"^data: sample 1: the chat template does not render the reasoning of "
+                           rf"message 2 \(assistant, '{key}'\).*data.chat_template") as info:  # fmt: skip
+            tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)
+        assert "\n" not in str(info.value)
+        echo = convert({"messages": [messages[0], {**messages[1], key: "R E D"}]}, "messages")
+        with pytest.raises(UserError, match=r"does not render the reasoning"):  # not fooled by the answer's text
+            tk.tokenize_records([echo], "messages", tokenizer, train_on_prompt=True)
+        return
+    rows = tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)
+    loss = ["".join(_loss_runs(tokenizer, row)) for row in rows]
+    assert "".join(loss) == _think(family, "three letters", "R E D", False) + _think(
+        family, "four letters", "B L U E", True
+    )
+    assert len(rows) == (2 if "rewrites" in FAMILIES[family].tags else 1)
+
+
+def _weighted(weights: list[int | None]) -> dict:
+    turns = [("Spell red.", "R E D"), ("Spell blue.", "B L U E"), ("Spell tan.", "T A N")]
+    conversations = []
+    for (question, answer), weight in zip(turns, weights, strict=True):
+        conversations.append({"from": "human", "value": question})
+        conversations.append({"from": "gpt", "value": answer, **({} if weight is None else {"weight": weight})})
+    return {"conversations": conversations}
+
+
+@pytest.mark.parametrize("weights", [[0, None, 1], [None, 0, 1], [1, 1, 0]])
+@pytest.mark.parametrize("family", NAMES)
+def test_a_turn_of_weight_0_carries_no_loss(zoo_models, family, weights):
+    """Axolotl's per-turn weight on every masking path (generation markers, TRL training templates, turn by turn,
+    one sample per turn): the loss is exactly the turns of weight 1 (or none given), as the family renders them."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    record = convert(_weighted(weights), "sharegpt")
+    rows = tk.tokenize_records([record], "sharegpt", tokenizer, train_on_prompt=False)
+    answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    trained = [{"content": a} for a, w in zip(answers, weights, strict=True) if w != 0]
+    loss = "".join(run.lstrip(" ") for row in rows for run in _loss_runs(tokenizer, row))
+    assert loss == _expected(family, trained, weights[-1] != 0, strip=True)
+    last = max(k for k, w in enumerate(weights) if w != 0)
+    for answer in answers[:last]:  # a turn of weight 0 before a trained one is still there, as context
+        assert answer in tokenizer.decode(rows[-1]["input_ids"])
+
+
+def test_weight_0_with_train_on_prompt_is_refused(zoo_models):
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    record = convert(_weighted([0, 1, 1]), "sharegpt")
+    with pytest.raises(UserError, match=r"sample 1: message 2 \(assistant\) has weight 0, but data.train_on_prompt=tr"):
+        tk.tokenize_records([record], "sharegpt", tokenizer, train_on_prompt=True)
+
+
+def _parts(*texts: str) -> list[dict]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_content_parts_render_as_the_model_sees_them(zoo_models, family):
+    """Content as a list of text parts (Hub exports of the OpenAI / transformers form): one part trains exactly as
+    its string; several reach a template that renders lists (Gemma-3's user and assistant turns) as a list, and
+    others as one string joined by newlines — never a Python repr, never nothing (Qwen3's renders a list as '')."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    plain = {"messages": [{"role": "user", "content": "Spell red."}, {"role": "assistant", "content": "R E D"}]}
+    one = {"messages": [{"role": "user", "content": _parts("Spell red.")}, {"role": "assistant", "content": _parts("R E D")}]}  # fmt: skip
+    rows = tk.tokenize_records([convert(r, "messages") for r in (plain, one)], "messages", tokenizer, False)
+    assert rows[0] == rows[1]
+    many = {
+        "messages": [
+            {"role": "user", "content": _parts("Spell", "red.")},
+            {"role": "assistant", "content": _parts("R E D", "Done.")},
+        ]
+    }
+    (row,) = tk.tokenize_records([convert(many, "messages")], "messages", tokenizer, train_on_prompt=False)
+    sep = "" if family == "gemma3" else "\n"  # Gemma-3 renders a list's parts trimmed, one after the other
+    text = tokenizer.decode(row["input_ids"])
+    assert f"Spell{sep}red." in text and "'type'" not in text
+    assert "".join(run.lstrip(" ") for run in _loss_runs(tokenizer, row)) == _expected(
+        family, [{"content": f"R E D{sep}Done."}], True, strip=True
+    )
+
+
+PROMPT_COMPLETION = {
+    "prompt": [
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D"},
+        {"role": "user", "content": "Spell blue."},
+    ],
+    "completion": [{"role": "assistant", "content": "B L U E"}],
+}
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_conversational_prompt_completion_learns_the_completion_only(zoo_models, family):
+    """TRL's conversational prompt/completion (trl-lib data sets): the loss is exactly the completion's assistant
+    content and its end of turn; the prompt's earlier assistant turn is context."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    record = convert(PROMPT_COMPLETION, "chat_prompt_completion")
+    (row,) = tk.tokenize_records([record], "chat_prompt_completion", tokenizer, train_on_prompt=False)
+    assert "".join(run.lstrip(" ") for run in _loss_runs(tokenizer, row)) == _expected(
+        family, PROMPT_COMPLETION["completion"], True, strip=True
+    )
+    assert "R E D" in tokenizer.decode(row["input_ids"])
+    (every,) = tk.tokenize_records([record], "chat_prompt_completion", tokenizer, train_on_prompt=True)
+    assert every["labels"] == every["input_ids"]
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_alpaca_history_answers_are_learned_like_llama_factory(zoo_models, family):
+    """LLaMA-Factory's alpaca `history`: its answers carry loss too (LLaMA-Factory's default, mask_history off)."""
+    tokenizer = tk.load_tokenizer(zoo_models[family])
+    row = {"instruction": "Spell blue.", "output": "B L U E", "history": [["Spell red.", "R E D"]]}
+    record = convert(row, "alpaca")
+    rows = tk.tokenize_records([record], "alpaca", tokenizer, train_on_prompt=False)
+    loss = "".join(run.lstrip(" ") for r in rows for run in _loss_runs(tokenizer, r))
+    assert loss == _expected(family, [{"content": "R E D"}], False, True) + _expected(
+        family, [{"content": "B L U E"}], True, True
+    )

@@ -84,7 +84,7 @@ BAD_LINES = {
     "wrong type": ('{"messages": "hello"}', r":2: field 'messages' must be a list of turns, got str"),
     "wrong content type": (
         '{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "a"}]}',
-        r":2: 'messages\[0\]\.content' must be a string, got int",
+        r":2: 'messages\[0\]\.content' must be a string or a list of text parts, got int",
     ),
     "no assistant": ('{"messages": [{"role": "user", "content": "q"}]}', r":2: field 'messages' has no assistant"),
     "not an object": ("[1, 2]", r":2: each line must be a JSON object, got list"),
@@ -140,3 +140,226 @@ def test_turn_keys_of_the_other_chat_shape_are_read(tmp_path):
     path.write_text(json.dumps({"conversations": [{"speaker": "user", "text": "hi"}]}) + "\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"d\.jsonl:1: missing field 'conversations\[0\]\.from'"):
         load_file(path)
+
+
+def _write(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_turn_keys_no_format_reads_are_reported_not_dropped(tmp_path):
+    """OpenAI's `name` on a user turn, a `loss` flag from another trainer: not read, so reported with the unused
+    columns (as `messages[].KEY`); the keys that are read (weight, reasoning, tool fields) are not."""
+    turns = [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "yo", "loss": True, "weight": 1, "reasoning_content": "greet"},
+        {"role": "tool", "content": "5", "name": "add", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "5."},
+    ]
+    data = load_file(_write(tmp_path / "d.jsonl", [{"messages": turns, "id": 1}]))
+    assert data.unused_columns == ["id", "messages[].name", "messages[].loss"]
+    assert data.records[0]["messages"][0] == {"role": "user", "content": "hi"}
+    sharegpt = [{"from": "human", "value": "hi", "markdown": "x"}, {"from": "gpt", "value": "yo"}]
+    data = load_file(_write(tmp_path / "s.jsonl", [{"conversations": sharegpt}]))
+    assert data.unused_columns == ["conversations[].markdown"]
+
+
+def test_openhermes_sharegpt_with_null_weights_reads(tmp_path):
+    """teknium/OpenHermes-2.5 rows: every turn has `"weight": null` (unset), plus source columns."""
+    row = {
+        "conversations": [
+            {"from": "system", "value": "Be brief.", "weight": None},
+            {"from": "human", "value": "2 plus 2?", "weight": None},
+            {"from": "gpt", "value": "4.", "weight": None},
+        ],
+        "source": "airoboros2.2",
+    }
+    data = load_file(_write(tmp_path / "d.jsonl", [row]))
+    assert [m.get("weight", 1) for m in data.records[0]["messages"]] == [1, 1, 1]
+    assert data.unused_columns == ["source"]
+
+
+WEIGHT_LINES = {
+    "half": (
+        {"from": "gpt", "value": "a", "weight": 0.5},
+        r"'conversations\[1\]\.weight' is 0\.5; a turn's weight is 0",
+    ),
+    "bool": ({"from": "gpt", "value": "a", "weight": True}, r"'conversations\[1\]\.weight' is True"),
+    "user": ({"from": "human", "value": "q", "weight": 1}, r"'conversations\[1\]\.weight' is 1 on a user turn"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHT_LINES))
+def test_a_weight_other_than_0_or_1_is_a_bad_line(tmp_path, case):
+    turn, expected = WEIGHT_LINES[case]
+    turns = [{"from": "human", "value": "q"}, turn, {"from": "gpt", "value": "b"}]
+    with pytest.raises(UserError, match=r"d\.jsonl:1: " + expected):
+        load_file(_write(tmp_path / "d.jsonl", [{"conversations": turns}]))
+
+
+def test_axolotl_weights_are_kept_on_assistant_turns(tmp_path):
+    turns = [
+        {"from": "human", "value": "q1", "weight": 0},
+        {"from": "gpt", "value": "a1", "weight": 0},
+        {"from": "human", "value": "q2"},
+        {"from": "gpt", "value": "a2", "weight": 1},
+    ]
+    (record,) = load_file(_write(tmp_path / "d.jsonl", [{"conversations": turns}])).records
+    assert [m.get("weight") for m in record["messages"]] == [None, 0, None, None]
+    turns[3]["weight"] = 0
+    with pytest.raises(UserError, match=r"every assistant turn of 'conversations' has weight 0"):
+        load_file(_write(tmp_path / "d.jsonl", [{"conversations": turns}]))
+
+
+def test_reasoning_keys_are_kept_on_assistant_turns(tmp_path):
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "because"}]
+    (record,) = load_file(_write(tmp_path / "d.jsonl", [{"messages": turns}])).records
+    assert record["messages"][1] == {"role": "assistant", "content": "a", "thinking": "because"}
+    turns[1]["reasoning_content"] = "also"
+    with pytest.raises(UserError, match=r"'messages\[1\]' has reasoning under both 'reasoning_content' and 'thinking'"):
+        load_file(_write(tmp_path / "d.jsonl", [{"messages": turns}]))
+    turns = [{"role": "user", "content": "q", "reasoning_content": "r"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(UserError, match=r"'messages\[0\]\.reasoning_content' is reasoning on a user turn"):
+        load_file(_write(tmp_path / "d.jsonl", [{"messages": turns}]))
+
+
+def test_content_parts_from_a_parquet_export(tmp_path):
+    """The transformers / OpenAI multimodal form as a Hub Parquet export holds it: Arrow gives every part every
+    field (`image` null on a text part). Text parts are kept as parts; an image part is refused, naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def part(text=None, image=None):
+        return {"type": "text" if text is not None else "image", "text": text, "image": image}
+
+    text_only = {
+        "messages": [
+            {"role": "user", "content": [part("Spell"), part("red.")]},
+            {"role": "assistant", "content": [part("R E D")]},
+        ]
+    }
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([text_only]), path)
+    (record,) = load_file(path).records
+    assert record["messages"][0]["content"] == [{"type": "text", "text": "Spell"}, {"type": "text", "text": "red."}]
+    with_image = json.loads(json.dumps(text_only))
+    with_image["messages"][0]["content"].insert(0, part(image="cat.png"))
+    pq.write_table(pa.Table.from_pylist([text_only, with_image]), path)
+    with pytest.raises(
+        UserError, match=r"row 1: 'messages\[0\]\.content\[0\]' is an 'image' part; lowmem-ft trains"
+    ) as e:
+        load_file(path)
+    assert "\n" not in str(e.value)
+
+
+def test_trl_conversational_prompt_completion_is_read_as_chat(tmp_path):
+    """trl-lib's conversational prompt/completion shape: both fields lists of turns."""
+    row = {
+        "prompt": [{"role": "user", "content": "What colour is the sky?"}],
+        "completion": [{"role": "assistant", "content": "It is blue."}],
+    }
+    data = load_file(_write(tmp_path / "d.jsonl", [row]))
+    assert data.format == "chat_prompt_completion" and data.unused_columns == []
+    assert data.records[0] == {"messages": row["prompt"] + row["completion"], "completion_from": 1}
+    with pytest.raises(UserError, match=r"d\.jsonl:1: 'prompt' / 'completion' hold lists of turns .*chat_prompt_compl"):
+        load_file(tmp_path / "d.jsonl", fmt="prompt_completion")
+    with pytest.raises(UserError, match=r"d\.jsonl:2: field 'prompt' is a string, where this data set's prompt/comp"):
+        load_file(_write(tmp_path / "d.jsonl", [row, {"prompt": "q", "completion": "a"}]))
+    no_answer = {"prompt": row["prompt"], "completion": [{"role": "user", "content": "more"}]}
+    with pytest.raises(UserError, match=r"d\.jsonl:1: field 'completion' has no assistant turn"):
+        load_file(_write(tmp_path / "d.jsonl", [no_answer]))
+
+
+def test_llama_factory_alpaca_system_and_history(tmp_path):
+    row = {
+        "instruction": "And blue?",
+        "input": "",
+        "output": "B L U E",
+        "system": "Spell words.",
+        "history": [["Spell red.", "R E D"]],
+    }
+    data = load_file(_write(tmp_path / "d.jsonl", [row]))
+    assert data.format == "alpaca" and data.unused_columns == []
+    assert data.records[0]["messages"] == [
+        {"role": "system", "content": "Spell words."},
+        {"role": "user", "content": "Spell red."},
+        {"role": "assistant", "content": "R E D"},
+        {"role": "user", "content": "And blue?"},
+        {"role": "assistant", "content": "B L U E"},
+    ]
+    row["history"] = [["Spell red."]]
+    with pytest.raises(UserError, match=r"'history\[0\]' must be an \[instruction, answer\] pair of strings"):
+        load_file(_write(tmp_path / "d.jsonl", [row]))
+
+
+def test_sharegpt_system_column(tmp_path):
+    """LLaMA-Factory's ShareGPT keeps the system prompt in a `system` column."""
+    row = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "system": "Be brief."}
+    (record,) = load_file(_write(tmp_path / "d.jsonl", [row])).records
+    assert record["messages"][0] == {"role": "system", "content": "Be brief."}
+    row["conversations"].insert(0, {"from": "system", "value": "Be long."})
+    with pytest.raises(UserError, match=r"a 'system' field and a different system turn"):
+        load_file(_write(tmp_path / "d.jsonl", [row]))
+
+
+PREFERENCE = {
+    "explicit prompt": (
+        {"prompt": "2 plus 2?", "chosen": "4.", "rejected": "5."},
+        "data.columns={completion: chosen}",
+        {"completion": "chosen"},
+        {"prompt": "2 plus 2?", "completion": "4."},
+    ),
+    "implicit prompt (trl-lib/hh-rlhf-helpful-base)": (
+        {
+            "chosen": [{"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "4."}],
+            "rejected": [{"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "5."}],
+        },
+        "data.columns={messages: chosen}",
+        {"messages": "chosen"},
+        {"messages": [{"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "4."}]},
+    ),
+}
+
+
+PREFERENCE["LLaMA-Factory ranking alpaca"] = (
+    {"instruction": "2 plus 2?", "input": "", "chosen": "4.", "rejected": "5."},
+    "data.columns={prompt: instruction, completion: chosen}",
+    {"prompt": "instruction", "completion": "chosen"},
+    {"prompt": "2 plus 2?", "completion": "4."},
+)
+
+
+@pytest.mark.parametrize("case", sorted(PREFERENCE))
+def test_preference_data_is_refused_with_the_mapping_that_trains_on_chosen(tmp_path, case):
+    from lowmem_ft.data.readers import read_records
+    from lowmem_ft.data.sources import resolve_source
+
+    row, hint, columns, record = PREFERENCE[case]
+    path = _write(tmp_path / "d.jsonl", [row])
+    with pytest.raises(UserError, match=r"d\.jsonl:1: this is preference data .* lowmem-ft trains SFT") as info:
+        load_file(path)
+    message = str(info.value)
+    assert hint in message and "\n" not in message and message.count(".columns") == 1
+    data = read_records(resolve_source(path, columns=columns))  # the mapping the message gives works
+    assert data.records == [record] and data.unused_columns[-1] == "rejected"
+
+
+def test_llama_factory_ranking_sharegpt_says_to_append_the_chosen_turn(tmp_path):
+    row = {
+        "conversations": [{"from": "human", "value": "2 plus 2?"}],
+        "chosen": {"from": "gpt", "value": "4."},
+        "rejected": {"from": "gpt", "value": "5."},
+    }
+    with pytest.raises(UserError, match=r"preference data .* append each 'chosen' turn to its conversation in the d"):
+        load_file(_write(tmp_path / "d.jsonl", [row]))
+
+
+def test_kto_data_is_refused(tmp_path):
+    row = {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}
+    with pytest.raises(UserError, match=r"d\.jsonl:1: this is unpaired preference \(KTO\) data: 'label' marks"):
+        load_file(_write(tmp_path / "d.jsonl", [{**row, "label": False}]))
+
+
+def test_unknown_keys_still_say_what_is_expected(tmp_path):
+    with pytest.raises(UserError, match=r"cannot tell the format from keys \['answer', 'question'\].*data\.columns"):
+        load_file(_write(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}]))

@@ -265,3 +265,39 @@ def test_a_stream_trains_for_max_steps_and_says_its_profile_is_of_the_first_samp
     assert data["budget"]["counted_on"] == "the first 5 samples of the stream" and data["records"] is None
     assert data["sources"][0]["streaming"] is True and data["sources"][0]["unused_columns"] == ["id"]
     assert metrics["global_step"] == 3  # 3 batches of 2 rows: the stream was read past its 5-row head
+
+
+def test_conversational_preference_data_mapped_onto_its_chosen_answers_prepares(tmp_path, tiny_model):
+    """trl-lib/ultrafeedback_binarized's shape (prompt, chosen and rejected as lists of turns, scores), as Parquet:
+    refused as preference data, then read through data.columns={completion: chosen} as TRL's conversational
+    prompt/completion, with the loss on the chosen answer only and the columns not read reported."""
+    import pandas as pd
+
+    from lowmem_ft.errors import UserError
+
+    def turns(role, text):
+        return [{"role": role, "content": text}]
+
+    rows = [
+        {
+            "prompt": turns("user", f"What is {i} plus 1?"),
+            "chosen": turns("assistant", f"{i + 1}."),
+            "rejected": turns("assistant", f"{i + 2}."),
+            "score_chosen": 9.0,
+            "score_rejected": 2.0,
+        }
+        for i in range(4)
+    ]
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    with pytest.raises(UserError, match=r"row 0: this is preference data.*data\.columns=\{completion: chosen\}$"):
+        prepare(tiny_model, f"data.path={path}")
+    train_ds, _, summary = prepare(tiny_model, f"data.path={path}", "data.columns={completion: chosen}")
+    (source,) = summary["sources"]
+    assert source["format"] == "chat_prompt_completion" and summary["loss_on"] == "completion turns"
+    assert source["unused_columns"] == ["rejected", "score_chosen", "score_rejected"]
+    from lowmem_ft.data.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    learned = [tokenizer.decode([t for t in row["labels"] if t != -100]) for row in train_ds]
+    assert sorted(learned) == sorted(f"{i + 1}.<|im_end|>" for i in range(4))
