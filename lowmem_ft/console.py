@@ -129,6 +129,15 @@ def setup(quiet: bool = False, debug: bool = False) -> Level:
     return chosen
 
 
+def rich_console():
+    """A Rich console that prints text as given: no markup, no emoji codes. What the tables print comes from users
+    and models (model ids, paths, recipe values, library messages), where `[/INST]`, `data[1].jsonl` or `:x:` are
+    text — Rich markup would drop `[bold]`-like pieces and raise on a stray `[/...]`. Style goes in `rich.text.Text`."""
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False)
+
+
 def quiet_stdout():
     """Under --quiet, swallow what a library prints to stdout inside the block (transformers prints "[INFO] Running
     in WANDB offline mode" when its tracker integrations are first imported); otherwise leave stdout alone."""

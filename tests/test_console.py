@@ -158,3 +158,30 @@ def test_quiet_prints_the_summary_only(demo, tiny_model):
     assert lines[0].startswith("memory: measured peak ") and lines[-1].startswith("done: 2 steps")
     assert all(line.startswith(("memory:", "  ")) for line in lines[:-1]), output
     assert resolve(run.parent / "more" / "recipe.yaml").adapter.name_or_path == str(run)
+
+
+# -- text from users and models is printed as given ----------------------------------------------------------------
+def _flat(text: str) -> str:
+    """Rich wraps a table's title at the table's width: compare without the whitespace."""
+    return "".join(text.split())
+
+
+def test_brackets_from_users_are_printed_not_read_as_rich_markup(tiny_model, tmp_path, capsys, monkeypatch):
+    """Model directories, `--set` values and paths may hold `[bold]` or `[/INST]`: Rich markup dropped the first and
+    raised MarkupError (a traceback) on the second."""
+    import shutil
+
+    from lowmem_ft.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # Rich's width: no cell folded across lines
+    model = tmp_path / "tiny[bold]x :smile:"
+    shutil.copytree(tiny_model, model)
+    argv = ["plan", "--vram", "8", "--model", str(model), "--set", 'adapter.target_modules=[q_proj, "[/INST]"]']
+    assert main(argv) == 0
+    out = _flat(capsys.readouterr().out)
+    assert _flat(f"{model} on 8 GB") in out  # the title
+    assert _flat("adapts q_proj only: [/INST] are absent") in out  # a reason line carrying a --set value
+
+    runs = tmp_path / "runs[/bold]"
+    assert main(["doctor", "--output-dir", str(runs)]) == 0
+    assert _flat(f"free at {runs}") in _flat(capsys.readouterr().out)
