@@ -111,8 +111,22 @@ def _logging(chosen: Level) -> None:
     root.setLevel(SHOWN[chosen][0] if chosen == "debug" else logging.INFO)
 
 
+_SAID: set[tuple] = set()  # what `first_time` has seen in this command
+
+
+def first_time(*key) -> bool:
+    """True the first time `key` is seen in this command (`setup` starts each command afresh): for a warning that
+    two steps of one command would both give — the plan and the run each load the tokenizer and read the data, a
+    stream is read on every pass — so that it is said once."""
+    if key in _SAID:
+        return False
+    _SAID.add(key)
+    return True
+
+
 def setup(quiet: bool = False, debug: bool = False) -> Level:
     """Configure this process for a command: levels, filters, the libraries' environment. Returns the level."""
+    _SAID.clear()
     if debug:
         os.environ[DEBUG_ENV] = "1"
     elif quiet:

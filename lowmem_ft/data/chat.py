@@ -56,6 +56,7 @@ class SampleError(ValueError):
 def set_template(tokenizer, spec: str | None) -> str:
     """Give the tokenizer the chat template `data.chat_template` names (so it is saved with the adapter and used by
     `generate`), or ChatML when it has none; returns where the template came from."""
+    from lowmem_ft.console import first_time
     from lowmem_ft.data.templates import CHATML, resolve_template
 
     if spec:
@@ -63,15 +64,19 @@ def set_template(tokenizer, spec: str | None) -> str:
         tokenizer.chat_template = text
         tokenizer.lowmem_template_source = f"data.chat_template: {what}"
         return tokenizer.lowmem_template_source
-    if getattr(tokenizer, "lowmem_template_source", None):  # set from data.chat_template when it was loaded
+    if getattr(tokenizer, "lowmem_template_source", None):  # set from data.chat_template, or ChatML given before
         return tokenizer.lowmem_template_source
     if isinstance(tokenizer.chat_template, dict):  # named variants: "default" is the chat one
         tokenizer.chat_template = tokenizer.chat_template.get("default") or next(iter(tokenizer.chat_template.values()))
     if tokenizer.chat_template:
         return "tokenizer"
     tokenizer.chat_template = CHATML
-    log.warning("the tokenizer has no chat template; formatting chat data as ChatML (set data.chat_template to choose)")
-    return "ChatML (default)"
+    tokenizer.lowmem_template_source = "ChatML (default)"  # a later call (another source, the cache) says the same
+    if first_time("no chat template", getattr(tokenizer, "name_or_path", "")):  # the plan and the run load it each
+        log.warning(
+            "the tokenizer has no chat template; formatting chat data as ChatML (set data.chat_template to choose)"
+        )
+    return tokenizer.lowmem_template_source
 
 
 def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer") -> ChatTemplate:
