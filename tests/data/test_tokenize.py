@@ -76,6 +76,7 @@ def test_tokenizer_without_template_gets_chatml(tokenizer):
 
     template = chat_template_for(tokenizer, False, set_template(tokenizer, None))
     assert template.source.startswith("ChatML (default)") and template.masking == "markers"  # ChatML has markers
+    assert set_template(tokenizer, None) == "ChatML (default)"  # a second source, the eval file: still the default
     row = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
     assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\nSpell the word.<|im_end|>")
 
