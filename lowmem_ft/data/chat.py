@@ -132,11 +132,41 @@ def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTem
     return ChatTemplate(patched, f"{source} (TRL training version); assistant tokens from its markers", "markers")
 
 
+# The date a template's `strftime_now` renders for training: Llama 3.2 (and Granite 3.1+, gpt-oss) put today's date in
+# every system header ("Today Date: ..."), which would make the tokens depend on the day — a cache from yesterday
+# against a fresh tokenization today, a resumed run, a conversation whose prompt and turn straddle midnight. Pinned to
+# the date Meta's Llama 3.x templates fall back to without `strftime_now` (and Llama 3.1's always renders). At
+# inference the template renders the day's date; it sits in the system header, which carries no loss.
+TEMPLATE_DATE = (2024, 7, 26)
+
+
+def pin_template_date(text: str) -> str:
+    """The template with `strftime_now` rendering TEMPLATE_DATE: a macro of that name, defined before the template,
+    shadows transformers' Jinja global (render arguments cannot: transformers turns a callable argument into a
+    string). Templates call it with literal formats; a format not found in the text is refused, never rendered
+    empty. The macro's line ends in a newline that Jinja's trim_blocks removes, so the template renders unchanged."""
+    import re
+    from datetime import datetime
+
+    if "strftime_now" not in text:
+        return text
+    calls = re.findall(r"""strftime_now\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""", text)
+    dates = {fmt: datetime(*TEMPLATE_DATE).strftime(fmt) for fmt in {a or b for a, b in calls}}
+    table = json.dumps(dict(sorted(dates.items())), ensure_ascii=False)  # a JSON object is a Jinja dict literal
+    return (
+        "{% macro strftime_now(format) %}{% set dates = " + table + " %}{% if format in dates %}{{ dates[format] }}"
+        "{% else %}{{ raise_exception('strftime_now(' ~ format ~ '): lowmem-ft renders a fixed date for training "
+        "and finds only literal formats') }}{% endif %}{% endmacro %}\n" + text
+    )
+
+
 class Renderer:
-    """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does."""
+    """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does,
+    with the template's date pinned (`pin_template_date`)."""
 
     def __init__(self, tokenizer, template: ChatTemplate):
         self.template = template
+        self.text = pin_template_date(template.text)
         self.kwargs = dict(tokenizer.special_tokens_map)
 
     def __call__(self, messages: list[dict], tools: Any = None, *, prompt: bool = False, indices: bool = False):
@@ -147,7 +177,7 @@ class Renderer:
             rendered, generation = render_jinja_template(
                 [messages],
                 tools=tools,
-                chat_template=self.template.text,
+                chat_template=self.text,
                 return_assistant_tokens_mask=indices,
                 add_generation_prompt=prompt,
                 **self.kwargs,
