@@ -199,7 +199,7 @@ def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, i
         out = [(text, _after_prompts(text, [tuple(s) for s in spans], messages, tools, render))]
     else:
         out = _turns(messages, tools, render)
-    _check_nothing_dropped(messages, out)
+    _check_nothing_dropped(messages, tools, out, render)
     _check_answers_kept(messages, out, masking)
     return out
 
@@ -288,11 +288,15 @@ def _parting(prompt: str, text: str, width: int = 24) -> str:
     )
 
 
-def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) -> None:
-    """Every system/user/tool message before the last assistant turn, and every assistant tool call (by its function
-    name), must be in the text trained on."""
+def _check_nothing_dropped(messages: list[dict], tools: Any, out: list[tuple[str, list]], render: Renderer) -> None:
+    """Every system/user/tool message before the last assistant turn, what each trained assistant turn says and every
+    assistant tool call must be in the text trained on. Whether the template renders each is asked with a probe
+    (`_probe`): a content can be in the rendering by chance ("1" in a turn number, "a" in "assistant", a tool's name
+    in the schemas the system header lists). The content itself must be in the real rendering too (Llama 3.x renders
+    tool output | tojson)."""
     text = out[-1][0]
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
+    _probe(messages[: last + 1], tools, render, every_answer=len(out) == 1 and render.template.masking != "all")
     for i, message in enumerate(messages[: last + 1]):
         content = message.get("content")
         if message["role"] == "assistant" or not isinstance(content, str) or not content.strip():
@@ -308,6 +312,49 @@ def _check_nothing_dropped(messages: list[dict], out: list[tuple[str, list]]) ->
                 f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
                 "it would learn an empty turn"
             )
+
+
+def _probe(messages: list[dict], tools: Any, render: Renderer, every_answer: bool) -> None:
+    """Render the conversation once more with each checked content — and each tool call's function name — replaced
+    by a probe string of its own (`lowmemprobe3x`); a probe missing from that rendering is a dropped message. The assistant
+    turns checked are those trained as they stand in this rendering: all of them, or the last when each turn is its
+    own sample or the loss is on every token (earlier turns may be rewritten by design, as `_check_answers_kept` says).
+    A template that rejects the probe reads the contents themselves: then the content checks alone decide."""
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    answers = answers if every_answer else answers[-1:]
+    probe, found = [], {}  # probe string → the error its absence means
+
+    def token() -> str:
+        return f"lowmemprobe{len(found)}x"
+
+    for i, message in enumerate(messages):
+        message = dict(message)
+        content = message.get("content")
+        checked = message["role"] != "assistant" or i in answers
+        if checked and isinstance(content, str) and content.strip():
+            message["content"] = key = token()
+            what = "what it says" if message["role"] == "assistant" else "its content"
+            found[key] = (
+                f"the chat template drops message {i + 1} ({message['role']}): {what} is not in the rendered text"
+            )
+        if message.get("tool_calls"):
+            calls, names = [], [call["function"]["name"] for call in message["tool_calls"]]
+            for call in message["tool_calls"]:
+                key = token()
+                calls.append({**call, "function": {**call["function"], "name": key}})
+                found[key] = (
+                    f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
+                    "it would learn an empty turn"
+                )
+            message["tool_calls"] = calls
+        probe.append(message)
+    try:
+        rendered = render(probe, tools)
+    except SampleError:
+        return
+    for key, error in found.items():
+        if key not in rendered:
+            raise SampleError(error)
 
 
 def _check_answers_kept(messages: list[dict], out: list[tuple[str, list]], masking: Masking) -> None:

@@ -166,10 +166,15 @@ def test_tool_calls_and_results_go_through_the_template(zoo_models, family):
 
 @pytest.mark.parametrize("family", ["granite", "llama-zephyr"])
 def test_template_that_drops_tool_messages_is_refused(zoo_models, family):
-    """Granite 3.0 and Zephyr render no `tool` role: the result would vanish from the training text."""
+    """Granite 3.0 and Zephyr render no `tool` role: the result would vanish from the training text. Nor do they
+    render tool calls (content only) — found first, though the call's name "add" is in Granite's tool schemas."""
     tokenizer = tk.load_tokenizer(zoo_models[family])
-    with pytest.raises(UserError, match=r"sample 1: the chat template drops message 3 \(tool\)"):
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops the tool calls of message 2 \(assistant"):
         tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=False)
+    record = json.loads(json.dumps(TOOL_RECORD))
+    record["messages"][1] = {"role": "assistant", "content": "Adding."}
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops message 3 \(tool\)"):
+        tk.tokenize_records([convert(record, "messages")], "messages", tokenizer, train_on_prompt=False)
 
 
 def test_chat_template_key_names_a_template(zoo_models, tmp_path):
@@ -301,3 +306,48 @@ def test_an_opening_assistant_turn_is_found_where_the_template_cannot_render_an_
     )
     with pytest.raises(UserError, match=r"sample 1: message 1 \(assistant\) opens the conversation.*no element 0"):
         tk.tokenize_records([GREETING], "messages", tokenizer, train_on_prompt=False)
+
+
+# Numbered turns ("[1] user: ..."), one role left out: what a dropped message says ("1", "a", "add") can be found in
+# the rendering by chance — in a turn number, in a role name, in the tool schemas the system header lists.
+_NUMBERED = (
+    "{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role != 'DROPPED' %}[{{ loop.index }}] {{ m.role }}: "
+    "{{ m.content or m.tool_calls | tojson }}\n{% endif %}{% endfor %}"
+)
+_TOOL_CALL = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+
+
+@pytest.mark.parametrize(
+    ("dropped", "messages", "error"),
+    [
+        ("tool_calls", [{"role": "user", "content": "Add 1."}, {"role": "assistant", "tool_calls": _TOOL_CALL},
+                        {"role": "tool", "content": "1"}, {"role": "assistant", "content": "1"}],
+         r"drops the tool calls of message 2 \(assistant: add\)"),
+        ("system", [{"role": "system", "content": "a"}, {"role": "user", "content": "Say 2."},
+                    {"role": "assistant", "content": "2"}], r"drops message 1 \(system\)"),
+        ("tool", [{"role": "user", "content": "Add 1."}, {"role": "assistant", "tool_calls": _TOOL_CALL},
+                  {"role": "tool", "content": "1"}, {"role": "assistant", "content": "It is 1."}],
+         r"drops message 3 \(tool\)"),
+        ("user", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+         r"drops message 1 \(user\)"),
+        ("answer", [{"role": "user", "content": "Say 1."}, {"role": "assistant", "content": "1"}],
+         r"drops message 2 \(assistant\): what it says is not in the rendered text"),
+    ],
+)  # fmt: skip
+def test_a_dropped_message_is_found_whatever_it_says(zoo_models, dropped, messages, error):
+    """The checks render probe strings in place of the contents (and tool names): a short content no longer passes
+    because the rendering holds it elsewhere."""
+    template = _NUMBERED.replace("'DROPPED'", repr(dropped))
+    if dropped == "tool_calls":  # every role kept, the calls left out: ChatML's way, here with the schemas shown
+        template = _NUMBERED.replace("m.content or m.tool_calls | tojson", "m.content or ''")
+    if dropped == "answer":  # what the assistant says left out
+        template = _NUMBERED.replace("m.content or m.tool_calls | tojson", "'' if m.role == 'assistant' else m.content")
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = template
+    record = {"messages": messages, "tools": TOOLS}
+    for train_on_prompt in (False, True):
+        with pytest.raises(UserError, match=error):
+            tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=train_on_prompt)
+    tokenizer.chat_template = _NUMBERED  # the same conversation through a template that renders everything
+    assert len(tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)) == 1
