@@ -351,3 +351,39 @@ def test_a_dropped_message_is_found_whatever_it_says(zoo_models, dropped, messag
             tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=train_on_prompt)
     tokenizer.chat_template = _NUMBERED  # the same conversation through a template that renders everything
     assert len(tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)) == 1
+
+
+def test_a_dated_template_renders_as_it_would_on_the_pinned_day(monkeypatch):
+    """The strftime_now macro changes nothing but the date: each of TRL's dated templates (Llama 3.2, gpt-oss, ...)
+    renders exactly what transformers renders on TEMPLATE_DATE, whitespace included; an unknown format is refused."""
+    from datetime import datetime
+
+    import transformers.utils.chat_template_utils as ctu
+    from jinja2 import TemplateError
+
+    from lowmem_ft.data.chat import TEMPLATE_DATE, pin_template_date
+    from lowmem_ft.data.templates import trl_templates
+
+    class PinnedDay(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(*TEMPLATE_DATE)
+
+    monkeypatch.setattr(ctu, "datetime", PinnedDay)
+    dated = {name: text for name, text in trl_templates().items() if "strftime_now" in text}
+    assert {"llama3_2", "gptoss"} <= set(dated)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."}]  # fmt: skip
+    for name, text in dated.items():
+        for prompt in (False, True):
+            kwargs = {"add_generation_prompt": prompt, "bos_token": "<s>", "eos_token": "</s>"}
+            expected = ctu.render_jinja_template([conversation], chat_template=text, **kwargs)[0]
+            assert ctu.render_jinja_template([conversation], chat_template=pin_template_date(text), **kwargs)[0] == (
+                expected
+            ), name
+    lead = "\n  {% for m in messages %}{{ m.content }}{% endfor %} {{ strftime_now('%Y') }}"  # leading whitespace
+    assert ctu.render_jinja_template([conversation], chat_template=pin_template_date(lead))[0] == [
+        "\nBe brief.HiHello. 2024"
+    ]
+    with pytest.raises(TemplateError, match="only literal formats"):
+        ctu.render_jinja_template([conversation], chat_template=pin_template_date("{{ strftime_now(f) }}"))
