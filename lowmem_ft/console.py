@@ -111,8 +111,22 @@ def _logging(chosen: Level) -> None:
     root.setLevel(SHOWN[chosen][0] if chosen == "debug" else logging.INFO)
 
 
+_SAID: set[tuple] = set()  # what `first_time` has seen in this command
+
+
+def first_time(*key) -> bool:
+    """True the first time `key` is seen in this command (`setup` starts each command afresh): for a warning that
+    two steps of one command would both give — the plan and the run each load the tokenizer and read the data, a
+    stream is read on every pass — so that it is said once."""
+    if key in _SAID:
+        return False
+    _SAID.add(key)
+    return True
+
+
 def setup(quiet: bool = False, debug: bool = False) -> Level:
     """Configure this process for a command: levels, filters, the libraries' environment. Returns the level."""
+    _SAID.clear()
     if debug:
         os.environ[DEBUG_ENV] = "1"
     elif quiet:
@@ -127,6 +141,15 @@ def setup(quiet: bool = False, debug: bool = False) -> Level:
         for key, value in QUIET_LIBRARIES.items():
             os.environ.setdefault(key, value)
     return chosen
+
+
+def rich_console():
+    """A Rich console that prints text as given: no markup, no emoji codes. What the tables print comes from users
+    and models (model ids, paths, recipe values, library messages), where `[/INST]`, `data[1].jsonl` or `:x:` are
+    text — Rich markup would drop `[bold]`-like pieces and raise on a stray `[/...]`. Style goes in `rich.text.Text`."""
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False)
 
 
 def quiet_stdout():

@@ -158,3 +158,65 @@ def test_quiet_prints_the_summary_only(demo, tiny_model):
     assert lines[0].startswith("memory: measured peak ") and lines[-1].startswith("done: 2 steps")
     assert all(line.startswith(("memory:", "  ")) for line in lines[:-1]), output
     assert resolve(run.parent / "more" / "recipe.yaml").adapter.name_or_path == str(run)
+
+
+# -- text from users and models is printed as given ----------------------------------------------------------------
+def _flat(text: str) -> str:
+    """Rich wraps a table's title at the table's width: compare without the whitespace."""
+    return "".join(text.split())
+
+
+def test_brackets_from_users_are_printed_not_read_as_rich_markup(tiny_model, tmp_path, capsys, monkeypatch):
+    """Model directories, `--set` values and paths may hold `[bold]` or `[/INST]`: Rich markup dropped the first and
+    raised MarkupError (a traceback) on the second."""
+    import shutil
+
+    from lowmem_ft.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # Rich's width: no cell folded across lines
+    model = tmp_path / "tiny[bold]x :smile:"
+    shutil.copytree(tiny_model, model)
+    argv = ["plan", "--vram", "8", "--model", str(model), "--set", 'adapter.target_modules=[q_proj, "[/INST]"]']
+    assert main(argv) == 0
+    out = _flat(capsys.readouterr().out)
+    assert _flat(f"{model} on 8 GB") in out  # the title
+    assert _flat("adapts q_proj only: [/INST] are absent") in out  # a reason line carrying a --set value
+
+    runs = tmp_path / "runs[/bold]"
+    assert main(["doctor", "--output-dir", str(runs)]) == 0
+    assert _flat(f"free at {runs}") in _flat(capsys.readouterr().out)
+
+
+def test_each_warning_is_said_once_per_command(tiny_model, tmp_path, monkeypatch, caplog):
+    """The plan and the run each load the tokenizer, resolve the recipe and read the data, and a stream is read on
+    every pass: the ChatML default was warned twice, the recipe's trust_remote_code twice, and a stream's bad line
+    four times (its head, then three passes of 3 steps)."""
+    import shutil
+    from collections import Counter
+
+    from lowmem_ft.cli import main
+
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    lines = Path(CHAT).read_text().splitlines()
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join([*lines[:3], '{"bad json', *lines[3:]]) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: 8gb\nmodel:\n  name_or_path: {model}\n  trust_remote_code: true\n")
+    monkeypatch.setenv("LOWMEM_FT_CACHE", str(tmp_path / "cache"))
+    caplog.set_level(logging.WARNING)
+    argv = ["train", "--recipe", str(recipe), "--vram", "8", "--data", str(data), "--skip-bad-lines",
+            "--output-dir", str(tmp_path / "runs"), "--max-steps", "3", "--set", "data.streaming=true",
+            "--set", "logging.wandb_mode=disabled"]  # fmt: skip
+    for name in ("first", "second"):  # a second command in the same process says them again
+        caplog.clear()
+        assert main([*argv, "--name", name]) == 0
+        said = Counter(r.getMessage() for r in caplog.records if r.name.startswith("lowmem_ft"))
+        assert any("has no chat template" in m for m in said), said
+        assert any("only the command line can grant" in m for m in said), said
+        assert any(m.startswith(f"skipped {data}:4: invalid JSON") for m in said), said
+        assert set(said.values()) == {1}, said

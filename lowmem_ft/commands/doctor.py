@@ -241,16 +241,18 @@ def run_checks(output_dir: str = "runs", require_gpu: bool = False) -> list[Chec
 
 
 def _print_table(checks: list[Check]) -> None:
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from lowmem_ft.console import rich_console
 
     style = {OK: "green", WARN: "yellow", FAIL: "bold red"}
     table = Table(title="lowmem-ft doctor", show_lines=False)
     for column in ("check", "status", "detail", "fix"):
         table.add_column(column, overflow="fold")
     for c in checks:
-        table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail, c.fix)
-    Console().print(table)
+        table.add_row(c.name, Text(c.status, style=style[c.status]), c.detail, c.fix)
+    rich_console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:

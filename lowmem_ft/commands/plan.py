@@ -118,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
 
 def print_plan(result, r) -> None:
     """The plan as a table of components, then one line per knob saying why."""
-    from rich.console import Console
     from rich.table import Table
+
+    from lowmem_ft.console import rich_console
 
     est = result.estimate
     where = f"{result.vram_gb:g} GB" if result.gpus == 1 else f"{result.gpus} × {result.vram_gb:g} GB, per device"
@@ -146,7 +147,7 @@ def print_plan(result, r) -> None:
         table.add_section()
         for c in host:
             table.add_row(c.name, f"{c.gb:.2f}", "host RAM, not on the device")
-    console = Console()
+    console = rich_console()
     console.print(table)
     for knob, why in result.reasons.items():
         console.print(f"  {knob}: {why}")

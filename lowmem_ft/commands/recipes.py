@@ -22,8 +22,9 @@ def _summary(path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
+
+    from lowmem_ft.console import rich_console
 
     if args.action == "list":
         table = Table(title="shipped recipes (lowmem-ft recipes show NAME)")
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column("what")
         for name, path in shipped_recipes().items():
             table.add_row(name, _summary(path))
-        Console().print(table)
+        rich_console().print(table)
         return 0
     if args.action == "keys":
         for key, text in field_help().items():

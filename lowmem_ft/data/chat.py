@@ -66,6 +66,7 @@ class SampleError(ValueError):
 def set_template(tokenizer, spec: str | None) -> str:
     """Give the tokenizer the chat template `data.chat_template` names (so it is saved with the adapter and used by
     `generate`), or ChatML when it has none; returns where the template came from."""
+    from lowmem_ft.console import first_time
     from lowmem_ft.data.templates import CHATML, resolve_template
 
     if spec:
@@ -73,15 +74,19 @@ def set_template(tokenizer, spec: str | None) -> str:
         tokenizer.chat_template = text
         tokenizer.lowmem_template_source = f"data.chat_template: {what}"
         return tokenizer.lowmem_template_source
-    if getattr(tokenizer, "lowmem_template_source", None):  # set from data.chat_template when it was loaded
+    if getattr(tokenizer, "lowmem_template_source", None):  # set from data.chat_template, or ChatML given before
         return tokenizer.lowmem_template_source
     if isinstance(tokenizer.chat_template, dict):  # named variants: "default" is the chat one
         tokenizer.chat_template = tokenizer.chat_template.get("default") or next(iter(tokenizer.chat_template.values()))
     if tokenizer.chat_template:
         return "tokenizer"
     tokenizer.chat_template = CHATML
-    log.warning("the tokenizer has no chat template; formatting chat data as ChatML (set data.chat_template to choose)")
-    return "ChatML (default)"
+    tokenizer.lowmem_template_source = "ChatML (default)"  # a later call (another source, the cache) says the same
+    if first_time("no chat template", getattr(tokenizer, "name_or_path", "")):  # the plan and the run load it each
+        log.warning(
+            "the tokenizer has no chat template; formatting chat data as ChatML (set data.chat_template to choose)"
+        )
+    return tokenizer.lowmem_template_source
 
 
 def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer") -> ChatTemplate:
@@ -137,6 +142,34 @@ def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTem
     return ChatTemplate(patched, f"{source} (TRL training version); assistant tokens from its markers", "markers")
 
 
+# The date a template's `strftime_now` renders for training: Llama 3.2 (and Granite 3.1+, gpt-oss) put today's date in
+# every system header ("Today Date: ..."), which would make the tokens depend on the day — a cache from yesterday
+# against a fresh tokenization today, a resumed run, a conversation whose prompt and turn straddle midnight. Pinned to
+# the date Meta's Llama 3.x templates fall back to without `strftime_now` (and Llama 3.1's always renders). At
+# inference the template renders the day's date; it sits in the system header, which carries no loss.
+TEMPLATE_DATE = (2024, 7, 26)
+
+
+def pin_template_date(text: str) -> str:
+    """The template with `strftime_now` rendering TEMPLATE_DATE: a macro of that name, defined before the template,
+    shadows transformers' Jinja global (render arguments cannot: transformers turns a callable argument into a
+    string). Templates call it with literal formats; a format not found in the text is refused, never rendered
+    empty. The macro's line ends in a newline that Jinja's trim_blocks removes, so the template renders unchanged."""
+    import re
+    from datetime import datetime
+
+    if "strftime_now" not in text:
+        return text
+    calls = re.findall(r"""strftime_now\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""", text)
+    dates = {fmt: datetime(*TEMPLATE_DATE).strftime(fmt) for fmt in {a or b for a, b in calls}}
+    table = json.dumps(dict(sorted(dates.items())), ensure_ascii=False)  # a JSON object is a Jinja dict literal
+    return (
+        "{% macro strftime_now(format) %}{% set dates = " + table + " %}{% if format in dates %}{{ dates[format] }}"
+        "{% else %}{{ raise_exception('strftime_now(' ~ format ~ '): lowmem-ft renders a fixed date for training "
+        "and finds only literal formats') }}{% endif %}{% endmacro %}\n" + text
+    )
+
+
 class Renderer:
     """Renders conversations with one template and the tokenizer's special tokens, as `apply_chat_template` does.
 
@@ -146,10 +179,12 @@ class Renderer:
     Mistral would fail on a list; Qwen3's renders a list as nothing, TRL's Llama-3.2 copy as its Python repr). Either
     way a single text part renders as its string would. The assistant's reasoning reaches the template under the
     key it renders (`reasoning_content` for Qwen3, `thinking` for gpt-oss) when it renders another than the data's.
+    The template's date is pinned (`pin_template_date`).
     """
 
     def __init__(self, tokenizer, template: ChatTemplate):
         self.template = template
+        self.text = pin_template_date(template.text)
         self.kwargs = dict(tokenizer.special_tokens_map)
         self._list_roles: set[str] | None = None
         self._reasoning_keys: list[str] | None = None
@@ -165,7 +200,7 @@ class Renderer:
             rendered, generation = render_jinja_template(
                 [messages],
                 tools=tools,
-                chat_template=self.template.text,
+                chat_template=self.text,
                 return_assistant_tokens_mask=indices,
                 add_generation_prompt=prompt,
                 **self.kwargs,
@@ -265,7 +300,7 @@ def samples(record: dict, render: Renderer) -> list[tuple[str, list[tuple[int, i
         out = [(text, [span for span, turn in owned if turn is None or turn in trained], trained)]
     else:
         out = _turns(messages, tools, render, trained)
-    _check_nothing_dropped(messages, out)
+    _check_nothing_dropped(messages, tools, out, render)
     _check_answers_kept(messages, out, render)
     return [(text, spans) for text, spans, _ in out]
 
@@ -363,11 +398,16 @@ def _parting(prompt: str, text: str, width: int = 24) -> str:
     )
 
 
-def _check_nothing_dropped(messages: list[dict], out: list[Sample]) -> None:
-    """Every system/user/tool message before the last trained assistant turn, and every assistant tool call (by its
-    function name), must be in the text trained on."""
+def _check_nothing_dropped(messages: list[dict], tools: Any, out: list[Sample], render: Renderer) -> None:
+    """Every system/user/tool message before the last trained assistant turn, what each trained assistant turn says
+    and every assistant tool call must be in the text trained on. Whether the template renders each is asked with a
+    probe (`_probe_drops`): a content can be in the rendering by chance ("1" in a turn number, "a" in "assistant", a
+    tool's name in the schemas the system header lists). The content itself must be in the real rendering too (Llama
+    3.x renders tool output | tojson)."""
     text, _, turns = out[-1]
     last = max(turns, default=len(messages) - 1)
+    every = len(out) == 1 and render.template.masking != "all"
+    _probe_drops(messages[: last + 1], tools, render, answers=turns if every else turns[-1:])
     for i, message in enumerate(messages[: last + 1]):
         content = message.get("content")
         if message["role"] == "assistant":
@@ -415,6 +455,55 @@ def _check_answers_kept(messages: list[dict], out: list[Sample], render: Rendere
                     fix="set data.chat_template to a template that renders it (qwen3 renders reasoning_content), or "
                     "put the reasoning in the content as the model should write it",
                 )
+
+
+def _probe_drops(messages: list[dict], tools: Any, render: Renderer, answers: list[int]) -> None:
+    """Render the conversation once more with each checked content — and each tool call's function name — replaced
+    by a probe string of its own (`lowmemprobe3x`); a probe missing from that rendering is a dropped message. The assistant
+    turns checked (`answers`) are those trained as they stand in this rendering: every trained one, or the last when
+    each turn is its own sample or the loss is on every token (earlier turns may be rewritten by design, as
+    `_check_answers_kept` says).
+    A template that rejects the probe reads the contents themselves: then the content checks alone decide."""
+    probe, found = [], {}  # probe string → the error its absence means
+
+    def token() -> str:
+        return f"lowmemprobe{len(found)}x"
+
+    for i, message in enumerate(messages):
+        message = dict(message)
+        content = message.get("content")
+        checked = message["role"] != "assistant" or i in answers
+        what = "what it says" if message["role"] == "assistant" else "its content"
+        error = f"the chat template drops message {i + 1} ({message['role']}): {what} is not in the rendered text"
+        if checked and isinstance(content, str) and content.strip():
+            message["content"] = key = token()
+            found[key] = error
+        elif checked and isinstance(content, list):  # text parts: each gets a probe of its own
+            parts = []
+            for part in content:
+                if part.get("type") == "text" and str(part.get("text", "")).strip():
+                    part = {**part, "text": token()}
+                    found[part["text"]] = error
+                parts.append(part)
+            message["content"] = parts
+        if message.get("tool_calls"):
+            calls, names = [], [call["function"]["name"] for call in message["tool_calls"]]
+            for call in message["tool_calls"]:
+                key = token()
+                calls.append({**call, "function": {**call["function"], "name": key}})
+                found[key] = (
+                    f"the chat template drops the tool calls of message {i + 1} (assistant: {', '.join(names)}); "
+                    "it would learn an empty turn"
+                )
+            message["tool_calls"] = calls
+        probe.append(message)
+    try:
+        rendered = render(probe, tools)
+    except SampleError:
+        return
+    for key, error in found.items():
+        if key not in rendered:
+            raise SampleError(error)
 
 
 def labels_for(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]], masking):

@@ -23,6 +23,7 @@ from lowmem_ft.data.budget import apply_budget, check_budget, describe, fit_stre
 from lowmem_ft.data.formats import CHAT_FORMATS
 from lowmem_ft.data.mix import mix_datasets, mix_record, mix_streams
 from lowmem_ft.data.profile import LengthProfile, lengths_of, profile_of
+from lowmem_ft.data.readers import log_skipped
 from lowmem_ft.data.sources import DataSource, check_source, eval_source_of, sources_of
 from lowmem_ft.data.tokenize import Tokenized, tokenize_source
 from lowmem_ft.errors import UserError
@@ -155,7 +156,7 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
 def _log_parts(data: TrainingData) -> None:
     for part in data.parts:
         for line in part.skipped:
-            log.warning("skipped %s", line)
+            log_skipped(line)
         if part.unused_columns:
             log.info("%s: columns not used: %s", part.source.label, ", ".join(part.unused_columns))
         if part.source.ignored:

@@ -305,6 +305,15 @@ def rename(row: dict[str, Any], columns: dict[str, str], key: str) -> dict[str, 
     return out
 
 
+def log_skipped(line: str) -> None:
+    """Warn about a skipped row once per command: a stream is read again on each pass (and its head once more
+    before training), and each pass meets the same bad rows."""
+    from lowmem_ft.console import first_time
+
+    if first_time("skipped", line):
+        log.warning("skipped %s", line)
+
+
 class RecordReader:
     """The rows of one source as TRL records of one format; a bad row stops the run, or is skipped and listed."""
 
@@ -336,7 +345,7 @@ class RecordReader:
                     raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None
                 self.skipped.append(f"{where}: {exc}")
                 if self.log_skips:
-                    log.warning("skipped %s: %s", where, exc)
+                    log_skipped(f"{where}: {exc}")
 
     def _check_columns(self, row: dict[str, Any], where: str) -> None:
         missing = [(ours, theirs) for ours, theirs in self.source.columns if theirs not in row]

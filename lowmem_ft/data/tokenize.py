@@ -52,8 +52,10 @@ log = logging.getLogger(__name__)
 # bump when the tokenization below changes what it produces (3: keyed by source; chat masking for any template;
 # 4: tool-call arguments given as JSON strings rendered as objects, dropped tool calls refused, an opening assistant
 # turn cut after its generation prompt; 5: per-turn weight, reasoning and content parts reach the template, TRL's
-# conversational prompt/completion, alpaca system/history and a chat record's system column read)
-CACHE_VERSION = 5
+# conversational prompt/completion, alpaca system/history and a chat record's system column read; a template's
+# `strftime_now` renders chat.TEMPLATE_DATE, not the day; 6: dropped messages found by probes, so data cached with a
+# tool call dropped unseen is checked again)
+CACHE_VERSION = 6
 BATCH_SIZE = 1000
 STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
 

@@ -14,6 +14,8 @@ import logging
 import re
 from pathlib import Path
 
+from lowmem_ft.console import first_time
+
 log = logging.getLogger(__name__)
 
 # layer 0 of the decoder stack, under the prefixes transformers' causal LMs use (Llama-style `model.layers`, Falcon /
@@ -78,7 +80,7 @@ def layout_mismatch(arch, directory: Path) -> str | None:
 def warn_if_mismatched(arch, directory: Path) -> None:
     """Log a warning when the block read from config.json is not the one the weights hold."""
     why = layout_mismatch(arch, directory)
-    if why:
+    if why and first_time("layout", str(directory), why):  # the plan and the run's memory check each read it
         log.warning(
             "model %s: %s; the memory plan and LoRA targets may be wrong for it (--set adapter.target_modules=... "
             "names the layers to adapt)",

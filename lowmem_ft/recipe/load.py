@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from lowmem_ft.console import first_time
 from lowmem_ft.errors import ConfigError, UserError
 from lowmem_ft.recipe.schema import INT_LIMIT, SECTIONS, Recipe, in_range, span
 
@@ -345,7 +346,7 @@ def _command_line_only(data: dict[str, Any], path: Path) -> dict[str, Any]:
     so it cannot grant itself code execution."""
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("trust_remote_code"), bool):
-        if model["trust_remote_code"]:
+        if model["trust_remote_code"] and first_time("trust_remote_code", str(path)):  # train resolves it twice
             log.warning(
                 "%s sets model.trust_remote_code: true, which only the command line can grant; it is off — pass "
                 "--trust-remote-code if you trust the model's code",

@@ -71,18 +71,23 @@ def recompute_lora(model, tile_tokens: int, skip_mlp: bool) -> int:
     """Wrap every peft LoRA linear of `model` (outside the decoder MLPs when `skip_mlp`); returns how many."""
     from peft.tuners.lora import LoraLayer
 
-    count = 0
+    count, kept = 0, {}
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or not hasattr(module, "base_layer"):
             continue
         if skip_mlp and ".mlp." in f".{name}.":
             continue
         if not isinstance(module.base_layer, torch.nn.Linear):  # Linear4bit / Linear8bitLt subclass nn.Linear
-            log.warning("memory.recompute_lora: %s (%s) keeps peft's forward", name, type(module.base_layer).__name__)
+            kept.setdefault(type(module.base_layer).__name__, []).append(name)
             continue
         if getattr(module, "_lowmem_recompute", False):
             continue
         module.forward = recomputed_forward(module, tile_tokens)
         module._lowmem_recompute = True
         count += 1
+    for kind, names in kept.items():  # one line per layer type, not one per layer of every block
+        log.warning(
+            "memory.recompute_lora: %d LoRA layers on %s keep peft's forward (%s%s)",
+            len(names), kind, ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
+        )  # fmt: skip
     return count

@@ -166,10 +166,15 @@ def test_tool_calls_and_results_go_through_the_template(zoo_models, family):
 
 @pytest.mark.parametrize("family", ["granite", "llama-zephyr"])
 def test_template_that_drops_tool_messages_is_refused(zoo_models, family):
-    """Granite 3.0 and Zephyr render no `tool` role: the result would vanish from the training text."""
+    """Granite 3.0 and Zephyr render no `tool` role: the result would vanish from the training text. Nor do they
+    render tool calls (content only) — found first, though the call's name "add" is in Granite's tool schemas."""
     tokenizer = tk.load_tokenizer(zoo_models[family])
-    with pytest.raises(UserError, match=r"sample 1: the chat template drops message 3 \(tool\)"):
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops the tool calls of message 2 \(assistant"):
         tk.tokenize_records([convert(TOOL_RECORD, "messages")], "messages", tokenizer, train_on_prompt=False)
+    record = json.loads(json.dumps(TOOL_RECORD))
+    record["messages"][1] = {"role": "assistant", "content": "Adding."}
+    with pytest.raises(UserError, match=r"sample 1: the chat template drops message 3 \(tool\)"):
+        tk.tokenize_records([convert(record, "messages")], "messages", tokenizer, train_on_prompt=False)
 
 
 def test_chat_template_key_names_a_template(zoo_models, tmp_path):
@@ -441,3 +446,87 @@ def test_alpaca_history_answers_are_learned_like_llama_factory(zoo_models, famil
     assert loss == _expected(family, [{"content": "R E D"}], False, True) + _expected(
         family, [{"content": "B L U E"}], True, True
     )
+
+
+# Numbered turns ("[1] user: ..."), one role left out: what a dropped message says ("1", "a", "add") can be found in
+# the rendering by chance — in a turn number, in a role name, in the tool schemas the system header lists.
+_NUMBERED = (
+    "{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role != 'DROPPED' %}[{{ loop.index }}] {{ m.role }}: "
+    "{{ m.content or m.tool_calls | tojson }}\n{% endif %}{% endfor %}"
+)
+_TOOL_CALL = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+
+
+@pytest.mark.parametrize(
+    ("dropped", "messages", "error"),
+    [
+        ("tool_calls", [{"role": "user", "content": "Add 1."}, {"role": "assistant", "tool_calls": _TOOL_CALL},
+                        {"role": "tool", "content": "1"}, {"role": "assistant", "content": "1"}],
+         r"drops the tool calls of message 2 \(assistant: add\)"),
+        ("system", [{"role": "system", "content": "a"}, {"role": "user", "content": "Say 2."},
+                    {"role": "assistant", "content": "2"}], r"drops message 1 \(system\)"),
+        ("system", [{"role": "system", "content": [{"type": "text", "text": "a"}]},
+                    {"role": "user", "content": "Say 2."}, {"role": "assistant", "content": "2"}],
+         r"drops message 1 \(system\)"),  # content as a list of text parts: each part probed
+        ("tool", [{"role": "user", "content": "Add 1."}, {"role": "assistant", "tool_calls": _TOOL_CALL},
+                  {"role": "tool", "content": "1"}, {"role": "assistant", "content": "It is 1."}],
+         r"drops message 3 \(tool\)"),
+        ("user", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+         r"drops message 1 \(user\)"),
+        ("answer", [{"role": "user", "content": "Say 1."}, {"role": "assistant", "content": "1"}],
+         r"drops message 2 \(assistant\): what it says is not in the rendered text"),
+    ],
+)  # fmt: skip
+def test_a_dropped_message_is_found_whatever_it_says(zoo_models, dropped, messages, error):
+    """The checks render probe strings in place of the contents (and tool names): a short content no longer passes
+    because the rendering holds it elsewhere."""
+    template = _NUMBERED.replace("'DROPPED'", repr(dropped))
+    if dropped == "tool_calls":  # every role kept, the calls left out: ChatML's way, here with the schemas shown
+        template = _NUMBERED.replace("m.content or m.tool_calls | tojson", "m.content or ''")
+    if dropped == "answer":  # what the assistant says left out
+        template = _NUMBERED.replace("m.content or m.tool_calls | tojson", "'' if m.role == 'assistant' else m.content")
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = template
+    record = {"messages": messages, "tools": TOOLS}
+    for train_on_prompt in (False, True):
+        with pytest.raises(UserError, match=error):
+            tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=train_on_prompt)
+    tokenizer.chat_template = _NUMBERED  # the same conversation through a template that renders everything
+    assert len(tk.tokenize_records([record], "messages", tokenizer, train_on_prompt=False)) == 1
+
+
+def test_a_dated_template_renders_as_it_would_on_the_pinned_day(monkeypatch):
+    """The strftime_now macro changes nothing but the date: each of TRL's dated templates (Llama 3.2, gpt-oss, ...)
+    renders exactly what transformers renders on TEMPLATE_DATE, whitespace included; an unknown format is refused."""
+    from datetime import datetime
+
+    import transformers.utils.chat_template_utils as ctu
+    from jinja2 import TemplateError
+
+    from lowmem_ft.data.chat import TEMPLATE_DATE, pin_template_date
+    from lowmem_ft.data.templates import trl_templates
+
+    class PinnedDay(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(*TEMPLATE_DATE)
+
+    monkeypatch.setattr(ctu, "datetime", PinnedDay)
+    dated = {name: text for name, text in trl_templates().items() if "strftime_now" in text}
+    assert {"llama3_2", "gptoss"} <= set(dated)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."}]  # fmt: skip
+    for name, text in dated.items():
+        for prompt in (False, True):
+            kwargs = {"add_generation_prompt": prompt, "bos_token": "<s>", "eos_token": "</s>"}
+            expected = ctu.render_jinja_template([conversation], chat_template=text, **kwargs)[0]
+            assert ctu.render_jinja_template([conversation], chat_template=pin_template_date(text), **kwargs)[0] == (
+                expected
+            ), name
+    lead = "\n  {% for m in messages %}{{ m.content }}{% endfor %} {{ strftime_now('%Y') }}"  # leading whitespace
+    assert ctu.render_jinja_template([conversation], chat_template=pin_template_date(lead))[0] == [
+        "\nBe brief.HiHello. 2024"
+    ]
+    with pytest.raises(TemplateError, match="only literal formats"):
+        ctu.render_jinja_template([conversation], chat_template=pin_template_date("{{ strftime_now(f) }}"))

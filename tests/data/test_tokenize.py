@@ -76,6 +76,7 @@ def test_tokenizer_without_template_gets_chatml(tokenizer):
 
     template = chat_template_for(tokenizer, False, set_template(tokenizer, None))
     assert template.source.startswith("ChatML (default)") and template.masking == "markers"  # ChatML has markers
+    assert set_template(tokenizer, None) == "ChatML (default)"  # a second source, the eval file: still the default
     row = tk.tokenize_records(load_file(fixture("alpaca.jsonl")).records[:1], "alpaca", tokenizer, False)[0]
     assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\nSpell the word.<|im_end|>")
 
@@ -110,3 +111,31 @@ def test_second_run_loads_from_cache(tokenizer, tmp_path, monkeypatch):
     data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
     with pytest.raises(AssertionError, match="tokenized again"):
         tk.tokenize_file(data, tokenizer)
+
+
+def test_a_dated_template_renders_the_same_tokens_on_any_day(zoo_models, tmp_path, monkeypatch):
+    """Llama 3.2's template puts `strftime_now` (today) in every system header: the cache held the day it was made,
+    a fresh tokenization another day's. Training renders chat.TEMPLATE_DATE, so both agree."""
+    from datetime import datetime
+
+    import transformers.utils.chat_template_utils as ctu
+
+    data = tmp_path / "d.jsonl"
+    shutil.copy(fixture("messages.jsonl"), data)
+    first = tk.tokenize_file(data, tk.load_tokenizer(zoo_models["llama3"]))
+    tokenizer = tk.load_tokenizer(zoo_models["llama3"])
+    assert "Today Date: 26 Jul 2024\n" in tokenizer.decode(first.dataset[0]["input_ids"])
+
+    class OtherDay(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2031, 1, 2)
+
+    monkeypatch.setattr(ctu, "datetime", OtherDay)  # what the template's strftime_now reads
+    probe = [{"role": "user", "content": "Hi."}]
+    assert "Today Date: 02 Jan 2031" in tokenizer.apply_chat_template(probe, tokenize=False)  # inference: the day's
+    fresh = tk.tokenize_file(data, tokenizer, use_cache=False)
+    cached = tk.tokenize_file(data, tokenizer)
+    assert cached.from_cache and not fresh.from_cache
+    assert fresh.dataset["input_ids"] == cached.dataset["input_ids"] == first.dataset["input_ids"]
+    assert fresh.dataset["labels"] == cached.dataset["labels"]

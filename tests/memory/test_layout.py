@@ -43,6 +43,10 @@ def test_another_block_under_an_unknown_model_type_is_named(tmp_path, caplog):
         load_architecture(str(path))
     assert "its weights' layers hold dense, dense_4h_to_h, dense_h_to_4h, query_key_value" in caplog.text
     assert "reads model_type 'mymodel' as q_proj, k_proj" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.memory.layout"):
+        load_architecture(str(path))  # `train` reads it again for its memory check: said once per command
+    assert not caplog.records
 
 
 def test_shapes_other_than_the_configs_are_named(tmp_path):

@@ -91,3 +91,21 @@ def test_disabled_adapters_take_peft_s_path():
     recompute_lora(model, 4, skip_mlp=False)
     with torch.no_grad(), plain.disable_adapter(), model.disable_adapter():
         torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_layers_kept_on_peft_forward_are_one_warning(caplog):
+    """GPT-2's fused attention is a Conv1D, not an nn.Linear: its LoRA keeps peft's forward, one line for all the
+    blocks (one line per block before)."""
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"]))
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.train.lora_recompute"):
+        assert recompute_lora(model, 16, skip_mlp=False) == 0
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("lowmem_ft")] == [
+        "memory.recompute_lora: 3 LoRA layers on Conv1D keep peft's forward (base_model.model.transformer.h.0.attn."
+        "c_attn, base_model.model.transformer.h.1.attn.c_attn, base_model.model.transformer.h.2.attn.c_attn)"
+    ]
