@@ -129,7 +129,8 @@ class Architecture:
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
-            norm_fp32_output=model_type.startswith("gemma"),
+            # CohereLayerNorm also multiplies in fp32 (self.weight.to(float32) * hidden_states)
+            norm_fp32_output=model_type.startswith("gemma") or model_type in COHERE,
             final_logit_softcapping=config.get("final_logit_softcapping"),
             logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,

@@ -74,6 +74,7 @@ def test_cohere_counts_one_layernorm_per_layer(kind):
     assert arch.total_params == _count(model)
     assert arch.norms_per_layer == _layer_norms(_layer0(model)) == 1
     assert arch.norm == "layer_no_bias" and arch.final_norm_params == config["hidden_size"]
+    assert arch.norm_fp32_output  # CohereLayerNorm keeps its normalized input in fp32 for the weight's gradient
     assert arch.logit_scale == cfg.logit_scale  # 0.0625 when config.json does not say
     _full_fine_tune_tensors(arch, model)
     types = getattr(cfg, "layer_types", None) or []
