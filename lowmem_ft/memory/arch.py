@@ -250,7 +250,7 @@ def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if not window:
         return {"sliding_window": None, "sliding_layers": 0}
     types = config.get("layer_types")
-    if types:
+    if types and model_type != "mistral":  # MistralModel slides every layer whatever layer_types says (it warns)
         count = sum(t == "sliding_attention" for t in types)
     elif model_type in ("qwen2", "qwen3"):
         count = max(0, layers - int(config.get("max_window_layers", layers)))

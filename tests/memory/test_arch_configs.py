@@ -256,6 +256,9 @@ def test_transformers_5_config_keys():
 SLIDING = {
     "mistral-missing": {**SMALL, "model_type": "mistral"},  # configuration_mistral.py: sliding_window = 4096
     "mistral-null": {**SMALL, "model_type": "mistral", "sliding_window": None},  # Mistral-7B-v0.3
+    # Ministral-8B-Instruct-2410 as a mistral config with layer_types: MistralModel slides every layer regardless
+    "mistral-layer-types": {**SMALL, "model_type": "mistral", "sliding_window": 32,
+                            "layer_types": ["full_attention", "sliding_attention"]},
     "qwen3-layer-types": {**SMALL, "model_type": "qwen3", "num_hidden_layers": 4, "use_sliding_window": True,
                           "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"] * 2},
     "qwen3-off": {**SMALL, "model_type": "qwen3", "use_sliding_window": False, "sliding_window": 64,
@@ -272,7 +275,7 @@ def test_sliding_layers_as_transformers_reads_them(kind):
     arch = Architecture.from_config(config)
     cfg, model = _built(config)
     window = cfg.sliding_window
-    types = getattr(cfg, "layer_types", None)
+    types = getattr(cfg, "layer_types", None) if config["model_type"] != "mistral" else None  # modeling_mistral.py
     layers = (
         sum(t == "sliding_attention" for t in types) if types and window else (cfg.num_hidden_layers if window else 0)
     )
