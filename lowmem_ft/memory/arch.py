@@ -68,9 +68,11 @@ class Architecture:
     mlp: Literal["gated", "plain"] = "gated"  # gated: act(gate(x)) * up(x) (SwiGLU / GeGLU)
     hidden_act: str = "silu"
     tie_embeddings: bool = False
-    norm: Literal["rms", "layer"] = "rms"
-    norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and feed-forward)
+    norm: Literal["rms", "layer", "layer_no_bias"] = "rms"  # layer_no_bias: Cohere's LayerNorm (a weight only)
+    norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and feed-forward); Cohere 1 (parallel block)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    qk_norm_per_head: bool = False  # Cohere's `use_qk_norm`: a (heads, head_dim) weight on q, (kv heads, head_dim) on k
+    block_extra_params: int = 0  # per block, parameters outside its linears and norms (Apertus's xIELU: 2 scalars)
     linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
     max_position_embeddings: int = 0
     sliding_window: int | None = None  # tokens a sliding-window layer attends to
@@ -82,12 +84,18 @@ class Architecture:
     remote_code: bool = False
     experts: int = 0  # routed experts of a mixture-of-experts MLP (see `_experts`); 0: a dense MLP
     lm_head_bias: bool = False  # Phi-1/2: the LM head adds a bias of vocab_size
+    # Weights loaded beside the decoder but not run by text training (Gemma-3's SigLIP vision tower and projector):
+    # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
+    tower_params: int = 0
+    tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
         """The architecture of a config.json dict; raises UserError for shapes this model cannot describe."""
-        if "text_config" in config and "hidden_size" not in config:
-            config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
+        tower: dict[str, Any] = {}
+        if ("text_config" in config and "hidden_size" not in config) or config.get("model_type") in NOT_CAUSAL_LM:
+            config, tower = _composite(config, name)  # Qwen2-VL's config.json keeps the text fields at its top
+        config = _with_class_defaults(config)
         model_type = str(config.get("model_type", ""))
         needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if model_type not in NON_LLAMA_BLOCKS and model_type != "qwen":
@@ -96,6 +104,12 @@ class Architecture:
         if missing:
             raise UserError(
                 f"model '{name}': config.json lacks {', '.join(missing)}; lowmem-ft plans decoder-only causal LMs"
+            )
+        per_layer = [k for k in (*needed, "num_key_value_heads", "head_dim") if isinstance(config.get(k), list)]
+        if per_layer:  # OpenELM-style layer-wise widths
+            raise UserError(
+                f"model '{name}': config.json gives {', '.join(per_layer)} per layer (a list); lowmem-ft plans "
+                "models whose layers all have one shape"
             )
         if model_type == "qwen":
             return _qwen_v1(config, name)
@@ -109,16 +123,19 @@ class Architecture:
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus")
+            or (model_type in COHERE and bool(config.get("use_qk_norm"))),
             **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
-            norm_fp32_output=model_type.startswith("gemma"),
+            # CohereLayerNorm also multiplies in fp32 (self.weight.to(float32) * hidden_states)
+            norm_fp32_output=model_type.startswith("gemma") or model_type in COHERE,
             final_logit_softcapping=config.get("final_logit_softcapping"),
             logit_scale=_logit_scale(config),
             remote_code="auto_map" in config and model_type not in _NATIVE,
             experts=_experts(config),
+            **tower,
         )
 
     # -- what the training path may use on this architecture ------------------------------------------------------
@@ -148,7 +165,8 @@ class Architecture:
     def norm_params(self) -> int:
         """Per block: the norms' weights (LayerNorm adds a bias; qk-norm adds two head_dim weights)."""
         per_norm = self.hidden_size * (2 if self.norm == "layer" else 1)
-        return self.norms_per_layer * per_norm + (2 * self.head_dim if self.qk_norm else 0)
+        qk = (self.num_heads + self.num_kv_heads if self.qk_norm_per_head else 2) * self.head_dim
+        return self.norms_per_layer * per_norm + (qk if self.qk_norm else 0)
 
     @property
     def block_linear_params(self) -> int:
@@ -156,7 +174,7 @@ class Architecture:
 
     @property
     def block_params(self) -> int:
-        return self.block_linear_params + self.norm_params
+        return self.block_linear_params + self.norm_params + self.block_extra_params
 
     @property
     def embedding_params(self) -> int:
@@ -181,7 +199,11 @@ class Architecture:
     @property
     def total_params(self) -> int:
         return (
-            self.num_layers * self.block_params + self.embedding_params + self.lm_head_params + self.final_norm_params
+            self.num_layers * self.block_params
+            + self.embedding_params
+            + self.lm_head_params
+            + self.final_norm_params
+            + self.tower_params
         )
 
     @property
@@ -208,9 +230,12 @@ class Architecture:
     def summary(self) -> str:
         gqa = f", GQA {self.num_heads}/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         tied = ", tied embeddings" if self.tie_embeddings else ""
+        tower = (
+            f", {self.tower_params / 1e9:.2f}B of them a vision tower (loaded, not run)" if self.tower_params else ""
+        )
         return (
             f"{self.name or self.model_type}: {self.total_params / 1e9:.2f}B params, {self.num_layers} layers, "
-            f"hidden {self.hidden_size}, vocab {self.vocab_size}{gqa}{tied}"
+            f"hidden {self.hidden_size}, vocab {self.vocab_size}{gqa}{tied}{tower}"
         )
 
 
@@ -225,14 +250,14 @@ def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if not window:
         return {"sliding_window": None, "sliding_layers": 0}
     types = config.get("layer_types")
-    if types:
+    if types and model_type != "mistral":  # MistralModel slides every layer whatever layer_types says (it warns)
         count = sum(t == "sliding_attention" for t in types)
     elif model_type in ("qwen2", "qwen3"):
         count = max(0, layers - int(config.get("max_window_layers", layers)))
     elif model_type == "gemma2":
         count = (layers + 1) // 2
-    elif model_type.startswith("gemma3"):
-        pattern = int(config.get("sliding_window_pattern") or 6)
+    elif model_type.startswith("gemma3") or model_type == "cohere2":  # configuration_cohere2.py: pattern 4
+        pattern = int(config.get("sliding_window_pattern") or (4 if model_type == "cohere2" else 6))
         count = sum((i + 1) % pattern != 0 for i in range(layers))
     else:
         count = layers
@@ -270,8 +295,12 @@ def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     h = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
+    # A missing head_dim was filled with the config class's default (`_with_class_defaults`); a null one is
+    # hidden / heads, as the classes that accept null make it.
     head_dim = int(config.get("head_dim") or h // heads)
     inter = int(config["intermediate_size"])
+    # Apertus's xIELU activation (activations.py XIELU) holds two learnable scalars, alpha_p and alpha_n, per MLP.
+    xielu = model_type == "apertus" and str(config.get("hidden_act")) == "xielu"
     return {
         "num_heads": heads,
         "num_kv_heads": kv,
@@ -279,16 +308,23 @@ def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         "intermediate_size": inter,
         "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", _tied_by_default(model_type))),
-        "norms_per_layer": 4 if model_type in ("gemma2", "gemma3_text", "gemma3", "glm4") else 2,
+        "norms_per_layer": 4
+        if model_type in ("gemma2", "gemma3_text", "gemma3", "glm4")
+        else (1 if model_type in COHERE else 2),
         "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
         "mlp": "plain" if model_type in UP_DOWN_MLP else "gated",
-        "norm": "layer" if model_type == "nemotron" else "rms",
+        "norm": "layer" if model_type == "nemotron" else ("layer_no_bias" if model_type in COHERE else "rms"),
+        "qk_norm_per_head": model_type in COHERE,
+        "block_extra_params": 2 if xielu else 0,
     }
 
 
 # Llama-shaped families whose MLP is plain: down_proj(act(up_proj(x))), no gate (modeling_arcee.py, _nemotron.py,
-# _apertus.py: ReLU² / xIELU, whose 2 scalars per layer are not counted); Nemotron's norms are LayerNorms (weight, bias).
+# _apertus.py: ReLU² / xIELU); Nemotron's norms are LayerNorms (weight, bias).
 UP_DOWN_MLP = {"arcee", "nemotron", "apertus"}
+# Cohere / Cohere2 (modeling_cohere*.py): attention and MLP run in parallel on one `input_layernorm`, a LayerNorm with
+# a weight and no bias (CohereLayerNorm ignores its `bias` argument); `use_qk_norm` norms q and k per head.
+COHERE = {"cohere", "cohere2"}
 # Llama-shaped families whose config class ties the embeddings when config.json does not say (transformers 5.24's
 # `tie_word_embeddings: bool = True` in configuration_cohere.py, _cohere2, _ernie4_5, _smollm3; every gemma*).
 TIED_BY_DEFAULT = {"cohere", "cohere2", "ernie4_5", "smollm3"}
@@ -464,6 +500,100 @@ def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
         max_position_embeddings=int(config.get("max_position_embeddings") or config.get("seq_length") or 0),
         remote_code=True,
     )
+
+
+# -- what a config.json leaves unsaid, and configs that nest the text model ------------------------------------
+# model_type → the defaults its transformers 5.24 config class fills in for keys a config.json may omit, where they
+# differ from what `_llama_block` and `_sliding` assume (head_dim = hidden / heads, no sliding window, no softcapping).
+# Read from each configuration_*.py: `head_dim: int = 128` (Qwen3, GLM, GLM-4, ERNIE 4.5, Seed-OSS, Ministral3,
+# Helium, InternLM3) or 256 (every Gemma); `sliding_window: int | None = 4096` (Mistral: every layer; Gemma-2/3,
+# Cohere2: by their layer patterns); Gemma-2's softcapping; Cohere's `logit_scale = 0.0625`; Apertus's
+# `hidden_act = "xielu"`. Gemma-3's text config lists all of Gemma3TextConfig's shape defaults: a multimodal Gemma-3
+# config.json ships a text_config of a few keys.
+_HEAD_DIM_128 = ("qwen3", "glm", "glm4", "ernie4_5", "seed_oss", "ministral3", "helium", "internlm3")
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    **{model_type: {"head_dim": 128} for model_type in _HEAD_DIM_128},
+    "gemma": {"head_dim": 256},
+    "gemma2": {"head_dim": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+                    "sliding_window": 4096},
+    "mistral": {"sliding_window": 4096},
+    "cohere": {"logit_scale": 0.0625},
+    "cohere2": {"sliding_window": 4096, "logit_scale": 0.0625},
+    "apertus": {"hidden_act": "xielu"},
+}  # fmt: skip
+# transformers' SiglipVisionConfig defaults (configuration_siglip.py): Gemma-3's vision_config names only some keys.
+SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
+                   "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
+# Multimodal model_types whose text model sits in `text_config` and that AutoModelForCausalLM (what lowmem-ft's
+# loader calls) cannot build in transformers 5.24: "Unrecognized configuration class ... for AutoModelForCausalLM"
+# (checked with `AutoConfig.for_model(t)` → `AutoModelForCausalLM.from_config`).
+NOT_CAUSAL_LM = {"mistral3", "llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                 "paligemma", "idefics3", "smolvlm", "aya_vision", "internvl", "glm4v", "cohere2_vision"}  # fmt: skip
+
+
+def _with_class_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with its config class's defaults for the keys it omits (`CLASS_DEFAULTS`); a key present with
+    null stays null (head_dim null is hidden / heads, as in the classes that accept it)."""
+    defaults = CLASS_DEFAULTS.get(str(config.get("model_type", "")), {})
+    return {**defaults, **config}
+
+
+def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the text model's config, the tower fields) of a config.json that nests its text model in `text_config`.
+
+    What AutoModelForCausalLM loads decides: Gemma-3 (`gemma3`) → Gemma3ForConditionalGeneration, the text model
+    plus the SigLIP vision tower and projector, whose weights are counted (`_gemma3_tower`); the embeddings tie as
+    the top-level config says (modeling_utils.py reads `self.config.tie_word_embeddings`; Gemma3Config default
+    true). Llama-4 (`llama4`) → Llama4ForCausalLM, the text model alone (a mixture of experts: `_experts`). Anything
+    else is refused: the memory model cannot describe what would be loaded.
+    """
+    wrapper = str(config.get("model_type", ""))
+    text = dict(config.get("text_config") or {})
+    model = f"model '{name or config.get('_name_or_path', '')}'"
+    if wrapper == "gemma3":
+        text = {"model_type": "gemma3_text", **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+        hidden = int(_with_class_defaults(text)["hidden_size"])
+        return text, _gemma3_tower({**SIGLIP_DEFAULTS, **(config.get("vision_config") or {})}, hidden)
+    if wrapper == "llama4":
+        return {**text, "model_type": text.get("model_type", "llama4_text")}, {}
+    if wrapper in NOT_CAUSAL_LM:
+        raise UserError(
+            f"{model}: model_type {wrapper!r} is a vision-language checkpoint that transformers' "
+            "AutoModelForCausalLM (lowmem-ft's loader) cannot load; fine-tune a text-only checkpoint of the model"
+        )
+    why = {
+        "mllama": "its text model interleaves cross-attention layers (cross_attention_layers)",
+        "gemma3n": "its text model adds AltUp and per-layer embeddings besides the audio and vision towers",
+    }.get(wrapper, "its text model sits in text_config beside weights the memory model does not count")
+    raise UserError(
+        f"{model}: model_type {wrapper!r} is a multimodal checkpoint lowmem-ft cannot plan ({why}); "
+        "fine-tune a text-only checkpoint of the model"
+    )
+
+
+def _gemma3_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """Gemma-3's vision weights, loaded with the text model and never run by text training: a SigLIP vision model
+    (modeling_siglip.py: a patch Conv2d with bias, position embeddings, layers of LayerNorm → q/k/v/out_proj →
+    LayerNorm → fc1/fc2, all with biases, a post LayerNorm, and the attention-pooling head when `vision_use_head`)
+    and Gemma3MultiModalProjector (a vision × text `mm_input_projection_weight` and an RMSNorm of vision width)."""
+    h, inter, layers = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["num_hidden_layers"])
+    patch, channels = int(vision["patch_size"]), int(vision["num_channels"])
+    patches = (int(vision["image_size"]) // patch) ** 2
+    attention = [Linear(n, h, h, True) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]
+    linears = (attention + mlp) * layers
+    norms = (2 * layers + 1) * 2 * h  # layer_norm1/2 per layer, post_layernorm: LayerNorm weight and bias
+    params = channels * patch * patch * h + h + patches * h + sum(lin.params for lin in linears) + norms
+    if vision.get("vision_use_head", True):  # SiglipMultiheadAttentionPoolingHead: probe, nn.MultiheadAttention
+        head_mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]  # (its out_proj a Linear too)
+        linears += (Linear("out_proj", h, h, True), *head_mlp)
+        params += h + 3 * h * h + 3 * h + sum(lin.params for lin in linears[-3:]) + 2 * h
+    params += h * text_hidden + h  # the projector
+    return {"tower_params": params, "tower_linears": tuple(linears)}
 
 
 # -- finding the config -----------------------------------------------------------------------------------------

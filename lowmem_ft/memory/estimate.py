@@ -258,8 +258,10 @@ def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
                 out += [(lin.out_features, c)] * arch.num_layers
         norm_size = arch.hidden_size * (2 if arch.norm == "layer" else 1)
         out += [(norm_size, c)] * (arch.num_layers * arch.norms_per_layer + 1)
-        if arch.qk_norm:
-            out += [(arch.head_dim, c)] * (2 * arch.num_layers)
+        if arch.qk_norm:  # Cohere's are per head: (heads, head_dim) and (kv heads, head_dim)
+            q, k = (arch.num_heads, arch.num_kv_heads) if arch.qk_norm_per_head else (1, 1)
+            out += [(q * arch.head_dim, c), (k * arch.head_dim, c)] * arch.num_layers
+        out += [(1, c)] * (arch.block_extra_params * arch.num_layers)  # Apertus's xIELU scalars
         out.append((arch.embedding_params, c))
         if arch.lm_head_params:
             out.append((arch.lm_head_params, c))
@@ -279,14 +281,19 @@ def lora_linears(arch: Architecture, s: Setup) -> list[Linear]:
 def weight_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     """(quantized linears, 16-bit rest, description) of the base weights."""
     c = DTYPE_BYTES[s.compute_dtype]
+    # bitsandbytes replaces every nn.Linear but the LM head: a loaded vision tower's too (`Architecture.tower_linears`;
+    # checked on a tiny Gemma3ForConditionalGeneration: its SigLIP q/k/v/out_proj and fc1/fc2 load as Linear4bit)
+    tower = arch.tower_linears
     n_lin = arch.num_layers * sum(lin.in_features * lin.out_features for lin in arch.linears)
+    n_lin += sum(lin.in_features * lin.out_features for lin in tower)
     n_rest = arch.total_params - n_lin  # embeddings, lm_head (once if tied), norms, biases
     if s.quantization == "nf4":
         bits = NF4_DQ_BITS if s.double_quant else NF4_BITS
-        state = arch.num_layers * len(arch.linears) * (NF4_DQ_STATE_BYTES if s.double_quant else NF4_STATE_BYTES)
+        modules = arch.num_layers * len(arch.linears) + len(tower)
+        state = modules * (NF4_DQ_STATE_BYTES if s.double_quant else NF4_STATE_BYTES)
         return n_lin * bits / 8 + state, n_rest * c, f"NF4 {bits:.3f} bit/param (bitsandbytes quantize_4bit, block 64)"
     if s.quantization == "int8":
-        rows = arch.num_layers * sum(lin.out_features for lin in arch.linears)
+        rows = arch.num_layers * sum(lin.out_features for lin in arch.linears) + sum(lin.out_features for lin in tower)
         return n_lin + rows * INT8_ROW_SCALE_BYTES, n_rest * c, "int8 + fp32 row scales (bnb Linear8bitLt)"
     return n_lin * c, n_rest * c, f"{s.compute_dtype} ({c} B/param)"
 
