@@ -9,14 +9,17 @@ torch); `load_architecture` finds the dict in a local directory, in the offline 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from lowmem_ft.console import first_time
 from lowmem_ft.errors import UserError
 
+log = logging.getLogger(__name__)
 CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
 # model_type → why transformers 5.24 refuses `attn_implementation="sdpa"` for it (`_supports_sdpa = False` on the
 # model class; loading raises "does not support an attention implementation through
@@ -71,7 +74,9 @@ class Architecture:
     norm: Literal["rms", "layer", "layer_no_bias"] = "rms"  # layer_no_bias: Cohere's LayerNorm (a weight only)
     norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and feed-forward); Cohere 1 (parallel block)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
-    qk_norm_per_head: bool = False  # Cohere's `use_qk_norm`: a (heads, head_dim) weight on q, (kv heads, head_dim) on k
+    qk_norm_per_head: bool = (
+        False  # Cohere (per head) and OLMo-2 (full width): heads · head_dim weights on q, kv ones on k
+    )
     block_extra_params: int = 0  # per block, parameters outside its linears and norms (Apertus's xIELU: 2 scalars)
     linears: tuple[Linear, ...] = field(default_factory=tuple)  # of one block
     max_position_embeddings: int = 0
@@ -123,7 +128,7 @@ class Architecture:
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus")
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus", *FULL_WIDTH_QK_NORM, "exaone4")
             or (model_type in COHERE and bool(config.get("use_qk_norm"))),
             **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
@@ -314,11 +319,14 @@ def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
         "mlp": "plain" if model_type in UP_DOWN_MLP else "gated",
         "norm": "layer" if model_type == "nemotron" else ("layer_no_bias" if model_type in COHERE else "rms"),
-        "qk_norm_per_head": model_type in COHERE,
+        "qk_norm_per_head": model_type in COHERE or model_type in FULL_WIDTH_QK_NORM,
         "block_extra_params": 2 if xielu else 0,
     }
 
 
+# OLMo-2 / OLMo-3 norm q and k over their full width (modeling_olmo2.py: RMSNorm(heads · head_dim) on q_proj's
+# output, RMSNorm(kv heads · head_dim) on k_proj's): as many weights as Cohere's per-head q/k norms.
+FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")
 # Llama-shaped families whose MLP is plain: down_proj(act(up_proj(x))), no gate (modeling_arcee.py, _nemotron.py,
 # _apertus.py: ReLU² / xIELU); Nemotron's norms are LayerNorms (weight, bias).
 UP_DOWN_MLP = {"arcee", "nemotron", "apertus"}
@@ -437,6 +445,28 @@ NON_LLAMA_BLOCKS = {
     "starcoder2": _starcoder2_block,
 }
 
+# Llama-shaped model types whose block `_llama_block` describes exactly: each one's parameter count equals the
+# model transformers 5.24 builds from its config class (tests/memory/test_arch_configs.py, on small configs). Any
+# other model_type is read as Llama-shaped too, with a warning (`unchecked_family`): a new family's norms, biases or
+# layer kinds (OLMo's parameter-free LayerNorm, StableLM's partial rotary, LFM2's convolutions) are not counted.
+CHECKED_LLAMA_SHAPED = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "cohere", "cohere2",
+    "helium", "nemotron", "arcee", "apertus", "ernie4_5", "smollm3", "glm", "glm4", "olmo2", "olmo3", "exaone4",
+    "seed_oss",
+})  # fmt: skip
+
+
+def unchecked_family(arch) -> str | None:
+    """Why the plan of `arch` may be off (one line), when its model_type is none that lowmem-ft describes exactly."""
+    known = CHECKED_LLAMA_SHAPED | set(NON_LLAMA_BLOCKS) | {"qwen", "gemma3", "llama4_text"}
+    if arch.model_type in known or arch.experts:
+        return None
+    return (
+        f"model_type {arch.model_type!r} is not a family lowmem-ft has checked; its block is read as Llama's "
+        f"({', '.join(lin.name for lin in arch.linears)}, RMSNorms), so norms, biases or layer kinds of its own are "
+        "not counted and the plan may be off"
+    )
+
 
 def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
     """The linear layers of one decoder block, as transformers names them."""
@@ -445,6 +475,8 @@ def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, 
     glm = model_type in ("glm", "glm4")
     qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", glm))
     o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2" and not glm
+    if model_type == "seed_oss":  # modeling_seed_oss.py: o_proj's bias is its own flag, `attention_out_bias`
+        o_bias = bool(config.get("attention_out_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
     if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
         return (
@@ -665,6 +697,9 @@ def load_architecture(name_or_path: str, trust_remote_code: bool = False) -> Arc
     del trust_remote_code  # reading config.json runs no repository code
     config, _ = load_config_dict(name_or_path)
     arch = Architecture.from_config(config, name=name_or_path)
+    why = unchecked_family(arch)
+    if why and first_time("unchecked family", arch.model_type):
+        log.warning(why)
     if Path(name_or_path).is_dir() and not arch.remote_code and not arch.experts:
         from lowmem_ft.memory.layout import warn_if_mismatched
 

@@ -9,7 +9,14 @@ import json
 import pytest
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.memory.arch import NOT_CAUSAL_LM, Architecture, load_architecture
+from lowmem_ft.memory.arch import (
+    CHECKED_LLAMA_SHAPED,
+    NON_LLAMA_BLOCKS,
+    NOT_CAUSAL_LM,
+    Architecture,
+    load_architecture,
+    unchecked_family,
+)
 
 SMALL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
@@ -283,3 +290,50 @@ def test_sliding_layers_as_transformers_reads_them(kind):
     assert arch.total_params == _count(model)
     if config["model_type"] == "gemma2":
         assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (50.0, 30.0)
+
+
+# ---- every family the block reader describes exactly, from its own config class ----------------------------------
+
+
+@pytest.mark.parametrize("model_type", sorted(CHECKED_LLAMA_SHAPED | set(NON_LLAMA_BLOCKS)))
+def test_every_checked_family_counts_what_transformers_builds(model_type):
+    """Each model_type that plans without the unchecked-family warning, built from its config class's defaults at a
+    small size (its own biases, norms, q/k norms, fused projections, tie default), has exactly transformers' count,
+    and full fine-tuning trains as many parameters."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    config = {k: v for k, v in SMALL.items() if k in defaults}
+    config.update(model_type=model_type, pad_token_id=0)
+    if defaults.get("layer_types"):  # per-layer kinds: as many as layers
+        config["layer_types"] = list(defaults["layer_types"][: SMALL["num_hidden_layers"]])
+    if defaults.get("head_dim"):  # a head_dim ≠ hidden / heads, as the families that default to one ship it
+        config["head_dim"] = 32
+    if model_type == "helium":  # its o_proj is hidden → hidden whatever head_dim is: real ones keep heads · head_dim
+        config["head_dim"] = SMALL["hidden_size"] // SMALL["num_attention_heads"]  # = hidden (Helium-2B: 20 × 128)
+    if model_type == "falcon":  # Falcon names its MLP width ffn_hidden_size
+        config["ffn_hidden_size"] = SMALL["intermediate_size"]
+    cfg, model = _built(config)
+    arch = Architecture.from_config(cfg.to_dict())
+    assert arch.total_params == _count(model)
+    assert unchecked_family(arch) is None
+    from lowmem_ft.memory.estimate import Setup, _trainable_tensors
+
+    full = Setup(adapter="full", quantization="none")  # LayerNorm weight + bias may be one entry there: sums compared
+    assert sum(n for n, _ in _trainable_tensors(arch, full)) == _count(model)
+
+
+def test_an_unchecked_family_plans_with_a_warning_naming_it(tmp_path, caplog):
+    """OLMo (parameter-free LayerNorms) and LFM2 (convolution layers) are not Llama's block: read as one, they plan
+    with a warning that says so, once; a checked family plans without it."""
+    for model_type in ("olmo", "lfm2", "olmo2"):
+        directory = tmp_path / model_type
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**SMALL, "model_type": model_type}))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            load_architecture(str(directory))
+        said = [r.getMessage() for r in caplog.records if "not a family lowmem-ft has checked" in r.getMessage()]
+        assert len(said) == (0 if model_type == "olmo2" else 1), said
+        if said:
+            assert f"model_type '{model_type}'" in said[0] and "q_proj" in said[0]
