@@ -135,7 +135,8 @@ def _chat_template_for(tokenizer, train_on_prompt: bool, source: str) -> ChatTem
         return ChatTemplate(text, f"{source}; assistant tokens from its generation markers", "markers")
     try:
         patched = get_training_chat_template(tokenizer)
-    except ValueError:  # TRL does not know this template
+    except (ValueError, TypeError, LookupError, AttributeError):  # TRL does not know this template, or the template
+        # fails on TRL's probe messages (a Python error in its expressions: our renderer names it per sample)
         return ChatTemplate(text, f"{source}; assistant tokens found turn by turn", "turns")
     if patched is None:  # cannot happen without markers; kept for TRL versions that answer differently
         return ChatTemplate(text, f"{source}; assistant tokens found turn by turn", "turns")
@@ -207,6 +208,9 @@ class Renderer:
             )
         except TemplateError as exc:  # raise_exception(...) in the template, or a template bug
             raise SampleError(f"the chat template rejects it ({exc})") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:  # Python errors inside
+            # the template's own expressions: `x | tojson` of an undefined value, `content + 1`, ...
+            raise SampleError(f"the chat template fails on it ({type(exc).__name__}: {exc})") from None
         return (rendered[0], generation[0]) if indices else rendered[0]
 
     def _for_template(self, message: dict) -> dict:

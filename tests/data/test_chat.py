@@ -118,6 +118,16 @@ def test_template_refusing_a_role_names_the_sample(zoo_models):
         tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
 
 
+def test_template_failing_in_python_names_the_sample(zoo_models):
+    """A Python error inside the template's own expressions (`tojson` of an undefined field, adding a number to a
+    string) is the sample's one-line error, not a traceback."""
+    tokenizer = tk.load_tokenizer(zoo_models["qwen2.5"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}{{ m.meta | tojson }}\n{% endfor %}"
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    with pytest.raises(UserError, match=r"sample 1: the chat template fails on it \(TypeError: .*JSON serializable\)"):
+        tk.tokenize_records(records, "messages", tokenizer, train_on_prompt=False)
+
+
 def test_reasoning_rewrite_trains_each_turn_as_seen_at_inference(zoo_models):
     """Qwen3's template (unknown to TRL after a one-line edit) drops the reasoning of turns before the last user
     query: each assistant turn becomes its own sample, its reasoning kept, the earlier turn as context only."""
