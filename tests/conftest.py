@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _each_test_a_fresh_command():
+    """Warnings said once per command (`console.first_time`) start afresh in each test, as `console.setup` does
+    for each command: otherwise a warning one test caused would be missing from the next test's output."""
+    from lowmem_ft import console
+
+    console._SAID.clear()
+
+
+@pytest.fixture(autouse=True)
 def _forget_bnb_module_overrides():
     """transformers' Trainer registers every nn.Embedding with bitsandbytes' process-wide `GlobalOptimManager` (32-bit
     optimizer states for embeddings, trainer.py create_optimizer) and nothing unregisters them, so each in-process

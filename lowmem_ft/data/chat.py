@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lowmem_ft.console import first_time
 from lowmem_ft.data.formats import REASONING_KEYS, content_text
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ class SampleError(ValueError):
 def set_template(tokenizer, spec: str | None) -> str:
     """Give the tokenizer the chat template `data.chat_template` names (so it is saved with the adapter and used by
     `generate`), or ChatML when it has none; returns where the template came from."""
-    from lowmem_ft.console import first_time
     from lowmem_ft.data.templates import CHATML, resolve_template
 
     if spec:
@@ -96,9 +96,6 @@ def chat_template_for(tokenizer, train_on_prompt: bool, source: str = "tokenizer
     return template
 
 
-_WARNED_NO_END: set[str] = set()  # templates warned about in this process (one warning per template)
-
-
 def _warn_without_end_token(tokenizer, template: ChatTemplate) -> None:
     """Warn when the template closes an assistant turn with no special token: the loss ends with the turn's text,
     so the model never learns a token to stop on. Trained as rendered (appending EOS would change the format the
@@ -110,12 +107,11 @@ def _warn_without_end_token(tokenizer, template: ChatTemplate) -> None:
         )
     except SampleError:  # a template that needs more (a system message, tools): the data will tell
         return
-    if said not in text or template.text in _WARNED_NO_END:
+    if said not in text:
         return
     tail = text[text.rindex(said) + len(said) :]
     specials = [t for t in {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()} if t]
-    if not any(t in tail for t in specials):
-        _WARNED_NO_END.add(template.text)
+    if not any(t in tail for t in specials) and first_time("no end-of-turn token", template.text):
         log.warning(
             "the chat template (%s) ends an assistant turn with no special token (%r): the model will not learn to "
             "stop, and generation runs to max_new_tokens; set data.chat_template to a template with an end-of-turn "
