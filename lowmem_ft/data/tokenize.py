@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.console import first_time
 from lowmem_ft.data.chat import (
     ChatTemplate,
     Renderer,
@@ -281,8 +282,7 @@ def tokenize_source(
         chat = (
             f"{chat}; {split} conversations trained one sample per assistant turn (the template rewrites earlier turns)"
         )
-        log.warning("%s: %d conversations trained as one sample per assistant turn: the chat template renders earlier "
-                    "turns differently once later ones follow (e.g. it drops their reasoning)", source.label, split)  # fmt: skip
+        _say_split(source, split)
     result = Tokenized(ds, loaded.format, loaded.skipped, chat, None, False, source, loaded.unused_columns)
     result.split_conversations = split
     if not use_cache:
@@ -309,6 +309,12 @@ def tokenize_source(
     return result
 
 
+def _say_split(source: DataSource, split: int) -> None:
+    if split and first_time("split conversations", source.label):
+        log.warning("%s: %d conversations trained as one sample per assistant turn: the chat template renders earlier "
+                    "turns differently once later ones follow (e.g. it drops their reasoning)", source.label, split)  # fmt: skip
+
+
 def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | None:
     from datasets import load_from_disk
 
@@ -321,6 +327,7 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
         log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
         if meta["format"] in CHAT_FORMATS:
             set_template(tokenizer, None)  # the saved tokenizer must carry the template trained with
+        _say_split(source, meta.get("split", 0))  # said whether the data is tokenized now or was before
         return Tokenized(
             ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, source, meta["unused_columns"],
             split_conversations=meta.get("split", 0),

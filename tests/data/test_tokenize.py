@@ -139,3 +139,28 @@ def test_a_dated_template_renders_the_same_tokens_on_any_day(zoo_models, tmp_pat
     assert cached.from_cache and not fresh.from_cache
     assert fresh.dataset["input_ids"] == cached.dataset["input_ids"] == first.dataset["input_ids"]
     assert fresh.dataset["labels"] == cached.dataset["labels"]
+
+
+def test_split_conversations_are_said_when_loaded_from_the_cache_too(zoo_models, tmp_path, caplog):
+    """A template that rewrites earlier turns (the Qwen3 fine-tune's drops their reasoning) trains each assistant turn
+    as its own sample: the warning saying so comes with every command that trains the data, cached or not."""
+    import json
+
+    from lowmem_ft import console
+
+    tokenizer = tk.load_tokenizer(zoo_models["qwen3-finetune"])
+    messages = [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "<think>two and three</think>2 plus 3 is 5."},
+        {"role": "user", "content": "And the colour?"},
+        {"role": "assistant", "content": "<think>any</think>red."},
+    ]
+    data = tmp_path / "reasoning.jsonl"
+    data.write_text(json.dumps({"messages": messages}) + "\n", encoding="utf-8")
+    for cached in (False, True):
+        console._SAID.clear()  # a new command
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lowmem_ft.data.tokenize"):
+            result = tk.tokenize_file(data, tokenizer)
+        assert result.from_cache is cached and result.split_conversations == 1
+        assert "1 conversations trained as one sample per assistant turn" in caplog.text
