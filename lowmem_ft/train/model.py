@@ -225,7 +225,9 @@ def adapter_modules(model, target_modules: list[str]) -> list[str]:
         log.warning(
             "adapter.target_modules %s: on this mixture of experts peft would adapt the %s parameters "
             "(target_parameters), which lowmem-ft does not train; LoRA goes on %s only, the experts stay frozen",
-            list(target_modules), " and ".join(reached), ", ".join(names),
+            list(target_modules),
+            " and ".join(reached),
+            ", ".join(names),
         )
         others = [n for n in others if n not in arch.moe.peft_names and n != "all-linear"]
     added = [n for n in names if n not in target_modules]

@@ -104,7 +104,9 @@ def test_nf4_leaves_the_experts_and_router_in_16_bit(tmp_path, kind):
     block = model.model.layers[0]
     quantized = {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if type(m).__name__ == "Linear4bit"}
     assert quantized == set(arch.linear_names)
-    sixteen = {n: p for n, p in block.named_parameters() if ".experts." in n or n.endswith(f".{arch.moe.router}.weight")}
+    sixteen = {
+        n: p for n, p in block.named_parameters() if ".experts." in n or n.endswith(f".{arch.moe.router}.weight")
+    }
     assert sixteen and all(p.dtype == torch.bfloat16 and type(p) is torch.nn.Parameter for p in sixteen.values())
     assert sum(p.numel() for p in sixteen.values()) == arch.moe.layer_params(arch.hidden_size)
 
