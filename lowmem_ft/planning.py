@@ -178,6 +178,12 @@ def _check_plannable(arch, model: str, recipe: Recipe, gpus: int = 1) -> None:
             f"{head}: full fine-tuning trains the expert stacks ({arch.total_params / 1e9:.1f}B parameters), whose "
             "memory lowmem-ft has not measured; plan LoRA or QLoRA (--set adapter.kind=lora)"
         )
+    if arch.moe.dense_layers:
+        raise UserError(
+            f"{head}: layers {list(arch.moe.dense_layers[:8])} have a dense MLP among the sparse ones "
+            "(decoder_sparse_step / mlp_only_layers), which the memory model does not describe; train it with "
+            "--recipe and no --vram, sized yourself"
+        )
     if gpus > 1:
         raise UserError(
             f"{head}: lowmem-ft plans a mixture of experts on one device only (the sharded strategies' units do not "

@@ -498,8 +498,8 @@ _ROUTING = {"mixtral": "fp32_renorm", "granitemoe": "topk_softmax"}
 
 @dataclass(frozen=True)
 class MoE:
-    """The routed experts of every decoder layer (each layer of these families is sparse; configs that mix dense
-    layers in, `decoder_sparse_step` > 1 or `mlp_only_layers`, are refused by `_moe_architecture`)."""
+    """The routed experts of every decoder layer (each layer of the published models of these families is sparse;
+    configs that mix dense layers in, `decoder_sparse_step` > 1 or `mlp_only_layers`, list them in `dense_layers`)."""
 
     experts: int  # E routed experts per layer
     top_k: int  # experts each token goes through (`num_experts_per_tok`)
@@ -515,6 +515,9 @@ class MoE:
     # logits only, cast)
     routing: str = "cast"
     router_logits_kept: bool = False  # `output_router_logits`: every layer's [tokens, E] logits kept for the aux loss
+    # layers with a dense MLP instead (Qwen-MoE `decoder_sparse_step` / `mlp_only_layers`): counted as sparse here,
+    # so the planner refuses such a config (lowmem_ft.planning); training and generation read it as is
+    dense_layers: tuple[int, ...] = ()
 
     def expert_params(self, hidden: int) -> int:
         """One layer's expert weights: gate_up_proj E × 2I × h and down_proj E × h × I."""
@@ -543,11 +546,6 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
     layers = int(config["num_hidden_layers"])
     sparse_step = int(config.get("decoder_sparse_step") or 1)
     dense_layers = [i for i in range(layers) if i in (config.get("mlp_only_layers") or []) or (i + 1) % sparse_step]
-    if dense_layers:
-        raise UserError(
-            f"model '{name}': layers {dense_layers[:8]} of this {model_type} have a dense MLP among the experts "
-            "(decoder_sparse_step / mlp_only_layers); lowmem-ft plans mixtures whose every layer is sparse"
-        )
     h = int(config["hidden_size"])
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     per_token = int(config.get("num_experts_per_tok") or 0)
@@ -579,6 +577,7 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
         peft_names=_PEFT_EXPERT_NAMES.get(model_type, frozenset()),
         routing=_ROUTING.get(model_type) or ("fp32_renorm_cast" if config.get("norm_topk_prob") else "cast"),
         router_logits_kept=bool(config.get("output_router_logits")),
+        dense_layers=tuple(dense_layers),
     )
     shape.update(
         linears=tuple(linears),
