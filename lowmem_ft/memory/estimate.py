@@ -263,6 +263,11 @@ def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
         out.append((arch.embedding_params, c))
         if arch.lm_head_params:
             out.append((arch.lm_head_params, c))
+        if arch.moe:  # the expert stacks and the router are trained too (planning refuses this: not measured)
+            e, i, h = arch.moe.experts, arch.moe.intermediate_size, arch.hidden_size
+            out += [(e * 2 * i * h, c), (e * h * i, c), (e * h, c)] * arch.num_layers
+            if arch.moe.extra_norm_params:  # OLMoE's q/k norms span all heads, not head_dim
+                out += [(arch.moe.extra_norm_params, c)] * arch.num_layers
         return out
     # peft LoRA: A is r × in, B is out × r, fp32 (autocast_adapter_dtype=True in lowmem_ft.train.model)
     out = []

@@ -144,3 +144,14 @@ def test_what_peft_adapts_beyond_the_linears(kind, targets):
             beyond.add("experts" if "experts" in name else name.rsplit(".", 1)[-1].split(".")[0])
     beyond = {b if b == "experts" else arch.moe.router for b in beyond}
     assert beyond == set(arch.moe.adapted_parameters(targets))
+
+
+@pytest.mark.parametrize("kind", sorted(MOE))
+def test_full_fine_tuning_counts_every_parameter_as_trainable(kind):
+    """The monitor's prediction for a full fine-tune (train without --vram; the planner refuses it) trains the expert
+    stacks and routers too: its trainable tensors add up to the model's parameters."""
+    from lowmem_ft.memory.estimate import Setup, _trainable_tensors
+
+    arch = Architecture.from_config(_config(kind))
+    tensors = _trainable_tensors(arch, Setup(adapter="full", quantization="none"))
+    assert sum(n for n, _ in tensors) == arch.total_params
