@@ -50,6 +50,11 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
         "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 6.0,
     },
+    "phimoe": {  # Phi-3.5-MoE: 16 experts, top-2 through the sparsemixer router (an nn.Linear), LayerNorms, biases
+        "model_type": "phimoe", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 448,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 16,
+        "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True,
+    },
 }  # fmt: skip
 
 

@@ -155,23 +155,19 @@ def _say_once(level: int, message: str) -> None:
 
 def _check_plannable(arch, model: str, recipe: Recipe, gpus: int = 1) -> None:
     """Refuse what the memory model cannot describe (one line, with the real parameter counts): a mixture of experts
-    of a family it does not plan (`MOE_PLANNED`: their blocks were measured, devkit/moe_check.py), full fine-tuning
-    of one (trainable expert stacks are not measured), or one whose config keeps every layer's router logits."""
+    of a family it does not describe (`MOE_PLANNED`: their blocks were measured, devkit/moe_check.py), full
+    fine-tuning of one (trainable expert stacks are not measured), dense layers among its sparse ones, several
+    devices, or a config that keeps every layer's router logits."""
     if not arch.experts:
         return
     head = f"model {model}: a mixture of {arch.experts} experts"
     from lowmem_ft.memory.arch import MOE_PLANNED
 
-    if arch.moe is None or arch.model_type not in MOE_PLANNED:
-        counted = f"{arch.total_params / 1e9:.1f}B parameters" + (
-            f", {arch.num_layers * arch.moe.expert_params(arch.hidden_size) / 1e9:.1f}B of them in experts that "
-            "bitsandbytes leaves in 16-bit"
-            if arch.moe
-            else ", of which the memory model counts one dense MLP per layer"
-        )
+    if arch.moe is None:
         raise UserError(
-            f"{head} ({arch.model_type}: {counted}); lowmem-ft plans the mixtures of {', '.join(MOE_PLANNED)} only, "
-            "so it cannot plan this one for --vram; train it with --recipe and no --vram, sized yourself"
+            f"{head} ({arch.model_type}: {arch.total_params / 1e9:.1f}B parameters, of which the memory model counts "
+            f"one dense MLP per layer); lowmem-ft plans the mixtures of {', '.join(MOE_PLANNED)} only, so it cannot "
+            "plan this one for --vram; train it with --recipe and no --vram, sized yourself"
         )
     if recipe.adapter.kind == "full":
         raise UserError(

@@ -373,19 +373,26 @@ PHI_35_MOE = {  # microsoft/Phi-3.5-MoE-instruct config.json (the keys that set 
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("config", "said"),
-    [
-        (PHI_35_MOE, r"phimoe: 41\.9B parameters, 40\.3B of them in experts that bitsandbytes leaves in 16-bit"),
-        ({**MIXTRAL_8X7B, "model_type": "llama", "n_routed_experts": 64}, r"counts one dense MLP per layer"),
-    ],
-    ids=["phimoe", "unknown-family"],
-)
-def test_mixtures_not_measured_are_refused_with_their_numbers(tmp_path, config, said):
+def test_phi_35_moe_needs_its_16_bit_experts(tmp_path):
+    """Phi-3.5-MoE: 41.9B parameters, 40.3B in experts bitsandbytes leaves in 16-bit — refused at 24 GB with those
+    numbers, planned (16-bit LoRA on the attention) at 96 GB."""
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=said + r".*plans the mixtures of mixtral.*--recipe and no --vram"):
+    (tmp_path / "config.json").write_text(json.dumps(PHI_35_MOE))
+    overrides = {"model": {"name_or_path": str(tmp_path)}}
+    with pytest.raises(UserError, match=r"80\.5 GB are its 40\.3B expert parameters \(of 41\.9B\)"):
+        choose_recipe(vram_gb=24, recipe=None, overrides=overrides)
+    _, choice = choose_recipe(vram_gb=96, recipe=None, overrides=overrides)
+    assert choice.plan.estimate.peak_gb <= choice.plan.target.budget_gb
+
+
+def test_mixtures_the_memory_model_does_not_describe_are_refused_with_their_numbers(tmp_path):
+    """A DeepSeek-style config (n_routed_experts) read as Llama-shaped counts one dense MLP per layer."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "model_type": "llama", "n_routed_experts": 64}))
+    with pytest.raises(UserError, match=r"\(llama: 7\.2B parameters, of which the memory model counts one dense MLP "
+                       r"per layer\); lowmem-ft plans the mixtures of mixtral.*--recipe and no --vram"):  # fmt: skip
         choose_recipe(vram_gb=80, recipe=None, overrides={"model": {"name_or_path": str(tmp_path)}})
 
 

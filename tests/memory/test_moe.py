@@ -95,7 +95,7 @@ def test_mixtures_with_dense_layers_are_refused_by_the_planner(tmp_path):
         choose_recipe(vram_gb=24, recipe=None, overrides={"model": {"name_or_path": str(tmp_path)}})
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "phimoe"])
 def test_nf4_leaves_the_experts_and_router_in_16_bit(tmp_path, kind):
     """transformers' bitsandbytes loading replaces `type(module) is nn.Linear` only: the 3-D expert stacks and the
     router stay bf16 — what the estimate's "experts + routers (16-bit)" counts — and the block's linears are NF4."""
