@@ -479,7 +479,7 @@ def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
 # experts only where peft 0.21 rewrites them into `target_parameters` (utils/transformers_weight_conversion.py
 # `_MOE_TARGET_MODULE_MAPPING`: Mixtral's w1/w2/w3/gate; gate_proj/up_proj/down_proj/gate on the families transformers
 # maps to the qwen2_moe pattern: Qwen3-MoE, OLMoE — not Qwen2-MoE itself); "all-linear" reaches them there and every
-# nn.Linear router (PhiMoE's). All checked on tiny models (tests/memory/test_arch.py).
+# nn.Linear router (PhiMoE's). All checked on tiny models (tests/memory/test_moe.py).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
 # Families whose MoE blocks the memory model's activation terms were measured on (devkit/moe_check.py,
 # benchmarks/estimator_moe.md): all of MOE_FAMILIES; PhiMoE's (sparsemixer router, LayerNorms) is over-predicted by
