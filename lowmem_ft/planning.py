@@ -153,14 +153,42 @@ def _say_once(level: int, message: str) -> None:
         log.log(level, message)
 
 
-def _check_plannable(arch, model: str) -> None:
-    """Refuse what the memory model cannot describe: a mixture of experts' expert weights are not counted (one dense
-    MLP per layer is: Mixtral-8x7B reads as 7.2B of its 46.7B parameters), so any plan for it would be wrong."""
-    if arch.experts:
+def _check_plannable(arch, model: str, recipe: Recipe, gpus: int = 1) -> None:
+    """Refuse what the memory model cannot describe (one line, with the real parameter counts): a mixture of experts
+    of a family it does not describe (`MOE_PLANNED`: their blocks were measured, devkit/moe_check.py), full
+    fine-tuning of one (trainable expert stacks are not measured), dense layers among its sparse ones, several
+    devices, or a config that keeps every layer's router logits."""
+    if not arch.experts:
+        return
+    head = f"model {model}: a mixture of {arch.experts} experts"
+    from lowmem_ft.memory.arch import MOE_PLANNED
+
+    if arch.moe is None:
         raise UserError(
-            f"model {model}: a mixture of {arch.experts} experts; the memory model counts one dense MLP per layer "
-            f"({arch.total_params / 1e9:.1f}B parameters), not the experts' weights, so lowmem-ft cannot plan it "
-            "for --vram; train it with --recipe and no --vram, sized yourself"
+            f"{head} ({arch.model_type}: {arch.total_params / 1e9:.1f}B parameters, of which the memory model counts "
+            f"one dense MLP per layer); lowmem-ft plans the mixtures of {', '.join(MOE_PLANNED)} only, so it cannot "
+            "plan this one for --vram; train it with --recipe and no --vram, sized yourself"
+        )
+    if recipe.adapter.kind == "full":
+        raise UserError(
+            f"{head}: full fine-tuning trains the expert stacks ({arch.total_params / 1e9:.1f}B parameters), whose "
+            "memory lowmem-ft has not measured; plan LoRA or QLoRA (--set adapter.kind=lora)"
+        )
+    if arch.moe.dense_layers:
+        raise UserError(
+            f"{head}: layers {list(arch.moe.dense_layers[:8])} have a dense MLP among the sparse ones "
+            "(decoder_sparse_step / mlp_only_layers), which the memory model does not describe; train it with "
+            "--recipe and no --vram, sized yourself"
+        )
+    if gpus > 1:
+        raise UserError(
+            f"{head}: lowmem-ft plans a mixture of experts on one device only (the sharded strategies' units do not "
+            "count the expert stacks yet); plan it with --gpus 1, or train it with --recipe and no --vram"
+        )
+    if arch.moe.router_logits_kept:
+        raise UserError(
+            f"{head}: its config sets output_router_logits, so every layer's router logits and the auxiliary loss "
+            "stay in memory, which lowmem-ft does not plan; set output_router_logits to false in config.json"
         )
 
 
@@ -487,7 +515,7 @@ def choose_recipe(
 
     target = target_for(vram_gb, start, gpus)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
-    _check_plannable(arch, start.model.name_or_path)
+    _check_plannable(arch, start.model.name_or_path, start, target.gpus)
     _check_adapter_fits(arch, start)
     model = start.model.name_or_path
     if recipe is not None:

@@ -335,15 +335,76 @@ MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1 config.json (the keys that set i
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe", [None, "24gb"])
-def test_a_mixture_of_experts_is_not_planned(tmp_path, recipe):
-    """The memory model counts one dense MLP per layer: Mixtral-8x7B read as 7.2B parameters (of 46.7B) was
-    planned in 16-bit at 24 GB ("16-bit weights fit"), a certain OOM. Refused in one line until it counts experts."""
+def test_mixtral_at_24_gb_is_refused_for_its_16_bit_experts(tmp_path):
+    """Mixtral-8x7B read as 7.2B parameters (one dense MLP per layer) was planned in 16-bit at 24 GB, a certain OOM;
+    counted whole, its 45.1B expert parameters stay bf16 under NF4 (bitsandbytes quantizes nn.Linear only): 90 GB
+    before any activation. One line with those numbers; without --vram the recipe trains as given."""
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
-    with pytest.raises(UserError, match=r"a mixture of 8 experts.*cannot plan it.*--recipe") as info:
-        choose_recipe(vram_gb=24, recipe=recipe, overrides={"model": {"name_or_path": str(tmp_path)}})
+    with pytest.raises(UserError, match=r"needs 9\d\.\d GB .*90\.2 GB are its 45\.1B expert parameters \(of 46\.7B\)"
+                       r".*16-bit.*nn\.Linear") as info:  # fmt: skip
+        choose_recipe(vram_gb=24, recipe=None, overrides={"model": {"name_or_path": str(tmp_path)}})
     assert "\n" not in str(info.value)
+    _, as_given = choose_recipe(vram_gb=24, recipe="24gb", overrides={"model": {"name_or_path": str(tmp_path)}})
+    assert as_given.fits is False and as_given.plan.estimate.by_name()["experts + routers (16-bit)"] > 90e9
     recipe_only, _ = choose_recipe(vram_gb=None, recipe="24gb", overrides={"model": {"name_or_path": str(tmp_path)}})
     assert recipe_only.model.name_or_path == str(tmp_path)  # without --vram nothing is planned: the recipe as given
+
+
+def test_a_mixture_of_experts_is_planned_with_its_experts_counted():
+    """OLMoE-1B-7B (6.9B parameters, 6.4B in experts) fits 24 GB with LoRA on the attention; the plan's peak holds
+    the experts' 16-bit weights and says the experts stay frozen."""
+    recipe, choice = choose_recipe(
+        vram_gb=24, recipe=None, overrides={"model": {"name_or_path": "allenai/OLMoE-1B-7B-0924"}}
+    )
+    p = choice.plan
+    parts = p.estimate.by_name()
+    assert parts["experts + routers (16-bit)"] == pytest.approx(2 * 16 * (3 * 64 * 1024 * 2048 + 64 * 2048))
+    assert p.estimate.peak_gb <= p.target.budget_gb
+    assert "experts per layer and the router stay frozen" in p.reasons["adapter"]
+    assert not (recipe.memory.tiled_norms or recipe.memory.recompute_lora or recipe.memory.tiled_mlp)
+
+
+PHI_35_MOE = {  # microsoft/Phi-3.5-MoE-instruct config.json (the keys that set its shape)
+    "model_type": "phimoe", "vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 16,
+    "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True, "max_position_embeddings": 131072,
+}  # fmt: skip
+
+
+def test_phi_35_moe_needs_its_16_bit_experts(tmp_path):
+    """Phi-3.5-MoE: 41.9B parameters, 40.3B in experts bitsandbytes leaves in 16-bit — refused at 24 GB with those
+    numbers, planned (16-bit LoRA on the attention) at 96 GB."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(PHI_35_MOE))
+    overrides = {"model": {"name_or_path": str(tmp_path)}}
+    with pytest.raises(UserError, match=r"80\.5 GB are its 40\.3B expert parameters \(of 41\.9B\)"):
+        choose_recipe(vram_gb=24, recipe=None, overrides=overrides)
+    _, choice = choose_recipe(vram_gb=96, recipe=None, overrides=overrides)
+    assert choice.plan.estimate.peak_gb <= choice.plan.target.budget_gb
+
+
+def test_mixtures_the_memory_model_does_not_describe_are_refused_with_their_numbers(tmp_path):
+    """A DeepSeek-style config (n_routed_experts) read as Llama-shaped counts one dense MLP per layer."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "model_type": "llama", "n_routed_experts": 64}))
+    with pytest.raises(UserError, match=r"\(llama: 7\.2B parameters, of which the memory model counts one dense MLP "
+                       r"per layer\); lowmem-ft plans the mixtures of mixtral.*--recipe and no --vram"):  # fmt: skip
+        choose_recipe(vram_gb=80, recipe=None, overrides={"model": {"name_or_path": str(tmp_path)}})
+
+
+def test_full_fine_tuning_of_a_mixture_is_refused():
+    with pytest.raises(UserError, match=r"full fine-tuning trains the expert stacks.*adapter.kind=lora"):
+        choose_recipe(vram_gb=80, recipe=None,
+                      overrides={"model": {"name_or_path": "allenai/OLMoE-1B-7B-0924"}, "adapter": {"kind": "full"}})  # fmt: skip
+
+
+def test_a_mixture_is_planned_on_one_device_only():
+    """The sharded strategies size their units from the block's linears, which leave the expert stacks out."""
+    with pytest.raises(UserError, match=r"one device only.*--gpus 1"):
+        choose_recipe(
+            vram_gb=80, recipe=None, gpus=2, overrides={"model": {"name_or_path": "allenai/OLMoE-1B-7B-0924"}}
+        )

@@ -93,6 +93,7 @@ class Architecture:
     # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
     tower_params: int = 0
     tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
+    moe: MoE | None = None  # the routed experts of a mixture of experts this memory model counts (see `MoE`)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
@@ -118,6 +119,8 @@ class Architecture:
             )
         if model_type == "qwen":
             return _qwen_v1(config, name)
+        if model_type in MOE_FAMILIES:
+            return _moe_architecture(cls, config, name, model_type)
         if model_type in NON_LLAMA_BLOCKS:
             shape = NON_LLAMA_BLOCKS[model_type](config)
         else:
@@ -209,6 +212,7 @@ class Architecture:
             + self.lm_head_params
             + self.final_norm_params
             + self.tower_params
+            + self.num_layers * (self.moe.layer_params(self.hidden_size) if self.moe else 0)
         )
 
     @property
@@ -626,6 +630,140 @@ def _gemma3_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
         params += h + 3 * h * h + 3 * h + sum(lin.params for lin in linears[-3:]) + 2 * h
     params += h * text_hidden + h  # the projector
     return {"tower_params": params, "tower_linears": tuple(linears)}
+
+
+# -- mixtures of experts ------------------------------------------------------------------------------------------
+# transformers 5.24 builds the routed experts of these families as one module holding two 3-D nn.Parameters
+# (modeling_mixtral.py MixtralExperts and its copies: gate_up_proj [E, 2·I, h], down_proj [E, h, I]) and the router
+# as a module with an [E, h] weight (MixtralTopKRouter; PhiMoE's PhimoeTopKRouter subclasses nn.Linear). Neither is an
+# nn.Linear: bitsandbytes' `replace_with_bnb_linear` (integrations/bitsandbytes.py, `type(module) is nn.Linear`)
+# leaves them in the compute dtype under 4- and 8-bit loading, so QLoRA quantizes the attention (and Qwen2-MoE's
+# shared expert) only. peft matches `target_modules` against modules, so the recipes' Llama names reach the
+# experts only where peft 0.21 rewrites them into `target_parameters` (utils/transformers_weight_conversion.py
+# `_MOE_TARGET_MODULE_MAPPING`: Mixtral's w1/w2/w3/gate; gate_proj/up_proj/down_proj/gate on the families transformers
+# maps to the qwen2_moe pattern: Qwen3-MoE, OLMoE — not Qwen2-MoE itself); "all-linear" reaches them there and every
+# nn.Linear router (PhiMoE's). All checked on tiny models (tests/memory/test_moe.py).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
+# Families whose MoE blocks the memory model's activation terms were measured on (devkit/moe_check.py,
+# benchmarks/estimator_moe.md): all of MOE_FAMILIES; PhiMoE's (sparsemixer router, LayerNorms) is over-predicted by
+# up to 4.3 % of the layers' windows, the others within 1.1 % but for the expert-wide no-checkpointing envelope.
+MOE_PLANNED = MOE_FAMILIES
+# model_type → the target_modules names peft turns into LoRA on the experts / router parameters (see above).
+_PEFT_EXPERT_NAMES = {
+    "mixtral": frozenset({"w1", "w2", "w3", "gate"}),
+    "qwen3_moe": frozenset({"gate_proj", "up_proj", "down_proj", "gate"}),
+    "olmoe": frozenset({"gate_proj", "up_proj", "down_proj", "gate"}),
+}
+
+# model_type → `MoE.routing`, read from each family's TopKRouter.forward (modeling_*.py); the Qwen-MoE / OLMoE
+# routers depend on the config's `norm_topk_prob`.
+_ROUTING = {"mixtral": "fp32_renorm", "granitemoe": "topk_softmax"}
+
+
+@dataclass(frozen=True)
+class MoE:
+    """The routed experts of every decoder layer (each layer of the published models of these families is sparse;
+    configs that mix dense layers in, `decoder_sparse_step` > 1 or `mlp_only_layers`, list them in `dense_layers`)."""
+
+    experts: int  # E routed experts per layer
+    top_k: int  # experts each token goes through (`num_experts_per_tok`)
+    intermediate_size: int  # of one expert (Mixtral: `intermediate_size`; Qwen-MoE / OLMoE: `moe_intermediate_size`)
+    router: str = "gate"  # the router module's name in the layer's MoE block (Granite-MoE, PhiMoE: "router")
+    router_linear: bool = False  # PhiMoE: the router subclasses nn.Linear, so peft's "all-linear" adapts it
+    shared_intermediate: int = 0  # Qwen2-MoE: a dense shared expert (nn.Linear gate/up/down_proj) + a 1-wide gate
+    extra_norm_params: int = 0  # per layer beyond `Architecture.norm_params` (OLMoE: q/k norms over all heads)
+    peft_names: frozenset[str] = frozenset()  # target_modules names peft turns into LoRA on the experts / router
+    # how the router hands its top-k weights to the experts: "fp32_renorm" (Mixtral: softmax(logits.float()), the
+    # top-k divided by their sum, fp32), "fp32_renorm_cast" (Qwen-MoE / OLMoE with `norm_topk_prob`, then cast to the
+    # compute dtype), "cast" (the same without renormalizing), "topk_softmax" (Granite-MoE: softmax of the top-k
+    # logits only, cast)
+    routing: str = "cast"
+    router_logits_kept: bool = False  # `output_router_logits`: every layer's [tokens, E] logits kept for the aux loss
+    # layers with a dense MLP instead (Qwen-MoE `decoder_sparse_step` / `mlp_only_layers`): counted as sparse here,
+    # so the planner refuses such a config (lowmem_ft.planning); training and generation read it as is
+    dense_layers: tuple[int, ...] = ()
+
+    def expert_params(self, hidden: int) -> int:
+        """One layer's expert weights: gate_up_proj E × 2I × h and down_proj E × h × I."""
+        return 3 * self.experts * self.intermediate_size * hidden
+
+    def layer_params(self, hidden: int) -> int:
+        """What a layer holds beyond `Architecture.block_params`: the experts, the router (E × h), extra norms."""
+        return self.expert_params(hidden) + self.experts * hidden + self.extra_norm_params
+
+    def adapted_parameters(self, target_modules: list[str]) -> list[str]:
+        """The expert / router parameters peft adapts for these `target_modules` (peft `target_parameters`); []
+        when LoRA stays on nn.Linear modules."""
+        if target_modules == ["all-linear"]:
+            names = ["experts", self.router] if self.peft_names else ([self.router] if self.router_linear else [])
+            return names
+        hit = set(target_modules) & self.peft_names
+        experts = ["experts"] if hit - {"gate"} else []
+        return experts + ([self.router] if "gate" in hit else [])
+
+
+def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -> Architecture:
+    """A mixture of experts of one of MOE_FAMILIES, as transformers 5.24 builds it: the Llama-shaped attention and
+    norms (`_llama_block`; Qwen2-MoE's q/k/v bias is `qkv_bias`, default true; PhiMoE's norms are LayerNorms),
+    `MoE` for the routed experts, Qwen2-MoE's shared expert among the block's linears. Parameter counts equal
+    transformers' model from the same config (tests/memory/test_arch.py)."""
+    layers = int(config["num_hidden_layers"])
+    sparse_step = int(config.get("decoder_sparse_step") or 1)
+    dense_layers = [i for i in range(layers) if i in (config.get("mlp_only_layers") or []) or (i + 1) % sparse_step]
+    h = int(config["hidden_size"])
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    per_token = int(config.get("num_experts_per_tok") or 0)
+    inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    shape = _llama_block({**config, "intermediate_size": inter}, model_type)
+    heads, kv, head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    qkv_bias = bool(config.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(config.get("attention_bias"))
+    o_bias = model_type != "qwen2_moe" and bool(config.get("attention_bias"))
+    linears = [
+        Linear("q_proj", h, heads * head_dim, qkv_bias),
+        Linear("k_proj", h, kv * head_dim, qkv_bias),
+        Linear("v_proj", h, kv * head_dim, qkv_bias),
+        Linear("o_proj", heads * head_dim, h, o_bias),
+    ]
+    shared = 0
+    if model_type == "qwen2_moe":  # modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock: shared_expert + shared_expert_gate
+        shared = int(config.get("shared_expert_intermediate_size") or 0)
+        linears += [Linear("gate_proj", h, shared), Linear("up_proj", h, shared), Linear("down_proj", shared, h)]
+        linears.append(Linear("shared_expert_gate", h, 1))
+    moe = MoE(
+        experts=experts,
+        top_k=per_token,
+        intermediate_size=inter,
+        router="router" if model_type in ("granitemoe", "phimoe") else "gate",
+        router_linear=model_type == "phimoe",
+        shared_intermediate=shared,
+        # modeling_olmoe.py: q_norm over hidden_size, k_norm over the k/v width (not head_dim as Qwen3's)
+        extra_norm_params=(h + kv * head_dim - 2 * head_dim) if model_type == "olmoe" else 0,
+        peft_names=_PEFT_EXPERT_NAMES.get(model_type, frozenset()),
+        routing=_ROUTING.get(model_type) or ("fp32_renorm_cast" if config.get("norm_topk_prob") else "cast"),
+        router_logits_kept=bool(config.get("output_router_logits")),
+        dense_layers=tuple(dense_layers),
+    )
+    shape.update(
+        linears=tuple(linears),
+        intermediate_size=shared or inter,
+        norm="layer" if model_type == "phimoe" else "rms",  # modeling_phimoe.py: nn.LayerNorm (weight and bias)
+    )
+    return cls(
+        name=name or str(config.get("_name_or_path", "")),
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=h,
+        num_layers=layers,
+        qk_norm=model_type in ("qwen3_moe", "olmoe"),
+        **shape,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+        **_sliding(config, "qwen2" if model_type.startswith("qwen") else model_type),
+        logit_scale=_logit_scale(config),
+        remote_code=False,
+        experts=experts,
+        lm_head_bias=model_type == "phimoe" and bool(config.get("lm_head_bias")),
+        moe=moe,
+    )
 
 
 # -- finding the config -----------------------------------------------------------------------------------------

@@ -265,6 +265,11 @@ def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
         out.append((arch.embedding_params, c))
         if arch.lm_head_params:
             out.append((arch.lm_head_params, c))
+        if arch.moe:  # the expert stacks and the router are trained too (planning refuses this: not measured)
+            e, i, h = arch.moe.experts, arch.moe.intermediate_size, arch.hidden_size
+            out += [(e * 2 * i * h, c), (e * h * i, c), (e * h, c)] * arch.num_layers
+            if arch.moe.extra_norm_params:  # OLMoE's q/k norms span all heads, not head_dim
+                out += [(arch.moe.extra_norm_params, c)] * arch.num_layers
         return out
     # peft LoRA: A is r × in, B is out × r, fp32 (autocast_adapter_dtype=True in lowmem_ft.train.model)
     out = []
@@ -473,6 +478,8 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     c = DTYPE_BYTES[s.compute_dtype]
     masked = masked_layers(arch, s) > 0 if masked is None else masked
     total = _norm_bytes(arch, s) + _linear_input_bytes(arch, s) + _attention_bytes(arch, s, masked)
+    if arch.moe:
+        return total + moe_activation_bytes(arch, s)
     if s.tiled_mlp:
         return total + c * arch.hidden_size
     if s.adapter == "full":  # the MLP's linear inputs were counted with the others (`_linear_input_bytes`)
@@ -675,6 +682,10 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
         w_rest -= host
         rest_what = "lm_head"
         comps.append(Component("input embeddings (host)", host, "host", "memory.embeddings_on_host: CPU lookup"))
+    if arch.moe:  # the expert stacks and routers are not nn.Linear: bitsandbytes leaves them in the compute dtype
+        experts = c * arch.num_layers * (arch.moe.layer_params(arch.hidden_size) - arch.moe.extra_norm_params)
+        w_rest -= experts
+        comps.append(Component("experts + routers (16-bit)", experts, "static", MOE_WEIGHTS_SOURCE))
     comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
     trainable = _trainable_tensors(arch, s)
     n_train = sum(n for n, _ in trainable)
@@ -715,6 +726,14 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     the three shapes); under checkpointing the attention's output projection is the other moment
     (`_attention_output_bytes`). RoPE's cos/sin, which also exist while the layers run, are the caller's
     (`_forward_backward`)."""
+    if arch.moe:  # the experts' moment, or the attention's (whose LoRA copies are measured as for dense blocks)
+        moments = max(moe_forward_transient_bytes(arch, s), _dense_forward_transient_bytes(arch, s))
+        return moments + unused_sliding_mask_bytes(arch, s)
+    return _dense_forward_transient_bytes(arch, s)
+
+
+def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """`forward_transient_bytes` of a block with a dense MLP (or the attention's moment of an MoE block)."""
     if s.adapter == "full":
         return 0.0
     c = DTYPE_BYTES[s.compute_dtype]
@@ -818,6 +837,8 @@ def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
     """Gradients in flight at the backward's peak beyond the saved tensors, and where the figure comes from: with
     checkpointing, the recomputed layer's; without, the final norm's fp32 backward (all measured, see the constants)."""
     h, i, t = arch.hidden_size, arch.intermediate_size, s.tokens
+    if arch.moe:
+        return moe_backward_transient_bytes(arch, s)
     tile = mlp_tile_tokens(arch, s)
     if s.gradient_checkpointing:
         if s.tiled_mlp:
@@ -942,6 +963,8 @@ def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
     a plain (non-gated) MLP holds its up output and the activation (2·c·i), or a LoRA up_proj's three tensors.
     """
     c, i = DTYPE_BYTES[s.compute_dtype], arch.intermediate_size
+    if arch.moe:
+        return moe_eval_bytes(arch, s)
     adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
     if "gate_up_proj" in adapted:
         return (2 * c + 16) * i
@@ -1015,3 +1038,177 @@ def phase_peak_bytes(
     if ddp and phase == "optimizer step":
         return max(est.phases[phase], est.phases["static"] + gradients) - absent
     return est.phases[phase] - absent
+
+
+# -- mixtures of experts (lowmem_ft/memory/arch.py `MoE`) ----------------------------------------------------------
+# What one MoE block keeps for backward with frozen experts (LoRA / QLoRA: transformers 5.24's default
+# `grouped_mm_experts_forward`, integrations/moe.py), per token, k = top-k routed experts, E experts, I one expert's
+# width: the router's fp32 softmax output (4·E; Granite-MoE softmaxes the top-k logits only: 4·k), its int64 top-k
+# indices (8·k), with Mixtral's renormalisation the fp32 top-k values and their sum (4·k + 4); per routed copy
+# (k per token) the sort permutation and its `// k` gather index and the inverse permutation (3 × int64), the
+# up-projection's output (c·2I: act(gate) keeps it, `up` is a view of it), act(gate) (c·I), the down-projection's
+# output (c·h, kept by the weighting product) and the routing weight (fp32 for Mixtral, else c). A frozen expert
+# stack makes `grouped_mm` keep no input: neither the gathered hidden states nor act(gate)·up. Read from the code and
+# measured exactly with saved_tensors_hooks on one block (Mixtral k 2/E 8, Qwen3-MoE k 4/E 16, Granite-MoE k 2/E 8;
+# 2,676.06 / 3,784.13 / 2,636.06 B per token at h 256) and as per-layer differences of whole runs (PeakMemory, 1- vs
+# 2-layer models, devkit/moe_check.py).
+MOE_INDEX_BYTES = 3 * 8
+MOE_WEIGHTS_SOURCE = "3-D expert parameters + router: bnb replaces nn.Linear only (integrations/bitsandbytes.py)"
+# Qwen2-MoE's shared expert (modeling_qwen2_moe.py: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`): beside
+# its dense MLP's terms the product keeps the shared expert's c-byte output and the c-byte sigmoid (per token), and
+# that output is alive through the routed experts' moments (SHARED_BESIDE_H); Granite-MoE (`inputs_embeds *
+# embedding_multiplier`) holds the unscaled embeddings beside the scaled first-layer input through the forward,
+# and one more hidden-sized tensor is in flight in the recomputed layer's backward (GRANITE_BESIDE_H). Measured on
+# the layers' windows (devkit/moe_check.py): −2,013 / −993 B/token (Qwen2-MoE without / with checkpointing) and
+# −481 / −496 (Granite-MoE, checkpointing) before these terms.
+SHARED_GATE_KEPT_H, SHARED_BESIDE_H = 1, 1
+GRANITE_BESIDE_H = 1
+
+
+def moe_router_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what the router keeps (see MOE_INDEX_BYTES)."""
+    moe = arch.moe
+    assert moe is not None
+    probs = 4 * (moe.top_k if moe.routing == "topk_softmax" else moe.experts)
+    renorm = 4 * moe.top_k + 4 if moe.routing.startswith("fp32_renorm") else 0
+    return probs + 8 * moe.top_k + renorm
+
+
+def moe_routed_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what the routed experts keep with frozen weights: per routed copy the indices, c·2I, c·I, c·h and
+    the routing weight (see MOE_INDEX_BYTES)."""
+    moe = arch.moe
+    assert moe is not None
+    c = DTYPE_BYTES[s.compute_dtype]
+    weight = 4 if moe.routing == "fp32_renorm" else c
+    per_copy = MOE_INDEX_BYTES + 3 * c * moe.intermediate_size + c * arch.hidden_size + weight
+    return moe.top_k * per_copy
+
+
+def moe_activation_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what one MoE block keeps for backward: the shared expert's (Qwen2-MoE: a dense gated MLP with its
+    LoRA inputs, as `mlp_activation_bytes`), the router's and the routed experts' (measured, see MOE_INDEX_BYTES)."""
+    moe = arch.moe
+    assert moe is not None
+    c = DTYPE_BYTES[s.compute_dtype]
+    shared = 0.0
+    if moe.shared_intermediate:
+        shared = 3 * c * moe.shared_intermediate + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+        shared += SHARED_GATE_KEPT_H * c * arch.hidden_size + 2 * c
+    return shared + moe_router_bytes(arch, s) + moe_routed_bytes(arch, s)
+
+
+# The experts' transient moments (integrations/moe.py `grouped_mm_experts_forward`; k routed copies per token, w the
+# routing weight's bytes: 4 for Mixtral's fp32 weights, else c), per token, attributed op by op with a PeakMemory
+# subclass on one block (devkit/moe_check.py shapes) and checked on whole runs' layer windows:
+# - forward: the up-projection's moment — the gathered hidden states (c·h, a local the function holds to its end),
+#   its c·2I output, act(gate) and the act·up product (c·I each) — or the un-permute's — the gathered states, the
+#   down-projection's output (c·h), the weighted copy and its un-permuted copy (w·h each). Without checkpointing the
+#   up-projection's output, act(gate) and the down output are kept already, so only the gathered states and product
+#   (or the two weighted copies) are extra. Beside them the layer's hidden-sized tensors: the residual sum and the
+#   block's input (checkpointing: MOE_FWD_BESIDE_CKPT), and also the model's input embeddings and the layer's input
+#   without (MOE_FWD_BESIDE_NO_CKPT: four, as FWD_BESIDE_NO_CKPT for dense blocks); the routing
+#   indices in flight (sort values and permutation, the histc float copy, an arange: MOE_FWD_INDEX_BYTES per copy
+#   with checkpointing, half without where part of them is kept) and the router's c-byte logits, which the block
+#   holds (`_, weights, index = self.gate(...)`).
+# - backward: the un-permute's gradient — the [tokens, k, h] expanded output gradient, the zeros and the scattered
+#   rows of the index backward (w·h each; c·h + 2·w·h measured) — or the up-projection's — the gradients of the
+#   product, act(gate), and the concatenated c·2I gate/up gradient (c·4I). Without checkpointing it runs beside
+#   every kept tensor, less two c-byte hidden-sized tensors of the head already freed (MOE_BWD_HEAD_FREED); with
+#   checkpointing beside the recomputed layer, plus MOE_BWD_INDEX_BYTES per copy.
+# Measured on the CPU, where transformers 5.24 runs the same `grouped_mm_experts_forward` (torch 2.13's
+# F.grouped_mm) as on CUDA (sm80+); that the CUDA kernels return the same tensors is assumed, not measured here.
+MOE_FWD_INDEX_BYTES = 48
+MOE_FWD_BESIDE_CKPT, MOE_FWD_BESIDE_NO_CKPT = 2, 4
+MOE_BWD_HEAD_FREED = 2
+MOE_BWD_INDEX_BYTES = 32
+# The up-projection's backward moment: with checkpointing the act·up product's gradient and the two gradients of its
+# factors (c·3I per copy), the recomputed down output and routing weight already freed (w·h per copy): within
+# +16..+144 B/token of the layers' backward window on four shapes (Mixtral- and Qwen3-MoE-like, I from 0.375·h to
+# 4·h). Without checkpointing 4·c·I per copy (the concatenated c·2I gate/up gradient too) is an envelope: exact at
+# I = 1.75·h (Mixtral-like), over by 5.1 and 10.3 KB/token at I = 4·h and 1.5·h with top-8 (+3.1 / +4.2 % of the
+# layers' window; the planner checkpoints real MoE models, whose layers do not fit otherwise).
+MOE_BWD_UP_I_CKPT, MOE_BWD_UP_I = 3, 4
+
+
+def _moe_widths(arch: Architecture, s: Setup) -> tuple[int, int, int, int, int]:
+    """(k, h, I, c, w) of the experts' terms."""
+    moe = arch.moe
+    assert moe is not None
+    c = DTYPE_BYTES[s.compute_dtype]
+    return moe.top_k, arch.hidden_size, moe.intermediate_size, c, (4 if moe.routing == "fp32_renorm" else c)
+
+
+def moe_eval_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, the MoE block's tensors in flight without autograd (evaluation): the experts' forward moment as
+    under checkpointing, where nothing is kept either (read from the same attribution; evaluation itself is not
+    measured on MoE), plus the shared expert's dense MLP (Qwen2-MoE) whose output is alive beside it."""
+    k, h, i, c, w = _moe_widths(arch, s)
+    moment = max(k * c * (h + 4 * i), k * h * (2 * c + 2 * w)) + k * MOE_FWD_INDEX_BYTES + c * arch.moe.experts
+    return moment + (3 * c * arch.moe.shared_intermediate + c * h if arch.moe.shared_intermediate else 0)
+
+
+def moe_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
+    """The experts' forward moment beyond what the layers keep (see MOE_FWD_INDEX_BYTES)."""
+    k, h, i, c, w = _moe_widths(arch, s)
+    logits = c * arch.moe.experts
+    if s.gradient_checkpointing:
+        moment = max(k * c * (h + 4 * i), k * h * (2 * c + 2 * w)) + k * MOE_FWD_INDEX_BYTES
+        beside = MOE_FWD_BESIDE_CKPT
+    else:
+        moment = max(k * h * (c + 2 * w), k * c * i) + k * MOE_FWD_INDEX_BYTES // 2
+        beside = MOE_FWD_BESIDE_NO_CKPT
+    beside += _moe_extra_beside(arch, s)
+    return (moment + logits + beside * c * h + FWD_TOKEN_STATS_BYTES) * s.tokens
+
+
+def _moe_extra_beside(arch: Architecture, s: Setup) -> int:
+    """Hidden-sized tensors beside the experts' forward moments in some families under checkpointing
+    (SHARED_BESIDE_H, GRANITE_BESIDE_H; without it the shared expert's output is among the kept tensors)."""
+    if not s.gradient_checkpointing:
+        return 0
+    extra = SHARED_BESIDE_H if arch.moe and arch.moe.shared_intermediate else 0
+    return extra + (GRANITE_BESIDE_H if arch.model_type == "granitemoe" else 0)
+
+
+def unused_sliding_mask_bytes(arch: Architecture, s: Setup) -> float:
+    """Qwen2-MoE's forward builds a sliding-window mask even when no layer uses it (modeling_qwen2_moe.py always
+    calls `create_sliding_window_causal_mask`, and with `use_sliding_window` false the config's window is 0, which
+    no sequence can skip): a bool b × s × s alive through the layers' forward, freed before the head (measured: the
+    layers' forward window was s B/token short at 512 and 1,024 tokens, devkit/moe_check.py)."""
+    if arch.model_type != "qwen2_moe" or arch.sliding_layers or s.attn_implementation != "sdpa":
+        return 0.0
+    return float(s.micro_batch_size * s.max_seq_len**2)
+
+
+def moe_backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
+    """Gradients in flight at the experts' backward peak (see MOE_FWD_INDEX_BYTES): beside the recomputed layer with
+    checkpointing; without, beside every kept tensor, or the final norm's fp32 backward when that is larger."""
+    k, h, i, c, w = _moe_widths(arch, s)
+    unpermute = k * h * (c + 2 * w)
+    if s.gradient_checkpointing:
+        grads = max(unpermute, k * (c * MOE_BWD_UP_I_CKPT * i - w * h)) + k * MOE_BWD_INDEX_BYTES
+        grads += (GRANITE_BESIDE_H * c * h) if arch.model_type == "granitemoe" else 0
+        return grads * s.tokens, "recomputed experts' gradients (measured)"
+    grads = max(NORM_BWD_BYTES_PER_H * h, max(unpermute, MOE_BWD_UP_I * k * c * i) - MOE_BWD_HEAD_FREED * c * h)
+    grads += SHARED_BESIDE_H * c * h if arch.moe.shared_intermediate else 0
+    return grads * s.tokens, "experts' gradients or the final RMSNorm backward (measured)"
+
+
+def layer_moments(arch: Architecture, est: Estimate) -> tuple[float, float]:
+    """(forward, backward) live bytes at the decoder layers' own peaks, static included: the moments the estimate's
+    forward and backward peaks take the larger of with the head's and the loss's (`_forward_backward`). For the
+    harnesses that measure the layers' windows apart (devkit/moe_check.py)."""
+    arch_s = est.setup
+    c, t = DTYPE_BYTES[arch_s.compute_dtype], arch_s.tokens
+    kept, layer = _activations(arch, arch_s, [])
+    head = head_saved_bytes(arch, arch_s) * t
+    rope = 2 * c * arch.head_dim * t
+    layer_fwd = rope + max(forward_transient_bytes(arch, arch_s), masked_attention_forward_bytes(arch, arch_s))
+    grads, _ = backward_transient_bytes(arch, arch_s)
+    dequant = (
+        c * max(lin.in_features * lin.out_features for lin in arch.linears) if arch_s.quantization != "none" else 0
+    )
+    layer_bwd = layer + grads + dequant if arch_s.gradient_checkpointing else grads
+    static = est.phases["static"]
+    return static + kept + layer_fwd, static + kept + head + layer_bwd

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB
+from lowmem_ft.memory.estimate import GB, MOE_FWD_INDEX_BYTES
 
 # While DynamicLayer.update concatenates, one layer's previous key (or value) tensor and the new one coexist:
 # one extra layer-slice of K or V, i.e. 1 / (2 × layers) of the whole cache.
@@ -57,6 +57,13 @@ def kv_bytes_per_token(arch: Architecture, bytes_per_value: int) -> float:
 def prefill_workspace_bytes(arch: Architecture, prompt_tokens: int, bytes_per_value: int) -> int:
     """Transient activations of the prompt's forward pass (one layer at a time) plus one position's fp32 logits."""
     per_token = PREFILL_HIDDEN_TENSORS * arch.hidden_size + PREFILL_INTERMEDIATE_TENSORS * arch.intermediate_size
+    if arch.moe:  # each token goes through top-k experts: per routed copy the gathered input, the c·2I up output,
+        # act(gate) and the product (the up-projection moment), or the down output and two weighted copies
+        # (transformers' grouped_mm_experts_forward; the training side's measured moments, lowmem_ft.memory.estimate)
+        k, h, i = arch.moe.top_k, arch.hidden_size, arch.moe.intermediate_size
+        per_token = PREFILL_HIDDEN_TENSORS * h + max(k * (h + 4 * i), 4 * k * h) + arch.moe.shared_intermediate * 3
+        indices = k * MOE_FWD_INDEX_BYTES * prompt_tokens  # the routing's int64 / fp32 index tensors
+        return per_token * prompt_tokens * bytes_per_value + indices + arch.vocab_size * LOGITS_BYTES
     return per_token * prompt_tokens * bytes_per_value + arch.vocab_size * LOGITS_BYTES
 
 

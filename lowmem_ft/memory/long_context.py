@@ -87,6 +87,8 @@ def refusal(name: str, arch: Architecture, s: Setup, gpus: int) -> str | None:
         return "no LoRA branches (full fine-tuning)"
     if name == "tiled_mlp" and arch.experts:
         return f"a mixture of {arch.experts} experts is not tiled (its router sees the whole sequence)"
+    if name in ("tiled_norms", "recompute_lora") and arch.experts:
+        return f"not measured on a mixture of experts ({name}'s terms are fitted on dense blocks)"
     return None
 
 

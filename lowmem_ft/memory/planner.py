@@ -410,7 +410,7 @@ def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
         return request, ""
     adapted = arch.adapter_modules(list(s.lora_targets))
     if adapted:
-        return request, _partial_targets(arch, s.lora_targets, adapted)
+        return request, _partial_targets(arch, s.lora_targets, adapted) + _frozen_experts(arch)
     if "lora_targets" in request.fixed:
         raise UserError(
             f"adapter.target_modules {list(s.lora_targets)} match no linear layer of {arch.name}; "
@@ -418,6 +418,14 @@ def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
         )
     why = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
     return replace(request, start=replace(s, lora_targets=("all-linear",))), why
+
+
+def _frozen_experts(arch: Architecture) -> str:
+    """The adapter line's note on a mixture of experts: LoRA goes on its nn.Linear layers, the experts stay frozen
+    (lowmem_ft.train.model.adapter_modules keeps peft from turning the names into expert target_parameters)."""
+    if arch.moe is None:
+        return ""
+    return f"; the {arch.moe.experts} experts per layer and the router stay frozen (LoRA on nn.Linear layers only)"
 
 
 def _partial_targets(arch: Architecture, targets: tuple[str, ...], adapted: list[str]) -> str:
@@ -659,9 +667,18 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
         if fits_len >= 4 * SEQ_MULTIPLE
         else f"use a smaller model or --vram {math.ceil(need)}"
     )
+    experts = ""
+    if arch.moe and s.quantization != "none":
+        n_experts = arch.num_layers * arch.moe.expert_params(arch.hidden_size)
+        experts = (
+            f", of which {est.by_name()['experts + routers (16-bit)'] / 1e9:.1f} GB are its {n_experts / 1e9:.1f}B "
+            f"expert parameters (of {arch.total_params / 1e9:.1f}B), which {STORAGE[s.quantization]} leaves in 16-bit: "
+            "bitsandbytes quantizes nn.Linear layers only"
+        )
     return (
         f"{arch.name or 'model'} needs {est.peak_gb:.1f} GB at seq {s.max_seq_len} even with {', '.join(savings)} "
-        f"(budget {target.budget_gb:.1f} GB = --vram {target.vram_gb:g} − margin {target.margin_gb:g}); {hint}"
+        f"(budget {target.budget_gb:.1f} GB = --vram {target.vram_gb:g} − margin {target.margin_gb:g}){experts}; "
+        f"{hint}"
     )
 
 

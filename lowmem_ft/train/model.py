@@ -217,6 +217,19 @@ def adapter_modules(model, target_modules: list[str]) -> list[str]:
     names = arch.adapter_modules(list(target_modules))
     fused_parts = {p for fused, parts in FUSED_PROJECTIONS.items() if fused in arch.linear_names for p in parts}
     others = [n for n in target_modules if n not in arch.linear_names and n not in fused_parts]
+    if arch.moe and arch.moe.adapted_parameters(list(target_modules)):
+        # peft would turn these names into LoRA on the fused expert stacks / the router (target_parameters), which
+        # refuses lora_dropout != 0 (lora.ParamWrapper) and which the memory model does not count: the experts stay
+        # frozen, as on the families where the names match nothing (Mixtral's gate_proj)
+        reached = sorted(set(arch.moe.adapted_parameters(list(target_modules))))
+        log.warning(
+            "adapter.target_modules %s: on this mixture of experts peft would adapt the %s parameters "
+            "(target_parameters), which lowmem-ft does not train; LoRA goes on %s only, the experts stay frozen",
+            list(target_modules),
+            " and ".join(reached),
+            ", ".join(names),
+        )
+        others = [n for n in others if n not in arch.moe.peft_names and n != "all-linear"]
     added = [n for n in names if n not in target_modules]
     if added:
         log.info("adapter.target_modules %s: this model fuses them into %s", list(target_modules), ", ".join(added))
@@ -229,8 +242,13 @@ def attach_adapter(model, recipe: Recipe):
         return model
     from peft import LoraConfig, get_peft_model
 
+    from lowmem_ft.memory.arch import MOE_FAMILIES
+
     a = recipe.adapter
-    targets: Any = "all-linear" if a.target_modules == ["all-linear"] else adapter_modules(model, a.target_modules)
+    moe = getattr(model.config.get_text_config(), "model_type", "") in MOE_FAMILIES  # all-linear reaches experts
+    targets: Any = (
+        "all-linear" if a.target_modules == ["all-linear"] and not moe else adapter_modules(model, a.target_modules)
+    )
     config = LoraConfig(
         r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )

@@ -57,8 +57,10 @@ def test_savers_are_tried_only_where_they_apply():
     assert tried(LLAMA8, 40, "40gb", full) == {"tiled_norms", "tiled_mlp"}
     moe = replace(LLAMA8, experts=8)
     assert "tiled_mlp" not in tried(moe)
-    p = _at(24, "24gb", 40_000, arch=moe)
+    assert not {"tiled_norms", "recompute_lora"} & tried(moe)  # their terms are fitted on dense blocks only
+    p = _at(24, "24gb", 24_576, arch=moe)
     assert not p.setup.tiled_mlp and p.reasons["tiled_mlp"].startswith("off: a mixture of 8 experts")
+    assert p.reasons["tiled_norms"].startswith("off: not measured on a mixture of experts")
     p = _at(24, "24gb", 65536, arch=tied)
     assert p.reasons["embeddings_on_host"].startswith("off: the input embeddings are tied")
 
