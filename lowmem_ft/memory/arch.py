@@ -35,6 +35,8 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj":
 # and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
 # × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
 # `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
+# Gemma-3's multimodal checkpoints (`gemma3`) plan as their gemma3_text model, checked the same way on the
+# zoo's gemma3-vision (Gemma3ForConditionalGeneration: its forward applies lm_head to the language model's output).
 CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
 # Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B,
 # gemma-3-1b-it = gemma-3-1b-pt).

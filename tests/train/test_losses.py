@@ -204,12 +204,15 @@ def _zoo_model(path: str):
     from transformers import AutoModelForCausalLM
 
     from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.train.model import beside_language_model
 
     attn, _ = load_architecture(path).attention_for("sdpa")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     torch.manual_seed(1)
     with torch.no_grad():  # random init puts logits near 0: spread them so softcap and scaling matter
         model.get_output_embeddings().weight.mul_(40.0)
+    for name in beside_language_model(model):  # Gemma-3's vision tower: frozen as training freezes it (no text grad)
+        model.get_submodule(name).requires_grad_(False)
     return model.train()
 
 
@@ -236,7 +239,7 @@ def test_every_family_head_equals_the_models_own_loss(zoo_models, family, head):
     from trl.trainer.utils import add_fused_lm_head
 
     model = _zoo_model(zoo_models[family])
-    ids, mask, labels = _padded_batch(model.config.vocab_size)
+    ids, mask, labels = _padded_batch(model.config.get_text_config().vocab_size)
     ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_grads = _grads(model, ref)
     if head == "chunked":
@@ -255,7 +258,10 @@ def test_every_family_packed_equals_separate_samples(zoo_models, family):
     equals the model's own on the packed row and the sum of the samples' losses computed one at a time."""
     model = _zoo_model(zoo_models[family])
     g = torch.Generator().manual_seed(2)
-    a, b = torch.randint(0, model.config.vocab_size, (1, 11), generator=g), torch.randint(0, 50, (1, 7), generator=g)
+    a, b = (
+        torch.randint(0, model.config.get_text_config().vocab_size, (1, 11), generator=g),
+        torch.randint(0, 50, (1, 7), generator=g),
+    )
     packed = torch.cat([a, b], dim=1)
     position_ids = torch.cat([torch.arange(11), torch.arange(7)])[None]
     labels = packed.clone()
