@@ -165,6 +165,10 @@ class Architecture:
         """(implementation transformers will run, why it differs from `requested` or None)."""
         if requested == "sdpa" and self.model_type in NO_SDPA:
             return "eager", f"{NO_SDPA[self.model_type]}; using eager attention (its s² scores are planned for)"
+        if requested.startswith("flash_attention") and self.tower_params:
+            # the same memory profile: SDPA keeps no s² scores either (`_attention_bytes`)
+            why = "Gemma3ForConditionalGeneration refuses flash attention (modeling_gemma3.py _supports_flash_attn"
+            return "sdpa", f"{why} = False: it would drop the bidirectional mask over image tokens); using sdpa"
         return requested, None
 
     # -- parameter counts ---------------------------------------------------------------------------------------

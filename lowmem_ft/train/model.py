@@ -118,13 +118,14 @@ def device_map(device: str | None = None) -> dict[str, Any] | None:
 
 def attention(recipe: Recipe, config) -> str:
     """The attention implementation to load with: the recipe's, or what the family supports when transformers
-    refuses it (Gemma-2 has no SDPA: softcapped attention logits), said once in the log. The memory model makes the
-    same choice (`Architecture.attention_for`), so the plan counts the implementation that runs."""
+    refuses it (Gemma-2 has no SDPA: softcapped attention logits; Gemma-3's multimodal checkpoints no flash
+    attention), said once in the log. The memory model makes the same choice (`Architecture.attention_for`), so the
+    plan counts the implementation that runs."""
     from lowmem_ft.memory.arch import Architecture
 
     requested = recipe.model.attn_implementation
-    try:
-        arch = Architecture.from_config(config.get_text_config().to_dict())
+    try:  # the whole config: a multimodal wrapper (Gemma-3) refuses what its text model alone would take
+        arch = Architecture.from_config(config.to_dict())
     except UserError:  # not a shape the memory model describes: transformers decides
         return requested
     used, why = arch.attention_for(requested)

@@ -149,6 +149,21 @@ def test_family_without_sdpa_falls_back_to_eager_and_says_so(zoo_models, caplog)
     assert sdpa.config._attn_implementation == "sdpa"  # families that support it keep it
 
 
+def test_multimodal_gemma3_with_flash_attention_loads_with_sdpa_and_says_so(zoo_models, caplog):
+    """Gemma3ForConditionalGeneration refuses flash attention (transformers raised "does not support Flash
+    Attention 2 yet", a load failure): it loads with SDPA, with one line, and the plan plans SDPA."""
+    from lowmem_ft.memory.arch import load_architecture
+
+    path = zoo_models["gemma3-vision"]
+    model_section = {"name_or_path": path, "quantization": "none", "attn_implementation": "flash_attention_2"}
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.train.model"):
+        model = load_model(resolve("8gb", {"model": model_section}))
+    assert model.config._attn_implementation == "sdpa"
+    assert any("_supports_flash_attn" in r.message and "using sdpa" in r.message for r in caplog.records)
+    assert load_architecture(path).attention_for("flash_attention_2")[0] == "sdpa"
+    assert load_architecture(zoo_models["gemma3"]).attention_for("flash_attention_2") == ("flash_attention_2", None)
+
+
 def _broken(tmp_path, zoo_models, case: str) -> str:
     import json
     import shutil
