@@ -16,7 +16,7 @@ that every family builds in well under a second and trains in a few seconds on a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,9 @@ GEMMA_TOKENS = Tokens(
     sentencepiece=True,
     dummy_prefix=False,
 )
+# Gemma-3's image tokens (begin / end of image, the soft token its features replace): Gemma3Config's
+# boi_token_index, eoi_token_index and image_token_index point at them
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 QWEN_TOKENS = Tokens(eos="<|endoftext|>", pad="<|endoftext|>", eot="<|im_end|>", extra=("<|im_start|>",))
 QWEN3_TOKENS = Tokens(
     eos="<|im_end|>",
@@ -254,6 +257,41 @@ FAMILIES: dict[str, Family] = {
             GEMMA_TOKENS,
             lambda: _trl("gemma3"),
             "TRL's copy of Gemma-3 (TRL's training version adds the markers)",
+            lambda c, last: c.strip() + "<end_of_turn>",
+        ),
+        Family(
+            # gemma-3-4b-it and up: a `gemma3` config that AutoModelForCausalLM loads as Gemma3ForConditionalGeneration,
+            # the gemma3 text model under model.language_model beside a SigLIP vision tower (vision_use_head false, as
+            # the Hub's) and the multimodal projector; the tokenizer has the image tokens. Tower widths tiny (image 28,
+            # patch 14: 4 patches pooled to mm_tokens_per_image 4).
+            "gemma3-vision",
+            {
+                "model_type": "gemma3",
+                "text_config": {
+                    "model_type": "gemma3_text",
+                    **TINY,
+                    "num_key_value_heads": 1,
+                    "head_dim": 32,
+                    "vocab_size": 4096,
+                    "query_pre_attn_scalar": 32,
+                    "sliding_window": 16,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                },
+                "vision_config": {
+                    "model_type": "siglip_vision_model",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "image_size": 28,
+                    "patch_size": 14,
+                    "vision_use_head": False,
+                },
+                "mm_tokens_per_image": 4,
+            },  # fmt: skip
+            replace(GEMMA_TOKENS, extra=(*GEMMA_TOKENS.extra, *GEMMA3_IMAGE_TOKENS)),
+            lambda: _trl("gemma3"),
+            "TRL's copy of Gemma-3 (the Hub's gemma-3-4b-it template renders images as <start_of_image>)",
             lambda c, last: c.strip() + "<end_of_turn>",
         ),
         Family(
@@ -401,12 +439,18 @@ def config_for(family: Family, tokenizer) -> Any:
     from transformers import AutoConfig
 
     kwargs = dict(family.config)
-    kwargs["vocab_size"] = max(kwargs.get("vocab_size", 0), len(tokenizer))
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    if "text_config" in kwargs:  # a multimodal wrapper (Gemma3Config): the vocabulary is the text model's
+        text = {**kwargs["text_config"], **ids}
+        text["vocab_size"] = max(text.get("vocab_size", 0), len(tokenizer))
+        image = dict(zip(("boi_token_index", "eoi_token_index", "image_token_index"), GEMMA3_IMAGE_TOKENS, strict=True))
+        image = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image.items()}
+        return AutoConfig.for_model(**{**kwargs, "text_config": text}, **image, **ids)
+    kwargs["vocab_size"] = max(kwargs.get("vocab_size", 0), len(tokenizer))
     return AutoConfig.for_model(**kwargs, **ids)
 
 

@@ -35,6 +35,8 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj":
 # and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
 # × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
 # `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
+# Gemma-3's multimodal checkpoints (`gemma3`) plan as their gemma3_text model, checked the same way on the
+# zoo's gemma3-vision (Gemma3ForConditionalGeneration: its forward applies lm_head to the language model's output).
 CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
 # Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B,
 # gemma-3-1b-it = gemma-3-1b-pt).
@@ -166,6 +168,10 @@ class Architecture:
         """(implementation transformers will run, why it differs from `requested` or None)."""
         if requested == "sdpa" and self.model_type in NO_SDPA:
             return "eager", f"{NO_SDPA[self.model_type]}; using eager attention (its s² scores are planned for)"
+        if requested.startswith("flash_attention") and self.tower_params:
+            # the same memory profile: SDPA keeps no s² scores either (`_attention_bytes`)
+            why = "Gemma3ForConditionalGeneration refuses flash attention (modeling_gemma3.py _supports_flash_attn"
+            return "sdpa", f"{why} = False: it would drop the bidirectional mask over image tokens); using sdpa"
         return requested, None
 
     # -- parameter counts ---------------------------------------------------------------------------------------

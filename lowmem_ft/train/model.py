@@ -14,6 +14,7 @@ The same functions serve `train`, the estimator's accuracy harness, `generate` a
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,13 +118,14 @@ def device_map(device: str | None = None) -> dict[str, Any] | None:
 
 def attention(recipe: Recipe, config) -> str:
     """The attention implementation to load with: the recipe's, or what the family supports when transformers
-    refuses it (Gemma-2 has no SDPA: softcapped attention logits), said once in the log. The memory model makes the
-    same choice (`Architecture.attention_for`), so the plan counts the implementation that runs."""
+    refuses it (Gemma-2 has no SDPA: softcapped attention logits; Gemma-3's multimodal checkpoints no flash
+    attention), said once in the log. The memory model makes the same choice (`Architecture.attention_for`), so the
+    plan counts the implementation that runs."""
     from lowmem_ft.memory.arch import Architecture
 
     requested = recipe.model.attn_implementation
-    try:
-        arch = Architecture.from_config(config.get_text_config().to_dict())
+    try:  # the whole config: a multimodal wrapper (Gemma-3) refuses what its text model alone would take
+        arch = Architecture.from_config(config.to_dict())
     except UserError:  # not a shape the memory model describes: transformers decides
         return requested
     used, why = arch.attention_for(requested)
@@ -190,6 +192,8 @@ def prepare_for_training(model, recipe: Recipe):
     full = recipe.adapter.kind == "full"
     for param in model.parameters():
         param.requires_grad_(full)
+    for name in beside_language_model(model):  # a vision tower: text never runs it, so it gets no gradient
+        model.get_submodule(name).requires_grad_(False)
     if recipe.memory.gradient_checkpointing:
         # transformers 5.x: activation_checkpointing_enable(offload=True) keeps the checkpointed layer inputs in
         # pinned host memory (torch's save_on_cpu) — the recipe's memory.activation_offloading.
@@ -236,11 +240,30 @@ def adapter_modules(model, target_modules: list[str]) -> list[str]:
     return [*names, *others]
 
 
+def beside_language_model(model) -> list[str]:
+    """Modules loaded beside the language model that text training never runs: the siblings of `get_decoder()`
+    when it is nested in a wrapper (Gemma3ForConditionalGeneration: model.vision_tower and
+    model.multi_modal_projector beside model.language_model). Empty for a plain causal LM, whose decoder is
+    `model` beside only the LM head."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    name = next((n for n, m in model.named_modules() if m is decoder), "")
+    if "." not in name:
+        return []
+    parent = name.rsplit(".", 1)[0]
+    return [f"{parent}.{child}" for child, m in model.get_submodule(parent).named_children() if m is not decoder]
+
+
 def attach_adapter(model, recipe: Recipe):
-    """LoRA adapters with fp32 weights (peft's autocast_adapter_dtype), or the model itself for full fine-tuning."""
+    """LoRA adapters with fp32 weights (peft's autocast_adapter_dtype), or the model itself for full fine-tuning.
+
+    Only the language model is adapted: the recipes' names (q/k/v_proj) and all-linear also match a vision tower's
+    layers, whose adapters would get no gradient from text, be saved, and be missing from the plan's count
+    (`Architecture.lora_targets` counts the decoder's linears). peft's `exclude_modules` (a regex, saved in
+    adapter_config.json so loading and merging skip them too) keeps them out."""
     if recipe.adapter.kind == "full":
         return model
     from peft import LoraConfig, get_peft_model
+    from peft.utils.error import NoMatchingPeftModuleError
 
     from lowmem_ft.memory.arch import MOE_FAMILIES
 
@@ -249,16 +272,26 @@ def attach_adapter(model, recipe: Recipe):
     targets: Any = (
         "all-linear" if a.target_modules == ["all-linear"] and not moe else adapter_modules(model, a.target_modules)
     )
+    beside = beside_language_model(model)
+    exclude = rf"({'|'.join(re.escape(n) for n in beside)})(\..*)?" if beside else None
     config = LoraConfig(
-        r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, task_type="CAUSAL_LM"
+        r=a.r,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=targets,
+        exclude_modules=exclude,
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:
-        if "Target modules" in str(exc) or "not found" in str(exc):
-            names = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n})
+        if isinstance(exc, NoMatchingPeftModuleError) or "Target modules" in str(exc) or "not found" in str(exc):
+            language_model = f" of its language model (not {', '.join(beside)})" if beside else " of this model"
+            names = sorted(
+                {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n and not re.fullmatch(exclude or "", n)}
+            )
             raise UserError(
-                f"adapter.target_modules {a.target_modules} match no module of this model; "
+                f"adapter.target_modules {a.target_modules} match no module{language_model}; "
                 f"its module names include {', '.join(names[:20])}"
             ) from None
         raise

@@ -88,6 +88,12 @@ def test_family_trains_plans_generates_and_merges(zoo_models, family, tmp_path, 
     names = [n for n, _ in adapted.named_parameters()]
     for module in load_architecture(model).adapter_modules(AdapterSection().target_modules):  # Phi-3: qkv_proj
         assert any(f"{module}.lora_A" in n for n in names), module
+    from safetensors import safe_open
+
+    with safe_open(run_dir / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        keys = list(saved.keys())
+    decoder = "language_model." if family == "gemma3-vision" else "model.layers."  # not Gemma-3's vision tower
+    assert keys and all(decoder in key for key in keys), [k for k in keys if decoder not in k][:3]
 
     # plan: the planner describes the family (eager attention planned where SDPA is refused)
     capsys.readouterr()

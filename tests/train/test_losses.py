@@ -204,12 +204,15 @@ def _zoo_model(path: str):
     from transformers import AutoModelForCausalLM
 
     from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.train.model import beside_language_model
 
     attn, _ = load_architecture(path).attention_for("sdpa")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     torch.manual_seed(1)
     with torch.no_grad():  # random init puts logits near 0: spread them so softcap and scaling matter
         model.get_output_embeddings().weight.mul_(40.0)
+    for name in beside_language_model(model):  # Gemma-3's vision tower: frozen as training freezes it (no text grad)
+        model.get_submodule(name).requires_grad_(False)
     return model.train()
 
 
@@ -236,7 +239,7 @@ def test_every_family_head_equals_the_models_own_loss(zoo_models, family, head):
     from trl.trainer.utils import add_fused_lm_head
 
     model = _zoo_model(zoo_models[family])
-    ids, mask, labels = _padded_batch(model.config.vocab_size)
+    ids, mask, labels = _padded_batch(model.config.get_text_config().vocab_size)
     ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_grads = _grads(model, ref)
     if head == "chunked":
@@ -255,7 +258,10 @@ def test_every_family_packed_equals_separate_samples(zoo_models, family):
     equals the model's own on the packed row and the sum of the samples' losses computed one at a time."""
     model = _zoo_model(zoo_models[family])
     g = torch.Generator().manual_seed(2)
-    a, b = torch.randint(0, model.config.vocab_size, (1, 11), generator=g), torch.randint(0, 50, (1, 7), generator=g)
+    a, b = (
+        torch.randint(0, model.config.get_text_config().vocab_size, (1, 11), generator=g),
+        torch.randint(0, 50, (1, 7), generator=g),
+    )
     packed = torch.cat([a, b], dim=1)
     position_ids = torch.cat([torch.arange(11), torch.arange(7)])[None]
     labels = packed.clone()
@@ -279,3 +285,35 @@ def test_unverified_architecture_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"^memory.chunked_loss is not verified for model_type 'olmo2'.*=false$"):
         losses.logit_transform(config)
     assert losses.logit_transform(config, verified=False).identity  # the full-logits reference still runs
+
+
+def test_gemma3_multimodal_on_text_is_its_text_model(zoo_models):
+    """Gemma3ForConditionalGeneration on text (no pixel_values, no token_type_ids: transformers 5.24 builds its
+    masks without them) computes what Gemma3ForCausalLM with the same weights does: left padding past the sliding
+    window, packed rows, and the accumulated batch's loss normalisation (num_items_in_batch)."""
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    mm = AutoModelForCausalLM.from_pretrained(
+        zoo_models["gemma3-vision"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    text = Gemma3ForCausalLM(mm.config.text_config)
+    weights = {k.replace("model.language_model.", "model."): v for k, v in mm.state_dict().items()}
+    text.load_state_dict({k: v for k, v in weights.items() if k.startswith(("model.", "lm_head"))}, strict=False)
+    assert not [n for n, p in text.named_parameters() if not torch.equal(p, weights[n])]  # every weight copied
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 4000, (2, 40), generator=g)  # 40 > sliding_window 16
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    packed = torch.cat([torch.arange(25), torch.arange(15)])[None]
+    with torch.no_grad():
+        for model in (mm, text):
+            model.train()
+        a, b = (
+            m(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(50))
+            for m in (mm, text)
+        )
+        torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+        a, b = (m(input_ids=ids[:1], position_ids=packed, use_cache=False).logits for m in (mm, text))
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.zoo import NAMES as ZOO_NAMES
 from lowmem_ft.errors import ConfigError
 from lowmem_ft.recipe.load import resolve
-from lowmem_ft.train.model import build_model, load_model
+from lowmem_ft.train.model import build_model, load_model, prepare_for_training
 
 
 def _recipe(tiny_model, **memory):
@@ -148,6 +149,21 @@ def test_family_without_sdpa_falls_back_to_eager_and_says_so(zoo_models, caplog)
     assert sdpa.config._attn_implementation == "sdpa"  # families that support it keep it
 
 
+def test_multimodal_gemma3_with_flash_attention_loads_with_sdpa_and_says_so(zoo_models, caplog):
+    """Gemma3ForConditionalGeneration refuses flash attention (transformers raised "does not support Flash
+    Attention 2 yet", a load failure): it loads with SDPA, with one line, and the plan plans SDPA."""
+    from lowmem_ft.memory.arch import load_architecture
+
+    path = zoo_models["gemma3-vision"]
+    model_section = {"name_or_path": path, "quantization": "none", "attn_implementation": "flash_attention_2"}
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.train.model"):
+        model = load_model(resolve("8gb", {"model": model_section}))
+    assert model.config._attn_implementation == "sdpa"
+    assert any("_supports_flash_attn" in r.message and "using sdpa" in r.message for r in caplog.records)
+    assert load_architecture(path).attention_for("flash_attention_2")[0] == "sdpa"
+    assert load_architecture(zoo_models["gemma3"]).attention_for("flash_attention_2") == ("flash_attention_2", None)
+
+
 def _broken(tmp_path, zoo_models, case: str) -> str:
     import json
     import shutil
@@ -184,3 +200,52 @@ def test_load_errors_name_the_real_cause(tmp_path, zoo_models, case, message):
     with pytest.raises(UserError, match=message) as info:
         load_model(recipe)
     assert "\n" not in str(info.value) and "hub id" not in str(info.value)  # the path is not blamed for the model
+
+
+@pytest.mark.parametrize("targets", [None, ["all-linear"]])
+@pytest.mark.parametrize("family", ZOO_NAMES)
+def test_lora_the_plan_counts_is_the_lora_peft_builds(zoo_models, family, targets):
+    """The plan's trainable LoRA parameters are what peft creates on the loaded model, every family, the recipes'
+    names and all-linear; on Gemma-3's multimodal checkpoint only the language model is adapted (its SigLIP tower's
+    q/k/v_proj, out_proj, fc1/fc2 match those names too)."""
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.estimate import _trainable_tensors
+    from lowmem_ft.planning import setup_from_recipe
+    from lowmem_ft.train.model import attach_adapter
+
+    adapter = {"target_modules": targets} if targets else {}
+    recipe = resolve("8gb", {"model": {"name_or_path": zoo_models[family], "quantization": "none"}, "adapter": adapter})
+    model = attach_adapter(prepare_for_training(load_model(recipe), recipe), recipe)
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    planned = sum(n for n, _ in _trainable_tensors(load_architecture(zoo_models[family]), setup_from_recipe(recipe)))
+    assert sum(trainable.values()) == planned
+    decoder = next(n for n, m in model.get_base_model().named_modules() if m is model.get_base_model().get_decoder())
+    assert trainable and all(f".{decoder}." in n for n in trainable), [n for n in trainable if decoder not in n][:3]
+    if family == "gemma3-vision":
+        assert decoder == "model.language_model"
+        assert model.peft_config["default"].exclude_modules  # saved, so loading and merging skip the tower too
+
+
+def test_full_fine_tuning_leaves_a_vision_tower_frozen(zoo_models):
+    """Text never runs Gemma-3's vision tower: its weights get no gradient, so they are not trainable (the plan's
+    full fine-tune counts the language model's weights)."""
+    recipe = resolve(
+        "8gb",
+        {"model": {"name_or_path": zoo_models["gemma3-vision"], "quantization": "none"}, "adapter": {"kind": "full"}},
+    )
+    model = prepare_for_training(load_model(recipe), recipe)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(".language_model." in n for n in trainable)
+    assert not [n for n in trainable if "vision_tower" in n or "multi_modal_projector" in n]
+
+
+def test_targets_only_the_vision_tower_has_are_refused_in_one_line(zoo_models):
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.train.model import attach_adapter
+
+    path = zoo_models["gemma3-vision"]
+    recipe = resolve(
+        "8gb", {"model": {"name_or_path": path, "quantization": "none"}, "adapter": {"target_modules": ["fc1"]}}
+    )
+    with pytest.raises(UserError, match=r"\['fc1'\] match no module of its language model \(not model.vision_tower"):
+        attach_adapter(prepare_for_training(load_model(recipe), recipe), recipe)
