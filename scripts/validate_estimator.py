@@ -4,6 +4,7 @@
     python scripts/validate_estimator.py --quick    # a subset
     python scripts/validate_estimator.py --out benchmarks/estimator_cpu.md
     python scripts/validate_estimator.py --holdout  # 8 points on architectures and shapes not used to calibrate
+    python scripts/validate_estimator.py --blocks   # the 24-point grid on Cohere and Apertus blocks
     python scripts/validate_estimator.py --zoo      # 24 points over the zoo's families (devkit/zoo.py): Llama-3,
                                                     # Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3, Phi-3, Granite
     python scripts/validate_estimator.py --device cuda --out benchmarks/estimator_gpu.md  # GPU: Qwen2.5 0.5B/1.5B/7B
@@ -65,6 +66,18 @@ HOLDOUT = {
         "num_hidden_layers": 5, "num_attention_heads": 5, "num_key_value_heads": 5,
     },
 }  # fmt: skip
+# Blocks that are not Llama-shaped, on the default grid (`--blocks`): Cohere's parallel attention + MLP on one
+# mean-centred LayerNorm with per-head q/k norms, Apertus's plain MLP with the xIELU activation and q/k RMSNorms.
+BLOCKS = {
+    "cohere (V 8192, h 256, 3 L, GQA 4/2, qk norm)": {
+        "model_type": "cohere", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True,
+    },
+    "apertus (V 8192, h 256, 3 L, GQA 4/2, xIELU)": {
+        "model_type": "apertus", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "xielu",
+    },
+}  # fmt: skip
 HOLDOUT_POINTS = [
     ("full", "adamw_torch", False, (3, 96)),
     ("lora", "adamw_8bit", True, (1, 384)),
@@ -98,10 +111,10 @@ def holdout_grid():
             yield arch, adapter, optim, ckpt, shape
 
 
-def grid(quick: bool):
+def grid(quick: bool, archs_of: dict | None = None):
     """A fractional design: every arch × adapter × checkpointing cell gets two points, (batch 1, seq 256) and
     (batch 2, seq 128), with the optimizer alternating so each optimizer meets each shape and each adapter."""
-    archs = list(ARCHS)[:1] if quick else list(ARCHS)
+    archs = list(archs_of or ARCHS)[:1] if quick else list(archs_of or ARCHS)
     for a, arch in enumerate(archs):
         for d, adapter in enumerate(["full", "lora", "qlora"]):
             for ckpt in (False, True):
@@ -176,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--holdout", action="store_true", help="the held-out architectures and shapes instead")
     ap.add_argument("--zoo", action="store_true", help="the zoo's model families instead (devkit/zoo.py)")
     ap.add_argument("--families", help="with --zoo: a comma-separated subset of families")
+    ap.add_argument("--blocks", action="store_true", help="the default grid on Cohere and Apertus blocks (BLOCKS)")
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -186,6 +200,9 @@ def main(argv=None) -> int:
             families = tuple(args.families.split(",")) if args.families else tuple(ESTIMATOR_SHAPES)
             archs = {name: estimator_config(name) for name in families}
             points = list(zoo_grid(families))
+        elif args.blocks:
+            archs = BLOCKS
+            points = list(grid(args.quick, BLOCKS))
         else:
             archs = HOLDOUT if args.holdout else ARCHS
             points = list(holdout_grid() if args.holdout else grid(args.quick))

@@ -153,6 +153,21 @@ FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
 # 2,304 / 3,200 / 1,664 (recompute_lora), each +8.
 # Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
 FWD_TOKEN_STATS_BYTES = 2 * 4
+# Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and
+# composite in fp32: `(x - mean).pow(2)` keeps its fp32 input and `(x - mean) * rsqrt(...)` a second fp32 x − mean of
+# its own, one fp32 copy per element more than an RMSNorm, whose pow and mul share the upcast. Measured with
+# autograd's saved-tensor hooks (every saved storage counted once, per module) on a Cohere h 256 / 3-layer model
+# with q/k norms, bf16, 256 tokens: input_layernorm keeps 2 × 1,024 + 4 B/token (LoRA; + 1,024 for the normalized
+# input under a full fine-tune), q_norm 2 × 1,024 + 16, k_norm 2 × 512 + 8; PeakMemory per layer agrees
+# (tests/memory/test_estimate.py, Cohere and Apertus layer bytes), and so do the --blocks grid's peaks, within 0.1 %
+# (scripts/validate_estimator.py --blocks, benchmarks/estimator_blocks.md).
+CENTRED_NORM_EXTRA_FP32 = 4
+# xIELU (transformers activations.py XIELUActivation._xielu_python, the path without the optional `xielu` CUDA
+# package): `alpha_p * x * x` keeps x and alpha_p·x, `expm1(min(x, eps))` its output, `torch.where` its bool
+# condition, and with trainable alpha_n `(expm1(...) - x) * alpha_n` keeps the difference. Measured as above on an
+# Apertus h 256 / i 704 model: 3 × 1,408 + 704 B/token (LoRA: frozen alphas), 4 × 1,408 + 704 (full), against the
+# c·i a plain activation keeps: (2·c + 1)·i more, and c·i more again when the alphas train (the same test and grid).
+XIELU_KEPT_C, XIELU_KEPT_C_TRAINED, XIELU_KEPT_BOOL = 2, 1, 1
 # Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
 # measures NVML device use minus torch's reserved bytes.
 CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
@@ -427,7 +442,7 @@ def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
     act(gate) and up (2·c·i); plus the LoRA inputs of its adapted linears (frozen linears keep nothing)."""
     c = DTYPE_BYTES[s.compute_dtype]
     i = arch.intermediate_size
-    acts = 3 * c * i if arch.mlp == "gated" else c * i
+    acts = (3 * c * i if arch.mlp == "gated" else c * i) + xielu_extra_bytes(arch, s)
     return acts + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
 
 
@@ -482,8 +497,7 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
         return total + moe_activation_bytes(arch, s)
     if s.tiled_mlp:
         return total + c * arch.hidden_size
-    if s.adapter == "full":  # the MLP's linear inputs were counted with the others (`_linear_input_bytes`)
-        return total + (3 * c * arch.intermediate_size if arch.mlp == "gated" else c * arch.intermediate_size)
+    # a full fine-tune's MLP linear inputs were counted with the others (`_linear_input_bytes`)
     return total + mlp_activation_bytes(arch, s)
 
 
@@ -507,7 +521,30 @@ def _norm_bytes(arch: Architecture, s: Setup) -> float:
         total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
         if full:
             total += (4 if arch.norm_fp32_output else c) * (q + kv)
-    return total
+    return total + centred_norm_extra_bytes(arch, s)
+
+
+def centred_norm_extra_bytes(arch: Architecture, s: Setup, one_norm: bool = False) -> float:
+    """Per token, the second fp32 x − mean copy Cohere's mean-centred LayerNorms keep beyond an RMSNorm's upcast
+    (CENTRED_NORM_EXTRA_FP32): the layer's norms (a tiled norm keeps only its input) and q/k norms, or with
+    `one_norm` one hidden-sized norm (the final norm, or the first layer's that keeps nothing); 0 for other norms."""
+    if arch.norm != "layer_no_bias":
+        return 0.0
+    norms = 0 if s.tiled_norms else (1 if one_norm else arch.norms_per_layer)
+    width = norms * arch.hidden_size
+    if arch.qk_norm and not one_norm:
+        width += (arch.num_heads + arch.num_kv_heads) * arch.head_dim
+    return CENTRED_NORM_EXTRA_FP32 * width
+
+
+def xielu_extra_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what Apertus's xIELU activation keeps beyond the c·i input a plain activation keeps (XIELU_KEPT_*);
+    0 for other activations."""
+    if arch.hidden_act != "xielu":
+        return 0.0
+    c = DTYPE_BYTES[s.compute_dtype]
+    kept_c = XIELU_KEPT_C + (XIELU_KEPT_C_TRAINED if s.adapter == "full" else 0)
+    return (kept_c * c + XIELU_KEPT_BOOL) * arch.intermediate_size
 
 
 def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
@@ -519,6 +556,8 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
     for lin in arch.linears:
         if s.tiled_mlp and is_mlp_linear(arch, lin):
             continue
+        if lin.name == "o_proj" and arch.norms_per_layer == 1:
+            continue  # parallel block (Cohere): see `parallel_block_inputs`
         shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
     return DTYPE_BYTES[s.compute_dtype] * sum(shared.values())
 
@@ -551,9 +590,24 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     h = arch.hidden_size
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
+    attn_in += parallel_block_inputs(arch, s)
     # with recompute_lora no mask is kept in any layer; a tiled norm keeps its c-byte input only when it needs grad
     norm = DTYPE_BYTES[s.compute_dtype] * h if s.tiled_norms else 4 * h + 4
-    return norm + drop * attn_in
+    return norm + centred_norm_extra_bytes(arch, s, one_norm=True) + drop * attn_in
+
+
+def parallel_block_inputs(arch: Architecture, s: Setup) -> int:
+    """A parallel block (Cohere: attention and MLP on one `input_layernorm`, the only family with one norm per
+    layer) feeds its MLP's input linears the attention's input: per token, their LoRA input widths, whose dropout
+    masks the first layer does not keep either (`first_layer_discount`). Its o_proj's input is the attention output
+    `_attention_bytes` counts: in a sequential block `_linear_input_bytes`'s o_proj entry stands for the MLP's own
+    norm output (which its (width, output-side) key merges with the attention's input), a tensor a parallel block
+    does not have. Measured per layer with PeakMemory (2- vs 3-layer Cohere h 256 models, full fine-tune, 256
+    tokens): 15,414 B/token kept, 15,916 with the o_proj entry; LoRA without checkpointing 0.5 % over the harness's
+    peak with the first layer's gate/up masks counted (`scripts/validate_estimator.py --blocks`)."""
+    if arch.norms_per_layer != 1:
+        return 0
+    return sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ("gate_proj", "up_proj"))
 
 
 def head_saved_bytes(arch: Architecture, s: Setup) -> float:
@@ -563,6 +617,7 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
     norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    norm += centred_norm_extra_bytes(arch, s, one_norm=True)
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
     # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
     loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0

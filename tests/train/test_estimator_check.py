@@ -32,6 +32,31 @@ def test_point_within_target(tmp_path, point):
     assert abs(p.error) <= 0.08, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
 
 
+# Blocks that are not Llama-shaped: Cohere (parallel attention + MLP on one mean-centred LayerNorm, per-head q/k
+# norms) and Apertus (xIELU). Without checkpointing every layer's saved tensors are in the peak, so their per-layer
+# terms show: before they were counted the model was 1.0-2.9 % under these peaks (Cohere LoRA / full, Apertus LoRA /
+# full: -1.0, -1.7, -2.2, -2.9 %); now within 0.2 %, and the bound is 0.5 %.
+BLOCKS = {
+    "cohere": {
+        "model_type": "cohere", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True,
+    },
+    "apertus": {
+        "model_type": "apertus", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "xielu",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(BLOCKS))
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_cohere_and_apertus_blocks_within_half_a_percent(tmp_path, family, adapter):
+    model_dir = write_model(BLOCKS[family], tmp_path / family)
+    p = run_point(model_dir, Point(family, adapter, "adamw_torch", False, 1, 256))
+    assert abs(p.error) <= 0.005, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
+
+
 @pytest.mark.requires_cuda
 def test_cuda_point_measures_three_ways_and_predicts_live_bytes(tmp_path):
     """The GPU harness: allocator peak ≥ exact live bytes, reserved ≥ allocated, and the prediction without
