@@ -343,7 +343,24 @@ def _data_profile(args: argparse.Namespace, overrides: dict, origins: dict[str, 
 
 
 def _print_done(m: dict, run_dir) -> None:
-    print(f"done: {m['global_step']} steps, loss {m['first_loss']:.4f} → {m['last_loss']:.4f}; run directory {run_dir}")
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}; run directory {run_dir}")
+
+
+def _loss_line(m: dict) -> str:
+    """The logged training loss at its first and last logged steps — or the one logged step, beside the run's mean
+    (`train_loss`), when the run was shorter than training.logging_steps."""
+    first, last = m.get("first_loss"), m.get("last_loss")
+    if first is None:
+        mean = m.get("train_loss")
+        return "no loss logged" + (f" (mean {mean:.4f})" if isinstance(mean, int | float) else "")
+    at = m.get("first_loss_step"), m.get("last_loss_step")
+    if at[0] is None or at[0] != at[1]:
+        steps = f" (steps {at[0]} → {at[1]})" if at[0] is not None else ""
+        return f"loss {first:.4f} → {last:.4f}{steps}"
+    mean = m.get("train_loss")
+    return f"loss {first:.4f} at step {at[0]}, the only logged step" + (
+        f" (mean over the run {mean:.4f})" if isinstance(mean, int | float) else ""
+    )
 
 
 def _launch(args: argparse.Namespace, recipe, choice, run_dir, hub_repo=None) -> int:

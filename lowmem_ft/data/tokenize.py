@@ -324,7 +324,8 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         ds = load_from_disk(str(cache_dir / "dataset"))
-        log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
+        if first_time("from cache", str(cache_dir)):  # the plan and the run each read it
+            log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
         if meta["format"] in CHAT_FORMATS:
             set_template(tokenizer, None)  # the saved tokenizer must carry the template trained with
         _say_split(source, meta.get("split", 0))  # said whether the data is tokenized now or was before

@@ -394,12 +394,14 @@ class FineTune:
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Final metrics: the trainer's, first/last loss, and with eval data the best evaluation and what was kept."""
-        losses = [h["loss"] for h in history if "loss" in h]
+        logged = [h for h in history if "loss" in h]
         metrics = {
             **self.output.metrics,
             "global_step": self.trainer.state.global_step,
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
+            "first_loss": logged[0]["loss"] if logged else None,
+            "last_loss": logged[-1]["loss"] if logged else None,
+            "first_loss_step": logged[0].get("step") if logged else None,
+            "last_loss_step": logged[-1].get("step") if logged else None,
             "wall_seconds": round(self.elapsed, 2),
             "wandb_mode": self.tracking.mode,
         }

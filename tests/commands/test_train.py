@@ -196,3 +196,16 @@ def test_resume_of_a_run_without_a_complete_checkpoint(capsys, tmp_path):
         f"--resume {run.path}: no complete checkpoint (skipped checkpoint-3: no trainer_state.json (the save did not "
         "finish)), nothing to continue; start the run again without --resume (same --name)"
     )
+
+
+def test_done_line_says_which_steps_its_losses_are_from():
+    """A run shorter than training.logging_steps logs one loss: the done line says so instead of 'loss a → a', and
+    a run with no logged loss is a line too, not a format error on None."""
+    from lowmem_ft.commands.train import _loss_line
+
+    two = {"first_loss": 6.2, "last_loss": 5.75, "first_loss_step": 1, "last_loss_step": 30, "train_loss": 6.0}
+    assert _loss_line(two) == "loss 6.2000 → 5.7500 (steps 1 → 30)"
+    one = {"first_loss": 7.6474, "last_loss": 7.6474, "first_loss_step": 1, "last_loss_step": 1, "train_loss": 7.6415}
+    assert _loss_line(one) == "loss 7.6474 at step 1, the only logged step (mean over the run 7.6415)"
+    assert _loss_line({"first_loss": None, "last_loss": None, "train_loss": 7.5}) == "no loss logged (mean 7.5000)"
+    assert _loss_line({"first_loss": 6.2, "last_loss": 5.75}) == "loss 6.2000 → 5.7500"  # an older metrics.json
