@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
         help="data file (.jsonl .json .parquet .csv .tsv), directory of them, save_to_disk directory or Hub id "
         "org/name (data.path; omit it when --recipe or --set gives data.path or data.mix)",
     )
+    s.add_argument("--data", dest="data_flag", metavar="SOURCE", help="the same as SOURCE, as `train` spells it")
     s.add_argument("--model", help="hub id or local directory whose tokenizer counts the tokens (model.name_or_path)")
     s.add_argument("--max-len", type=flags.count, metavar="N", help="show what a max length of N tokens would cut")
     s.add_argument("--split", help="split of a Hub data set, saved DatasetDict or directory (data.split)")
@@ -71,6 +72,9 @@ def _recipe(args: argparse.Namespace):
     from lowmem_ft.errors import UserError
     from lowmem_ft.recipe.load import merge, parse_overrides, resolve
 
+    if args.source and args.data_flag and args.source != args.data_flag:
+        raise UserError(f"two data sources given ({args.source!r} and --data {args.data_flag!r}); pass one")
+    args.source = args.source or args.data_flag
     data: dict = {}
     for item in args.columns:
         ours, sep, theirs = item.partition("=")

@@ -35,6 +35,14 @@ def test_stats_json(tiny_model, capsys):
     assert out["cuts"][-1] == {"max_len": 32, "samples_over": 0, "tokens_cut": 0}
 
 
+def test_stats_takes_data_as_train_spells_it(tiny_model, capsys):
+    """`--data SOURCE` (train's flag) is SOURCE; two different sources are one line, exit 2."""
+    assert main(["data", "stats", "--data", KNOWN, "--model", tiny_model, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] == 20
+    assert main(["data", "stats", KNOWN, "--data", "other.jsonl", "--model", tiny_model]) == 2
+    assert "two data sources given" in capsys.readouterr().err
+
+
 def test_bad_line_is_one_line_exit_2(tiny_model, tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": ""}\n')
