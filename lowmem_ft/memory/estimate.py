@@ -495,8 +495,10 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     total = _norm_bytes(arch, s) + _linear_input_bytes(arch, s) + _attention_bytes(arch, s, masked)
     if arch.moe:
         return total + moe_activation_bytes(arch, s)
-    if s.tiled_mlp:
-        return total + c * arch.hidden_size
+    if s.tiled_mlp:  # its input; in a parallel block a full fine-tune's q/k/v keep that norm output already
+        # (measured: Cohere h 256, head_dim 96, full, tiled: 12,857 B/token per layer; 13,356 with it counted twice)
+        shared = s.adapter == "full" and arch.norms_per_layer == 1
+        return total + (0 if shared else c * arch.hidden_size)
     # a full fine-tune's MLP linear inputs were counted with the others (`_linear_input_bytes`)
     return total + mlp_activation_bytes(arch, s)
 
@@ -548,18 +550,58 @@ def xielu_extra_bytes(arch: Architecture, s: Setup) -> float:
 
 
 def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
-    """Per token, the linears' kept inputs outside the MLP's own tensors: a trainable weight keeps its input (c
-    bytes), a frozen one nothing; inputs shared by several linears (q/k/v, gate/up) are one tensor. LoRA: peft's."""
+    """Per token, the linears' kept inputs outside the attention's and the MLP's own tensors. LoRA: peft's. A full
+    fine-tune: a trainable weight keeps its input (c bytes), one tensor per input however many linears read it — the
+    attention's norm output (q/k/v, fused or not), the MLP's norm output (gate/up; in a parallel block with one norm,
+    Cohere / Phi / Falcon, the attention's), each down-projection's own input — while the attention output
+    projection's input is the attention output `_attention_bytes` counts, unless it is a copy (`_o_proj_copies`).
+
+    Grouping by (input width, output side) instead merged the MLP's norm output with the attention's input and let
+    o_proj's entry (heads·head_dim wide) stand for it: off by c·(hidden − heads·head_dim) per token and layer where
+    they differ (Qwen3, Gemma-2/3, Mistral-Nemo), and by c·heads·head_dim with the tiled MLP. Measured per layer with
+    PeakMemory (live after the backbone's forward minus static, 3- minus 2-layer models, bf16, 256 tokens, h 256,
+    4 heads; tests/memory/test_estimate.py): Llama with head_dim 96 / 32 kept 12,056 / 10,520 B/token where the
+    grouping said 12,312 / 10,264, with the tiled MLP 6,424 where it said 7,192; Phi-3 (fused, CPU) 13,976 / 11,160
+    where it said 13,464 / 10,648."""
     if s.adapter != "full":
         return _lora_input_bytes(arch, s, mlp=False)
-    shared: dict[tuple[int, bool], int] = {}
+    h = arch.hidden_size
+    inputs: dict[str, int] = {}
     for lin in arch.linears:
-        if s.tiled_mlp and is_mlp_linear(arch, lin):
+        if _is_attention_output(arch, lin):
+            if _o_proj_copies(arch, s):
+                inputs["attention output copy"] = lin.in_features
             continue
-        if lin.name == "o_proj" and arch.norms_per_layer == 1:
-            continue  # parallel block (Cohere): see `parallel_block_inputs`
-        shared.setdefault((lin.in_features, lin.name in ("o_proj", "c_proj", "down_proj")), lin.in_features)
-    return DTYPE_BYTES[s.compute_dtype] * sum(shared.values())
+        if s.tiled_mlp and is_mlp_linear(arch, lin):
+            continue  # the tiled MLP keeps its input itself (`layer_activation_bytes`)
+        if lin.name in ATTENTION_INPUT_LINEARS or lin.name == "query_key_value":
+            key = "attention norm"
+        elif lin.in_features == h:
+            key = "attention norm" if arch.norms_per_layer == 1 else "mlp norm"
+        else:
+            key = lin.name  # a down-projection reads a tensor of its own
+        inputs[key] = lin.in_features
+    return DTYPE_BYTES[s.compute_dtype] * sum(inputs.values())
+
+
+def _is_attention_output(arch: Architecture, lin: Linear) -> bool:
+    """The attention's output projection (o_proj; `dense` in GPT-NeoX / Falcon / Phi; Qwen v1's attention c_proj)."""
+    if lin.name == "c_proj":
+        return arch.model_type == "qwen" and not is_mlp_linear(arch, lin)
+    return lin.name in ("o_proj", "dense")
+
+
+def _o_proj_copies(arch: Architecture, s: Setup) -> bool:
+    """Whether the output projection's input is a tensor of its own rather than the attention output
+    `_attention_bytes` counts. transformers' `attn_output.transpose(1, 2).contiguous()` copies unless the attention
+    returned (batch, seq, heads, head_dim) memory order: eager attention's matmul returns (batch, heads, seq,
+    head_dim), and so does torch's CPU flash kernel for the strided q/k/v views of a fused projection (Phi-3's
+    qkv_proj; traced: a new storage, while Llama's o_proj reads the kernel's output storage). Measured on Phi-3
+    (above) and the zoo's Gemma-2 (eager, h 256, 4 × 96, full: 26,144 B/token kept with its 8,192 of scores, where the
+    grouping, with `_attention_bytes` counting an eager output, said 26,400). CUDA's flash / efficient kernels are assumed to return the seq-major order for fused views too
+    (not measured)."""
+    fused_qkv = any(lin.name in ("qkv_proj", "c_attn", "query_key_value") for lin in arch.linears)
+    return s.attn_implementation == "eager" or (fused_qkv and s.device == "cpu")
 
 
 def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
@@ -577,7 +619,11 @@ def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
     # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
     fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
     v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
-    return c * (2 * q + kv_kept + v_kept) + 4 * arch.num_heads + (c * s.max_seq_len if masked else 0)
+    # eager attention's value matmul keeps its inputs, not its output (o_proj's input there is a copy a trained
+    # o_proj keeps: `_o_proj_copies`); measured on the zoo's Gemma-2 shape (h 256, 4 × 96, LoRA): 38,016 B/token per
+    # layer with its scores, where counting an output said 38,784
+    out = 0 if s.attn_implementation == "eager" else q
+    return c * (q + out + kv_kept + v_kept) + 4 * arch.num_heads + (c * s.max_seq_len if masked else 0)
 
 
 def first_layer_discount(arch: Architecture, s: Setup) -> float:
@@ -599,11 +645,9 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
 def parallel_block_inputs(arch: Architecture, s: Setup) -> int:
     """A parallel block (Cohere: attention and MLP on one `input_layernorm`, the only family with one norm per
     layer) feeds its MLP's input linears the attention's input: per token, their LoRA input widths, whose dropout
-    masks the first layer does not keep either (`first_layer_discount`). Its o_proj's input is the attention output
-    `_attention_bytes` counts: in a sequential block `_linear_input_bytes`'s o_proj entry stands for the MLP's own
-    norm output (which its (width, output-side) key merges with the attention's input), a tensor a parallel block
-    does not have. Measured per layer with PeakMemory (2- vs 3-layer Cohere h 256 models, full fine-tune, 256
-    tokens): 15,414 B/token kept, 15,916 with the o_proj entry; LoRA without checkpointing 0.5 % over the harness's
+    masks the first layer does not keep either (`first_layer_discount`). A full fine-tune's MLP keeps that same norm output
+    (`_linear_input_bytes`), not a norm output of its own as a sequential block's does. Measured per layer with PeakMemory (2- vs 3-layer Cohere h 256 models, full fine-tune, 256
+    tokens): 15,414 B/token kept, 15,916 with a second norm output; LoRA without checkpointing 0.5 % over the harness's
     peak with the first layer's gate/up masks counted (`scripts/validate_estimator.py --blocks`)."""
     if arch.norms_per_layer != 1:
         return 0
