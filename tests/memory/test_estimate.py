@@ -158,6 +158,60 @@ def test_cohere_and_apertus_layer_bytes_match_the_per_layer_measurement(config, 
         assert centred_norm_extra_bytes(arch, s) == 0
 
 
+# heads · head_dim ≠ hidden (Qwen3-4B 32 × 128 vs 2,560, Gemma-2-9B 16 × 256 vs 3,584, Mistral-Nemo 32 × 128 vs
+# 5,120): h 256, 4 heads of 96 (384 wide) or 32 (128 wide), GQA 4/2, i 704, bf16, 256 tokens, CPU dropout, LoRA r 8.
+WIDE = {
+    "model_type": "llama", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 704,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 96,
+}  # fmt: skip
+NARROW = {**WIDE, "head_dim": 32}
+PHI3_WIDE = {**WIDE, "model_type": "phi3", "pad_token_id": 0}
+GEMMA2_WIDE = {**WIDE, "model_type": "gemma2", "query_pre_attn_scalar": 96}
+COHERE_WIDE = {**WIDE, "model_type": "cohere", "use_qk_norm": True}
+
+
+@pytest.mark.parametrize(
+    ("config", "adapter", "knobs", "measured"),
+    [
+        (WIDE, "full", {}, 12056),
+        (WIDE, "lora", {}, 27768),
+        (NARROW, "full", {}, 10520),
+        (NARROW, "lora", {}, 24184),
+        (WIDE, "full", {"tiled_mlp": True}, 6424),
+        (PHI3_WIDE, "full", {}, 13976),
+        (GEMMA2_WIDE, "full", {}, 26144),
+        (GEMMA2_WIDE, "lora", {}, 38016),
+        (COHERE_WIDE, "full", {"tiled_mlp": True}, 12857),
+    ],
+    ids=["wide-full", "wide-lora", "narrow-full", "narrow-lora", "wide-full-tiled", "phi3-full", "gemma2-full",
+         "gemma2-lora", "cohere-full-tiled"],
+)  # fmt: skip
+def test_layer_bytes_match_the_measurement_where_heads_times_head_dim_is_not_hidden(config, adapter, knobs, measured):
+    """PeakMemory, live bytes after the backbone's forward minus static, 3- minus 2-layer models, no checkpointing:
+    one layer kept `measured` B/token (Gemma-2: with its eager s² scores). Grouping the linears' inputs by (width,
+    output side) said 12,312 / 27,768, 10,264 / 24,184, 7,192 (tiled), 13,464 (Phi-3: o_proj's input is a copy on
+    the CPU), 26,400 / 38,784 (Gemma-2: eager attention keeps no output) and 13,356 (Cohere, tiled: its MLP's input
+    is the attention's); LoRA was right. Cohere's also holds its norms' fp32 weight copies (13 B/token here)."""
+    arch = Architecture.from_config(config)
+    s = Setup(quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
+              micro_batch_size=1, max_seq_len=256, **knobs)  # fmt: skip
+    s, _ = effective_setup(arch, s)
+    scores = eager_scores_bytes(arch, s) / s.max_seq_len if s.attn_implementation == "eager" else 0
+    weight_copies = 4 * (arch.hidden_size + (arch.num_heads + arch.num_kv_heads) * arch.head_dim) / 256
+    assert layer_activation_bytes(arch, s) + scores == measured - (weight_copies if arch.model_type == "cohere" else 0)
+
+
+def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim():
+    """Full fine-tune with checkpointing, 4,096 tokens, chunked loss of 64 (devkit/long_context_check.py points with
+    the adapter made full): the backward peaks of WIDE and NARROW differ by 12,058,880 B measured (PeakMemory; the
+    recomputed layer, weights, gradients and states); the estimate's by 12,058,624 (it said 14,155,776 when it
+    counted o_proj's input for the MLP's norm output)."""
+    s = Setup(quantization="none", adapter="full", lora_r=8, optimizer="adamw_torch", device="cpu", max_seq_len=4096,
+              loss_impl="chunked", loss_chunk_tokens=64)  # fmt: skip
+    wide, narrow = (estimate(Architecture.from_config(c), s).phases["backward"] for c in (WIDE, NARROW))
+    assert wide - narrow == pytest.approx(12_058_880, abs=512)
+
+
 def test_a_parallel_blocks_first_layer_keeps_no_mlp_input_masks():
     """Cohere's MLP shares the attention's norm output, which the first layer's LoRA input copies need no grad for:
     its gate/up dropout masks are not kept either (the harness's LoRA points without checkpointing were 0.5 % over
