@@ -561,8 +561,8 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
     they differ (Qwen3, Gemma-2/3, Mistral-Nemo), and by c·heads·head_dim with the tiled MLP. Measured per layer with
     PeakMemory (live after the backbone's forward minus static, 3- minus 2-layer models, bf16, 256 tokens, h 256,
     4 heads; tests/memory/test_estimate.py): Llama with head_dim 96 / 32 kept 12,056 / 10,520 B/token where the
-    grouping said 12,312 / 10,264, with the tiled MLP 6,424 where it said 7,192; Phi-3 (fused, CPU) 13,976 / 11,160
-    where it said 13,464 / 10,648."""
+    grouping said 12,312 / 10,264, with the tiled MLP 6,424 where it said 7,192; Phi-3 13,976 / 11,160
+    where it said 13,464 / 10,648 (its o_proj reads a copy: `_o_proj_copies`)."""
     if s.adapter != "full":
         return _lora_input_bytes(arch, s, mlp=False)
     h = arch.hidden_size
@@ -591,17 +591,23 @@ def _is_attention_output(arch: Architecture, lin: Linear) -> bool:
     return lin.name in ("o_proj", "dense")
 
 
+# Families whose apply_rotary_pos_emb joins the rotated and passed-through halves with torch.cat (transformers 5.24
+# modeling_phi3 / _glm / _glm4 / _nemotron / _gpt_neox; Phi's attention inline): q comes out (batch, heads, seq,
+# head_dim)-contiguous rather than a transposed view, and SDPA returns its output in that order.
+ROPE_CAT_FAMILIES = frozenset({"phi3", "phi", "glm", "glm4", "nemotron", "gpt_neox"})
+
+
 def _o_proj_copies(arch: Architecture, s: Setup) -> bool:
     """Whether the output projection's input is a tensor of its own rather than the attention output
     `_attention_bytes` counts. transformers' `attn_output.transpose(1, 2).contiguous()` copies unless the attention
-    returned (batch, seq, heads, head_dim) memory order: eager attention's matmul returns (batch, heads, seq,
-    head_dim), and so does torch's CPU flash kernel for the strided q/k/v views of a fused projection (Phi-3's
-    qkv_proj; traced: a new storage, while Llama's o_proj reads the kernel's output storage). Measured on Phi-3
-    (above) and the zoo's Gemma-2 (eager, h 256, 4 × 96, full: 26,144 B/token kept with its 8,192 of scores, where the
-    grouping, with `_attention_bytes` counting an eager output, said 26,400). CUDA's flash / efficient kernels are assumed to return the seq-major order for fused views too
-    (not measured)."""
-    fused_qkv = any(lin.name in ("qkv_proj", "c_attn", "query_key_value") for lin in arch.linears)
-    return s.attn_implementation == "eager" or (fused_qkv and s.device == "cpu")
+    returned (batch, seq, heads, head_dim) memory order, which it does not for eager attention (its value matmul
+    returns (batch, heads, seq, head_dim)) nor for the ROPE_CAT_FAMILIES' queries. Traced on the CPU (does o_proj
+    read the SDPA kernel's output storage?): yes for Llama, Qwen3, Cohere, StarCoder2; no for Phi-3, Phi, GLM,
+    GLM-4, Nemotron, GPT-NeoX. Measured on Phi-3 (above) and the zoo's Gemma-2 (eager, h 256, 4 × 96, full:
+    26,144 B/token kept with its 8,192 of scores, where the grouping, with `_attention_bytes` counting an eager
+    output, said 26,400). CUDA's kernels are taken to order their output as the CPU's does (not measured: counting
+    the copy is the safe side)."""
+    return s.attn_implementation == "eager" or arch.model_type in ROPE_CAT_FAMILIES
 
 
 def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
