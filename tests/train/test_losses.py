@@ -144,7 +144,7 @@ def test_loss_head_end_to_end_lora_grads_equal_standard(tiny_model):
 @pytest.mark.slow
 @pytest.mark.memory_unchecked(
     reason="the backward, by gaps outside the loss (the forward, where the chunked loss peaks, is checked in the "
-    "test): measured 7-21 % under its prediction on this 2-layer model at 33-49 tokens, the same with every position "
+    "test): measured 10-19 % under its prediction on this 2-layer model at 33-49 tokens, the same with every position "
     "labelled — the trainer's split-stable LoRA dropout keeps a 1-byte mask where the CPU form counts torch's 4-byte "
     "noise (DROPOUT_MASK_BYTES), and a micro batch's backward that starts without gradients is predicted with all of "
     "them (phase_peak_bytes)"
@@ -184,7 +184,7 @@ def test_training_with_chunked_loss(tiny_model, chat_data, tmp_path):
     assert result.metrics["last_loss"] < result.metrics["first_loss"]
     # Chat data: the loss is on the assistant's tokens only. The forward peaks in the chunked loss, whose terms
     # scale with the labelled positions (`Setup.loss_tokens`): every forward within the hook's tolerance (counting
-    # every position, the prediction was 12-16 % over the measurement here).
+    # every position, the prediction was 12-25 % over the measurement here).
     samples = [json.loads(line) for line in (run_dir / "memory.jsonl").read_text().splitlines()]
     forwards = [r for r in samples if r.get("phase") == "forward" and r.get("predicted_peak_live_gb")]
     assert len(forwards) >= 12
