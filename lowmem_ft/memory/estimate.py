@@ -69,12 +69,22 @@ CPU_TILE_FP32_BWD = 7.25
 # logits stay for its derivative: 16 B. On top of the backward's chunk, the c-byte `grad_hidden` of all n tokens
 # and three fp32 per-token gradients (log-probs' gradient, masked_scatter's backward and its zeros: 12 B per token,
 # measured in a tiny-model run at 4,096 tokens). The loss input `hidden[mask]` is a c-byte copy kept from forward
-# to backward, beside its int64 targets, fp32 log-probs and two bool masks (CHUNKED_TOKEN_BYTES, same run).
+# to backward, beside its int64 targets, fp32 log-probs and two bool masks (same run).
+# The head projects the labelled positions only (`token_log_probs`: `hidden[mask]`, mask = shifted labels ≠ −100),
+# so the chunks, the `hidden[mask]` copy, its int64 targets and fp32 log_z (CHUNKED_LABEL_BYTES) and the backward's
+# per-token gradients scale with the labelled positions (`Setup.loss_tokens`); the bool mask and the scattered bool
+# top-1 hits are per position (CHUNKED_POSITION_BYTES). Measured with PeakMemory on `token_log_probs` alone (S 4,096,
+# h 64, V 8,000, bf16, chunks of 256; 4,095 / 2,048 / 1,024 / 256 labelled positions): kept after forward
+# 140 B per labelled position (c·h + 12) + 10.0 B per position (the 8-byte padded targets of TOKEN_BOOKKEEPING_BYTES
+# and these 2); backward beyond its chunk 137 B per labelled position (c·h + 9 ≤ c·h + 12) and nothing per position
+# (tests/memory/test_estimate_loss.py). TRL's fused head (chunked_loss off) compacts to the labelled positions too,
+# but on Triton devices only (trl/trainer/utils.py add_fused_lm_head: `compact = _use_triton(...)`); on the CPU, where
+# runs are measured exactly, it scores every position, so its terms (TRL_*) count every position.
 CHUNK_FP32_BYTES = 64 * 2**20
 CHUNK_FWD_BYTES_PER_LOGIT, CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32 = 8, 12
 CHUNK_BWD_BYTES_PER_LOGIT, CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP = 4, 16
 CHUNK_BWD_BYTES_PER_TOKEN = 3 * 4
-CHUNKED_TOKEN_BYTES = 8 + 4 + 2
+CHUNKED_LABEL_BYTES, CHUNKED_POSITION_BYTES = 8 + 4, 2
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
@@ -202,6 +212,9 @@ class Setup:
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
     loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
+    # labelled positions of a micro batch (labels ≠ -100 after the shift), what the chunked loss projects
+    # (`loss_positions`); None: every position, the upper bound a plan keeps (it does not know the batches' labels)
+    loss_tokens: int | None = None
     tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiled_mlp.py)
     mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
     embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
@@ -669,10 +682,13 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
     norm += centred_norm_extra_bytes(arch, s, one_norm=True)
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
-    # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output.
-    loss_input = c * h if s.loss_impl in ("trl_fused", "chunked") else 0
-    chunked = CHUNKED_TOKEN_BYTES if s.loss_impl == "chunked" else 0
-    return norm + loss_input + chunked + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
+    # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output. The chunked loss's
+    # copy and per-label tensors are per labelled position: spread here over every position (× their fraction).
+    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    if s.loss_impl == "chunked":
+        labelled = s.tokens if s.loss_tokens is None else min(s.loss_tokens, s.tokens)
+        loss_input = (c * h + CHUNKED_LABEL_BYTES) * labelled / max(1, s.tokens) + CHUNKED_POSITION_BYTES
+    return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
@@ -685,9 +701,17 @@ def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     return per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
 
 
-def loss_chunk_tokens(arch: Architecture, s: Setup) -> int:
-    """Tokens per chunk of the chunked loss: `memory.loss_chunk_tokens`, else losses.py's 64 MiB of fp32 logits."""
+def loss_positions(s: Setup) -> int:
+    """Positions the chunked loss projects (losses.py `token_log_probs`: `hidden[mask]`): the micro batch's labelled
+    positions when known (`Setup.loss_tokens`), else every position but each row's last, the upper bound."""
     n = s.micro_batch_size * (s.max_seq_len - 1)
+    return n if s.loss_tokens is None else max(0, min(n, s.loss_tokens))
+
+
+def loss_chunk_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per chunk of the chunked loss: `memory.loss_chunk_tokens`, else losses.py's 64 MiB of fp32 logits; at
+    most the positions it projects (`loss_positions`)."""
+    n = loss_positions(s)
     return max(1, min(n, s.loss_chunk_tokens or CHUNK_FP32_BYTES // (4 * arch.vocab_size)))
 
 
@@ -701,8 +725,9 @@ def _chunk_per_logit(arch: Architecture, s: Setup) -> tuple[int, int]:
 
 
 def _chunk_backward_fixed(arch: Architecture, s: Setup) -> float:
-    """The chunked loss's backward beyond its chunk: every token's c-byte hidden-state gradient and fp32 ones."""
-    n = s.micro_batch_size * (s.max_seq_len - 1)
+    """The chunked loss's backward beyond its chunk: every projected token's c-byte hidden-state gradient and fp32
+    ones."""
+    n = loss_positions(s)
     return (DTYPE_BYTES[s.compute_dtype] * arch.hidden_size + CHUNK_BWD_BYTES_PER_TOKEN) * n
 
 
@@ -720,7 +745,7 @@ def largest_loss_chunk(arch: Architecture, s: Setup, budget_bytes: float) -> int
     """The largest loss chunk (tokens) whose working set, forward and backward, fits in `budget_bytes`; 0 if even
     one token does not. At most the micro batch's tokens. Pure arithmetic, for the planner: fewer, larger chunks
     when there is room (`memory.loss_chunk_tokens`)."""
-    n = s.micro_batch_size * (s.max_seq_len - 1)
+    n = loss_positions(s)
     fwd, bwd = _chunk_per_logit(arch, s)
     k = min(
         budget_bytes // (fwd * arch.vocab_size),
@@ -1091,7 +1116,15 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     train = estimate(arch, s)
     s, _ = effective_setup(arch, s)
     static = sum(x.bytes for x in train.components if x.phase == "static" and x.name != "gradients")
-    es = replace(s, micro_batch_size=batch, gradient_checkpointing=False, activation_offloading=False, lora_dropout=0.0)
+    # an evaluation batch's labelled positions are not known: every position (`loss_tokens` None)
+    es = replace(
+        s,
+        micro_batch_size=batch,
+        gradient_checkpointing=False,
+        activation_offloading=False,
+        lora_dropout=0.0,
+        loss_tokens=None,
+    )
     c, t = DTYPE_BYTES[s.compute_dtype], es.tokens
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0

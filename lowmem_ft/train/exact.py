@@ -6,7 +6,8 @@ SFTTrainer, the collator, evaluation, checkpoint saves, bitsandbytes' CPU optimi
 the monitor reports `live_gb` (live now) and `peak_live_gb` (the exact peak since the previous sample).
 
 Beside each it puts the memory model's CPU form for the same phase and the batch that actually ran
-(`predicted_peak_live_gb`, from `lowmem_ft.memory.estimate.phase_peak_bytes`): the batch's rows × tokens, whether
+(`predicted_peak_live_gb`, from `lowmem_ft.memory.estimate.phase_peak_bytes`): the batch's rows × tokens, its
+labelled positions (what the chunked loss projects: labels ≠ -100 after the shift its head applies), whether
 gradients and optimizer states were alive yet, whether activation checkpointing was on (the guard may switch it on
 mid-run). Those are observed on the model and the optimizer, never assumed, so a disagreement is a gap in the memory
 model, not in the bookkeeping. The plan's batch (micro batch × `max_seq_len`) is the worst case: batches that ran
@@ -67,6 +68,7 @@ class ExactMemory:
         if self.setup.device != "cpu":
             raise ValueError("ExactMemory compares with the CPU form of the memory model (Setup.device='cpu')")
         self._train: tuple[int, int] | None = None  # rows × tokens of the last training forward
+        self._labelled: int | None = None  # ... and its labelled positions (the chunked loss's `loss_tokens`)
         self._eval: tuple[int, int] | None = None  # ... and of the last evaluation forward
         self._grads = False  # gradients alive when the last training forward began
         self._states = False  # optimizer states alive when the last forward began
@@ -142,6 +144,7 @@ class ExactMemory:
             self._eval = batch
             return
         self._train = batch
+        self._labelled = labelled_positions(kwargs) if self.setup.loss_impl == "chunked" else None
         self._grads = any(p.grad is not None for p in self._trainable)
         checkpointing = getattr(self._base, "is_activation_checkpointing", None)
         if isinstance(checkpointing, bool):
@@ -166,10 +169,31 @@ class ExactMemory:
     def _predict(self, what: RunPhase, batch: tuple[int, int]) -> float:
         grads = self._grads if what == "forward" else what != "eval"
         states = self._states or what == "optimizer step"
-        key = (what, batch, grads, states, self._checkpointing)
+        labelled = None if what == "eval" else self._labelled
+        key = (what, batch, labelled, grads, states, self._checkpointing)
         if key not in self._cache:
             rows, tokens = batch
-            s = replace(self.setup, micro_batch_size=rows, max_seq_len=tokens, gradient_checkpointing=key[-1])
+            s = replace(
+                self.setup,
+                micro_batch_size=rows,
+                max_seq_len=tokens,
+                loss_tokens=labelled,
+                gradient_checkpointing=key[-1],
+            )
             b = phase_peak_bytes(self.arch, s, what, grads=grads, states=states, ddp=self.ddp)
             self._cache[key] = round(b / GB, 6)
         return self._cache[key]
+
+
+def labelled_positions(kwargs: dict) -> int | None:
+    """The positions a forward's loss is taken on: `shift_labels` ≠ -100, else `labels[:, 1:]` ≠ -100 (the shift
+    `lowmem_ft.train.losses.token_log_probs` applies); None without labels (every position, the upper bound)."""
+    from lowmem_ft.train.losses import IGNORE_INDEX
+
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        labels = kwargs.get("labels")
+        if labels is None:
+            return None
+        shifted = labels[..., 1:]
+    return int((shifted != IGNORE_INDEX).sum())
