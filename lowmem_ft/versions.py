@@ -1,0 +1,36 @@
+"""The library versions the memory model was read from and checked against: one record, read by `doctor`, `plan`
+and the memory model's calibration table.
+
+The memory model's constants were read from these libraries' code and measured with them installed (exact
+live-tensor counts on the CPU, `lowmem_ft.train.measure`). A newer or older version may allocate differently; the
+installed versions are compared with these and any difference is said, not assumed harmless.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+# package → the version the memory model was checked against (the CI machine's set-up, scripts/setup.sh).
+CHECKED: dict[str, str] = {
+    "torch": "2.13.0",
+    "transformers": "5.24.0",
+    "peft": "0.21.2",
+    "trl": "1.16.0",
+    "bitsandbytes": "0.50.2",
+    "accelerate": "1.16.0",
+    "datasets": "5.2.0",
+}
+
+
+def installed(package: str) -> str | None:
+    """The installed version of `package` without a local build tag (`2.13.0+cpu` → `2.13.0`), None if absent."""
+    try:
+        return metadata.version(package).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def differences() -> dict[str, tuple[str, str | None]]:
+    """package → (checked, installed) for each package whose installed version is not the one checked."""
+    found = {name: (want, installed(name)) for name, want in CHECKED.items()}
+    return {name: pair for name, pair in found.items() if pair[0] != pair[1]}
