@@ -4,7 +4,7 @@ several commands take (`--set`, `--push-to-hub`).
 The one idea: a bad flag value is refused while the command line is parsed — before any file is read or any model
 loaded — in one line that names the flag, the rule and the value (`lowmem_ft.cli` prints argparse's errors as one
 line). Range rules that need the recipe or the model (`--vram` above the safety margin, `--seq-len` within the model's
-positions) are checked where those are known (`lowmem_ft.planning`).
+positions) are checked where those are known (`lowmem_ft.choosing`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def ranged(
 
 
 # The flags several commands share.
-vram_gb = ranged(float, gt=0, unit=" GB")  # above the recipe's safety margin too: checked by lowmem_ft.planning
+vram_gb = ranged(float, gt=0, unit=" GB")  # above the recipe's safety margin too: checked by lowmem_ft.choosing
 count = ranged(int, ge=1)  # --gpus, --nodes, --max-new-tokens, --max-len
 seed = ranged(int, ge=0)
 

@@ -64,7 +64,7 @@ def check_output_file(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lowmem_ft.checks import check_model
-    from lowmem_ft.planning import choose_recipe, start_recipe
+    from lowmem_ft.choosing import choose_recipe, start_recipe
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
 
     output = Path(args.output) if args.output else None

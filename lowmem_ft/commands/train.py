@@ -246,8 +246,8 @@ def resume(path, overrides: dict | None = None, lock: bool = False):
 
     A run directory is data: its recipe.yaml cannot turn on model.trust_remote_code, only this command line can
     (`--trust-remote-code` in `overrides`; `lowmem_ft.recipe.load` drops the file's)."""
+    from lowmem_ft.choosing import Choice
     from lowmem_ft.errors import UserError
-    from lowmem_ft.planning import Choice
     from lowmem_ft.rundir import RunDir
 
     run = RunDir.existing(path)
@@ -273,7 +273,7 @@ def choose(args: argparse.Namespace, overrides: dict):
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile."""
     import logging
 
-    from lowmem_ft.planning import choose_recipe
+    from lowmem_ft.choosing import choose_recipe
 
     origins = flag_origins(args)
     profile = _data_profile(args, overrides, origins) if args.vram is not None else None
@@ -323,7 +323,7 @@ def _check_inputs(recipe, run_dir=None, flag: str = "--resume") -> None:
 
 
 def _check_length(recipe, overrides: dict, recipe_name: str | None) -> None:
-    from lowmem_ft.planning import check_positions, model_positions
+    from lowmem_ft.choosing import check_positions, model_positions
 
     length = recipe.memory.max_seq_len
     given = "max_seq_len" in overrides.get("memory", {})
@@ -333,8 +333,8 @@ def _check_length(recipe, overrides: dict, recipe_name: str | None) -> None:
 
 def _data_profile(args: argparse.Namespace, overrides: dict, origins: dict[str, str]):
     """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training)."""
+    from lowmem_ft.choosing import start_recipe, target_for
     from lowmem_ft.data import length_profile
-    from lowmem_ft.planning import start_recipe, target_for
 
     start = start_recipe(args.vram, args.recipe, overrides, origins)
     target_for(args.vram, start)  # --vram above the recipe's margin, before the data is tokenized
@@ -403,7 +403,7 @@ def _run_launched(path, trust_remote_code: bool) -> int:
     """One process of a launched run: train in the prepared run directory. A relaunch by hand after a crash
     continues from the last checkpoint, through the same resume path as `--resume`. Its recipe.yaml cannot turn on
     model.trust_remote_code: the launching command passes --trust-remote-code on the ranks' command line."""
-    from lowmem_ft.planning import Choice
+    from lowmem_ft.choosing import Choice
     from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.run import train
 
