@@ -319,6 +319,22 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
     return Target(vram_gb, margin, gpus)
 
 
+def origin_of(path: str, overrides: dict, origins: dict[str, str] | None) -> str | None:
+    """Who set recipe key `path`: its flag (`origins`), "--set", or None (the recipe file, or the defaults)."""
+    section, _, name = path.partition(".")
+    if (origins or {}).get(path):
+        return origins[path]
+    return "--set" if isinstance(overrides.get(section), dict) and name in overrides[section] else None
+
+
+def asked(path: str, value: Any, origin: str | None, recipe: str | None) -> str:
+    """Where the value of recipe key `path` was asked, as the user wrote it — `--seq-len 4096`,
+    `--set memory.max_seq_len=4096` or `recipe 8gb` (`origin` as `origin_of` says): the one wording of it."""
+    if origin == "--set":
+        return f"--set {path}={value}"
+    return f"{origin} {value}" if origin else f"recipe {recipe}"
+
+
 def check_positions(length: int, positions: int, model: str, asked: str) -> None:
     """A max_seq_len the user asked for (`asked` says where) within the model's positions, when they are known."""
     if positions and length > positions:
@@ -349,8 +365,7 @@ def _length(
     cap = round_seq_len(positions, up=False) if positions else 0
     if seq_len or "max_seq_len" in fixed:
         flag = "--seq-len" if seq_len else asked_by  # the flag that fixed it (`origins`), else --set
-        asked = f"--set memory.max_seq_len={length}" if flag == "--set" else f"{flag} {length}"
-        check_positions(length, positions, arch.name or "the model", asked)
+        check_positions(length, positions, arch.name or "the model", asked("memory.max_seq_len", length, flag, None))
         return length, f"{length} tokens, as {flag} asked", False
     if profile is not None and profile.p99 > 0:
         wanted = round_seq_len(profile.p99)
@@ -467,11 +482,9 @@ def choose_recipe(
     _check_adapter_fits(arch, start)
     model = start.model.name_or_path
     if recipe is not None:
-        length, flag = start.memory.max_seq_len, (origins or {}).get("memory.max_seq_len")
-        asked = f"recipe {recipe}"
-        if "max_seq_len" in overrides.get("memory", {}):
-            asked = f"{flag} {length}" if flag else f"--set memory.max_seq_len={length}"
-        check_positions(length, arch.max_position_embeddings, model, asked)
+        length = start.memory.max_seq_len
+        where = asked("memory.max_seq_len", length, origin_of("memory.max_seq_len", overrides, origins), recipe)
+        check_positions(length, arch.max_position_embeddings, model, where)
         request = request_for(start, target, strategy=strategy, offload=offload)
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(_adapter_reason(check(arch, request), start, origins))

@@ -523,6 +523,17 @@ class RunDir:
             skipped.append((path, problem))
         return ResumePoint(None, skipped)
 
+    def resumable(self) -> ResumePoint:
+        """The resume point of `--resume`; with no complete checkpoint, the one refusal (the run unlocked first)."""
+        point = self.resume_point()
+        if point.checkpoint is None:
+            self.unlock()
+            raise UserError(
+                f"--resume {self.path}: {point.describe()}, nothing to continue; start the run again without "
+                "--resume (same --name)"
+            )
+        return point
+
     def last_checkpoint(self) -> Path | None:
         """The checkpoint to resume from: the newest complete one, or None."""
         return self.resume_point().checkpoint

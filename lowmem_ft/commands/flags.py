@@ -109,20 +109,20 @@ def _choices(tp: Any) -> list[str] | None:
     return list(get_args(tp)) if get_origin(tp) is Literal else None
 
 
-def add_key_flags(parser, *names: str, checked: bool = False, note: dict[str, str] | None = None, **kw) -> None:
+def add_key_flags(parser, *names: str, checked: bool = False, note: str = "", **kw) -> None:
     """Add the flags `names` (e.g. "--seq-len") of their recipe keys to `parser`: help, metavar, choices, a list's
-    nargs and a switch's store_true from the declaration; `note` adds a command's own words to a flag's help.
-    `checked`: a number is refused while parsing, against the key's declared type and range (what `plan` does,
-    before any file is read); otherwise it is checked with the recipe, as `--set` is. `kw` goes to every flag."""
+    nargs and a switch's store_true from the declaration; `note` adds a command's own words to the help, `kw` goes
+    to argparse (`required=True`). `checked`: a number is refused while parsing, against the key's declared type and
+    range (what `plan` does, before any file is read); otherwise it is checked with the recipe, as `--set` is."""
     for name in names:
         key = FLAG_KEYS[name]
         flag = key.flag
         said = f"{key.path}={flag.switch}" if flag.switch not in (None, True) else key.path
-        text = f"{flag.help} ({said}){note.get(name, '') if note else ''}"
+        options: dict[str, Any] = {"dest": _dest(key), "help": f"{flag.help} ({said}){note}"}
         if flag.switch is not None:
-            parser.add_argument(name, dest=_dest(key), action="store_true", help=text, **kw)
+            parser.add_argument(name, action="store_true", **options, **kw)
             continue
-        options: dict[str, Any] = {"metavar": flag.metavar, "help": text}
+        options["metavar"] = flag.metavar
         choices = _choices(key.type)
         if choices is not None:
             options["choices"] = [c for c in choices if c not in flag.hidden_choices]
@@ -133,7 +133,7 @@ def add_key_flags(parser, *names: str, checked: bool = False, note: dict[str, st
                 b: key.field.metadata[b] for b in ("ge", "gt", "le", "lt") if key.field.metadata.get(b) is not None
             }
             options["type"] = ranged(key.type, **bounds)
-        parser.add_argument(name, dest=_dest(key), **{**options, **kw})
+        parser.add_argument(name, **{**options, **kw})
 
 
 def key_overrides(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:

@@ -118,13 +118,7 @@ class FineTune:
         """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
         UserError when there is none."""
         run = self.run
-        point = run.resume_point()
-        if point.checkpoint is None:
-            run.unlock()
-            raise UserError(
-                f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without "
-                "--resume (same --name)"
-            )
+        point = run.resumable()
         before = run.read_status()
         if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
             ended = "stopped without recording how" if before.state == "running" else before.describe()
