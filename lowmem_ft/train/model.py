@@ -318,7 +318,7 @@ def build_model(recipe: Recipe):
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
     model = load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
-    apply_memory_savers(model, recipe)  # memory.tiled_mlp, tiled_norms, recompute_lora, embeddings_on_host
+    apply_memory_savers(model, recipe)  # the recipe's long-context savers, last
     return model
 
 
