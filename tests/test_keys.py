@@ -5,6 +5,7 @@ schema's defaults as the one set of defaults and errors naming where a value cam
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields, replace
 from typing import Literal, get_args, get_origin
 
@@ -52,6 +53,8 @@ def other_value(key: Key):
         return round(default / 2, 6) if default else 0.25  # within [0, 1) and above 0 where those are the ranges
     if get_origin(tp) is list:
         (inner,) = get_args(tp)
+        if get_origin(inner) is dict:  # data.mix
+            return [{"path": "a.jsonl", "weight": 2}]
         return [next(c for c in get_args(inner) if c not in default)] if get_origin(inner) is Literal else ["q_proj"]
     if get_origin(tp) is dict:
         return {"prompt": "question"}
@@ -85,6 +88,23 @@ def test_the_planner_gets_the_schemas_default(key):
 def test_the_shipped_base_recipe_is_the_schemas_defaults():
     assert resolve("base") == Recipe()
     assert setup_from_recipe(Recipe()).gradient_accumulation == 8 != Setup().gradient_accumulation
+
+
+@pytest.mark.parametrize("key", list(KEYS.values()), ids=lambda k: k.path)
+def test_every_key_is_set_on_the_command_line_and_reaches_the_planner_when_it_feeds_it(key):
+    """Every key, flag or not: `--set key=value` → the recipe → (for a planned key) the setup and back."""
+    value = other_value(key)
+    argv = ["--set", f"{key.path}={json.dumps(value)}"]
+    if key.path == "adapter.kind":  # full fine-tuning trains 16-bit weights
+        argv += ["--set", "model.quantization=none"]
+    request = request_of(_train(*argv))
+    recipe = resolve(None, request.overrides, request.origins)
+    assert key.of(recipe) == value != key.default
+    others = [k for k in KEYS.values() if k is not key and k.path != "model.quantization"]
+    assert all(k.of(recipe) == k.default for k in others)  # the one key, nothing else
+    if key.planned is not None:
+        plan = check(ARCH, request_for(recipe, Target(80.0, 1.0)))
+        assert key.of(apply_plan(Recipe(), plan)) == value
 
 
 # -- recipe ↔ Setup ↔ plan ----------------------------------------------------------------------------------------
