@@ -129,10 +129,7 @@ def add_key_flags(parser, *names: str, checked: bool = False, note: str = "", **
         if get_origin(key.type) is list:
             options["nargs"] = "+"
         if checked and key.type in (int, float):
-            bounds = {
-                b: key.field.metadata[b] for b in ("ge", "gt", "le", "lt") if key.field.metadata.get(b) is not None
-            }
-            options["type"] = ranged(key.type, **bounds)
+            options["type"] = ranged(key.type, **key.bounds)
         parser.add_argument(name, **{**options, **kw})
 
 

@@ -389,7 +389,7 @@ def field_help() -> dict[str, str]:
     """`section.key` → its documentation, from the schema (`recipes keys`): help, default, range and flag."""
     out = {}
     for path, key in KEYS.items():
-        bounds = _bounds(key.field)
+        bounds = key.bounds
         where = f", {span(**bounds)}" if bounds else ""
         flag = ""
         if key.flag is not None:

@@ -434,6 +434,11 @@ class Key:
         return self.field.metadata.get("help", "")
 
     @property
+    def bounds(self) -> dict[str, float]:
+        """The declared range: `ge`, `gt`, `le`, `lt` as given (see `_f`)."""
+        return {b: self.field.metadata[b] for b in ("ge", "gt", "le", "lt") if self.field.metadata.get(b) is not None}
+
+    @property
     def flag(self) -> Flag | None:
         return self.field.metadata.get("flag")
 
