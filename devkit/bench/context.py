@@ -71,7 +71,7 @@ def build(model_dir: Path, point: LongPoint, dtype: str):
 def main(argv=None) -> int:
     from lowmem_ft.train.measure import PeakMemory
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.context", description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -64,7 +64,7 @@ def curve(model_dir: str, savers: bool, dropout: float, steps: int) -> list[floa
 def main(argv=None) -> int:
     from devkit.tiny import build_tiny_model
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.context_quality", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -181,7 +181,7 @@ def cuda_main(out: str | None, models: tuple[str, ...]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.estimator", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the real-size GPU check")
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="catalog ids for --device cuda")

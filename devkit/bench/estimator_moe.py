@@ -41,7 +41,7 @@ def grid(families):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.estimator_moe", description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(MOE_SHAPES))
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)

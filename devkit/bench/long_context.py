@@ -69,7 +69,7 @@ QUICK = [0, 1, 4]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.long_context", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 points on the first model")
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)

@@ -60,7 +60,9 @@ def longest(arch, vram: int, knobs: dict) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m devkit.bench.long_context_predicted", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     out = []

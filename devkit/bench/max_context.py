@@ -71,7 +71,7 @@ def chosen(model: str, vram: int, length: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.max_context", description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     lines = [

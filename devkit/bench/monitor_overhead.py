@@ -224,7 +224,9 @@ def in_subprocess(config: int, way: str, args, model: Path, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m devkit.bench.monitor_overhead", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts (shared CPUs)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on shared CPUs)")

@@ -46,7 +46,7 @@ class CountPositions:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.packing", description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)

@@ -31,7 +31,7 @@ EXPECTED_EXIT = {("meta-llama/Llama-3.1-8B", 8, ("--seq-len", "65536")): 2}  # n
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.plan_latency", description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args(argv)

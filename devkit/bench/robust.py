@@ -87,7 +87,7 @@ def file_system(directory: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.robust", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="4,512,1024", help="batch,seq,hidden of the LoRA input")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--save-mb", type=int, default=256)

@@ -148,7 +148,7 @@ ROWS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.savers", description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

@@ -33,7 +33,7 @@ def best(fn, repeats: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.tokenization", description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4000)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)

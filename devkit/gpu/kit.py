@@ -169,7 +169,7 @@ def size_report(kit: Path = KIT, root: Path = ROOT) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.gpu.kit", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan (packages, versions, pip command) only")
     ap.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME[==VERSION]",

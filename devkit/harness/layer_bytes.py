@@ -92,7 +92,7 @@ def predicted_layer_bytes(config: dict[str, Any], adapter: str, seq: int = 256, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.harness.layer_bytes", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     ap.add_argument("--adapters", default="full,lora,qlora")
     ap.add_argument("--seq", type=int, default=256)
