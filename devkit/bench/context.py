@@ -106,6 +106,10 @@ def main(argv=None) -> int:
         )
     table = "\n".join(
         [
+            f"`python -m devkit.bench.context --seq {args.seq} --rounds {args.rounds} --dtype {args.dtype}`: the "
+            "long-context savers one at a time on a Llama-shaped LoRA model with checkpointing (see the module's "
+            "docstring); CPU times on a shared machine.",
+            "",
             f"| variant ({args.seq} tokens, {args.dtype}, fastest of {args.rounds} round-robin steps) | CPU s/step "
             "| vs baseline | step peak above weights MB | vs baseline |",
             "| --- | ---: | ---: | ---: | ---: |",

@@ -108,3 +108,9 @@ def test_no_path_of_one_machine():
         if pattern.search(line)
     ]
     assert found == []
+
+
+@pytest.mark.parametrize("table", sorted(p.name for p in (ROOT / "benchmarks").glob("*.md")))
+def test_every_benchmark_names_the_command_that_made_it(table):
+    text = (ROOT / "benchmarks" / table).read_text(encoding="utf-8")
+    assert re.search(r"`(python -m devkit\.[a-z_.]+|bash scripts/\w+\.sh)[^`]*`", text), table
