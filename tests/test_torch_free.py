@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# collected without torch: every test module of these
-COLLECTED = ["tests/memory", "tests/recipe", "tests/test_planning.py", "tests/commands/test_plan.py"]
-# run without torch, every test passing
+# collected without torch: every test module of these (a module that needs torch skips itself with importorskip)
+COLLECTED = ["tests/memory", "tests/recipe", "tests/commands/test_plan.py"]
+# run without torch, every test passing (a sample that stays quick: the suite runs them with torch too)
 TORCH_FREE = [
     "tests/memory/test_estimate.py",
     "tests/memory/test_estimate_phases.py",
