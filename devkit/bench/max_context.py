@@ -1,7 +1,7 @@
 """The planner's longest trainable sequence for QLoRA r32 on all linear layers, batch 1, at 8 / 24 / 40 GB: without
 savers, with the savers it had before the long-context ones, and with everything it may turn on by itself.
 
-    python scripts/max_context.py [--out benchmarks/max_context.md]
+    python -m devkit.bench.max_context [--out benchmarks/max_context.md]
 
 Pure arithmetic over the memory model (no GPU): for each model and VRAM target, the longest max_seq_len for which
 `lowmem_ft.memory.planner.plan` finds a setup (NF4 LoRA rank 32 on all linear layers, batch 1; checkpointing and
@@ -22,10 +22,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lowmem_ft.choosing import context_request, longest_context  # noqa: E402
-from lowmem_ft.memory.planner import plan  # noqa: E402
+from lowmem_ft.choosing import context_request, longest_context
+from lowmem_ft.memory.planner import plan
 
 MODELS = ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"]
 VRAMS = (8, 24, 40)
@@ -44,7 +42,7 @@ PUBLISHED = {
 }
 TARGETS = {8: 3000, 24: 100_000, 40: 200_000}  # issue #13's, for Llama-3.1-8B
 HEADER = """Longest trainable sequence the planner predicts: NF4 QLoRA, LoRA rank 32 on all linear layers, batch 1,
-under VRAM − the tier's margin (0.75 / 1.5 / 2.0 GB), `python scripts/max_context.py`. Predictions of the memory model
+under VRAM − the tier's margin (0.75 / 1.5 / 2.0 GB), `python -m devkit.bench.max_context`. Predictions of the memory model
 checked on the CPU (benchmarks/long_context_cpu.md), not GPU measurements: its CUDA terms (context, cuBLAS
 workspaces, allocator, Triton loss) are assumptions until the GPU check runs. Lengths are not capped at the models'
 131,072 positions (what memory allows; `plan` and `train` cap a run there). Host RAM is not a limit here: the last
@@ -73,7 +71,7 @@ def chosen(model: str, vram: int, length: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.max_context", description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     lines = [

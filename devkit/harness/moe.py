@@ -1,12 +1,12 @@
 """Checking the memory model on mixtures of experts: real training steps on tiny random MoE models, measured exactly.
 
-The same steps as `devkit.estimator_check.measure` (the `train` build path, TRL's fused LM head, the Trainer's
+The same steps as `devkit.harness.estimator.measure` (the `train` build path, TRL's fused LM head, the Trainer's
 optimizer, two optimizer steps under `PeakMemory`), with two more windows in the full-size micro-step: the decoder
 layers' forward (until a forward pre-hook on the final norm) and their backward (from a backward pre-hook on the
 final norm to the end). On the CPU the fused LM head's tile buffer (min(tokens, 4096) × 32,768 in the compute
 dtype) is the step's peak at these sizes, so the whole-step peak alone would hide the experts' terms; the windows
 compare them with the layer moments the estimate is made of (`lowmem_ft.memory.estimate.layer_moments`).
-Used by `scripts/validate_moe.py` (benchmarks/estimator_moe.md) and `tests/memory/test_moe_check.py`.
+Used by `devkit/bench/estimator_moe.py` (benchmarks/estimator_moe.md) and `tests/devkit/test_harness_moe.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devkit.estimator_check import Point, predict, recipe_for, trainer_batches, trainer_optimizer
+from devkit.harness.estimator import Point, predict, recipe_for, trainer_batches, trainer_optimizer
 from lowmem_ft.memory.arch import Architecture
 
 # Tiny replicas of each supported family's MoE block (transformers 5.24 classes), widths chosen so the experts'
@@ -64,7 +64,7 @@ class MoePoint(Point):
 
 
 def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[int, int]]:
-    """`estimator_check.measure` with the layers' forward and backward windows of micro-step 2.2 ("layers forward",
+    """`harness.estimator.measure` with the layers' forward and backward windows of micro-step 2.2 ("layers forward",
     "layers backward"; "head forward" and "loss backward" between them). Returns label → (peak, live at its end)."""
     import torch
     from transformers import TrainingArguments

@@ -1,13 +1,13 @@
 """Accuracy of the memory model: predicted vs measured peak live tensor bytes over a grid of real CPU training steps.
 
-    python scripts/validate_estimator.py            # 24 points: 2 archs × full/LoRA/QLoRA × ckpt × 2 shapes
-    python scripts/validate_estimator.py --quick    # a subset
-    python scripts/validate_estimator.py --out benchmarks/estimator_cpu.md
-    python scripts/validate_estimator.py --holdout  # 8 points on architectures and shapes not used to calibrate
-    python scripts/validate_estimator.py --blocks   # the 24-point grid on Cohere and Apertus blocks
-    python scripts/validate_estimator.py --zoo      # 24 points over the zoo's families (devkit/zoo.py): Llama-3,
+    python -m devkit.bench.estimator            # 24 points: 2 archs × full/LoRA/QLoRA × ckpt × 2 shapes
+    python -m devkit.bench.estimator --quick    # a subset
+    python -m devkit.bench.estimator --out benchmarks/estimator_cpu.md
+    python -m devkit.bench.estimator --holdout  # 8 points on architectures and shapes not used to calibrate
+    python -m devkit.bench.estimator --blocks   # the 24-point grid on Cohere and Apertus blocks
+    python -m devkit.bench.estimator --zoo      # 24 points over the zoo's families (devkit/zoo.py): Llama-3,
                                                     # Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3, Phi-3, Granite
-    python scripts/validate_estimator.py --device cuda --out benchmarks/estimator_gpu.md  # GPU: Qwen2.5 0.5B/1.5B/7B
+    python -m devkit.bench.estimator --device cuda --out benchmarks/estimator_gpu.md  # GPU: Qwen2.5 0.5B/1.5B/7B
                                                     # shapes at the 8/24/40 GB tiers, each under its --vram cap
 
 Device overheads are excluded (CPU): the comparison is of the model's live tensor bytes (PeakMemory) with
@@ -26,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.estimator_check import (  # noqa: E402
+from devkit.harness.estimator import (
     Point,
     measure_cuda,
     phase_cells,
@@ -40,7 +39,7 @@ from devkit.estimator_check import (  # noqa: E402
     write_accuracy_table,
     write_model,
 )
-from devkit.zoo import ESTIMATOR_SHAPES, estimator_config  # noqa: E402
+from devkit.zoo import ESTIMATOR_SHAPES, estimator_config
 
 ARCHS = {
     "qwen2 (V 8192, h 512, 4 L, GQA 8/2)": {
@@ -182,7 +181,7 @@ def cuda_main(out: str | None, models: tuple[str, ...]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.estimator", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the real-size GPU check")
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="catalog ids for --device cuda")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from devkit.estimator_check import Point, run_point, write_model
+from devkit.harness.estimator import Point, run_point, write_model
 
 CONFIG = {
     "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 192,
@@ -61,7 +61,7 @@ def test_cohere_and_apertus_blocks_within_half_a_percent(tmp_path, family, adapt
 def test_cuda_point_measures_three_ways_and_predicts_live_bytes(tmp_path):
     """The GPU harness: allocator peak ≥ exact live bytes, reserved ≥ allocated, and the prediction without
     overheads near the allocator peak. The bound is loose (25 %) until a GPU table calibrates the CUDA terms."""
-    from devkit.estimator_check import measure_cuda, predict
+    from devkit.harness.estimator import measure_cuda, predict
 
     model_dir = write_model(CONFIG, tmp_path / "m")
     point = Point("qwen2-tiny", "qlora", "paged_adamw_8bit", True, 2, 64)

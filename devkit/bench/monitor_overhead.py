@@ -15,7 +15,7 @@ embedded model and on a wider one. Per run: the step time (`train_runtime` / ste
 
 Prints a markdown table; `--out` writes it too.
 
-    python scripts/bench_monitor.py --out benchmarks/monitor_overhead.md
+    python -m devkit.bench.monitor_overhead --out benchmarks/monitor_overhead.md
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's lowmem_ft, not an installed one
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "numbered.jsonl"
 
 # (name, tiny-model config overrides, recipe overrides): the embedded model, and wider/deeper ones whose step time
@@ -205,9 +204,18 @@ def in_subprocess(config: int, way: str, args, model: Path, out: Path) -> dict:
     import json
     import subprocess
 
-    cmd = [sys.executable, __file__, "--single", str(config), way, "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "devkit.bench.monitor_overhead",
+        "--single",
+        str(config),
+        way,
+        "--steps",
+        str(args.steps),
+    ]
     cmd += ["--threads", str(args.threads), "--model", str(model), "--runs", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         errors = [line for line in done.stderr.splitlines() if "Error" in line]
@@ -216,7 +224,9 @@ def in_subprocess(config: int, way: str, args, model: Path, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m devkit.bench.monitor_overhead", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts (shared CPUs)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on shared CPUs)")
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(
         [
             f"Monitor and exact-measurement cost on {device}, torch {torch.__version__}, {args.threads} thread(s), "
-            f"{time.strftime('%Y-%m-%d')}; `python scripts/bench_monitor.py --steps {args.steps} --repeats "
+            f"{time.strftime('%Y-%m-%d')}; `python -m devkit.bench.monitor_overhead --steps {args.steps} --repeats "
             f"{args.repeats}` (fastest of the repeats, each run in its own process)",
             "",
             "| model | measuring | step ms | cost per step ms (vs rss) | µs/sample (median) | sampling ms/step "

@@ -5,7 +5,7 @@ fused LM head as `SFTTrainer` does, create the optimizer the way transformers' T
 `optim`, run two optimizer steps (the second with gradient accumulation 2, so optimizer states and accumulated
 gradients coexist with the activations, as in a steady-state step), and take `PeakMemory`'s exact peak of live
 tensor bytes. The prediction is `lowmem_ft.memory.estimate` for the same setup with device overheads excluded.
-Used by `scripts/validate_estimator.py` (the table) and `tests/train/test_estimator_check.py` (a tiny grid).
+Used by `devkit/bench/estimator.py` (the table) and `tests/devkit/test_harness_estimator.py` (a tiny grid).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def run_point(model_dir: Path, p: Point) -> Point:
     return p
 
 
-# -- the accuracy tables of scripts/validate_estimator.py and scripts/validate_long_context.py ---------------------
+# -- the accuracy tables of devkit/bench/estimator.py and devkit/bench/long_context.py ---------------------
 TABLE_PHASES = ("static", "forward", "backward", "optimizer step")
 TARGETS = "(targets: median ≤ 3 %, max ≤ 8 %)"
 

@@ -1,10 +1,11 @@
 """Write the small example dataset `examples/chat.jsonl` deterministically (arithmetic and word questions in chat form).
 
-python scripts/make_example_data.py
+python -m devkit.example_data [--out examples/chat.jsonl]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -33,12 +34,15 @@ def samples(n: int = 96, seed: int = 0) -> list[dict]:
     return out
 
 
-def main() -> None:
-    path = Path(__file__).resolve().parents[1] / "examples" / "chat.jsonl"
-    path.parent.mkdir(exist_ok=True)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devkit.example_data", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="examples/chat.jsonl", help="file to write (default: %(default)s)")
+    path = Path(parser.parse_args(argv).out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(s) + "\n" for s in samples()), encoding="utf-8")
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,12 +1,11 @@
 """The long-context memory terms against exact CPU measurement: real training steps with the long-context knobs on.
 
-The harness pattern of `devkit/estimator_check.py` (build through `build_model`, two optimizer steps, the
+The harness pattern of `devkit/harness/estimator.py` (build through `build_model`, two optimizer steps, the
 second with gradient accumulation 2, `PeakMemory` per phase), extended to the knobs that file's recipes cannot set:
 `memory.tiled_mlp` / `mlp_tile_tokens`, `memory.embeddings_on_host`, `memory.chunked_loss` with
 `memory.loss_chunk_tokens` (installed as `train` installs it: `install_loss_head(chunked=True, chunk_tokens=...)`),
 and sequences of thousands of tokens on narrow models, where the per-token terms of the tiled MLP decide the peak.
-Self-contained (it copies the few helpers it needs) so it does not depend on where the estimator harness lives.
-Used by `scripts/validate_long_context.py` (the table) and `tests/memory/test_long_context_terms.py`.
+Used by `devkit/bench/long_context.py` (the table) and `tests/devkit/test_harness_long_context.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devkit.estimator_check import trainer_batches, write_model  # noqa: F401 (write_model: this module's API too)
+from devkit.harness.estimator import trainer_batches, write_model  # noqa: F401 (write_model: this module's API too)
 from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
@@ -107,7 +106,7 @@ def _host_table_bytes(model) -> int:
 
 def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tuple[int, int]]:
     """Exact live tensor bytes per phase over two optimizer steps (accumulation 1, then 2); the full `p.seq` runs in
-    micro-step 2.2 only (see `estimator_check.measure` for why). Returns phase → (peak within it, live at its end)."""
+    micro-step 2.2 only (see `harness.estimator.measure` for why). Returns phase → (peak within it, live at its end)."""
     import torch
     from transformers import Trainer, TrainingArguments
 

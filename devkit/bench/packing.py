@@ -1,6 +1,6 @@
 """Training throughput with and without packing on a skewed-length dataset, same run, same data.
 
-    python scripts/bench_packing.py [--samples 256] [--max-len 512] [--batch 4] [--out benchmarks/packing.md]
+    python -m devkit.bench.packing [--samples 256] [--max-len 512] [--batch 4] [--out benchmarks/packing.md]
 
 Trains one epoch of the same tokenized data three ways through lowmem-ft's own train path (CPU, a small random
 Qwen2 built in code, fp32 LoRA): unpacked with random batches (TRL's default), unpacked with length-grouped batches
@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -48,7 +46,7 @@ class CountPositions:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.packing", description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
@@ -58,9 +56,9 @@ def main() -> int:
 
     import datasets
     import torch
-    from bench_data_common import write_dataset
     from transformers import TrainerCallback
 
+    from devkit.bench.skewed_data import write_dataset
     from devkit.tiny import build_tiny_model
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train import args as args_mod
@@ -131,7 +129,7 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     note = (
-        f"# Packing: tokens/s with and without packing\n\n`python scripts/bench_packing.py --samples {args.samples} "
+        f"# Packing: tokens/s with and without packing\n\n`python -m devkit.bench.packing --samples {args.samples} "
         f"--max-len {args.max_len} --batch {args.batch} --threads {args.threads}`: one epoch each, same run, CPU (shared 2-core machine with "
         "other jobs, so absolute numbers are noisy), Qwen2 with hidden 256, 4 layers, LoRA r=8 (8gb recipe), fp32, sdpa. "
         f"Data: {profile['count']} skewed text samples, tokens p50 {profile['p50']} / p90 {profile['p90']} / "

@@ -1,7 +1,7 @@
 """Peak memory and step time with and without each memory saver, on a 152k-vocabulary model (CPU yardstick).
 
-    python scripts/bench_savers.py                    # seq 2048, batch 1, QLoRA NF4, float32 compute
-    python scripts/bench_savers.py --seq 4096 --dtype bfloat16 --out benchmarks/savers_cpu.md
+    python -m devkit.bench.savers                    # seq 2048, batch 1, QLoRA NF4, float32 compute
+    python -m devkit.bench.savers --seq 4096 --dtype bfloat16 --out benchmarks/savers_cpu.md
 
 A Qwen2 config with Qwen2.5's vocabulary (151,936) and a small body (hidden 64, 2 layers) — so the LM head and
 the loss, the part the savers act on, dominate and one step fits a few seconds on two cores — is written with
@@ -26,14 +26,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from lowmem_ft.recipe.load import resolve  # noqa: E402
-from lowmem_ft.train.losses import chunk_tokens_for, install_loss_head  # noqa: E402
-from lowmem_ft.train.measure import PeakMemory  # noqa: E402
-from lowmem_ft.train.model import build_model  # noqa: E402
+from lowmem_ft.recipe.load import resolve
+from lowmem_ft.train.losses import chunk_tokens_for, install_loss_head
+from lowmem_ft.train.measure import PeakMemory
+from lowmem_ft.train.model import build_model
 
 VOCAB = 151_936  # Qwen2 / Qwen2.5 tokenizer vocabulary (config.json vocab_size)
 GB = 1e9
@@ -149,7 +148,7 @@ ROWS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.savers", description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        command = "python scripts/bench_savers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m devkit.bench.savers " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.out).write_text(
             f"# Memory savers on the CPU yardstick\n\n`{command.strip()}`\n\n{table}\n", encoding="utf-8"
         )

@@ -1,6 +1,6 @@
 """Tokenization throughput: lowmem-ft's batched, cached pipeline vs TRL's own preprocessing, same data, same run.
 
-    python scripts/bench_tokenize.py [--samples 4000] [--model DIR] [--out benchmarks/tokenize.md]
+    python -m devkit.bench.tokenization [--samples 4000] [--model DIR] [--out benchmarks/tokenize.md]
 
 Both sides start from the same TRL records (after JSONL validation) and end with training-ready `input_ids` +
 `labels` fitted to --max-len: TRL's `SFTTrainer._prepare_dataset` (its per-example map, label building and
@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -35,7 +33,7 @@ def best(fn, repeats: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.tokenization", description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4000)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)
@@ -44,11 +42,11 @@ def main() -> int:
     args = parser.parse_args()
 
     import datasets
-    from bench_data_common import write_dataset
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from devkit.bench.skewed_data import write_dataset
     from lowmem_ft.data.budget import apply_budget
     from lowmem_ft.data.chat import chat_template_for, set_template
     from lowmem_ft.data.readers import load_file
@@ -105,7 +103,7 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     note = (
-        f"# Tokenization: lowmem-ft vs TRL preprocessing\n\n`python scripts/bench_tokenize.py --samples {args.samples} "
+        f"# Tokenization: lowmem-ft vs TRL preprocessing\n\n`python -m devkit.bench.tokenization --samples {args.samples} "
         f"--max-len {args.max_len}` ({'tokenizer ' + args.model if args.model else 'embedded tiny BPE tokenizer'}, "
         f"best of {args.repeats}, same process; outputs asserted identical). Machine: shared 2-core CPU, "
         "other jobs running, so absolute times are noisy; the ratio is measured back to back.\n\n"

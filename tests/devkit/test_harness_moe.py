@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from devkit.estimator_check import Point, write_model
-from devkit.moe_check import MOE_SHAPES, run_point
+from devkit.harness.estimator import Point, write_model
+from devkit.harness.moe import MOE_SHAPES, run_point
 
 
 @pytest.mark.slow

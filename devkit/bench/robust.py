@@ -1,7 +1,7 @@
 """What robustness costs: split-stable LoRA dropout against torch's, and flushing a checkpoint to disk.
 
-    python scripts/bench_robust.py                                   # CPU (and CUDA when there is one)
-    python scripts/bench_robust.py --out benchmarks/robust_cpu.md
+    python -m devkit.bench.robust                                   # CPU (and CUDA when there is one)
+    python -m devkit.bench.robust --out benchmarks/robust_cpu.md
 
 Dropout: one LoRA branch as peft runs it (`lora_B(lora_A(dropout(x)))`, x fp32, r 16) on x of batch × seq × hidden,
 forward and backward, median of `--repeat` timed runs after warm-up, with torch's `nn.Dropout` and with
@@ -17,18 +17,15 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lowmem_ft.train.checkpoints import rename_into_place  # noqa: E402
-from lowmem_ft.train.dropout import DropoutContext, Piece, StableDropout  # noqa: E402
+from lowmem_ft.train.checkpoints import rename_into_place
+from lowmem_ft.train.dropout import DropoutContext, Piece, StableDropout
 
 
 def lora_pass(dropout: nn.Module, a: nn.Linear, b: nn.Linear, x: torch.Tensor, pieces: int, seed: int) -> float:
@@ -75,11 +72,22 @@ def save_row(directory: Path, megabytes: int) -> str:
         start = time.perf_counter()
         rename_into_place(staged, final)
         ms = (time.perf_counter() - start) * 1000
-    return f"| {megabytes} MB in 4 files | {directory} | {ms:.0f} ms |"
+    return f"| {megabytes} MB in 4 files | {file_system(directory)} | {ms:.0f} ms |"
+
+
+def file_system(directory: Path) -> str:
+    """The type of the file system `directory` is on (the mount with the longest matching path in /proc/mounts):
+    what the flush cost depends on, where the directory's own path would only name one machine."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    best = max((m for m in mounts if directory.is_relative_to(m[0])), key=lambda m: len(m[0]), default=None)
+    return best[1] if best else "unknown"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devkit.bench.robust", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="4,512,1024", help="batch,seq,hidden of the LoRA input")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--save-mb", type=int, default=256)
@@ -90,9 +98,9 @@ def main() -> None:
     shape = tuple(int(v) for v in args.shape.split(","))
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     lines = [
-        "# What robustness costs (scripts/bench_robust.py)",
+        "# What robustness costs (devkit/bench/robust.py)",
         "",
-        f"How: `python scripts/bench_robust.py --repeat {args.repeat} --save-mb {args.save_mb}`; see the script's "
+        f"How: `python -m devkit.bench.robust --repeat {args.repeat} --save-mb {args.save_mb}`; see the script's "
         "docstring. Measured on a shared machine: medians, other processes running.",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -103,7 +111,7 @@ def main() -> None:
     ]
     for device in devices:
         lines += dropout_rows(device, shape, args.repeat)
-    lines += ["", "| staged checkpoint | disk of | fsync + rename |", "| --- | --- | --- |"]
+    lines += ["", "| staged checkpoint | file system of --dir | fsync + rename |", "| --- | --- | --- |"]
     lines.append(save_row(Path(args.dir).resolve(), args.save_mb))
     text = "\n".join(lines)
     print(text)

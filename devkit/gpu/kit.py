@@ -1,9 +1,9 @@
 """Build the GPU kit: the wheels `scripts/gpu_check.sh` needs on the lent H200, whose image lacks or differs in them.
 
-    python scripts/build_gpu_kit.py             # download into .gpukit/ (PyPI), strip bitsandbytes, check the size
-    python scripts/build_gpu_kit.py --dry-run   # what it would fetch and why, without the network (--json: as JSON)
+    python -m devkit.gpu.kit             # download into .gpukit/ (PyPI), strip bitsandbytes, check the size
+    python -m devkit.gpu.kit --dry-run   # what it would fetch and why, without the network (--json: as JSON)
 
-The device image (`/work/.library/device/KINDS.md`: Python 3.12, torch 2.11+cu130, transformers 5.17, accelerate
+The device image (as the device tool's notes list it: Python 3.12, torch 2.11+cu130, transformers 5.17, accelerate
 1.15, no bitsandbytes / trl / datasets / dill / multiprocess) cannot reach a registry, so the packages travel as
 wheels in `.gpukit/wheels/` (ignored by git; name `.gpukit` in the device tool's `carry`), at the versions this
 machine's venv runs the tests with. gpu_check.sh installs them there with `pip install --no-index --no-deps
@@ -28,10 +28,10 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / ".gpukit"
 LIMIT_BYTES = 64 * 2**20  # the device tool: "the working tree that travels", carried paths included
-PYTHON = "3.12"  # /opt/torch/.venv/bin/python3 on the device
+PYTHON = "3.12"  # the device image's python3
 PLATFORMS = (  # pip matches manylinux tags exactly; bitsandbytes 0.50 is manylinux_2_24, regex manylinux_2_17
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
@@ -71,7 +71,7 @@ def pinned(extra: list[str] = ()) -> list[dict[str, str]]:
             out.append({"name": name, "version": pins.get(name) or version(name), "why": why})
         except PackageNotFoundError:
             sys.exit(
-                f"build_gpu_kit: {name} is not installed in this Python; use the project's .venv/bin/python or NAME==VERSION"
+                f"devkit.gpu.kit: {name} is not installed in this Python; use the project's .venv/bin/python or NAME==VERSION"
             )
     return out
 
@@ -169,7 +169,7 @@ def size_report(kit: Path = KIT, root: Path = ROOT) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.gpu.kit", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan (packages, versions, pip command) only")
     ap.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     ap.add_argument("--with", dest="extra", action="append", default=[], metavar="NAME[==VERSION]",
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     total, report = size_report()
     print(report)
     if total > LIMIT_BYTES:
-        print(f"build_gpu_kit: {total / 2**20:.1f} MiB would travel, over the {LIMIT_BYTES / 2**20:.0f} MiB limit")
+        print(f"devkit.gpu.kit: {total / 2**20:.1f} MiB would travel, over the {LIMIT_BYTES / 2**20:.0f} MiB limit")
         return 2
     print(f"carry it: device run(command='bash scripts/gpu_check.sh', carry=['{KIT.name}'], timeout_s=600)")
     return 0

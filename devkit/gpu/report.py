@@ -1,6 +1,6 @@
-"""The GPU check's results (`results.jsonl` from `devkit.gpu_check`) as a markdown table and the CUDA constants they imply.
+"""The GPU check's results (`results.jsonl` from `devkit.gpu.check`) as a markdown table and the CUDA constants they imply.
 
-    python -m devkit.gpu_check --analyze RESULTS [--md benchmarks/estimator_gpu.md]
+    python -m devkit.gpu.check --analyze RESULTS [--md benchmarks/estimator_gpu.md]
 
 The one idea: measured figures are kept as measured, predictions are recomputed from the memory model as it is
 now (the harness's `predict`; a run's `Setup` from its plan.json), so after the CUDA constants in
@@ -31,7 +31,7 @@ GB = 1e9
 RESERVED_TARGET = 0.05  # issue #15: predicted within 5 % of reserved
 ALLOCATOR = "allocator rounding/fragmentation"
 # The harness's phases of the steady-state step (step 2: states and accumulated gradients exist), as in
-# scripts/validate_estimator.py phase_measurements: (phase, measured label, CUDA sample key, CPU (peak, live) index)
+# devkit/bench/estimator.py phase_measurements: (phase, measured label, CUDA sample key, CPU (peak, live) index)
 PHASES = (
     ("static", "backward 2.1", "allocated", 1),
     ("forward", "forward 2.2", "peak_allocated", 0),
@@ -66,7 +66,7 @@ def tier_margin_gb(vram: float) -> float:
 # -- predictions as the model stands now ------------------------------------------------------------------------------
 def predict_point(rec: dict[str, Any]) -> Estimate:
     """The harness's `predict` for a point record (its config written where `predict` reads it)."""
-    from devkit.gpu_check import Point, predict  # the harness, through gpu_check's one import of it
+    from devkit.harness.estimator import Point, predict
 
     fields = ("adapter", "optimizer", "checkpointing", "batch", "seq")
     with tempfile.TemporaryDirectory() as tmp:
@@ -329,7 +329,7 @@ def header(records: list[dict[str, Any]], smoke: bool) -> list[str]:
             "# Memory model vs CUDA measurement",
             "",
             f"Measured by `bash scripts/gpu_check.sh` on {env.get('gpu') or 'a GPU'}; predictions recomputed with the "
-            "memory model as committed (`python -m devkit.gpu_check --analyze RESULTS`).",
+            "memory model as committed (`python -m devkit.gpu.check --analyze RESULTS`).",
         ]
     lines += ["", f"Python {env.get('python', '?')}; {versions}."]
     if env.get("unmet"):

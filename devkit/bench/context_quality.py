@@ -1,6 +1,6 @@
 """Loss curves with and without the long-context savers: training quality is unchanged.
 
-    python scripts/bench_context_quality.py [--steps 40] [--out benchmarks/context_quality.md]
+    python -m devkit.bench.context_quality [--steps 40] [--out benchmarks/context_quality.md]
 
 The embedded tiny Qwen2 (devkit.tiny, untied, bf16), LoRA r 8 on all linears, AdamW lr 1e-2, checkpointing,
 chunked loss, batch 4 × 128 tokens of counting sequences from random starts (the next token is the current one
@@ -18,7 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -65,12 +64,12 @@ def curve(model_dir: str, savers: bool, dropout: float, steps: int) -> list[floa
 def main(argv=None) -> int:
     from devkit.tiny import build_tiny_model
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.context_quality", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     lines = [
-        f"`python scripts/bench_context_quality.py --steps {args.steps}`: the tiny Qwen2, bf16 on the CPU, plain vs "
+        f"`python -m devkit.bench.context_quality --steps {args.steps}`: the tiny Qwen2, bf16 on the CPU, plain vs "
         "tiled MLP + tiled norms (32-token tiles) + LoRA recompute + host embeddings (see the script's docstring).",
         "",
     ]

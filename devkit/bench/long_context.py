@@ -1,9 +1,9 @@
 """The long-context memory terms (tiled MLP and norms, LoRA recompute, host embeddings, loss chunk size) against
 exact CPU measurement.
 
-    python scripts/validate_long_context.py [--quick] [--out benchmarks/long_context_cpu.md]
+    python -m devkit.bench.long_context [--quick] [--out benchmarks/long_context_cpu.md]
 
-Each point trains two optimizer steps through `build_model` with the knobs on (devkit/long_context_check.py) and
+Each point trains two optimizer steps through `build_model` with the knobs on (devkit/harness/long_context.py) and
 compares PeakMemory's exact peak of live tensor bytes with `estimate(...).model_peak_bytes` (device overheads
 excluded), per phase too. Narrow models (hidden 96-160) at 1k-8k tokens, so the per-token terms of the layers —
 what the tiled MLP changes — decide the peak rather than the weights; vocabularies of 2-4k with small loss chunks
@@ -19,12 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.estimator_check import phase_cells, phase_measurements, write_accuracy_table  # noqa: E402
-from devkit.long_context_check import LongPoint, run_point, write_model  # noqa: E402
+from devkit.harness.estimator import phase_cells, phase_measurements, write_accuracy_table
+from devkit.harness.long_context import LongPoint, run_point, write_model
 
 ARCHS = {
     "llama (V 2000, h 128, i 512, 2 L, GQA 4/2)": {
@@ -70,7 +69,7 @@ QUICK = [0, 1, 4]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.long_context", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 points on the first model")
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)

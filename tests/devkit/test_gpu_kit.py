@@ -1,4 +1,4 @@
-"""scripts/build_gpu_kit.py: the wheels the device image lacks, pinned to what the tests run with, under 64 MiB.
+"""devkit/gpu/kit.py: the wheels the device image lacks, pinned to what the tests run with, under 64 MiB.
 
 CI has no kit: the plan and the bitsandbytes stripping are checked offline; the kit itself (installed the way
 gpu_check.sh installs it, then imported) is checked when `.gpukit/` has been built here.
@@ -6,7 +6,6 @@ gpu_check.sh installs it, then imported) is checked when `.gpukit/` has been bui
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from devkit.gpu import kit
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("build_gpu_kit", ROOT / "scripts" / "build_gpu_kit.py")
-kit = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kit)
 BUILT = (ROOT / ".gpukit" / "manifest.json").is_file()
 
 
@@ -76,7 +74,7 @@ def test_strip_bitsandbytes_keeps_cuda130_and_cpu_and_fixes_record(tmp_path):
     assert listed == left  # every file listed once, nothing removed still listed
 
 
-@pytest.mark.skipif(not BUILT, reason="the kit is not built here (python scripts/build_gpu_kit.py)")
+@pytest.mark.skipif(not BUILT, reason="the kit is not built here (python -m devkit.gpu.kit)")
 def test_kit_fits_the_device_tool_limit():
     total, report = kit.size_report()
     assert total < kit.LIMIT_BYTES, report
@@ -87,7 +85,7 @@ def test_kit_fits_the_device_tool_limit():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not BUILT, reason="the kit is not built here (python scripts/build_gpu_kit.py)")
+@pytest.mark.skipif(not BUILT, reason="the kit is not built here (python -m devkit.gpu.kit)")
 def test_kit_installs_as_gpu_check_installs_it_and_imports(tmp_path):
     """pip --no-index --no-deps --target, as on the device (with its Python 3.12 tags); then each package whose
     wheel runs on any Python 3 imports from the kit here. The rest (cp312 / py312 wheels) must carry 3.12 tags."""

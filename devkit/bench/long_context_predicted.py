@@ -1,13 +1,13 @@
 """What the memory model predicts each long-context saver buys: the longest sequence that fits, per technique set.
 
-    python scripts/predict_long_context.py [--out benchmarks/long_context_predicted.md]
+    python -m devkit.bench.long_context_predicted [--out benchmarks/long_context_predicted.md]
 
 Pure arithmetic over `lowmem_ft.memory.estimate` (no planner, no GPU): QLoRA NF4, LoRA rank 32 on all linear layers
 (dropout 0.05), paged 8-bit AdamW, batch 1, checkpointing with activation offloading and the chunked loss (whose
 chunk gets what the rest leaves, `largest_loss_chunk`), CUDA overheads on, under VRAM − the tier's margin
 (0.75 / 1.5 / 2.0 GB). Each row adds one saver. These are predictions of the CPU-checked model
 (benchmarks/long_context_cpu.md), not measurements: the CUDA-only terms are the assumptions listed in
-lowmem_ft/memory/estimate.py. The planner turns them on by itself when needed: `scripts/max_context.py`
+lowmem_ft/memory/estimate.py. The planner turns them on by itself when needed: `devkit/bench/max_context.py`
 tabulates its own choice.
 """
 
@@ -18,10 +18,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lowmem_ft.memory.arch import load_architecture  # noqa: E402
-from lowmem_ft.memory.estimate import GB, Setup, estimate, largest_loss_chunk  # noqa: E402
+from lowmem_ft.memory.arch import load_architecture
+from lowmem_ft.memory.estimate import GB, Setup, estimate, largest_loss_chunk
 
 MODELS = ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"]
 MARGIN = {8: 0.75, 24: 1.5, 40: 2.0}
@@ -62,10 +60,16 @@ def longest(arch, vram: int, knobs: dict) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m devkit.bench.long_context_predicted", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    out = []
+    out = [
+        "`python -m devkit.bench.long_context_predicted`: the longest sequence the memory model predicts per saver "
+        "set (predictions, not measurements), QLoRA r32 on all linear layers, batch 1.",
+        "",
+    ]
     for name in MODELS:
         arch = load_architecture(name)
         out += [f"| {name} | 8 GB | 24 GB | 40 GB |", "| --- | ---: | ---: | ---: |"]

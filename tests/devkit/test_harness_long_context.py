@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from devkit.long_context_check import LongPoint, run_point, write_model
+from devkit.harness.long_context import LongPoint, run_point, write_model
 
 CONFIG = {
     "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 320,
@@ -39,7 +39,7 @@ def test_long_context_point_within_target(tmp_path, point):
     # the untiled prediction for the same point would be far off: the tiled terms are what is being checked
     from dataclasses import replace
 
-    from devkit.long_context_check import predict
+    from devkit.harness.long_context import predict
 
     untiled = predict(tmp_path / "m", replace(p, tiled_mlp=False)).model_peak_bytes
     assert untiled > 1.2 * p.measured

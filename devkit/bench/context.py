@@ -1,7 +1,7 @@
 """CPU step time and exact peak with and without each long-context technique (tiled MLP, tiled norms, LoRA
 recompute, host embeddings, loss chunk size).
 
-    python scripts/bench_context.py [--seq 2048] [--rounds 7] [--dtype float32] [--out benchmarks/context_cpu.md]
+    python -m devkit.bench.context [--seq 2048] [--rounds 7] [--dtype float32] [--out benchmarks/context_cpu.md]
 
 One random-initialized Llama-shaped model (vocab 16,000, hidden 256, intermediate 1,024, 4 layers, GQA 4/2; LoRA r 16
 on all linears, dropout 0.05, checkpointing on, chunked loss in 64-token chunks unless the row says otherwise),
@@ -22,11 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.long_context_check import LongPoint, _loss_head, recipe_for, write_model  # noqa: E402
+from devkit.harness.long_context import LongPoint, _loss_head, recipe_for, write_model
 
 CONFIG = {
     "model_type": "llama", "vocab_size": 16000, "hidden_size": 256, "intermediate_size": 1024,
@@ -72,7 +71,7 @@ def build(model_dir: Path, point: LongPoint, dtype: str):
 def main(argv=None) -> int:
     from lowmem_ft.train.measure import PeakMemory
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.context", description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -107,6 +106,10 @@ def main(argv=None) -> int:
         )
     table = "\n".join(
         [
+            f"`python -m devkit.bench.context --seq {args.seq} --rounds {args.rounds} --dtype {args.dtype}`: the "
+            "long-context savers one at a time on a Llama-shaped LoRA model with checkpointing (see the module's "
+            "docstring); CPU times on a shared machine.",
+            "",
             f"| variant ({args.seq} tokens, {args.dtype}, fastest of {args.rounds} round-robin steps) | CPU s/step "
             "| vs baseline | step peak above weights MB | vs baseline |",
             "| --- | ---: | ---: | ---: | ---: |",

@@ -2,11 +2,11 @@
 
     bash scripts/gpu_check.sh                      # on the device, carrying .gpukit (README "GPU check")
     bash scripts/gpu_check.sh --cpu-smoke          # here: every step end to end at toy sizes on the CPU
-    python -m devkit.gpu_check --analyze RESULTS   # fetched results.jsonl (or its folder) → benchmarks/estimator_gpu.md
+    python -m devkit.gpu.check --analyze RESULTS   # fetched results.jsonl (or its folder) → benchmarks/estimator_gpu.md
 
 Each step runs in a child process with a timeout, so an out-of-memory error, a crash or the deadline loses nothing
 before it; each child appends its result as one JSON line to `$OUT/results.jsonl`, and the orchestrator redraws
-`$OUT/estimator_gpu.md` (`devkit.gpu_report`) after every step and prints its table last. Steps:
+`$OUT/estimator_gpu.md` (`devkit.gpu.report`) after every step and prints its table last. Steps:
 
 - `env`: versions, the GPU, free scratch space, and the carried packages' requirements against the image.
 - `probe`: in a fresh process, the CUDA context (NVML − reserved at idle), what the first cuBLAS / cuBLASLt GEMMs
@@ -48,8 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-# The estimator harness, from one place (branch zoo moves it to devkit.estimator_check with the same names).
-from devkit.estimator_check import Point, measure_cuda, predict, run_point
+from devkit.harness.estimator import Point, measure_cuda, predict, run_point
 
 GB = 1e9
 RESULTS = "results.jsonl"
@@ -59,7 +58,7 @@ RESERVE_S = 10  # kept back from the deadline for the last report
 # Run order: the small model first (every tier early), the train and context runs as soon as their model exists.
 MODELS = ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-1.5B")
 TRAIN_MODEL, CONTEXT_MODEL, RUN_VRAM = "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", 24
-# Harness tiers (the same as scripts/validate_estimator.py --device cuda): vram GB, adapter, micro batch, sequence.
+# Harness tiers (the same as devkit/bench/estimator.py --device cuda): vram GB, adapter, micro batch, sequence.
 TIERS = ((8, "qlora", 1, 512), (24, "qlora", 2, 2048), (40, "lora", 4, 2048))
 # --cpu-smoke: the same steps on tiny shapes (a Qwen2 with tied embeddings and biases, a GQA Llama).
 SMOKE_MODELS = {
@@ -521,7 +520,7 @@ class Check:
         print(f"[gpu_check {time.time() - self.t0:5.0f} s] {step}: {status} ({seconds:.0f} s) {detail}", flush=True)
 
     def child(self, step: str, args: list[str], need_s: float) -> str:
-        """Run `python -m devkit.gpu_check ARGS` if `need_s` seconds are left; returns "ok", "exit N", "timeout"
+        """Run `python -m devkit.gpu.check ARGS` if `need_s` seconds are left; returns "ok", "exit N", "timeout"
         or "skipped"."""
         left = self.remaining() - RESERVE_S
         if left < need_s:
@@ -529,7 +528,7 @@ class Check:
             return "skipped"
         started = time.time()
         try:
-            rc = subprocess.run([sys.executable, "-m", "devkit.gpu_check", *args], timeout=left).returncode
+            rc = subprocess.run([sys.executable, "-m", "devkit.gpu.check", *args], timeout=left).returncode
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
             status = "timeout"
@@ -538,7 +537,7 @@ class Check:
         return status
 
     def report(self) -> str:
-        from devkit.gpu_report import analyze
+        from devkit.gpu.report import analyze
 
         text = analyze(self.results, smoke=self.smoke)
         (self.out / REPORT).write_text(text, encoding="utf-8")
@@ -711,7 +710,7 @@ def unmet_requirements() -> list[str]:
 
 # -- command line ---------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m devkit.gpu_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.gpu.check", description=__doc__.splitlines()[0])
     ap.add_argument("--analyze", metavar="RESULTS", help="results.jsonl (or its folder): write the table and constants")
     ap.add_argument("--md", default="benchmarks/estimator_gpu.md", help="with --analyze: where the table goes")
     sub = ap.add_subparsers(dest="step")
@@ -739,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.analyze:
-        from devkit.gpu_report import write_analysis
+        from devkit.gpu.report import write_analysis
 
         return write_analysis(Path(args.analyze), Path(args.md))
     if args.step == "run":

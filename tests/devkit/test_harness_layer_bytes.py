@@ -1,11 +1,11 @@
-"""The per-layer harness (devkit/layer_bytes.py) on a block whose heads·head_dim is not its hidden size: the measured
+"""The per-layer harness (devkit/harness/layer_bytes.py) on a block whose heads·head_dim is not its hidden size: the measured
 bytes one layer keeps equal the memory model's, for a full fine-tune (where the linears' inputs decide) and LoRA."""
 
 from __future__ import annotations
 
 import pytest
 
-from devkit.layer_bytes import SHAPES, measured_layer_bytes, predicted_layer_bytes
+from devkit.harness.layer_bytes import SHAPES, measured_layer_bytes, predicted_layer_bytes
 
 
 @pytest.mark.slow

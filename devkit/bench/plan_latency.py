@@ -1,6 +1,6 @@
 """How long `lowmem-ft plan` takes, as a user runs it (a fresh process each time): the issue's target is < 0.5 s.
 
-python scripts/bench_plan.py [--repeat 5] [--out benchmarks/plan_latency.md]
+python -m devkit.bench.plan_latency [--repeat 5] [--out benchmarks/plan_latency.md]
 
 The long-context cases make the planner search the saver stages (issue #13); the last one fits nothing, so every
 stage is searched before the one-line error (exit 2).
@@ -31,7 +31,7 @@ EXPECTED_EXIT = {("meta-llama/Llama-3.1-8B", 8, ("--seq-len", "65536")): 2}  # n
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.plan_latency", description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if args.out:
         note = (
             f"Wall time of a fresh `python -m lowmem_ft plan ... --json` process (interpreter start included), "
-            f"{args.repeat} runs each, `python scripts/bench_plan.py`. Target: < 0.5 s.\n\n"
+            f"{args.repeat} runs each, `python -m devkit.bench.plan_latency`. Target: < 0.5 s.\n\n"
         )
         Path(args.out).write_text(note + table + "\n", encoding="utf-8")
     return 0

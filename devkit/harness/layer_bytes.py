@@ -1,7 +1,7 @@
 """One decoder layer's kept activations, measured: what `lowmem_ft.memory.estimate.layer_activation_bytes` predicts.
 
-    python -m devkit.layer_bytes          # heads·head_dim ≠ hidden shapes (tests/memory/test_estimate.py)
-    python -m devkit.layer_bytes --adapters full --set tiled_mlp=true
+    python -m devkit.harness.layer_bytes          # heads·head_dim ≠ hidden shapes (tests/memory/test_estimate.py)
+    python -m devkit.harness.layer_bytes --adapters full --set tiled_mlp=true
 
 A model of `config` is built with 3 and with 2 layers through `build_model` (the path `train` uses), the backbone runs
 one forward of `seq` tokens under `PeakMemory`, and the live bytes after it minus the static ones are what its layers
@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from devkit.estimator_check import write_model
+from devkit.harness.estimator import write_model
 from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import eager_scores_bytes, effective_setup, layer_activation_bytes
@@ -92,7 +92,7 @@ def predicted_layer_bytes(config: dict[str, Any], adapter: str, seq: int = 256, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.harness.layer_bytes", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     ap.add_argument("--adapters", default="full,lora,qlora")
     ap.add_argument("--seq", type=int, default=256)

@@ -1,12 +1,12 @@
 """Accuracy of the memory model on mixtures of experts: predicted vs measured live tensor bytes, CPU.
 
-    python scripts/validate_moe.py --out benchmarks/estimator_moe.md
+    python -m devkit.bench.estimator_moe --out benchmarks/estimator_moe.md
 
-Each family of `devkit.moe_check.MOE_SHAPES` (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Granite-MoE: tiny random models
+Each family of `devkit.harness.moe.MOE_SHAPES` (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Granite-MoE: tiny random models
 of transformers 5.24's classes) × LoRA / QLoRA × checkpointing on / off at 1 × 512 tokens, plus a padded batch
 (2 × 256) and an expert-wide shape (I = 4·h, Mixtral; I = 1.5·h top-8, Qwen3-MoE) per family where noted. Compared:
-the whole step's peak (as `scripts/validate_estimator.py`) and the decoder layers' forward and backward windows
-(`devkit.moe_check.measure`), where the experts' terms are (the fused LM head's CPU tile buffer is the step's peak at
+the whole step's peak (as `devkit/bench/estimator.py`) and the decoder layers' forward and backward windows
+(`devkit.harness.moe.measure`), where the experts' terms are (the fused LM head's CPU tile buffer is the step's peak at
 these sizes).
 """
 
@@ -20,12 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.estimator_check import Point, write_model  # noqa: E402
-from devkit.moe_check import MOE_SHAPES, run_point  # noqa: E402
+from devkit.harness.estimator import Point, write_model
+from devkit.harness.moe import MOE_SHAPES, run_point
 
 WIDE = {"mixtral": {"intermediate_size": 1024}, "qwen3_moe": {"moe_intermediate_size": 384}}
 
@@ -42,7 +41,7 @@ def grid(families):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.estimator_moe", description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(MOE_SHAPES))
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)
