@@ -18,6 +18,7 @@ from lowmem_ft.memory.calibration import (
     XIELU_KEPT_C_TRAINED,
 )
 from lowmem_ft.memory.experts import moe_activation_bytes
+from lowmem_ft.memory.families import family, with_flag
 from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, _lora_input_bytes, is_mlp_linear, lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup
 
@@ -167,14 +168,14 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
 def _is_attention_output(arch: Architecture, lin: Linear) -> bool:
     """The attention's output projection (o_proj; `dense` in GPT-NeoX / Falcon / Phi; Qwen v1's attention c_proj)."""
     if lin.name == "c_proj":
-        return arch.model_type == "qwen" and not is_mlp_linear(arch, lin)
+        return family(arch.model_type).mlp_c_proj and not is_mlp_linear(arch, lin)
     return lin.name in ("o_proj", "dense")
 
 
 # Families whose apply_rotary_pos_emb joins the rotated and passed-through halves with torch.cat (transformers 5.24
 # modeling_phi3 / _glm / _glm4 / _nemotron / _gpt_neox; Phi's attention inline): q comes out (batch, heads, seq,
-# head_dim)-contiguous rather than a transposed view, and SDPA returns its output in that order.
-ROPE_CAT_FAMILIES = frozenset({"phi3", "phi", "glm", "glm4", "nemotron", "gpt_neox"})
+# head_dim)-contiguous rather than a transposed view, and SDPA returns its output in that order (`Family.rope_cat`).
+ROPE_CAT_FAMILIES = with_flag("rope_cat")
 
 
 def _o_proj_copies(arch: Architecture, s: Setup) -> bool:
@@ -187,7 +188,7 @@ def _o_proj_copies(arch: Architecture, s: Setup) -> bool:
     26,144 B/token kept with its 8,192 of scores, where the grouping, with `_attention_bytes` counting an eager
     output, said 26,400). CUDA's kernels are taken to order their output as the CPU's does (not measured: counting
     the copy is the safe side)."""
-    return s.attn_implementation == "eager" or arch.model_type in ROPE_CAT_FAMILIES
+    return s.attn_implementation == "eager" or family(arch.model_type).rope_cat
 
 
 def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:

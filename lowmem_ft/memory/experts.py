@@ -20,6 +20,7 @@ from lowmem_ft.memory.calibration import (
     SHARED_BESIDE_H,
     SHARED_GATE_KEPT_H,
 )
+from lowmem_ft.memory.families import family
 from lowmem_ft.memory.linears import _lora_input_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 
@@ -94,7 +95,7 @@ def _moe_extra_beside(arch: Architecture, s: Setup) -> int:
     if not s.gradient_checkpointing:
         return 0
     extra = SHARED_BESIDE_H if arch.moe and arch.moe.shared_intermediate else 0
-    return extra + (GRANITE_BESIDE_H if arch.model_type == "granitemoe" else 0)
+    return extra + (GRANITE_BESIDE_H if family(arch.model_type).scaled_embeddings_kept else 0)
 
 
 def unused_sliding_mask_bytes(arch: Architecture, s: Setup) -> float:
@@ -102,7 +103,7 @@ def unused_sliding_mask_bytes(arch: Architecture, s: Setup) -> float:
     calls `create_sliding_window_causal_mask`, and with `use_sliding_window` false the config's window is 0, which
     no sequence can skip): a bool b × s × s alive through the layers' forward, freed before the head (measured: the
     layers' forward window was s B/token short at 512 and 1,024 tokens, devkit/moe_check.py)."""
-    if arch.model_type != "qwen2_moe" or arch.sliding_layers or s.attn_implementation != "sdpa":
+    if not family(arch.model_type).unused_sliding_mask or arch.sliding_layers or s.attn_implementation != "sdpa":
         return 0.0
     return float(s.micro_batch_size * s.max_seq_len**2)
 
@@ -114,7 +115,7 @@ def moe_backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, s
     unpermute = k * h * (c + 2 * w)
     if s.gradient_checkpointing:
         grads = max(unpermute, k * (c * MOE_BWD_UP_I_CKPT * i - w * h)) + k * MOE_BWD_INDEX_BYTES
-        grads += (GRANITE_BESIDE_H * c * h) if arch.model_type == "granitemoe" else 0
+        grads += (GRANITE_BESIDE_H * c * h) if family(arch.model_type).scaled_embeddings_kept else 0
         return grads * s.tokens, "recomputed experts' gradients (measured)"
     grads = max(NORM_BWD_BYTES_PER_H * h, max(unpermute, MOE_BWD_UP_I * k * c * i) - MOE_BWD_HEAD_FREED * c * h)
     grads += SHARED_BESIDE_H * c * h if arch.moe.shared_intermediate else 0

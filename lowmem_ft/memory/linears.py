@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import DROPOUT_MASK_BYTES
+from lowmem_ft.memory.families import family
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 
 
@@ -24,7 +25,7 @@ def is_mlp_linear(arch: Architecture, lin: Linear) -> bool:
     """A linear of the decoder MLP (what `memory.tiled_mlp` tiles); Qwen v1's MLP `c_proj` is told from the
     attention's by its input width (intermediate vs hidden)."""
     if lin.name == "c_proj":
-        return arch.model_type == "qwen" and lin.in_features == arch.intermediate_size
+        return family(arch.model_type).mlp_c_proj and lin.in_features == arch.intermediate_size
     return lin.name in MLP_LINEARS
 
 

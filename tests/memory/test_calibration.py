@@ -12,7 +12,7 @@ from lowmem_ft.versions import CHECKED
 MEMORY = Path(calibration.__file__).parent
 # the modules the estimator's terms live in: their numbers come from the calibration table, not from constants
 TERMS = ("records", "linears", "static", "activations", "transients", "loss", "experts", "evaluation", "overheads",
-         "estimate")  # fmt: skip
+         "estimate", "families", "blocks")  # fmt: skip
 
 
 def _constants(tree: ast.Module) -> dict[str, ast.expr]:
