@@ -37,7 +37,8 @@ class Setup:
     gradient_checkpointing: bool = True
     micro_batch_size: int = 1
     max_seq_len: int = 1024
-    gradient_accumulation: int = 1  # micro batches per optimizer step (their batch tensors are held together)
+    gradient_accumulation: int = 8  # micro batches per optimizer step (their batch tensors are held together); the
+    # recipe schema's default (memory.gradient_accumulation)
     activation_offloading: bool = False
     loss_impl: LossImpl = "trl_fused"
     loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
