@@ -606,10 +606,12 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
         else f"use a smaller model or --vram {math.ceil(need)}"
     )
     experts = ""
-    if arch.moe and s.quantization != "none":
+    # a single device's estimate names the 16-bit experts (a per-device share names weights by kind instead)
+    expert_bytes = est.by_name().get("experts + routers (16-bit)")
+    if arch.moe and s.quantization != "none" and expert_bytes is not None:
         n_experts = arch.num_layers * arch.moe.expert_params(arch.hidden_size)
         experts = (
-            f", of which {est.by_name()['experts + routers (16-bit)'] / 1e9:.1f} GB are its {n_experts / 1e9:.1f}B "
+            f", of which {expert_bytes / 1e9:.1f} GB are its {n_experts / 1e9:.1f}B "
             f"expert parameters (of {arch.total_params / 1e9:.1f}B), which {STORAGE[s.quantization]} leaves in 16-bit: "
             "bitsandbytes quantizes nn.Linear layers only"
         )
