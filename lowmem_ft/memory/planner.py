@@ -29,6 +29,7 @@ from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
+from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 from lowmem_ft.memory.sharding import (
     OFFLOAD_OPTIMIZERS,
     DeviceShare,
@@ -588,10 +589,7 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
     savings += [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
                                       (s.activation_offloading, "offloading"),
                                       (s.loss_impl == "chunked", f"chunked loss ({loss_chunk_tokens(arch, s)}-token chunks)"),
-                                      (s.embeddings_on_host, "host embeddings"),
-                                      (s.tiled_norms, "tiled norms"),
-                                      (s.tiled_mlp, "tiled MLP"),
-                                      (s.recompute_lora, "LoRA recompute"),
+                                      *((saver.on(s), saver.label) for saver in LONG_CONTEXT_SAVERS),
                                       (long_context.tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:
