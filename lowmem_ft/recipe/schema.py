@@ -246,7 +246,7 @@ class MemorySection:
     tiled_mlp: bool = _f(
         False,
         "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
-        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
+        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiles); costs one more MLP "
         "forward per step.",
         planner="tiled_mlp",
     )
@@ -259,7 +259,7 @@ class MemorySection:
     tiled_norms: bool = _f(
         False,
         "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
-        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiled_mlp.tile_norms).",
+        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiles.tile_norms).",
         planner="tiled_norms",
     )
     recompute_lora: bool = _f(

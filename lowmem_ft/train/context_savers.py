@@ -35,7 +35,7 @@ def apply_memory_savers(model, recipe: Recipe) -> list[str]:
     """Apply the recipe's long-context savers to `model` (PEFT model or bare causal LM); returns what was done."""
     from lowmem_ft.train.host_embeddings import embeddings_on_host
     from lowmem_ft.train.lora_recompute import recompute_lora
-    from lowmem_ft.train.tiled_mlp import mlp_tile_tokens, tile_mlps, tile_norms
+    from lowmem_ft.train.tiles import mlp_tile_tokens, tile_mlps, tile_norms
 
     check_memory_keys(recipe)
     m = recipe.memory

@@ -8,7 +8,7 @@ from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.context_savers import check_memory_keys
 from lowmem_ft.train.model import build_model
-from lowmem_ft.train.tiled_mlp import decoder_mlps
+from lowmem_ft.train.tiles import decoder_mlps
 
 
 def test_build_model_applies_both_savers(tiny_model):
