@@ -59,7 +59,7 @@ TRL_VOCAB_CHUNK = 32768
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
 # memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
-# (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
+# (no chunk size set) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
 # Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
 # bf16 and fp32, with and without a softcap): forward 8 B — the fp32 logits and the softmax made from them in place
 # (12 with a softcap in fp32: the tanh's temporaries); backward 4 B — the fp32 logits turned into their gradient in

@@ -45,6 +45,8 @@ SAVER_COST = {saver.name: saver.cost for saver in LONG_CONTEXT_SAVERS}
 SAVERS = tuple(SAVER_COST)  # `Setup` fields
 BY_NAME = {saver.name: saver for saver in LONG_CONTEXT_SAVERS}
 TILED = tuple(saver.name for saver in LONG_CONTEXT_SAVERS if saver.tiled)  # the savers `mlp_tile_tokens` sizes
+# every knob of the long-context search: the savers, their tile and the loss chunk (`Setup` fields)
+KNOBS = frozenset({*SAVERS, "mlp_tile_tokens", "loss_chunk_tokens"})
 # The tiles tried below the default (hidden_size) when a tiled saver is on: smaller tiles decide tight cards
 # (benchmarks/long_context_predicted.md: Llama-3.1-8B at 8 GB, 2,960 tokens with tiles of 4,096, 12,768 with tiles of
 # 1,024). A smaller tile costs kernel launches, not FLOPs (a 256-token tile of a 7B's MLP is still a ~15 GFLOP

@@ -241,6 +241,7 @@ class MemorySection:
         "(the largest that fits what the rest of the step leaves, at most 4,096 tokens), else 64 MiB of fp32 logits "
         "per chunk. Larger chunks are fewer, faster matmuls and a larger loss working set "
         "(lowmem_ft.memory.estimate.largest_loss_chunk).",
+        ge=0,
         planner=Planned("loss_chunk_tokens", lambda n: n or None, lambda n: n or 0),  # the planner's None: automatic
     )
     tiled_mlp: bool = _f(
@@ -254,6 +255,7 @@ class MemorySection:
         0,
         "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens; under --vram "
         "the planner tries tiles of 1,024 and 256 tokens when the larger ones do not fit).",
+        ge=0,
         planner="mlp_tile_tokens",
     )
     tiled_norms: bool = _f(
