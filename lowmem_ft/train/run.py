@@ -169,7 +169,7 @@ class FineTune:
             self.recipe,
             self.run.checkpoints,
             self.run.name,
-            report_to=self.tracking.report_to,
+            trackers=self.tracking.active,
             packed=self.batching.packed,
         )
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
