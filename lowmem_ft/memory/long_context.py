@@ -32,15 +32,8 @@ from lowmem_ft.memory.estimate import (
 )
 from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 
-# Relative step-time cost of each saver, for the planner's ranking (`lowmem_ft.memory.planner.COST`). CPU step-time
-# ratios, not GPU ones (python -m devkit.bench.context, benchmarks/context_cpu.md: each on top of checkpointing + the
-# chunked loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the norms recomputed tile by tile),
-# tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA branches' forward again, as many
-# small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the CPU; 1.02 stands for a GPU's host
-# gather and host→device copy of 2·hidden B per token (~33 ms per 100k tokens predicted at PCIe 4 speed, a few % of a
-# step that long). The order they give — host embeddings, tiled norms, tiled MLP, LoRA recompute — is kept for a GPU:
-# the MLP's recompute is FLOPs (most of a layer's), the norms' a memory-bound pass, and LoRA recompute, whose GPU cost
-# is the least known, comes last.
+# Relative step-time cost of each saver (`Saver.cost`, where the figures and where they come from are), for the
+# planner's ranking (`lowmem_ft.memory.planner.COST`).
 SAVER_COST = {saver.name: saver.cost for saver in LONG_CONTEXT_SAVERS}
 SAVERS = tuple(SAVER_COST)  # `Setup` fields
 BY_NAME = {saver.name: saver for saver in LONG_CONTEXT_SAVERS}

@@ -45,7 +45,7 @@ from lowmem_ft.memory.target import Target
 # forward+backward); NF4 dequantizes every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a
 # 16-bit LoRA step at batch 1); offloading copies each layer input to host and back (≈ +10 % where the copy does not
 # fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %). The long-context
-# savers': CPU step-time ratios (`long_context.SAVER_COST` says where they come from).
+# savers': CPU step-time ratios (`savers.Saver.cost`; the comment above the savers says where they come from).
 COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05, **SAVER_COST}
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.

@@ -39,7 +39,7 @@ from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup, mlp_tile_tok
 @dataclass(frozen=True)
 class Saver:
     """A long-context saver as the planner sees it: `name` is its `Setup` field (the recipe's `memory.<name>`),
-    `label` its name in prose, `cost` its relative step time (`lowmem_ft.memory.long_context` says where the costs
+    `label` its name in prose, `cost` its relative step time (the comment above the instances says where the costs
     come from), `what` what it does for its "on: …" line (formatted with the embedding table's GB and the tile),
     `tiled` whether `mlp_tile_tokens` sizes its tiles."""
 
@@ -164,10 +164,10 @@ class TiledMLP(Saver):
         """peft's forward moment (`transients._dense_forward_transient_bytes`) with the MLP tiled: under
         checkpointing the attention's output projection may be the larger moment (`attention_output`, beside the
         LoRA copies of `wide_in`, the widest input outside the MLP); without, the attention's linears beside two
-        hidden-sized tensors (measured); then one tile's moment — the MLP's linears see one tile at a time under its checkpoint (nothing
-        kept), beside the tile outputs gathered so far, the residual sum and the MLP input (3·c·h per token: the
-        forward of the yardstick's 1,024-token-tile points, where this moment is the peak, is exact on the three
-        shapes)."""
+        hidden-sized tensors (measured); then one tile's moment — the MLP's linears see one tile at a time under its
+        checkpoint (nothing kept), beside the tile outputs gathered so far, the residual sum and the MLP input (3·c·h
+        per token: the forward of the yardstick's 1,024-token-tile points, where this moment is the peak, is exact on
+        the three shapes)."""
         if not self.on(s):
             return transient
         c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
@@ -293,20 +293,43 @@ class RecomputeLora(Saver):
         return RECOMPUTE_BWD_I_LORA_RECOMPUTED if self.on(s) and s.adapter == "lora" else peft
 
 
+# `cost`: relative step time, for the planner's ranking (`lowmem_ft.memory.planner.COST`). CPU step-time ratios,
+# not GPU ones (python -m devkit.bench.context, benchmarks/context_cpu.md: each on top of checkpointing + the chunked
+# loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the norms recomputed tile by tile),
+# tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA branches' forward again, as many
+# small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the CPU; 1.02 stands for a GPU's host
+# gather and host→device copy of 2·hidden B per token (~33 ms per 100k tokens predicted at PCIe 4 speed, a few % of a
+# step that long). The order they give — host embeddings, tiled norms, tiled MLP, LoRA recompute — is kept for a GPU:
+# the MLP's recompute is FLOPs (most of a layer's), the norms' a memory-bound pass, and LoRA recompute, whose GPU cost
+# is the least known, comes last.
 HOST_EMBEDDINGS = HostEmbeddings(
-    "embeddings_on_host", "host embeddings", 1.02, "the {table:.2f} GB input embedding table stays in host RAM", False
+    name="embeddings_on_host",
+    label="host embeddings",
+    cost=1.02,
+    what="the {table:.2f} GB input embedding table stays in host RAM",
+    tiled=False,
 )
 TILED_NORMS = TiledNorms(
-    "tiled_norms", "tiled norms", 1.09, "the norms run in tiles of {tile:,} tokens (no fp32 copy of the whole sequence)",
-    True,
-)  # fmt: skip
+    name="tiled_norms",
+    label="tiled norms",
+    cost=1.09,
+    what="the norms run in tiles of {tile:,} tokens (no fp32 copy of the whole sequence)",
+    tiled=True,
+)
 TILED_MLP = TiledMLP(
-    "tiled_mlp", "tiled MLP", 1.16, "the MLPs run in tiles of {tile:,} tokens (no tokens × intermediate tensor)", True
+    name="tiled_mlp",
+    label="tiled MLP",
+    cost=1.16,
+    what="the MLPs run in tiles of {tile:,} tokens (no tokens × intermediate tensor)",
+    tiled=True,
 )
 RECOMPUTE_LORA = RecomputeLora(
-    "recompute_lora", "LoRA recompute", 1.39,
-    "the LoRA branches are recomputed in backward (no fp32 copies of their inputs kept)", True,
-)  # fmt: skip
+    name="recompute_lora",
+    label="LoRA recompute",
+    cost=1.39,
+    what="the LoRA branches are recomputed in backward (no fp32 copies of their inputs kept)",
+    tiled=True,
+)
 # the planner's long-context savers, in order of cost (`lowmem_ft.memory.long_context`)
 LONG_CONTEXT_SAVERS: tuple[Saver, ...] = (HOST_EMBEDDINGS, TILED_NORMS, TILED_MLP, RECOMPUTE_LORA)
 

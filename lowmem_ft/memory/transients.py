@@ -37,8 +37,8 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     """The largest transient of one layer's forward beyond what the layers keep (FWD_TRANSIENT_* and FWD_BESIDE_*,
     measured at the layers' own peak): peft's fp32 copies around the adapted linear with the widest input, beside
     the hidden-sized tensors in flight; the savers' moments are theirs (`savers.TiledMLP.forward`,
-    `savers.RecomputeLora.forward`, `savers.TiledNorms.forward_beside`). RoPE's cos/sin, which also exist while the layers run, are the caller's
-    (`_forward_backward`)."""
+    `savers.RecomputeLora.forward`, `savers.TiledNorms.forward_beside`). RoPE's cos/sin, which also exist while the
+    layers run, are the caller's (`_forward_backward`)."""
     if arch.moe:  # the experts' moment, or the attention's (whose LoRA copies are measured as for dense blocks)
         moments = max(moe_forward_transient_bytes(arch, s), _dense_forward_transient_bytes(arch, s))
         return moments + unused_sliding_mask_bytes(arch, s)
