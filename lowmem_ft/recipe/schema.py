@@ -214,6 +214,23 @@ class MemorySection:
         ge=0.0,
         planner="safety_margin_gb",
     )
+    host_ram_gb: float = _f(
+        0.0,
+        "Host RAM the run may keep in GB (all its processes on one machine); 0 = what this machine has available "
+        "when the run is planned (psutil). Set it to plan for another machine, or to make a plan reproducible. The "
+        "planner counts offloaded layer inputs, host embeddings, paged and offloaded optimizer states against it "
+        "less host_margin_gb, and a plan that needs more does not fit.",
+        ge=0.0,
+        flag=Flag(
+            "--host-ram", "host RAM the plan may use, in GB (default: what this machine has available)", metavar="GB"
+        ),
+    )
+    host_margin_gb: float = _f(
+        4.0,
+        "Host RAM kept free below host_ram_gb for what the plan does not count: the Python process itself (torch, "
+        "the tokenizer, the data), the loader's copy of each checkpoint shard, the OS (host budget = RAM − this).",
+        ge=0.0,
+    )
     activation_offloading: bool = _f(
         False,
         "Keep the checkpointed layer inputs in pinned host memory (transformers' offload=True, torch save_on_cpu); "
