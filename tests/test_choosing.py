@@ -62,7 +62,7 @@ def test_choice_means_one_thing_per_field_and_round_trips():
     assert record["vram_gb"] == 24 and record["safety_margin_gb"] == 1.5 and record["budget_gb"] == 22.5
     assert record["predicted_peak_gb"] <= record["budget_gb"] and record["fits"] is True
     again = Choice.from_dict(record)
-    assert again == choice and again.plan is None and again.target == Target(24, 1.5)
+    assert again == choice and again.plan is None and again.target == Target(24, 1.5, 1, 512.0, 4.0)
     assert again.resumed("runs/x/recipe.yaml").how == "resume"
     plan_record = choice.plan_record(resolve("24gb", QWEN7))
     assert plan_record["budget_gb"] == 22.5 and plan_record["model"] == "Qwen/Qwen2.5-7B" and "recipe" in plan_record

@@ -155,6 +155,11 @@ class AdapterSection:
     r: int = _f(16, "LoRA rank.", ge=1, planner="lora_r")
     alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).", ge=1)
     dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0, planner="lora_dropout")
+    use_rslora: bool = _f(
+        False,
+        "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r (peft's use_rslora), so "
+        "higher ranks keep learning. Scaling only: no memory of its own (peft lora/layer.py update_layer).",
+    )
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",
@@ -185,6 +190,12 @@ class OptimizerSection:
     schedule: Schedule = _f("cosine", "Learning-rate schedule after warmup.")
     warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.", ge=0.0, lt=1.0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).", ge=0.0)
+    loraplus_lr_ratio: float = _f(
+        0.0,
+        "LoRA+: the learning rate of the lora_B matrices is lr × this (peft's create_loraplus_optimizer; 16 is the "
+        "paper's default); 0 = off. The same parameters in other param groups: no memory of its own.",
+        ge=0.0,
+    )
 
 
 @dataclass
