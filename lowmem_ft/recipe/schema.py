@@ -155,6 +155,13 @@ class AdapterSection:
     r: int = _f(16, "LoRA rank.", ge=1, planner="lora_r")
     alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).", ge=1)
     dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0, planner="lora_dropout")
+    use_dora: bool = _f(
+        False,
+        "DoRA: a trainable magnitude per output feature of each adapted linear on top of LoRA (peft's use_dora). "
+        "Costs memory the plan counts: the magnitude vectors, their gradients and states, and each adapted linear's "
+        "weight norm recomputed in every forward (lowmem_ft.memory.dora).",
+        planner="use_dora",
+    )
     use_rslora: bool = _f(
         False,
         "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r (peft's use_rslora), so "

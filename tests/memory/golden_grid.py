@@ -170,9 +170,19 @@ def estimate_record(est, rounded: bool = False) -> dict[str, Any]:
         "peak_phase": est.peak_phase,
         "notes": list(est.notes),
         "phases": {k: float(v) for k, v in est.phases.items()},
-        "setup": json.loads(json.dumps(dataclasses.asdict(est.setup), default=_listed)),
+        "setup": json.loads(json.dumps(_recorded_fields(est.setup), default=_listed)),
         **({"to_dict": est.to_dict()} if rounded else {}),
     }
+
+
+# `Setup` fields added after the grid was recorded, with the value that means "not used": a setup that leaves one
+# there is recorded without it (the grid's setups use none of them), so its old record stays the one to match.
+ADDED_SINCE_RECORDED = {"use_dora": False}
+
+
+def _recorded_fields(s) -> dict[str, Any]:
+    fields = dataclasses.asdict(s)
+    return {k: v for k, v in fields.items() if not (k in ADDED_SINCE_RECORDED and v == ADDED_SINCE_RECORDED[k])}
 
 
 def setup_record(arch, fields: dict[str, Any]) -> dict[str, Any]:
