@@ -116,3 +116,17 @@ def test_a_recipe_over_the_host_ram_is_shown_not_fitting(tmp_path, capsys):
     assert main(argv) == 2
     out = capsys.readouterr().out
     assert "host budget (RAM − margin)" in out and "DOES NOT FIT" in out
+
+
+def test_plan_prices_dora_above_plain_lora(capsys):
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--recipe", "24gb", "--seq-len", "4096"]
+    assert main([*argv, "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--set", "adapter.use_dora=true", "--json"]) == 0
+    dora = json.loads(capsys.readouterr().out)
+    assert dora["recipe"]["adapter"]["use_dora"] is True and dora["setup"]["use_dora"] is True
+    assert dora["predicted_peak_gb"] > lora["predicted_peak_gb"] + 1  # 13.8 → 19.6 GB predicted
+    assert {c["name"] for c in dora["components"]} - {c["name"] for c in lora["components"]} == {
+        "DoRA weight norms (kept)",
+        "DoRA weight-norm working set",
+    }
