@@ -23,10 +23,9 @@ do next is the guard's decision (`lowmem_ft.train.guard.MemoryGuard`):
 - An OOM in evaluation lowers the eval batch (the guard's) and retries the evaluation; the train batch is untouched.
 - Checkpoints are saved whole or not at all (`lowmem_ft.train.saving`): transformers' `_save_checkpoint` runs
   unchanged with the staging directory as its output directory, and the result is renamed when complete.
-- The length-grouped order of each epoch comes from a generator seeded with (data seed, epoch)
-  (`EpochSeededSampler`): transformers' `LengthGroupedSampler` draws it from the global RNG when the epoch's
-  iterator is made, so a run resumed in its second epoch saw other batches than one never stopped (measured:
-  1.7e-2 apart in the adapter of a tiny 12-step run resumed at step 10, with or without dropout).
+- Each epoch's order is seeded with (data seed, epoch) and starts with its heaviest micro batch
+  (`lowmem_ft.train.order.HeaviestFirstSampler`): the same order whether the epoch is reached by training or by
+  `--resume`, and an OOM in the first minute rather than at the step the longest sample arrives.
 - Several processes (`train --gpus N`): after each micro batch attempt the ranks all-reduce which of them ran out
   of memory (one small collective), so every rank steps down and redoes the same micro batch together. Under DDP
   each attempt runs in `no_sync` and the gradients are averaged by one flat all-reduce once the optimizer step's
@@ -48,14 +47,17 @@ from typing import Any
 
 import torch
 from torch import distributed as dist
+from torch.utils.data import RandomSampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from trl import SFTTrainer
 
+from lowmem_ft.data.profile import lengths_of
 from lowmem_ft.rundir import RunDir
 from lowmem_ft.train import dropout
 from lowmem_ft.train.device import free_memory
 from lowmem_ft.train.guard import MemoryGuard
 from lowmem_ft.train.monitor import MemoryMonitor
+from lowmem_ft.train.order import HeaviestFirstSampler
 from lowmem_ft.train.ranks import world_size
 from lowmem_ft.train.saving import Saver
 from lowmem_ft.train.split import label_count, piece_spans
@@ -94,23 +96,6 @@ def add_perplexity(logs: dict[str, float]) -> None:
             logs["eval_perplexity"] = float("inf")
 
 
-class EpochSeededSampler(LengthGroupedSampler):
-    """transformers' length-grouped order (`get_length_grouped_indices`), each epoch's drawn from a generator seeded
-    with `seed + epoch` — the same order whether the epoch is reached by training or by `--resume`. accelerate's
-    `DataLoaderShard.set_epoch` tells it the epoch (also through `skip_first_batches`)."""
-
-    def __init__(self, batch_size: int, lengths: list[int], seed: int):
-        super().__init__(batch_size, lengths=lengths)
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return super().__iter__()
-
-
 class MemorySafeSFTTrainer(SFTTrainer):
     """`SFTTrainer` + `MemoryMonitor` samples at backward end + OOM recovery (see the module docstring)."""
 
@@ -133,11 +118,22 @@ class MemorySafeSFTTrainer(SFTTrainer):
 
     # -- training -------------------------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
+        """transformers' order (length-grouped or random), seeded per epoch, the heaviest micro batch first
+        (`lowmem_ft.train.order`): an OOM or a wrong plan shows in step 1, and --resume continues exactly."""
         sampler = super()._get_train_sampler(train_dataset)
-        if type(sampler) is LengthGroupedSampler and sampler.generator is None:
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-            return EpochSeededSampler(sampler.batch_size, sampler.lengths, seed)
-        return sampler
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        grouped = type(sampler) is LengthGroupedSampler and sampler.generator is None
+        if not (grouped or type(sampler) is RandomSampler) or not hasattr(dataset, "data"):
+            return sampler  # a stream (no sampler), or an order someone chose on purpose
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        lengths = sampler.lengths if grouped else lengths_of(dataset)
+        return HeaviestFirstSampler(
+            lengths,
+            self.args.per_device_train_batch_size,
+            seed,
+            group_size=sampler.batch_size if grouped else 0,
+            padded=not self.padding_free,
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         add_perplexity(logs)  # eval perplexity beside eval loss: W&B, log_history and the best-model metric
