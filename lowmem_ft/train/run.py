@@ -246,6 +246,7 @@ class FineTune:
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train import progress, tracking
+        from lowmem_ft.train.early import ProveEarly
         from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
@@ -266,6 +267,9 @@ class FineTune:
         )
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
+        # the evaluation's heaviest batch and a trial save after step 1, after the monitor that records their memory
+        self.early = ProveEarly(self.trainer)
+        self.trainer.add_callback(self.early)
         # the banner after the trackers' callbacks (W&B's run exists when it prints), before the bar starts drawing
         self.trainer.add_callback(self._banner())
         progress.install(self.trainer, self.monitor, self.target)
@@ -428,6 +432,7 @@ class FineTune:
             "last_loss_step": logged[-1].get("step") if logged else None,
             "wall_seconds": round(self.elapsed, 2),
             "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
+            "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
             "wandb_mode": self.tracking.mode,
         }
         evals = [h for h in history if "eval_loss" in h]

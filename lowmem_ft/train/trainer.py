@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +58,8 @@ from lowmem_ft.train import dropout
 from lowmem_ft.train.device import free_memory
 from lowmem_ft.train.guard import MemoryGuard
 from lowmem_ft.train.monitor import MemoryMonitor
-from lowmem_ft.train.order import HeaviestFirstSampler
-from lowmem_ft.train.ranks import world_size
+from lowmem_ft.train.order import HeaviestFirstSampler, batch_tokens
+from lowmem_ft.train.ranks import barrier, world_size
 from lowmem_ft.train.saving import Saver
 from lowmem_ft.train.split import label_count, piece_spans
 
@@ -105,7 +106,7 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self.monitor = monitor
         self.saver = Saver(run)
         self.dropout = dropout.install(self.model)
-        self._staging = False  # inside `_save_checkpoint`: transformers' output directory is the staging one
+        self._staging: bool | str = False  # in `_save_checkpoint`: True (a checkpoint) or "trial" (`prove_save`)
         self._window: list[tuple[dict[str, Any], Any, Draw]] = []  # micro batches of the optimizer step in progress
         self._window_step = -1
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
@@ -263,7 +264,10 @@ class MemorySafeSFTTrainer(SFTTrainer):
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
         # transformers composes the checkpoint's path from this in `_save_checkpoint`: during a save, the staging one
-        return str(self.saver.run.staging) if self._staging else super()._get_output_dir(trial)
+        # (a trial save, `prove_save`: a directory of its own inside it)
+        if self._staging:
+            return str(self.saver.run.staging / "trial" if self._staging == "trial" else self.saver.run.staging)
+        return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' save, into `checkpoints/.staging/checkpoint-N`, renamed to `checkpoint-N` when every rank
@@ -282,7 +286,60 @@ class MemorySafeSFTTrainer(SFTTrainer):
             self._staging = False
         self.saver.publish(self, step)
 
+    def prove_save(self) -> None:
+        """Save a checkpoint as the run will (transformers' `_save_checkpoint`, its disk check first) into
+        `checkpoints/.staging/trial/` and remove it: the save's memory and the disk's room shown at step 1. A save
+        that cannot happen ends the run there, as it would at the first real save (call on all ranks)."""
+        step = self.state.global_step
+        trial = self.saver.run.staging / "trial"
+        self.saver.check_space(self, step)
+        self._staging = "trial"
+        try:
+            super()._save_checkpoint(self.model_wrapped, trial=None)
+        except Exception as exc:
+            shutil.rmtree(trial, ignore_errors=True)
+            failure = self.saver.failed(exc, step)
+            if failure is exc:
+                raise
+            raise failure from None
+        finally:
+            self._staging = False
+        self.monitor.sample("save")
+        barrier()
+        if self.args.should_save:
+            shutil.rmtree(trial, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the staging directory, empty now
+                self.saver.run.staging.rmdir()
+
     # -- evaluation -----------------------------------------------------------------------------------------------
+    def prove_eval(self) -> tuple[int, int] | None:
+        """Run the evaluation's heaviest batch (by tokens, in the order evaluation reads: as stored) through one
+        forward as `evaluate` runs it, stepping the eval batch down on OOM as `evaluate` would. Returns (samples,
+        tokens) of the batch that ran, or None when there is no evaluation or nothing fits."""
+        dataset = self.eval_dataset
+        if dataset is None or not hasattr(dataset, "data"):
+            return None
+        lengths = lengths_of(dataset)
+        padded = not self.padding_free
+        while True:
+            size = self.guard.eval_batch
+            batches = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+            batch = max(batches, key=lambda b: batch_tokens(b, lengths, padded))
+            inputs = self._prepare_inputs(self.data_collator([dataset[i] for i in batch]))
+            self.model.eval()  # as evaluate runs it (no dropout); the next training step sets train mode again
+            try:
+                self.prediction_step(self.model, inputs, prediction_loss_only=True)
+                return len(batch), batch_tokens(batch, lengths, padded)
+            except torch.OutOfMemoryError as exc:
+                failure = {"error": str(exc).splitlines()[0][:200], **self.monitor.reader()}
+            finally:
+                self._metrics["eval"].clear()  # TRL's eval metrics of this forward are not an evaluation's
+                self.model.train()
+            del inputs
+            free_memory()
+            if not self.guard.recover_eval(failure):
+                return None
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         while True:
             self.args.per_device_eval_batch_size = self.guard.eval_batch
