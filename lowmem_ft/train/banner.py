@@ -15,8 +15,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.console import quiet
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 
 GB = 1024**3

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.banner import PlanBanner, RunView, count, savers_on
 
