@@ -62,10 +62,10 @@ def test_an_eval_oom_at_step_1_steps_the_eval_batch_down_there(tiny_model, tmp_p
 
 def test_a_disk_too_small_for_a_checkpoint_ends_the_run_at_step_1(tiny_model, tmp_path, monkeypatch, capsys):
     from lowmem_ft import cli
-    from lowmem_ft.train import saving
+    from lowmem_ft.train import checkpoints
     from tests.train.tiny_runs import tiny_sets
 
-    monkeypatch.setattr(saving, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 1000)
     argv = ["train", "--recipe", "8gb", "--name", "full", "--no-wandb"]
     for item in tiny_sets(tiny_model, DATA, tmp_path, "training.save_steps=50", "training.max_steps=100"):
         argv += ["--set", item]
