@@ -673,7 +673,7 @@ def _host_refusal(arch: Architecture, request: Request, blocked: list[_Scored], 
         if shorter:
             instead.insert(0, f"--seq-len {shorter}")
     return (
-        f"{arch.name or 'model'} at seq {s.max_seq_len} fits {target.budget_gb:.1f} GB of VRAM only if it "
+        f"{arch.name or 'model'} at seq {s.max_seq_len} fits the {target.budget_gb:.1f} GB VRAM budget only if it "
         f"{host_over(least.estimate, target)}; what fits: {' or '.join(instead)}"
     )
 
