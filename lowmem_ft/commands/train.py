@@ -37,6 +37,7 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
+    flags.add_key_flags(p, "--host-ram")
     flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
     p.add_argument(
         "--name",
@@ -137,7 +138,8 @@ def _hub_preflight(args: argparse.Namespace):
 
 
 def _print_done(m: dict, run_dir) -> None:
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}; run directory {run_dir}")
+    speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}{speed}; run directory {run_dir}")
 
 
 def _loss_line(m: dict) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowmem_ft.memory import dora
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
     DROPOUT_MASK_BYTES,
@@ -229,12 +230,13 @@ class RecomputeLora(Saver):
 
     def lora_inputs(self, arch: Architecture, s: Setup, mlp: bool) -> float:
         """Per token, what the attention's (`mlp` False) or MLP's (True) LoRA layers keep: peft's
-        (`peft_lora_input_bytes`), or the branch checkpoints' inputs (`kept_inputs`)."""
+        (`peft_lora_input_bytes`), or the branch checkpoints' inputs (`kept_inputs`); DoRA's kept tensors beside
+        either (`dora.kept_per_token`)."""
         drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
         lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
         if self.on(s) and not (mlp and TILED_MLP.on(s)):
-            return self.kept_inputs(arch, s, lins)
-        return peft_lora_input_bytes(s, lins, drop)
+            return self.kept_inputs(arch, s, lins) + dora.kept_per_token(s, lins)
+        return peft_lora_input_bytes(s, lins, drop) + dora.kept_per_token(s, lins)
 
     def kept_inputs(self, arch: Architecture, s: Setup, lins: list[Linear]) -> float:
         """Per token, what each branch checkpoint keeps for these adapted linears: only its input, a c-byte tensor —
