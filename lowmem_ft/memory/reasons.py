@@ -7,13 +7,22 @@ One idea: a line says what decided the value — the user (`--set`), the recipe,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Setup, eval_peak_bytes
+from lowmem_ft.memory.target import Target
 
-if TYPE_CHECKING:
-    from lowmem_ft.memory.planner import Request
+
+class Request(Protocol):
+    """What the reasons read of the planner's `Request` (`lowmem_ft.memory.planner`, which imports this module)."""
+
+    start: Setup
+    target: Target
+    gradient_accumulation: int
+    eval_batch_size: int
+    fixed: frozenset[str]
+    length_reason: str
 
 
 def knob_reasons(
