@@ -66,7 +66,28 @@ def _recipe(model_dir: Path, case: Case):
 def _prompts(tokenizer, n: int, length: int) -> list[dict[str, Any]]:
     """n plain-text prompts of exactly `length` tokens (TRL tokenizes plain prompts without special tokens added
     by the template; the tokenizer's own BOS is counted by re-encoding), with an answer column."""
-    words = [w for w in ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "to", "the", "old", "red", "barn", "by", "the", "hill"]]
+    words = [
+        w
+        for w in [
+            "the",
+            "cat",
+            "sat",
+            "on",
+            "a",
+            "mat",
+            "and",
+            "then",
+            "ran",
+            "to",
+            "the",
+            "old",
+            "red",
+            "barn",
+            "by",
+            "the",
+            "hill",
+        ]
+    ]
     out = []
     for i in range(n):
         ids: list[int] = []
@@ -202,27 +223,34 @@ def predict(case: Case, arch: Architecture, setup) -> dict[str, float]:
     return phase_peaks(arch, setup, shape, states=False)  # one optimizer step: its states are made in it
 
 
+CASES = (
+    Case(),
+    Case(family="qwen2.5"),
+    Case(adapter="full"),
+    Case(family="qwen2.5", adapter="full"),
+    Case(steps_per_generation=1, beta=0.04, prompt_len=40),
+)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m devkit.harness.grpo", description=__doc__.splitlines()[0])
-    ap.add_argument("--family", default="llama3,qwen2.5")
-    ap.add_argument("--adapter", default="lora,full")
-    ap.add_argument("--beta", type=float, default=0.0)
-    ap.add_argument("--completion", type=int, default=20)
+    ap.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))), help="indices into CASES")
     args = ap.parse_args(argv)
-    print(
-        "| family | adapter | beta | phase | measured B | predicted B | error |\n| --- | --- | --- | --- | --- | --- | --- |"
-    )
-    for family in args.family.split(","):
-        for adapter in args.adapter.split(","):
-            case = Case(family=family, adapter=adapter, beta=args.beta, completion_len=args.completion)
-            measured, arch, setup = measure(case)
-            predicted = predict(case, arch, setup)
-            for phase in PHASES:
-                m, p = measured.get(phase), predicted.get(phase)
-                if m is None or p is None:
-                    print(f"| {family} | {adapter} | {args.beta} | {phase} | {m} | {p} | |")
-                    continue
-                print(f"| {family} | {adapter} | {args.beta} | {phase} | {m:,.0f} | {p:,.0f} | {(p - m) / m:+.2%} |")
+    print("| case | phase | measured B | predicted B | error |\n| --- | --- | --- | --- | --- |")
+    for i in (int(x) for x in args.cases.split(",")):
+        case = CASES[i]
+        measured, arch, setup = measure(case)
+        predicted = predict(case, arch, setup)
+        name = (
+            f"{case.family} {case.adapter} P {case.prompt_len} C {case.completion_len} G {case.num_generations} "
+            f"b {case.micro_batch} spg {case.steps_per_generation} ga {case.gradient_accumulation} beta {case.beta}"
+        )
+        for phase in PHASES:
+            m, p = measured.get(phase), predicted.get(phase)
+            if m is None and p is None:
+                continue
+            err = f"{(p - m) / m:+.2%}" if m and p else ""
+            print(f"| {name} | {phase} | {m or 0:,.0f} | {p or 0:,.0f} | {err} |", flush=True)
     return 0
 
 

@@ -71,10 +71,12 @@ def training_setup(s: Setup, g: GrpoShape) -> Setup:
 
 
 def grads_alive_at_generation(s: Setup, g: GrpoShape) -> bool:
-    """A round starts every steps_per_generation micro-steps; the gradients exist then unless it is also the first
-    micro-step of an optimizer step (the Trainer frees them after each step)."""
+    """Rounds start every steps_per_generation micro-steps, optimizer steps every gradient_accumulation; a round
+    that starts inside an optimizer step (steps_per_generation not a multiple of gradient_accumulation) generates
+    beside the step's gradients and the previous round's buffered inputs (the Trainer frees the gradients after
+    each optimizer step, TRL replaces the buffer only when the new round is made)."""
     spg = g.steps_per_generation or s.gradient_accumulation
-    return s.gradient_accumulation % spg != 0
+    return spg % s.gradient_accumulation != 0
 
 
 def old_policy_pass(s: Setup, g: GrpoShape) -> bool:
@@ -145,14 +147,16 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
     terms = generation_terms(arch, s, g)
     gen_static = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states)
     decode = terms["KV cache"] + terms["ids and masks"] + terms["logits and sampling"]
-    out = {"generation": gen_static + ref + max(decode, terms["prefill"])}
+    previous_round = held if grads_alive_at_generation(s, g) else 0.0
+    out = {"generation": gen_static + ref + previous_round + max(decode, terms["prefill"])}
     if old_policy_pass(s, g) or g.beta > 0:
         score_s = replace(ts, gradient_checkpointing=False)
         scoring = eval_peak_bytes(arch, score_s, s.micro_batch_size) - _eval_static(arch, score_s)
         out["scoring"] = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states) + ref + held
         out["scoring"] += scoring
     for phase in ("forward", "backward", "optimizer step"):
-        grads = phase != "forward" or grads_alive_at_generation(s, g)
+        # a forward after the first of an optimizer step's micro-steps runs beside the gradients: the phase's peak
+        grads = phase != "forward" or s.gradient_accumulation > 1 or grads_alive_at_generation(s, g)
         alive = states or phase == "optimizer step"  # the first step makes the states: they exist at its end
         base = phase_peak_bytes(arch, ts, phase, grads=grads, states=alive)  # type: ignore[arg-type]
         out[phase] = base - no_batch + held + ref

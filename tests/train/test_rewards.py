@@ -190,3 +190,55 @@ def test_every_builtin_builds_and_scores():
         out = call(reward, ["#### 4"], answer=["#### 4"])
         assert len(out) == 1 and (out[0] is None or math.isfinite(out[0]))
     assert columns_needed(BUILTINS["format"](options)) == ()
+
+
+@pytest.fixture(scope="module")
+def grpo_trainer(tmp_path_factory):
+    """TRL 1.16's GRPOTrainer on a zoo model, not trained: its own `_calculate_rewards` calls our rewards."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from devkit import zoo
+
+    root = tmp_path_factory.mktemp("grpo_rewards")
+    path = zoo.build("qwen2.5", root / "model")
+    user = root / "my_rewards.py"
+    user.write_text(USER_REWARDS)
+    rewards = build_rewards(
+        [parse_builtin("numeric_match:2"), parse_builtin("format")],
+        [parse_reward_fn(f"{user}:by_level"), parse_reward_fn(f"{user}:raises")],
+        RewardOptions(),
+        columns=["prompt", "answer", "level"],
+    )
+    config = GRPOConfig(
+        output_dir=str(root / "out"), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
+        report_to="none", reward_weights=[r.weight for r in rewards],
+    )  # fmt: skip
+    data = Dataset.from_list([{"prompt": "2+2?", "answer": "#### 4", "level": 1}] * 2)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=rewards, args=config, train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(path),
+    )  # fmt: skip
+    return trainer
+
+
+def test_trls_own_call_passes_columns_by_name(grpo_trainer):
+    t = grpo_trainer
+    assert t.reward_func_names == ["numeric_match", "format", "by_level", "raises"]
+    assert t.reward_weights.tolist() == [2.0, 1.0, 1.0, 1.0]
+    inputs = [{"prompt": "2+2?", "answer": "#### 4", "level": 1}, {"prompt": "2+2?", "answer": "#### 4", "level": 3}]
+    t.reward_funcs = t.reward_funcs[:3]  # without the one that raises
+    t.reward_processing_classes = t.reward_processing_classes[:3]
+    t.reward_func_names = t.reward_func_names[:3]
+    out = t._calculate_rewards(inputs, ["2+2?"] * 2, ["#### 4", "five"], [[1, 2], [3]])
+    assert out.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 3.0]]
+
+
+def test_a_raising_reward_stops_trl_with_one_line(grpo_trainer, user_file):
+    t = grpo_trainer
+    [bad] = build_rewards([], [parse_reward_fn(f"{user_file}:raises")], RewardOptions())
+    t.reward_funcs, t.reward_processing_classes, t.reward_func_names = [bad], [None], ["raises"]
+    with pytest.raises(RewardFailed, match="raised ZeroDivisionError"):
+        t._calculate_rewards([{"prompt": "q", "answer": "1"}], ["q"], ["#### 1"], [[1]])
