@@ -43,7 +43,7 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.estimate import DTYPE_BYTES, Setup, estimate, eval_peak_bytes, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_mlp_bytes
-from lowmem_ft.memory.inference import kv_cache_bytes
+from lowmem_ft.memory.inference import human, kv_cache_bytes
 from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
 from lowmem_ft.memory.static import weight_bytes
 
@@ -166,3 +166,14 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
 def peak_phase(peaks: dict[str, float]) -> str:
     """The phase that sets the step's peak."""
     return max(peaks, key=lambda k: peaks[k])
+
+
+def describe_phases(peaks: dict[str, float]) -> list[str]:
+    """The plan's lines: each phase's peak in the order the step runs them, the largest marked (for
+    `plan --method grpo` once it is wired)."""
+    top = peak_phase(peaks)
+    return [
+        f"{phase:<15} {human(peaks[phase])}" + ("   ← peak" if phase == top else "")
+        for phase in PHASES
+        if phase in peaks
+    ]

@@ -123,3 +123,15 @@ def test_each_phase_against_trls_own_grpo_step(case):
         m = measured[phase]
         bound = 0.10 if phase == "optimizer step" and c.beta > 0 else 0.08
         assert abs(p - m) <= bound * m, f"{phase}: predicted {p:,.0f} vs measured {m:,.0f} ({(p - m) / m:+.1%})"
+
+
+def test_the_plans_lines_name_each_phase_and_the_peak():
+    from lowmem_ft.memory.grpo import describe_phases
+
+    arch = Architecture.from_config(QWEN_7B)
+    s = replace(CPU, adapter="lora", quantization="nf4", micro_batch_size=2, gradient_accumulation=32)
+    peaks = phase_peaks(arch, s, GrpoShape(prompt_len=128, completion_len=4096, beta=0.04))
+    lines = describe_phases(peaks)
+    assert [line.split()[0] for line in lines] == ["generation", "scoring", "forward", "backward", "optimizer"]
+    assert lines[0].endswith("← peak") and sum("← peak" in line for line in lines) == 1
+    assert "GB" in lines[0]
