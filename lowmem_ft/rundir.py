@@ -61,9 +61,15 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' `_re_checkpoint`
 
 
 def check_run_name(name: str) -> str:
-    """A run name is a name: one path component, so the run stays inside `<training.output_dir>/`."""
+    """A run name is a name: one path component, so the run stays inside `<training.output_dir>/`, and one printable
+    line, so the files that name it (recipe.yaml's header comment, accelerate.yaml) stay readable."""
     separators = {"/", "\\", os.sep, os.altsep or "/"}
-    if not name or name in (".", "..") or any(s in name for s in separators) or "\0" in name:
+    if name and not name.isprintable():  # a newline, a NUL: the name heads recipe.yaml and names files
+        raise UserError(
+            f"--name {name!r}: a run name must be printable on one line (no newline, tab or control character); "
+            "pick another --name"
+        )
+    if not name or name in (".", "..") or any(s in name for s in separators):
         raise UserError(
             f"--name {name!r}: a run name is a name, not a path (no '/', '\\', '..'); the run goes to "
             "<training.output_dir>/<name> — set training.output_dir to choose where"

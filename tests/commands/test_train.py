@@ -209,3 +209,15 @@ def test_done_line_says_which_steps_its_losses_are_from():
     assert _loss_line(one) == "loss 7.6474 at step 1, the only logged step (mean over the run 7.6415)"
     assert _loss_line({"first_loss": None, "last_loss": None, "train_loss": 7.5}) == "no loss logged (mean 7.5000)"
     assert _loss_line({"first_loss": 6.2, "last_loss": 5.75}) == "loss 6.2000 → 5.7500"  # an older metrics.json
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "cr\rname", "tab\tname", "nul\x00", "sep\u2028line", "bell\x07"])
+def test_a_run_name_that_would_break_its_recipe_file_is_refused(capsys, tmp_path, tiny_model, chat_data, name):
+    """Issue #24: `--name 'a<newline>b'` was accepted; the run's recipe.yaml (headed by the name in a comment) was
+    then unreadable and `generate`, `merge` and `--resume` all failed on it."""
+    out = tmp_path / "runs"
+    argv = ["train", "--vram", "8", "--model", tiny_model, "--data", chat_data, "--name", name, "--no-wandb",
+            "--set", f"training.output_dir={out}"]  # fmt: skip
+    err = _one_line_error(capsys, main(argv))
+    assert "argument --name" in err and "printable" in err and repr(name) in err
+    assert not out.exists() or not any(out.iterdir())
