@@ -533,6 +533,37 @@ class RunDir:
         """The checkpoint to resume from: the newest complete one, or None."""
         return self.resume_point().checkpoint
 
+    def finished(self) -> str | None:
+        """What a finished run holds (its end and its weights), or None when it is not finished. Finished: run.json
+        says completed — or, for a run from before statuses, metrics.json of a run that was not interrupted, beside
+        its weights."""
+        status = self.read_status()
+        weights = next((w for w in (self.weights(False), self.weights(True)) if w.is_dir()), None)
+        if status is not None and status.state != "completed":
+            return None
+        metrics = self.read_metrics()
+        if status is None and (weights is None or metrics is None or "interrupted" in metrics):
+            return None
+        step = status.step if status is not None and status.step is not None else (metrics or {}).get("global_step")
+        at = f" at step {step}" if step is not None else ""
+        return f"completed{at}" + (f", weights in {weights}" if weights is not None else "")
+
+    def refuse_finished(self, flag: str = "--resume") -> None:
+        """A UserError (the lock given back) when the run is finished: continuing it would train past its last step
+        and rewrite its weights. Training further is a new run from those weights."""
+        done = self.finished()
+        if done is None:
+            return
+        self.unlock()
+        weights = next((w for w in (self.weights(False), self.weights(True)) if w.is_dir()), None)
+        how = (
+            f"start a new run from them: lowmem-ft train --{'model' if weights.name == 'model' else 'adapter'} "
+            f"{weights} ..."
+            if weights is not None
+            else "start a new run"
+        )
+        raise UserError(f"{flag} {self.path}: the run finished ({done}); nothing to continue — to train further, {how}")
+
     def continuation(self) -> str:
         """What the directory holds to go on from, and the command that does (the end of a run's last line)."""
         point = self.resume_point()

@@ -120,15 +120,28 @@ def test_lora_weights_changed_and_quantized_base_did_not(qlora_result):
     assert qlora_result.model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16  # no fp32 upcast
 
 
-def test_resume_continues_from_the_last_checkpoint(qlora_run, tmp_path):
-    code = main(["train", "--resume", str(qlora_run), "--no-wandb", "--set", "training.max_steps=10"])
-    assert code == 0
-    run = json.loads((qlora_run / "run.json").read_text())
-    assert run["resumed_from"].endswith("checkpoint-8")
-    metrics = json.loads((qlora_run / "metrics.json").read_text())
-    assert metrics["global_step"] == 10
-    steps = [json.loads(line).get("step") for line in (qlora_run / "log_history.jsonl").read_text().splitlines()]
-    assert 9 in steps and 10 in steps
+def _snapshot(run: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of a run directory (but the lock, which a refused command takes and gives back): its bytes and
+    modification time."""
+    return {
+        str(p.relative_to(run)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "training.max_steps=10"]], ids=["as-is", "more-steps"])
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(qlora_run, capsys, extra):
+    """Issue #24: `--resume` on a finished run trained one step past max_steps (with a constant learning rate it
+    rewrote the finished adapter and said "done: 9 steps" for an 8-step run); more steps are a new run."""
+    before = _snapshot(qlora_run)
+    err = _one_line_error(capsys, main(["train", "--resume", str(qlora_run), "--no-wandb", *extra]))
+    assert err == (
+        f"lowmem-ft train: error: --resume {qlora_run}: the run finished (completed at step 8, weights in "
+        f"{qlora_run / 'adapter'}); nothing to continue — to train further, start a new run from them: "
+        f"lowmem-ft train --adapter {qlora_run / 'adapter'} ..."
+    )
+    assert _snapshot(qlora_run) == before and not capsys.readouterr().out
 
 
 def _one_line_error(capsys, code):
