@@ -243,9 +243,11 @@ class FineTune:
     def _setup_trainer(self) -> None:
         from lowmem_ft.train import progress, tracking
         from lowmem_ft.train.losses import install_loss_head
+        from lowmem_ft.train.totals import RunTotals
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
+        self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
         self.trainer = MemorySafeSFTTrainer(
@@ -258,8 +260,9 @@ class FineTune:
             monitor=self.monitor,
             run=self.run,
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
-            callbacks=[self.guard, self.monitor, self.stop, *self.callbacks],
+            callbacks=[self.guard, self.monitor, self.stop, self.totals, *self.callbacks],
         )
+        self.totals.bind(self.trainer)
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
         progress.install(self.trainer, self.monitor, self.target)
@@ -393,10 +396,16 @@ class FineTune:
             log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Final metrics: the trainer's, first/last loss, and with eval data the best evaluation and what was kept."""
+        """Final metrics of the whole run, across resumes: the mean training loss and time (`totals`), the trainer's
+        rates of the last call, first/last loss, and with eval data the best evaluation and what was kept."""
         logged = [h for h in history if "loss" in h]
+        # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
+        whole = self.totals.whole_run(self.output.metrics)
         metrics = {
             **self.output.metrics,
+            "train_loss": whole.mean_loss,
+            "train_loss_steps": whole.steps,
+            "train_runtime": round(whole.seconds, 4),
             "global_step": self.trainer.state.global_step,
             "first_loss": logged[0]["loss"] if logged else None,
             "last_loss": logged[-1]["loss"] if logged else None,
