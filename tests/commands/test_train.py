@@ -234,3 +234,22 @@ def test_a_run_name_that_would_break_its_recipe_file_is_refused(capsys, tmp_path
     err = _one_line_error(capsys, main(argv))
     assert "argument --name" in err and "printable" in err and repr(name) in err
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_a_gzip_compressed_jsonl_file_trains(tmp_path, tiny_model, capsys):
+    """Issue #24: `--data train.jsonl.gz` was refused ("not UTF-8 (byte 1)" for a .jsonl holding gzip); users keep
+    data that way and datasets reads it. The run trains on the decompressed lines, as on the plain file."""
+    import gzip
+
+    from tests.train.tiny_runs import tiny_sets
+
+    data = tmp_path / "chat.jsonl.gz"
+    data.write_bytes(gzip.compress((Path(__file__).parents[2] / "examples" / "chat.jsonl").read_bytes()))
+    argv = ["train", "--recipe", "8gb", "--name", "gz", "--no-wandb"]
+    for item in tiny_sets(tiny_model, str(data), tmp_path, "training.max_steps=2"):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    run = json.loads((tmp_path / "gz" / "run.json").read_text())
+    assert run["data"]["format"] == "messages" and run["data"]["records"] == 96
+    assert json.loads((tmp_path / "gz" / "metrics.json").read_text())["global_step"] == 2
