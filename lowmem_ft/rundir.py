@@ -18,6 +18,7 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | accelerate.yaml, launch.json | train --gpus | how the ranks were launched |
 | wandb/, tensorboard/ | the trackers (logging.report_to) | W&B's run files (offline runs sync from here), TensorBoard's events |
 | .lock | train | held (`fcntl.flock`) by the process running the run; holds its pid |
+| .reserve | train (rank 0) | 1 MB of room kept while the run goes, given up to record its end on a full disk |
 
 One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.json and memory.jsonl alike.
 `memory.jsonl` has one reader, `memory_log`, which tolerates a last line cut short by a crash.
@@ -29,6 +30,8 @@ Nothing is lost, nothing half-written is taken for whole:
   finds complete (trainer_state.json and weights present and readable) and says which it skipped.
 - One process at a time runs a run directory: `lock` holds an exclusive `flock` on `.lock` for the whole run. The
   OS releases it when the process ends, however it ends, so a crashed run never leaves a stale lock.
+- A full disk cannot keep a run from saying how it ended: while it runs, the run keeps `.reserve` (`reserve`), and
+  a status write that finds the disk full gives it up and writes again (`write_status`).
 - run.json's `status` says where the run stands (running with its pid → completed, interrupted or failed with the
   reason). A run that stopped before its first checkpoint can be started again under the same name (`new` clears
   it); one with a checkpoint continues with `--resume`, which first drops the memory samples of the steps it
@@ -37,6 +40,7 @@ Nothing is lost, nothing half-written is taken for whole:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -58,6 +62,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' `_re_checkpoint` (trainer_utils.py)
+# Room kept for run.json's last write on a full disk: run.json of the tiny test runs is ~6 KB and grows with the data
+# summary (one entry per source) and the choice's reasons, not with the steps; 1 MB leaves room for any run's,
+# written once more beside itself (write_atomic) — and a filesystem's block rounding.
+RESERVE_BYTES = 1 << 20
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 def check_run_name(name: str) -> str:
@@ -206,6 +215,7 @@ class RunDir:
     LAUNCH = "launch.json"
     TENSORBOARD = "tensorboard"
     LOCK = ".lock"
+    RESERVE = ".reserve"
     STAGING = ".staging"  # under checkpoints/: a save in progress; `^checkpoint-\d+$` never matches it
 
     def __init__(self, path: str | Path):
@@ -447,8 +457,35 @@ class RunDir:
         self._write_json(self.info_file, {**info, "status": status} if status is not None else info)
 
     def write_status(self, status: RunStatus) -> None:
-        """run.json's `status` (the rest of run.json unchanged)."""
-        self._write_json(self.info_file, {**self.read_info(), "status": status.to_dict()})
+        """run.json's `status` (the rest of run.json unchanged). On a full disk the reserve (`reserve`) is given up
+        and the write tried again: the status a failed run ends with is the one that most needs writing."""
+        record = {**self.read_info(), "status": status.to_dict()}
+        try:
+            self._write_json(self.info_file, record)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL or not self.release_reserve():
+                raise
+            self._write_json(self.info_file, record)
+
+    def reserve(self) -> None:
+        """Keep `RESERVE_BYTES` of the disk for the run's last status (best effort: a disk too full for it already
+        goes without)."""
+        path = self.path / self.RESERVE
+        try:
+            with path.open("wb") as handle:
+                handle.write(bytes(RESERVE_BYTES))  # written, not sparse: the blocks are taken now
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            log.debug("no room reserved in %s for the run's last status: %s", self.path, exc)
+
+    def release_reserve(self) -> bool:
+        """Give the reserve back to the disk; whether there was one."""
+        path = self.path / self.RESERVE
+        existed = path.is_file()
+        path.unlink(missing_ok=True)
+        return existed
 
     def read_status(self) -> RunStatus | None:
         """The run's status, or None when run.json records none (a run from before statuses, or not a run)."""

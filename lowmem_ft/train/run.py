@@ -308,23 +308,26 @@ class FineTune:
     def fit(self):
         import torch
 
-        started = time.time()
+        started, trained = time.time(), False
         try:
             self.output = self.trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint else None)
+            trained = True
         except torch.OutOfMemoryError as exc:  # outside a micro batch (optimizer step, save): no safe step down
             step = self.trainer.state.global_step + 1
             raise self.guard.outside_step(step, exc, self.monitor.reader()) from None
         finally:
+            # what fails here after a failed fit (a full disk fails every write) is not news: the run's end says why
+            said = log.warning if trained else log.debug
             try:
                 self.monitor.close()  # flushes: fails on a full disk, which the run's end then reports
             except OSError as exc:
-                log.warning("memory log %s: %s", self.monitor.path, exc)
+                said("memory log %s: %s", self.monitor.path, exc)
             if self.is_main:
-                self._report()
+                self._report(said)
         self.elapsed = time.time() - started
         return self.output
 
-    def _report(self) -> None:
+    def _report(self, said=log.warning) -> None:
         """The memory report at the end of `fit`, which runs in a `finally` and so must never hide why fit ended:
         nothing when no memory was recorded (fit failed before the first step), and a report that fails is logged."""
         from lowmem_ft.report import write_report
@@ -334,7 +337,7 @@ class FineTune:
         try:
             _, memory_summary = write_report(self.run.path)
         except Exception as exc:  # noqa: BLE001 — raising here would replace the exception fit is ending with
-            log.warning("memory report not written: %s: %s", type(exc).__name__, exc)
+            said("memory report not written: %s: %s", type(exc).__name__, exc)
             return
         print(memory_summary)
 
@@ -437,6 +440,7 @@ class FineTune:
         signal handlers, and every ending as one line; the run directory unlocked at the end."""
         self.stop.install()
         if self.is_main:
+            self.run.reserve()  # room to record the end on a disk that fills meanwhile
             self.status = RunStatus.running()
             self._record(self.status)
         try:
@@ -450,6 +454,8 @@ class FineTune:
             self._end("completed", step=self.trainer.state.global_step)
         finally:
             self.stop.uninstall()
+            if self.is_main:
+                self.run.release_reserve()
             self.run.unlock()
 
     def _record(self, status: RunStatus) -> None:
@@ -496,7 +502,18 @@ class FineTune:
         saver = trainer.saver if trainer is not None else Saver(self.run)
         if trainer is not None and not saver.needed:
             saver.needed = saver.expected_bytes(trainer)
-        return saver.disk_full(f"writing {getattr(exc, 'filename', None) or self.run.path}")
+        return saver.disk_full(f"writing {_filename(exc) or self.run.path}")
+
+
+def _filename(exc: BaseException | None) -> str | None:
+    """The file a failed write names, on the exception or one it came from."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "filename", None):
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def train(
