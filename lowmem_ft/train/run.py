@@ -401,6 +401,8 @@ class FineTune:
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Final metrics of the whole run, across resumes: the mean training loss and time (`totals`), the trainer's
         rates of the last call, first/last loss, and with eval data the best evaluation and what was kept."""
+        from lowmem_ft.train import tracking
+
         logged = [h for h in history if "loss" in h]
         # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
         whole = self.totals.whole_run(self.output.metrics)
@@ -415,7 +417,7 @@ class FineTune:
             "first_loss_step": logged[0].get("step") if logged else None,
             "last_loss_step": logged[-1].get("step") if logged else None,
             "wall_seconds": round(self.elapsed, 2),
-            "wandb_mode": self.tracking.mode,
+            "wandb_mode": tracking.current_mode(self.tracking),  # offline after an unreachable server
         }
         evals = [h for h in history if "eval_loss" in h]
         if evals:
