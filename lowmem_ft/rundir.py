@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -189,7 +190,7 @@ def _now() -> str:
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file, never
     a part (a crash or a full disk leaves the old one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = unique_tmp(path)
     try:
         with tmp.open("w", encoding="utf-8") as handle:
             handle.write(text)
@@ -198,6 +199,14 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def unique_tmp(path: Path) -> Path:
+    """A temporary name beside `path`, this writer's own: two writers of one file (a run's end and a `report` of it)
+    must not write into, or rename, each other's temporary file."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
 
 
 class RunDir:
@@ -653,12 +662,19 @@ class RunDir:
         return dropped
 
     def memory_log(self, rank: int = 0) -> MemoryLog:
-        """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`)."""
+        """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`). Of a run
+        still going (its lock held), the whole lines written so far: a last line without its newline is the one the
+        monitor is writing, neither a record nor damage."""
         log = MemoryLog()
+        running = None  # whether the run is going: asked only when a last line is cut
         with self.memory_file(rank).open(encoding="utf-8", errors="replace") as handle:  # bad bytes: unreadable
             for line in handle:
                 if not line.strip():
                     continue
+                if not line.endswith("\n"):  # the last line, cut: being written now, or by a run that crashed
+                    running = self.in_use() if running is None else running
+                    if running:
+                        continue
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, RecursionError):
