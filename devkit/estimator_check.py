@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.args import OPTIM_NAMES
 

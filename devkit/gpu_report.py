@@ -57,7 +57,7 @@ def err(pred: float, meas: float | None) -> str:
 
 
 def tier_margin_gb(vram: float) -> float:
-    from lowmem_ft.planning import tier_for_vram
+    from lowmem_ft.choosing import tier_for_vram
     from lowmem_ft.recipe.load import resolve
 
     return resolve(tier_for_vram(vram, strict=False)).memory.safety_margin_gb

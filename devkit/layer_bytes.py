@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from devkit.estimator_check import write_model
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import eager_scores_bytes, effective_setup, layer_activation_bytes
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 WIDTH = {

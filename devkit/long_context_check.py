@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devkit.estimator_check import trainer_batches, write_model  # noqa: F401 (write_model: this module's API too)
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import Estimate, estimate
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 OPTIM = {"adamw_torch": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit"}  # recipe name → TrainingArguments optim

@@ -5,7 +5,7 @@ savers, with the savers it had before the long-context ones, and with everything
 
 Pure arithmetic over the memory model (no GPU): for each model and VRAM target, the longest max_seq_len for which
 `lowmem_ft.memory.planner.plan` finds a setup (NF4 LoRA rank 32 on all linear layers, batch 1; checkpointing and
-the rest as the column allows) that fits under VRAM − the tier's margin. Columns (`lowmem_ft.planning.SAVER_SETS`):
+the rest as the column allows) that fits under VRAM − the tier's margin. Columns (`lowmem_ft.choosing.SAVER_SETS`):
 "none" fixes activation offloading, the chunked loss and the long-context savers off; "previous" lets the planner
 use offloading and the chunked loss at its automatic 64 MiB chunks (the planner before issue #13); "all" lets it
 choose everything (host embeddings, tiled norms, tiled MLP, LoRA recompute, the MLP tile, the loss chunk sized from
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lowmem_ft.choosing import context_request, longest_context  # noqa: E402
 from lowmem_ft.memory.planner import plan  # noqa: E402
-from lowmem_ft.planning import context_request, longest_context  # noqa: E402
 
 MODELS = ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"]
 VRAMS = (8, 24, 40)

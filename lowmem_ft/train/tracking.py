@@ -22,9 +22,9 @@ from urllib.parse import urlparse
 
 from transformers import TrainerCallback
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.console import quiet_stdout
 from lowmem_ft.errors import UserError
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import MemoryLog, RunDir
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from devkit import gpu_report
+from lowmem_ft.choosing import choose_recipe
 from lowmem_ft.memory import estimate as model
 from lowmem_ft.memory.arch import catalog_entry
-from lowmem_ft.planning import choose_recipe
 
 GB = 1e9
 MODEL = "Qwen/Qwen2.5-0.5B"

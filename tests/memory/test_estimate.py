@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from devkit.zoo import estimator_config
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture, load_architecture
 from lowmem_ft.memory.estimate import (
     DTYPE_BYTES,
@@ -34,7 +35,6 @@ from lowmem_ft.memory.estimate import (
     mlp_activation_bytes,
     xielu_extra_bytes,
 )
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 CPU = Setup(device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)

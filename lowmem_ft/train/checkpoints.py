@@ -39,7 +39,7 @@ DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 # A checkpoint's files besides the tensors and the tokenizer: trainer_state.json (~1 KB per logged row),
 # rng_state.pth, scheduler.pt, training_args.bin, adapter_config.json, peft's README.md — under 100 KB each in the
-# tiny test runs (tests/train/test_saving.py lists them); 1 MB covers a long log history.
+# tiny test runs (tests/train/test_checkpoints.py lists them); 1 MB covers a long log history.
 SLACK_BYTES = 1_000_000
 # torch's zip writer (caffe2 serialize/inline_container.cc) names no errno when a write fails: "PytorchStreamWriter
 # failed writing file data/0: file write failed", "unexpected pos N vs M". By the time it is looked at, a disk that

@@ -6,8 +6,8 @@ import pytest
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve
+from lowmem_ft.train.context_savers import check_memory_keys
 from lowmem_ft.train.model import build_model
-from lowmem_ft.train.savers import check_memory_keys
 from lowmem_ft.train.tiled_mlp import decoder_mlps
 
 

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_ft.errors import UserError
-from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import (
+from lowmem_ft.choosing import (
     Choice,
     apply_plan,
     choose_recipe,
@@ -18,6 +16,8 @@ from lowmem_ft.planning import (
     start_recipe,
     tier_for_vram,
 )
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import resolve
 
 QWEN7 = {"model": {"name_or_path": "Qwen/Qwen2.5-7B"}}
@@ -122,8 +122,8 @@ def test_a_capped_length_that_does_not_fit_is_shortened_further():
 def test_a_tier_length_beyond_the_positions_is_capped_and_an_asked_one_is_an_error():
     from dataclasses import replace
 
+    from lowmem_ft.choosing import plan_setup
     from lowmem_ft.memory.arch import load_architecture
-    from lowmem_ft.planning import plan_setup
 
     arch = replace(load_architecture("Qwen/Qwen2.5-0.5B"), max_position_embeddings=1000)
     recipe = resolve("24gb", QWEN7)  # max_seq_len 2048
@@ -233,7 +233,7 @@ def test_a_base_of_another_name_is_a_warning(tiny_model, qv_adapter, tmp_path, c
     from tests.saved_adapters import edit_config
 
     renamed = edit_config(Path(shutil.copytree(qv_adapter, tmp_path / "renamed")), base_model_name_or_path="x/other")
-    with caplog.at_level(logging.WARNING, logger="lowmem_ft.planning"):
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.choosing"):
         recipe, _ = choose_recipe(vram_gb=8, recipe=None, overrides=_with_adapter(tiny_model, str(renamed)))
     assert recipe.model.name_or_path == tiny_model
     assert f"was trained on x/other, not {tiny_model}" in caplog.text
@@ -289,7 +289,7 @@ def test_new_savers_are_fixed_knobs_and_round_trip():
 
 
 def test_host_ram_is_said_and_warned_about_past_the_machines(caplog):
-    from lowmem_ft.planning import with_host_ram
+    from lowmem_ft.choosing import with_host_ram
 
     _, choice = choose_recipe(vram_gb=24, recipe=None, overrides=LLAMA8, seq_len=100_000)
     p = choice.plan
@@ -300,7 +300,7 @@ def test_host_ram_is_said_and_warned_about_past_the_machines(caplog):
         and "offloaded layer inputs 26.21" in (roomy.reasons["host_ram"])
     )
     assert roomy.reasons["host_ram"].endswith("this machine has 512.0 GB")
-    with caplog.at_level(logging.WARNING, logger="lowmem_ft.planning"):
+    with caplog.at_level(logging.WARNING, logger="lowmem_ft.choosing"):
         tight = with_host_ram(replace_reasons(p), ram_gb=16)
     assert "MORE than it has" in tight.reasons["host_ram"]
     assert (
@@ -317,7 +317,7 @@ def replace_reasons(p):
 
 
 def test_longest_context_grows_with_each_saver_set_up_to_the_models_positions():
-    from lowmem_ft.planning import longest_context
+    from lowmem_ft.choosing import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "memory": {"micro_batch_size": 1}}
     none, previous, every = (

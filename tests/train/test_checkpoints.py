@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 from lowmem_ft import cli
 from lowmem_ft.rundir import RunDir, checkpoint_problem
 from lowmem_ft.train import run as run_module
-from lowmem_ft.train.saving import SLACK_BYTES, is_disk_full
+from lowmem_ft.train.checkpoints import SLACK_BYTES, is_disk_full
 from tests.train.tiny_runs import tiny_run, tiny_sets
 
 pytestmark = pytest.mark.slow
@@ -246,7 +246,7 @@ def test_the_first_save_is_estimated_above_its_size(tiny_model, tmp_path):
 
 def test_a_checkpoint_of_the_same_step_is_replaced_whole(tmp_path):
     """The save before an out-of-memory stop repeats the step's save: the old one makes way only at the rename."""
-    from lowmem_ft.train.saving import rename_into_place
+    from lowmem_ft.train.checkpoints import rename_into_place
 
     staging, final = tmp_path / ".staging", tmp_path / "checkpoint-2"
     (staging / "checkpoint-2").mkdir(parents=True)
@@ -282,7 +282,7 @@ def test_rotation_orders_checkpoints_by_step_not_mtime(tmp_path, caplog):
 
     from transformers.utils import logging as hf_logging
 
-    from lowmem_ft.train.saving import Saver
+    from lowmem_ft.train.checkpoints import Saver
 
     run = RunDir(tmp_path / "run")
     for step in (8, 9):

@@ -12,48 +12,30 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup
+from lowmem_ft.memory.long_context import SAVERS
 from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
-from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.recipe.schema import KEYS, Recipe
 
 if TYPE_CHECKING:
     from lowmem_ft.data.profile import LengthProfile
 
 log = logging.getLogger(__name__)
 
-# Recipe key → the planner's name for it (a `Setup` field, or a knob the `Plan` carries beside the setup).
-RECIPE_KNOBS = {
-    "model.quantization": "quantization",
-    "model.double_quant": "double_quant",
-    "model.compute_dtype": "compute_dtype",
-    "model.attn_implementation": "attn_implementation",
-    "adapter.kind": "adapter",
-    "adapter.r": "lora_r",
-    "adapter.dropout": "lora_dropout",
-    "adapter.target_modules": "lora_targets",
-    "optimizer.name": "optimizer",
-    "memory.gradient_checkpointing": "gradient_checkpointing",
-    "memory.micro_batch_size": "micro_batch_size",
-    "memory.max_seq_len": "max_seq_len",
-    "memory.activation_offloading": "activation_offloading",
-    "memory.chunked_loss": "loss_impl",
-    "memory.loss_chunk_tokens": "loss_chunk_tokens",
-    "memory.tiled_mlp": "tiled_mlp",
-    "memory.tiled_norms": "tiled_norms",
-    "memory.recompute_lora": "recompute_lora",
-    "memory.embeddings_on_host": "embeddings_on_host",
-    "memory.mlp_tile_tokens": "mlp_tile_tokens",
-    "memory.safety_margin_gb": "safety_margin_gb",
-    "memory.gradient_accumulation": "gradient_accumulation",
-    "memory.eval_batch_size": "eval_batch_size",
-}
+# Recipe key → the planner's name for it (a `Setup` field, or a figure the `Request` / `Plan` carry beside the
+# setup), from the keys' declaration (`lowmem_ft.recipe.schema`, `planner=`).
+RECIPE_KNOBS = {path: key.planned.name for path, key in KEYS.items() if key.planned is not None}
+SETUP_FIELDS = frozenset(f.name for f in fields(Setup))
+# What the planner's request and plan carry beside the setup (gradient_accumulation, eval_batch_size): a plan's own
+# figure is the one applied back.
+BESIDE_SETUP = frozenset(f.name for f in fields(Plan)) & frozenset(f.name for f in fields(Request))
 
 
 # -- tiers -------------------------------------------------------------------------------------------------------
@@ -218,36 +200,25 @@ def _adapter_reason(p: Plan, recipe: Recipe, origins: dict[str, str] | None) -> 
 
 
 # -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
+def planner_values(recipe: Recipe) -> dict[str, Any]:
+    """Every recipe key that feeds the planner, by the planner's name, spelled as the planner spells it."""
+    return {
+        key.planned.name: key.planned.to_planner(key.of(recipe)) for key in KEYS.values() if key.planned is not None
+    }
+
+
 def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
-    """The memory-relevant knobs of a `Recipe`."""
-    m, a, mem = recipe.model, recipe.adapter, recipe.memory
-    return Setup(
-        quantization=m.quantization,
-        double_quant=m.double_quant,
-        compute_dtype=m.compute_dtype,
-        attn_implementation=m.attn_implementation,
-        adapter=a.kind,
-        lora_r=a.r,
-        lora_dropout=a.dropout,
-        lora_targets=tuple(a.target_modules),
-        optimizer=recipe.optimizer.name,
-        gradient_checkpointing=mem.gradient_checkpointing,
-        micro_batch_size=mem.micro_batch_size,
-        max_seq_len=mem.max_seq_len,
-        gradient_accumulation=mem.gradient_accumulation,
-        activation_offloading=mem.activation_offloading,
-        # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
-        # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
-        loss_impl="chunked" if mem.chunked_loss else "trl_fused",
-        loss_chunk_tokens=mem.loss_chunk_tokens or None,
-        tiled_mlp=mem.tiled_mlp,
-        mlp_tile_tokens=mem.mlp_tile_tokens,
-        embeddings_on_host=mem.embeddings_on_host,
-        recompute_lora=mem.recompute_lora,
-        tiled_norms=mem.tiled_norms,
-        device=device,
-        safety_margin_gb=mem.safety_margin_gb,
-    )
+    """The memory-relevant knobs of a `Recipe`: every `Setup` field a recipe key feeds is filled from the recipe, so
+    the schema's defaults are the planner's too (`Setup`'s own defaults never reach a plan)."""
+    values = planner_values(recipe)
+    return Setup(**{name: value for name, value in values.items() if name in SETUP_FIELDS}, device=device)
+
+
+def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
+    """The planner's request starting from `recipe`: its setup, and the figures the request carries beside it."""
+    values = planner_values(recipe)
+    beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
+    return Request(setup_from_recipe(recipe), target, **beside, **kw)
 
 
 def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
@@ -257,30 +228,15 @@ def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
 
 
 def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
-    """The recipe with the plan's knobs."""
-    s = p.setup
-    return replace(
-        recipe,
-        model=replace(recipe.model, quantization=s.quantization),
-        adapter=replace(recipe.adapter, target_modules=list(s.lora_targets)),
-        optimizer=replace(recipe.optimizer, name=s.optimizer),
-        memory=replace(
-            recipe.memory,
-            gradient_checkpointing=s.gradient_checkpointing,
-            micro_batch_size=s.micro_batch_size,
-            gradient_accumulation=p.gradient_accumulation,
-            max_seq_len=s.max_seq_len,
-            activation_offloading=s.activation_offloading,
-            chunked_loss=s.loss_impl == "chunked",
-            loss_chunk_tokens=s.loss_chunk_tokens or 0,
-            tiled_mlp=s.tiled_mlp,
-            tiled_norms=s.tiled_norms,
-            recompute_lora=s.recompute_lora,
-            embeddings_on_host=s.embeddings_on_host,
-            mlp_tile_tokens=s.mlp_tile_tokens,
-            eval_batch_size=p.eval_batch_size,
-        ),
-    )
+    """The recipe with the plan's knobs: every key that feeds the planner takes the plan's value back (a knob the
+    planner left alone comes back as it went in)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key in KEYS.values():
+        if key.planned is not None:
+            name = key.planned.name
+            value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
+            sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
+    return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
 
 
 # -- the record of the choice -----------------------------------------------------------------------------------
@@ -363,6 +319,22 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
     return Target(vram_gb, margin, gpus)
 
 
+def origin_of(path: str, overrides: dict, origins: dict[str, str] | None) -> str | None:
+    """Who set recipe key `path`: its flag (`origins`), "--set", or None (the recipe file, or the defaults)."""
+    section, _, name = path.partition(".")
+    if (origins or {}).get(path):
+        return origins[path]
+    return "--set" if isinstance(overrides.get(section), dict) and name in overrides[section] else None
+
+
+def asked(path: str, value: Any, origin: str | None, recipe: str | None) -> str:
+    """Where the value of recipe key `path` was asked, as the user wrote it — `--seq-len 4096`,
+    `--set memory.max_seq_len=4096` or `recipe 8gb` (`origin` as `origin_of` says): the one wording of it."""
+    if origin == "--set":
+        return f"--set {path}={value}"
+    return f"{origin} {value}" if origin else f"recipe {recipe}"
+
+
 def check_positions(length: int, positions: int, model: str, asked: str) -> None:
     """A max_seq_len the user asked for (`asked` says where) within the model's positions, when they are known."""
     if positions and length > positions:
@@ -393,8 +365,7 @@ def _length(
     cap = round_seq_len(positions, up=False) if positions else 0
     if seq_len or "max_seq_len" in fixed:
         flag = "--seq-len" if seq_len else asked_by  # the flag that fixed it (`origins`), else --set
-        asked = f"--set memory.max_seq_len={length}" if flag == "--set" else f"{flag} {length}"
-        check_positions(length, positions, arch.name or "the model", asked)
+        check_positions(length, positions, arch.name or "the model", asked("memory.max_seq_len", length, flag, None))
         return length, f"{length} tokens, as {flag} asked", False
     if profile is not None and profile.p99 > 0:
         wanted = round_seq_len(profile.p99)
@@ -454,16 +425,8 @@ def plan_setup(
     cuts. `origins` names the flag that fixed a length (`--seq-len`), for the reason line."""
     asked_by = (origins or {}).get("memory.max_seq_len", "--set")
     length, why, from_data = _length(arch, recipe, fixed, seq_len, profile, asked_by)
-    request = Request(
-        start=replace(setup_from_recipe(recipe), max_seq_len=length),
-        target=target,
-        gradient_accumulation=recipe.memory.gradient_accumulation,
-        eval_batch_size=recipe.memory.eval_batch_size,
-        fixed=fixed,
-        strategy=strategy,
-        offload=offload,
-        length_reason=why,
-    )
+    request = request_for(recipe, target, fixed=fixed, strategy=strategy, offload=offload, length_reason=why)
+    request = replace(request, start=replace(request.start, max_seq_len=length))
     try:
         return plan(arch, request)
     except UserError:
@@ -519,13 +482,10 @@ def choose_recipe(
     _check_adapter_fits(arch, start)
     model = start.model.name_or_path
     if recipe is not None:
-        length, flag = start.memory.max_seq_len, (origins or {}).get("memory.max_seq_len")
-        asked = f"recipe {recipe}"
-        if "max_seq_len" in overrides.get("memory", {}):
-            asked = f"{flag} {length}" if flag else f"--set memory.max_seq_len={length}"
-        check_positions(length, arch.max_position_embeddings, model, asked)
-        request = Request(setup_from_recipe(start), target, start.memory.gradient_accumulation,
-                          start.memory.eval_batch_size, strategy=strategy, offload=offload)  # fmt: skip
+        length = start.memory.max_seq_len
+        where = asked("memory.max_seq_len", length, origin_of("memory.max_seq_len", overrides, origins), recipe)
+        check_positions(length, arch.max_position_embeddings, model, where)
+        request = request_for(start, target, strategy=strategy, offload=offload)
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(_adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
@@ -541,9 +501,7 @@ def choose_recipe(
 # What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation
 # offloading and the chunked loss at its automatic 64 MiB chunks: the planner before the long-context savers),
 # "none" (neither). The knobs left out are fixed at the tier recipe's values (off).
-LONG_CONTEXT_KNOBS = frozenset(
-    {"tiled_mlp", "tiled_norms", "recompute_lora", "embeddings_on_host", "mlp_tile_tokens", "loss_chunk_tokens"}
-)
+LONG_CONTEXT_KNOBS = frozenset({*SAVERS, "mlp_tile_tokens", "loss_chunk_tokens"})
 SAVER_SETS = {
     "all": frozenset(),
     "previous": LONG_CONTEXT_KNOBS,
@@ -560,12 +518,7 @@ def context_request(
 
     fixed = merge(overrides or {}, {"model": {"name_or_path": model}})
     start = resolve(tier_for_vram(vram_gb), fixed)
-    request = Request(
-        setup_from_recipe(start),
-        target_for(vram_gb, start),
-        start.memory.gradient_accumulation,
-        fixed=fixed_knobs(fixed) | SAVER_SETS[savers],
-    )
+    request = request_for(start, target_for(vram_gb, start), fixed=fixed_knobs(fixed) | SAVER_SETS[savers])
     return load_architecture(model, start.model.trust_remote_code), request
 
 
