@@ -301,7 +301,8 @@ def tokenize_source(
         "unused_columns": loaded.unused_columns,
         "split": split,
     }
-    meta["digest"] = files_digest(tmp / "dataset")
+    meta["files"] = saved_files(tmp / "dataset")
+    meta["digest"] = files_digest(tmp / "dataset", meta["files"])
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     try:
         tmp.rename(cache_dir)  # atomic: a half-written entry is never read
@@ -319,12 +320,18 @@ def _say_split(source: DataSource, split: int) -> None:
                     "turns differently once later ones follow (e.g. it drops their reasoning)", source.label, split)  # fmt: skip
 
 
-def files_digest(directory: Path) -> str:
-    """sha256 over a directory's files (names and bytes, in name order): what a cache entry must still hold."""
+def saved_files(directory: Path) -> list[str]:
+    """The files `save_to_disk` wrote, by name: later maps of the loaded dataset add their own cache-*.arrow files
+    beside them, which are not part of the entry."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def files_digest(directory: Path, names: list[str]) -> str:
+    """sha256 over the named files of a directory (names and bytes, in order): what a cache entry must still hold."""
     h = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(directory)).encode() + b"\0")
-        with path.open("rb") as handle:
+    for name in names:
+        h.update(name.encode() + b"\0")
+        with (directory / name).open("rb") as handle:
             for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
                 h.update(block)
         h.update(b"\0")
@@ -343,9 +350,9 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if not isinstance(meta, dict) or not isinstance(meta.get("digest"), str):
+        if not isinstance(meta, dict) or not isinstance(meta.get("digest"), str) or not meta.get("files"):
             raise DamagedEntry("meta.json is not the record written")
-        if files_digest(cache_dir / "dataset") != meta["digest"]:  # before opening: see the module docstring
+        if files_digest(cache_dir / "dataset", meta["files"]) != meta["digest"]:  # before opening: module docstring
             raise DamagedEntry("its files changed since they were written")
         ds = load_from_disk(str(cache_dir / "dataset"))
         if first_time("from cache", str(cache_dir)):  # the plan and the run each read it

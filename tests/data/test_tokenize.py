@@ -206,3 +206,14 @@ def test_a_damaged_cache_entry_is_rebuilt_not_trusted(tokenizer, tmp_path, caplo
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert line.startswith(f"tokenization cache entry {entry} is damaged (") and "tokenizing again" in line
     assert tk.tokenize_file(data, tokenizer).from_cache  # the rebuilt entry is whole
+
+
+def test_files_a_later_map_adds_beside_an_entry_do_not_damage_it(tokenizer, tmp_path):
+    """datasets writes the cache-*.arrow files of maps over a loaded dataset beside its source files (training's
+    budget and TRL's preparation do): the entry is still whole."""
+    data = tmp_path / "d.jsonl"
+    shutil.copy(fixture("messages.jsonl"), data)
+    first = tk.tokenize_file(data, tokenizer)
+    first.dataset.map(lambda row: {"n": len(row["input_ids"])})  # writes cache-*.arrow into the entry
+    assert list((first.cache_dir / "dataset").glob("cache-*.arrow"))
+    assert tk.tokenize_file(data, tokenizer).from_cache
