@@ -11,6 +11,7 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | plan.json | train (rank 0) | with --vram: the full plan (components, reasons, strategy) |
 | data_report.json | train (rank 0) | what the token budget did to the samples, and the batching |
 | memory.jsonl | the monitor | memory samples and events; `memory.rank{R}.jsonl` for rank R > 0 |
+| status.rank{R}.json | train --gpus, rank R > 0 | that process's own status; the launcher reads them all to say how a failed launch ended |
 | memory.png | report | the memory curve |
 | metrics.json, log_history.jsonl | train (rank 0) | final metrics and every logged row |
 | checkpoints/ | the trainer | resumable checkpoints (`checkpoint-N`); saves in progress under `checkpoints/.staging/` |
@@ -159,6 +160,7 @@ class RunStatus:
     checkpoint: str | None = None
     reason: str | None = None
     signal: str | None = None  # interrupted: SIGINT or SIGTERM
+    rank: int | None = None  # under --gpus: the process whose end this says (run.json: the one that ended the launch)
 
     @classmethod
     def running(cls) -> RunStatus:
@@ -176,6 +178,7 @@ class RunStatus:
 
     def describe(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
+        where += f" (rank {self.rank})" if self.rank is not None else ""
         if self.state == "running":
             return f"running (pid {self.pid} on {self.host}, since {self.started_at})"
         why = f" ({self.signal})" if self.signal else f": {self.reason}" if self.reason else ""
@@ -500,6 +503,24 @@ class RunDir:
         """The run's status, or None when run.json records none (a run from before statuses, or not a run)."""
         record = self.read_info().get("status")
         return RunStatus.from_dict(record) if isinstance(record, dict) and "state" in record else None
+
+    def rank_status_file(self, rank: int) -> Path:
+        return self.path / f"status.rank{rank}.json"
+
+    def write_rank_status(self, rank: int, status: RunStatus) -> None:
+        """The status of rank `rank` of a launch: run.json's for rank 0, its own file for the others."""
+        if rank == 0:
+            self.write_status(status)
+        else:
+            self._write_json(self.rank_status_file(rank), status.to_dict())
+
+    def rank_statuses(self, world_size: int) -> dict[int, RunStatus | None]:
+        """Each rank's last status (None: the rank recorded none)."""
+        out: dict[int, RunStatus | None] = {0: self.read_status()}
+        for rank in range(1, world_size):
+            record = self._read_json(self.rank_status_file(rank))
+            out[rank] = RunStatus.from_dict(record) if record is not None and "state" in record else None
+        return out
 
     def describe_status(self) -> str:
         """The status in words; a run recorded as running whose lock is free ended without a word (killed)."""

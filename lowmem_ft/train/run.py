@@ -29,6 +29,7 @@ from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
+from lowmem_ft.train.ranks import lost_peer, set_timeout
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class FineTune:
         from lowmem_ft.train.interrupt import StopOnSignal
 
         self.recipe, self.run, self.choice = recipe, run, choice
-        self.is_main = launched_rank() == 0  # the trainer's process_index agrees (`_setup_args`)
+        self.rank, self.world_size = launched_rank(), int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main = self.rank == 0  # the trainer's process_index agrees (`_setup_args`)
         if self.is_main:
             run.lock()
             run.clear_staging()
@@ -174,6 +176,7 @@ class FineTune:
         )
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
+        set_timeout(self.recipe.training.rank_timeout_s)  # a hung rank fails the others after it, CPU ranks too
 
     def _setup_data(self) -> None:
         from lowmem_ft.data.prepare import prepare_datasets
@@ -437,8 +440,12 @@ class FineTune:
         self.stop.install()
         if self.is_main:
             self.run.reserve()  # room to record the end on a disk that fills meanwhile
-            self.status = RunStatus.running()
-            self._record(self.status)
+        # under --gpus every rank records its own status (rank 0 in run.json): the launcher reads them all to say
+        # which rank ended the launch and how (`lowmem_ft.train.launch.settle`)
+        self.status = RunStatus.running()
+        if self.world_size > 1:
+            self.status.rank = self.rank
+        self._record(self.status)
         try:
             yield
         except BaseException as exc:
@@ -456,12 +463,12 @@ class FineTune:
 
     def _record(self, status: RunStatus) -> None:
         try:
-            self.run.write_status(status)
+            self.run.write_rank_status(self.rank, status)
         except OSError as exc:  # a full disk: the run's end is said on the console all the same
             log.warning("could not record the run's status (%s) in %s: %s", status.state, self.run.info_file, exc)
 
     def _end(self, state: str, **info: Any) -> None:
-        if self.status is None:  # rank 0 records; the other ranks' ends are the same
+        if self.status is None:
             return
         if state != "completed":  # what --resume would continue from
             kept = self.run.last_checkpoint()
@@ -483,11 +490,12 @@ class FineTune:
             return exc
         if not isinstance(exc, DiskFull) and is_disk_full(exc):
             exc = self._disk_full(exc)
+        if self.world_size > 1 and lost_peer(exc):  # another rank died or hung: the launcher names which
+            exc = UserError(f"rank {self.rank} lost the other ranks at a collective ({_first_line(exc)})")
         if isinstance(exc, UserError):
             self._end("failed", step=step, reason=str(exc))
             return exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self._end("failed", step=step, reason=f"{type(exc).__name__}: {first}"[:500])
+        self._end("failed", step=step, reason=f"{type(exc).__name__}: {_first_line(exc)}"[:500])
         return exc
 
     def _disk_full(self, exc: BaseException):
@@ -499,6 +507,10 @@ class FineTune:
         if trainer is not None and not saver.needed:
             saver.needed = saver.expected_bytes(trainer)
         return saver.disk_full(f"writing {_filename(exc) or self.run.path}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _filename(exc: BaseException | None) -> str | None:
