@@ -137,7 +137,7 @@ def _say_once(level: int, message: str) -> None:
 
 def _check_plannable(arch, model: str, recipe: Recipe, gpus: int = 1) -> None:
     """Refuse what the memory model cannot describe (one line, with the real parameter counts): a mixture of experts
-    of a family it does not describe (`MOE_PLANNED`: their blocks were measured, devkit/moe_check.py), full
+    of a family it does not describe (`MOE_PLANNED`: their blocks were measured, devkit/harness/moe.py), full
     fine-tuning of one (trainable expert stacks are not measured), dense layers among its sparse ones, several
     devices, or a config that keeps every layer's router logits."""
     if not arch.experts:
@@ -527,7 +527,7 @@ def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *
     """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
     `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers` says which savers the planner may
     turn on (`SAVER_SETS`); `positions` caps the length at the model's positions as `plan` and `train` do (False:
-    what memory allows). What `scripts/max_context.py` tabulates and the GPU check runs."""
+    what memory allows). What `python -m devkit.bench.max_context` tabulates and the GPU check runs."""
     arch, request = context_request(model, vram_gb, overrides, savers)
     if positions and arch.max_position_embeddings:
         limit = min(limit, round_seq_len(arch.max_position_embeddings, up=False))
