@@ -99,6 +99,10 @@ def _refused(capsys, code: int) -> str:
     ids=["generate", "merge", "resume"],
 )
 def test_a_run_directory_cannot_grant_itself_code_execution(argv, hostile, capsys):
+    if "--resume" in argv:  # a finished run is not resumed at all (issue #24): make it one that stopped midway
+        from lowmem_ft.rundir import RunDir, RunStatus
+
+        RunDir(hostile["run"]).write_status(RunStatus("interrupted", step=1, signal="SIGINT"))
     line = _refused(capsys, main([a.format(**hostile) for a in argv]))
     assert "needs its own code" in line and "--trust-remote-code" in line
     assert not hostile["marker"].exists(), hostile["marker"].read_text()

@@ -344,7 +344,8 @@ def how_it_ended(statuses: dict[int, Any], timeout_s: int) -> tuple[str, int | N
     if own:
         rank = min(own, key=lambda r: (own[r].ended_at or "", r))
         first = (own[rank].reason or "").split("; kept ")[0].split("; no checkpoint kept")[0]
-        return "failed", rank, f"rank {rank} failed at step {own[rank].step}: {first}", None
+        during = f" during step {own[rank].step + 1}" if own[rank].step is not None else " before training"
+        return "failed", rank, f"rank {rank} failed{during}: {first}", None
     if silent:
         rank = silent[0]
         if any("Timed out" in (s.reason or "") or "timeout" in (s.reason or "") for s in failed.values()):

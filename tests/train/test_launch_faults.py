@@ -107,7 +107,7 @@ def assert_kept_checkpoint_2(run: Path) -> None:
     "fault,expected",
     [
         ("kill", "rank 1 ended without a word (killed, or out of host memory)"),
-        ("error", "rank 1 failed at step 2: ValueError: a bad sample in rank 1's shard"),
+        ("error", "rank 1 failed during step 3: ValueError: a bad sample in rank 1's shard"),
         ("hang", f"rank 1 stopped responding: the other ranks waited {TIMEOUT_S} s for it at a collective"),
     ],
 )
