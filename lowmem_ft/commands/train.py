@@ -137,7 +137,8 @@ def _hub_preflight(args: argparse.Namespace):
 
 
 def _print_done(m: dict, run_dir) -> None:
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}; run directory {run_dir}")
+    speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}{speed}; run directory {run_dir}")
 
 
 def _loss_line(m: dict) -> str:
