@@ -37,6 +37,7 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
+    flags.add_key_flags(p, "--host-ram")
     flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
     p.add_argument(
         "--name",

@@ -261,6 +261,7 @@ class FineTune:
             guard=self.guard,
             monitor=self.monitor,
             run=self.run,
+            loraplus_lr_ratio=self.recipe.optimizer.loraplus_lr_ratio if self.recipe.adapter.kind == "lora" else 0,
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
             callbacks=[self.guard, self.monitor, self.stop, self.totals, *self.callbacks],
         )
