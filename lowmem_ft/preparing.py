@@ -95,6 +95,7 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
     run = RunDir.existing(path)
     if lock:
         run.lock()  # a run still going is said as such, before its checkpoints are looked at
+    run.refuse_finished()  # continuing would train past its last step and rewrite its weights
     recipe = run.read_recipe(overrides)
     run.resumable()
     check_inputs(recipe, run.path)

@@ -406,6 +406,12 @@ class TrainingSection:
     logging_steps: int = _f(10, "Log loss every N optimizer steps.", ge=1)
     save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.", ge=1)
     save_total_limit: int = _f(2, "Checkpoints kept on disk (the newest; 0 keeps every one).", ge=0)
+    rank_timeout_s: int = _f(
+        1800,
+        "Under --gpus: seconds a process waits for the others at a collective before the launch fails (a rank hung "
+        "or gone); transformers' ddp_timeout, whose default this is. Keep it above the longest checkpoint save.",
+        ge=1,
+    )
     eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)
     output_dir: str = _f(
         "runs",
