@@ -333,7 +333,12 @@ def _tools(record: dict[str, Any]) -> dict[str, Any]:
 
 def convert(record: dict[str, Any], fmt: str, unread: dict | None = None) -> dict[str, Any]:
     """One raw record in format `fmt` → the TRL record (raises BadLine). Turn keys it does not read are added to
-    `unread` (as `messages[].KEY`), for the reader to report."""
+    `unread` (as `messages[].KEY`), for the reader to report. Preference shapes (`preference`, `kto`) are
+    `lowmem_ft.data.preference`'s."""
+    if fmt in ("preference", "kto"):
+        from lowmem_ft.data import preference
+
+        return preference.convert(record, fmt, unread)
     if fmt == "text":
         return {"text": _string(record, "text")}
     if fmt == "prompt_completion":
