@@ -22,6 +22,7 @@ WandbMode = Literal["online", "offline", "disabled", "auto"]
 # transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
 Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
+Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
 # The shortest max_seq_len a recipe may ask for; the planner's lengths are multiples of it (lowmem_ft.memory.planner).
 MIN_SEQ_LEN = 16
 # Every integer a recipe or flag gives is a count, a length, a step or a seed that torch, numpy and the Trainer hold
@@ -254,6 +255,11 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
+    method: Method = _f(
+        "sft",
+        "What is learned: sft (supervised), or preference training on pairs: dpo (TRL's DPOTrainer), orpo, simpo; "
+        "kto (unpaired, labelled completions).",
+    )
     epochs: float = _f(1.0, "Passes over the data, fractions allowed (ignored when max_steps > 0).", gt=0.0)
     max_steps: int = _f(-1, "Optimizer steps to run; -1 runs `epochs` passes.")
     seed: int = _f(42, "Seed for data order and adapter initialization.", ge=0)

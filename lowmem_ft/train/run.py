@@ -178,6 +178,10 @@ class FineTune:
             report_to=self.tracking.report_to,
             packed=self.batching.packed,
         )
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import method_config
+
+            self.args = method_config(self.args, self.recipe)
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
 
@@ -186,7 +190,12 @@ class FineTune:
         from lowmem_ft.train.model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.recipe)
-        self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import prepare_data
+
+            self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
+        else:
+            self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
         self.data_summary["batching"] = self.batching.to_dict()
 
     def _setup_model(self) -> None:
@@ -248,7 +257,13 @@ class FineTune:
         m = self.recipe.memory
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
-        self.trainer = MemorySafeSFTTrainer(
+        trainer_class, extra = MemorySafeSFTTrainer, {}
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import trainer_for
+
+            trainer_class, extra = trainer_for(self.recipe)
+        self.trainer = trainer_class(
+            **extra,
             model=self.model,
             args=self.args,
             train_dataset=self.train_ds,

@@ -1,0 +1,162 @@
+"""Preference training on TRL's own trainers, with the monitor, guard and OOM recovery SFT runs have.
+
+DPO runs on TRL 1.16's `DPOTrainer` (`trl.trainer.dpo_trainer`: its loss variants are `loss_type`'s names), fed the
+pairs `lowmem_ft.data.preference` has tokenized and fitted (`prompt_ids`, `chosen_ids`, `rejected_ids`), so TRL's
+own tokenization is skipped (`_prepare_dataset`) and its collator never meets a pair longer than max_seq_len.
+
+The one idea: a DPO micro batch of B pairs is 2·B rows — TRL's `DataCollatorForPreference` stacks the B chosen
+rows, then the B rejected rows — and the loss is a mean over pairs. So an OOM split cuts whole pairs: a piece of
+pairs [a, b) is rows a..b and B+a..B+b, with its share (b − a) / B of the micro batch's loss, and the pieces' losses
+add up to the micro batch's exactly (the DPO losses are per-pair terms averaged over the batch).
+
+The reference: with a LoRA adapter, the base model with the adapter disabled — TRL copies a `PeftModel`'s adapter
+into a frozen "ref" adapter (dpo_trainer.py `__init__`), which for a freshly initialised adapter (lora_B = 0) is the
+base model itself, so the copy is removed and `use_adapter(model, None)` disables the adapter instead. An adapter
+trained further (`adapter.name_or_path`) keeps the copy: its starting point is the reference. A full fine-tune needs
+a reference copy or precomputed reference log-probabilities; `reference` says which (`lowmem_ft.memory.preference`
+plans it).
+
+TRL's `disable_dropout` (default True) sets every dropout to 0, LoRA's included: DPO's reference and policy passes
+must agree on the same weights, and the memory model counts no dropout masks for these runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from trl import DPOConfig, DPOTrainer
+
+from lowmem_ft.train.trainer import MemorySafe
+
+log = logging.getLogger(__name__)
+
+Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+Reference = Literal["auto", "adapter_disabled", "copy", "precomputed"]
+# TRL 1.16 dpo_config.py `loss_type`'s documented values
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """What a preference run needs beyond an SFT recipe (declared as recipe keys under training.dpo)."""
+
+    method: Method = "dpo"
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    prompt_truncation: Literal["keep_end", "keep_start", "drop"] = "keep_end"
+    max_prompt_len: int = 0
+    reference: Reference = "auto"
+
+
+def dpo_config(sft_args, settings: PreferenceSettings, *, precompute: bool = False) -> DPOConfig:
+    """TRL's `DPOConfig` with every `TrainingArguments` field the SFT config decided (`lowmem_ft.train.args`), and the
+    method's own: loss, beta, and the length the pairs are already fitted to."""
+    from transformers import TrainingArguments
+
+    shared = {f.name: getattr(sft_args, f.name) for f in fields(TrainingArguments) if f.init}
+    # the SFT config's length grouping reads `input_ids` lengths a preference dataset does not have
+    shared["train_sampling_strategy"] = "random"
+    shared.pop("group_by_length", None)
+    return DPOConfig(
+        **shared,
+        max_length=sft_args.max_length,
+        truncation_mode="keep_start",  # a no-op: every pair fits already (lowmem_ft.data.preference.fit_pair)
+        loss_type=[settings.loss_type],
+        beta=settings.beta,
+        label_smoothing=settings.label_smoothing,
+        precompute_ref_log_probs=precompute,
+        dataset_num_proc=None,
+    )
+
+
+def pair_pieces(inputs: dict[str, Any], pairs_per_piece: int) -> list[dict[str, Any]]:
+    """A DPO micro batch (2·B rows: chosen, then rejected) cut into pieces of whole pairs, in order."""
+    rows = inputs["input_ids"].shape[0]
+    pairs = rows // 2
+    if pairs_per_piece >= pairs:
+        return [inputs]
+    out = []
+    for a in range(0, pairs, pairs_per_piece):
+        b = min(pairs, a + pairs_per_piece)
+        piece = {}
+        for key, value in inputs.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                piece[key] = value
+            elif value.shape[0] == rows:
+                piece[key] = torch.cat([value[a:b], value[pairs + a : pairs + b]])
+            elif value.shape[0] == pairs:  # precomputed reference log-probs: one per pair
+                piece[key] = value[a:b]
+            else:
+                raise ValueError(f"cannot cut {key} of {value.shape[0]} rows into pairs of a {rows}-row batch")
+        out.append(piece)
+    return out
+
+
+class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
+    """`DPOTrainer` with `MemorySafe`'s monitor samples and OOM recovery; pieces are whole pairs."""
+
+    def __init__(self, *args, keep_ref_adapter: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        if not keep_ref_adapter and "ref" in getattr(model, "peft_config", {}):
+            model.delete_adapter("ref")  # the reference is the base model: `use_adapter(model, None)` disables it
+            model.set_adapter("default")
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "prompt_ids" in next(iter(dataset)):  # tokenized and fitted by lowmem_ft.data.preference
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _pieces(self, inputs, num_items_in_batch):
+        pairs = inputs["input_ids"].shape[0] // 2
+        # the guard's sub-batch is in rows of the recipe's micro batch (pairs): the same number of pairs per piece
+        per_piece = max(1, min(pairs, self.guard.sub_batch))
+        parts = pair_pieces(inputs, per_piece)
+        weights = [p["input_ids"].shape[0] / (2 * pairs) for p in parts] if len(parts) > 1 else [1.0]
+        spans, start = [], 0
+        for part in parts:  # where each piece's pairs lie (dropout is off in DPO: only the bookkeeping needs it)
+            size = part["input_ids"].shape[0] // 2
+            spans.append((start, size))
+            start += size
+        return parts, weights, (0, pairs, spans)
+
+
+def settings_of(recipe) -> PreferenceSettings:
+    """The preference settings of a recipe: training.method, and training.dpo's keys where the recipe has them."""
+    given = getattr(recipe.training, "dpo", None)
+    values = {f.name: getattr(given, f.name) for f in fields(PreferenceSettings) if hasattr(given, f.name)}
+    return PreferenceSettings(**{**values, "method": recipe.training.method})
+
+
+def method_config(sft_args, recipe):
+    """The TRL config of the recipe's method, from the SFT config `lowmem_ft.train.args` decided."""
+    settings = settings_of(recipe)
+    if settings.method == "dpo":
+        return dpo_config(sft_args, settings)
+    raise NotImplementedError(f"training.method={settings.method} is not wired yet")
+
+
+def prepare_data(recipe, tokenizer):
+    """Train / eval datasets and the data summary of a preference run (`lowmem_ft.data.preference`)."""
+    from lowmem_ft.data.preference import PairFit, prepare_preference_datasets
+
+    settings = settings_of(recipe)
+    fit = PairFit(recipe.memory.max_seq_len, settings.prompt_truncation, settings.max_prompt_len)
+    fmt = "kto" if settings.method == "kto" else "preference"
+    return prepare_preference_datasets(recipe, tokenizer, fmt, fit)
+
+
+def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
+    """The trainer class of the recipe's method and its own keyword arguments."""
+    settings = settings_of(recipe)
+    if settings.method == "dpo":
+        # an adapter trained further keeps TRL's frozen copy of it as the reference (see the module docstring)
+        return MemorySafeDPOTrainer, {"keep_ref_adapter": bool(recipe.adapter.name_or_path)}
+    raise NotImplementedError(f"training.method={settings.method} is not wired yet")
