@@ -97,8 +97,8 @@ def reference_weight_bytes(arch: Architecture, s: Setup, kind: ReferenceKind) ->
     """Device bytes of the reference model itself: a frozen copy of the weights for `copy` (full fine-tuning)."""
     if kind != "copy":
         return 0.0
-    stored, _, _ = weight_bytes(arch, replace(s, adapter="lora", lora_targets=()))
-    return stored
+    linears, rest, _ = weight_bytes(arch, replace(s, adapter="lora", lora_targets=()))
+    return linears + rest
 
 
 def phase_peak(

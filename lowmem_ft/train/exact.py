@@ -62,6 +62,8 @@ class ExactMemory:
     ddp: bool = False
     method: str = "sft"  # training.method: a preference step's reference pass (lowmem_ft.memory.preference)
     reference: str = "none"  # the reference model a preference run uses (`memory.preference.ReferenceKind`)
+    # objects whose tensors are the run's besides the model's and the optimizer's (a DPO reference copy)
+    extra_roots: list = field(default_factory=list)
     _meter: PeakMemory | None = field(default=None, init=False, repr=False)
     _hooks: list = field(default_factory=list, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -132,7 +134,7 @@ class ExactMemory:
         self._optimizer = optimizer
         # The run's own tensors only (not those of an earlier run in the same process); the optimizer's states,
         # not the optimizer object (bitsandbytes' process-wide GlobalOptimManager hangs off it).
-        roots = [model] + ([optimizer.state] if optimizer is not None else [])
+        roots = [model, *self.extra_roots] + ([optimizer.state] if optimizer is not None else [])
         self._meter = PeakMemory(device="cpu", roots=roots)
         self._meter.__enter__()
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))

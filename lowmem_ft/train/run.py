@@ -275,6 +275,9 @@ class FineTune:
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
             callbacks=[self.guard, self.monitor, self.stop, *self.callbacks],
         )
+        reference = getattr(self.trainer, "ref_model", None)
+        if reference is not None and self.monitor.exact is not None:  # a full fine-tune's DPO reference copy
+            self.monitor.exact.extra_roots.append(reference)
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
         progress.install(self.trainer, self.monitor, self.target)
