@@ -38,6 +38,8 @@ from typing import Literal
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import (
     BATCH_BYTES_PER_TOKEN,
+    DTYPE_BYTES,
+    HF_LOSS_BYTES_PER_LOGIT,
     Setup,
     estimate,
     eval_peak_bytes,
@@ -116,6 +118,8 @@ def phase_peak(
     the rows the forward ran (the monitor sees rows, not pairs): the SFT phase peak at those rows, the reference
     pass on top of the policy's kept tensors in the forward phase, and a reference copy's weights throughout."""
     base = phase_peak_bytes(arch, s, phase, grads=grads, states=states, ddp=ddp)  # type: ignore[arg-type]
+    if method in ("orpo", "simpo"):
+        return base + odds_ratio_loss_shift(arch, s, phase, method)
     ref_weights = reference_weight_bytes(arch, s, reference)
     if phase != "forward" or reference in ("none", "precomputed"):
         return base + ref_weights
@@ -126,6 +130,23 @@ def phase_peak(
     static -= 0.0 if states else sum(b for name, b in by.items() if name.startswith("optimizer states"))
     with_ref = static + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
     return max(base, with_ref) + ref_weights
+
+
+def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Method) -> float:
+    """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
+    same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
+    forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
+    loss's forward falls in the backward's window, where `hf_full` counts it already. ORPO adds its NLL over the
+    chosen half (`cross_entropy_loss`: `logits[..., :-1, :].contiguous()` of the chosen rows, c bytes per logit of
+    half the rows). Measured (exact CPU, LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB /
+    backward 79.24 MB, SimPO 31.71 / 72.40 — 16.9 and 14.9 B per logit in the backward beyond the kept tensors,
+    against hf_full's 16."""
+    n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
+    if phase == "forward":
+        return -HF_LOSS_BYTES_PER_LOGIT * n
+    if phase == "backward" and method == "orpo":
+        return DTYPE_BYTES[s.compute_dtype] * n / 2
+    return 0.0
 
 
 @dataclass(frozen=True)

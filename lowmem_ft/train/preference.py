@@ -53,6 +53,7 @@ class PreferenceSettings:
     prompt_truncation: Literal["keep_end", "keep_start", "drop"] = "keep_end"
     max_prompt_len: int = 0
     reference: Reference = "auto"
+    simpo_gamma: float = 0.5
 
 
 def dpo_config(sft_args, settings: PreferenceSettings, *, precompute: bool = False) -> DPOConfig:
@@ -128,6 +129,60 @@ class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
         return parts, weights, (0, pairs, spans)
 
 
+def concatenated_columns(row: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A fitted pair (`prompt_ids`, `chosen_ids`, `rejected_ids`) as the columns TRL's experimental ORPO / CPO
+    trainers' `tokenize_row` makes (orpo_trainer.py): each side's prompt + answer, its attention mask, its labels
+    (-100 over the prompt), and the prompt alone."""
+    prompt = row["prompt_ids"]
+    out = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
+    for side in ("chosen", "rejected"):
+        ids = prompt + row[f"{side}_ids"]
+        out[f"{side}_input_ids"] = ids
+        out[f"{side}_attention_mask"] = [1] * len(ids)
+        out[f"{side}_labels"] = [-100] * len(prompt) + row[f"{side}_ids"]
+    return out
+
+
+class _OddsRatioFamily(MemorySafe):
+    """What TRL's experimental ORPO and CPO (SimPO) trainers share here: pre-tokenized rows pass `tokenize_row`
+    unchanged, metrics live in `_stored_metrics`, and a micro batch's tensors are per pair (B rows each of chosen,
+    rejected, prompt), so pieces are consecutive pairs, each with its share of the pairs."""
+
+    def tokenize_row(self, feature, model=None):
+        if "chosen_input_ids" in feature:  # tokenized and fitted by lowmem_ft.data.preference
+            return feature
+        return super().tokenize_row(feature, model)
+
+    def _pieces(self, inputs, num_items_in_batch):
+        pairs = inputs["chosen_input_ids"].shape[0]
+        step = max(1, min(pairs, self.guard.sub_batch))
+        parts = [
+            {k: v[a : a + step] if isinstance(v, torch.Tensor | list) and len(v) == pairs else v
+             for k, v in inputs.items()}
+            for a in range(0, pairs, step)
+        ]  # fmt: skip
+        sizes = [p["chosen_input_ids"].shape[0] for p in parts]
+        weights = [n / pairs for n in sizes] if len(parts) > 1 else [1.0]
+        spans = [(sum(sizes[:k]), n) for k, n in enumerate(sizes)]
+        return parts, weights, (0, pairs, spans)
+
+    def _metric_state(self):
+        return {k: len(v) for k, v in self._stored_metrics["train"].items()}
+
+    def _restore_metrics(self, saved) -> None:
+        for key, values in self._stored_metrics["train"].items():
+            del values[saved.get(key, 0) :]
+
+
+def _experimental_config(config_class, sft_args, **method):
+    from transformers import TrainingArguments
+
+    shared = {f.name: getattr(sft_args, f.name) for f in fields(TrainingArguments) if f.init}
+    shared["train_sampling_strategy"] = "random"
+    shared["remove_unused_columns"] = False  # DPODataCollatorWithPadding reads the pair's columns
+    return config_class(**shared, max_length=sft_args.max_length, **method)
+
+
 def settings_of(recipe) -> PreferenceSettings:
     """The preference settings of a recipe: training.method, and training.dpo's keys where the recipe has them."""
     given = getattr(recipe.training, "dpo", None)
@@ -140,6 +195,17 @@ def method_config(sft_args, recipe):
     settings = settings_of(recipe)
     if settings.method == "dpo":
         return dpo_config(sft_args, settings)
+    if settings.method == "orpo":
+        from trl.experimental.orpo import ORPOConfig
+
+        # ORPO's β is the odds-ratio weight λ (orpo_config.py: "the λ/alpha hyperparameter in the paper")
+        return _experimental_config(ORPOConfig, sft_args, beta=settings.beta)
+    if settings.method == "simpo":
+        from trl.experimental.cpo import CPOConfig
+
+        # SimPO = CPO with loss_type "simpo" and no NLL term (cpo_config.py); β 2.0 and γ/β 0.5 as the paper's base
+        return _experimental_config(CPOConfig, sft_args, loss_type="simpo", cpo_alpha=0.0, beta=settings.beta,
+                                    simpo_gamma=settings.simpo_gamma)  # fmt: skip
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
 
 
@@ -150,7 +216,12 @@ def prepare_data(recipe, tokenizer):
     settings = settings_of(recipe)
     fit = PairFit(recipe.memory.max_seq_len, settings.prompt_truncation, settings.max_prompt_len)
     fmt = "kto" if settings.method == "kto" else "preference"
-    return prepare_preference_datasets(recipe, tokenizer, fmt, fit)
+    train_ds, eval_ds, summary = prepare_preference_datasets(recipe, tokenizer, fmt, fit)
+    if settings.method in ("orpo", "simpo"):  # TRL's experimental trainers read each side whole
+        train_ds = train_ds.map(concatenated_columns, remove_columns=train_ds.column_names)
+        if eval_ds is not None:
+            eval_ds = eval_ds.map(concatenated_columns, remove_columns=eval_ds.column_names)
+    return train_ds, eval_ds, summary
 
 
 def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
@@ -159,4 +230,12 @@ def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
     if settings.method == "dpo":
         # an adapter trained further keeps TRL's frozen copy of it as the reference (see the module docstring)
         return MemorySafeDPOTrainer, {"keep_ref_adapter": bool(recipe.adapter.name_or_path)}
+    if settings.method == "orpo":
+        from trl.experimental.orpo import ORPOTrainer
+
+        return type("MemorySafeORPOTrainer", (_OddsRatioFamily, ORPOTrainer), {}), {}
+    if settings.method == "simpo":
+        from trl.experimental.cpo import CPOTrainer
+
+        return type("MemorySafeSimPOTrainer", (_OddsRatioFamily, CPOTrainer), {}), {}
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
