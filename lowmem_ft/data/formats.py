@@ -92,7 +92,8 @@ def _preference(record: dict[str, Any], key: str) -> str:
     """The one line that says preference data is not SFT data, and how to train on its chosen answers."""
     what = (
         f"this is preference data (keys {sorted(record)}: a chosen and a rejected answer, for DPO / ORPO / reward "
-        "training) and lowmem-ft trains SFT"
+        "training) and lowmem-ft trains SFT unless --method says otherwise: train the pairs with --method dpo (or orpo, "
+        "simpo)"
     )
     if isinstance(record["chosen"], dict):  # LLaMA-Factory's ranking ShareGPT: the conversation, then one turn each
         return f"{what}; to fine-tune on the chosen answers, append each 'chosen' turn to its conversation in the data"

@@ -184,17 +184,28 @@ def _experimental_config(config_class, sft_args, **method):
 
 
 def settings_of(recipe) -> PreferenceSettings:
-    """The preference settings of a recipe: training.method, and training.dpo's keys where the recipe has them."""
-    given = getattr(recipe.training, "dpo", None)
+    """The preference settings of a recipe: training.method and the preference section's keys."""
+    given = recipe.preference
     values = {f.name: getattr(given, f.name) for f in fields(PreferenceSettings) if hasattr(given, f.name)}
     return PreferenceSettings(**{**values, "method": recipe.training.method})
+
+
+def reference_for(recipe) -> str:
+    """The reference a preference run uses (`lowmem_ft.memory.preference.ReferenceKind`): none for ORPO / SimPO;
+    for DPO preference.reference, where auto is the adapter disabled (LoRA) or precomputed log-probs (full)."""
+    method, given = recipe.training.method, recipe.preference.reference
+    if method not in ("dpo", "kto"):
+        return "none"
+    if recipe.adapter.kind == "lora":
+        return "adapter_disabled" if given in ("auto", "adapter_disabled") else given
+    return "precomputed" if given in ("auto", "adapter_disabled") else given
 
 
 def method_config(sft_args, recipe):
     """The TRL config of the recipe's method, from the SFT config `lowmem_ft.train.args` decided."""
     settings = settings_of(recipe)
     if settings.method == "dpo":
-        return dpo_config(sft_args, settings)
+        return dpo_config(sft_args, settings, precompute=reference_for(recipe) == "precomputed")
     if settings.method == "orpo":
         from trl.experimental.orpo import ORPOConfig
 

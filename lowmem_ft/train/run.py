@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
 
@@ -118,13 +118,7 @@ class FineTune:
         """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
         UserError when there is none."""
         run = self.run
-        point = run.resume_point()
-        if point.checkpoint is None:
-            run.unlock()
-            raise UserError(
-                f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without "
-                "--resume (same --name)"
-            )
+        point = run.resumable()
         before = run.read_status()
         if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
             ended = "stopped without recording how" if before.state == "running" else before.describe()
@@ -376,8 +370,8 @@ class FineTune:
     def _save_weights(self) -> None:
         """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
         rank 0 writes the weights and the tokenizer."""
+        from lowmem_ft.train.checkpoints import rename_into_place
         from lowmem_ft.train.ranks import barrier
-        from lowmem_ft.train.saving import rename_into_place
 
         final = self.run.weights(self.recipe.adapter.kind == "full")
         staged = self.run.staged(final)
@@ -478,7 +472,7 @@ class FineTune:
     def _ending(self, exc: BaseException) -> BaseException:
         """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
         for everything but a bug."""
-        from lowmem_ft.train.saving import DiskFull, is_disk_full
+        from lowmem_ft.train.checkpoints import DiskFull, is_disk_full
 
         trainer = getattr(self, "trainer", None)
         step = trainer.state.global_step if trainer is not None else None
@@ -499,7 +493,7 @@ class FineTune:
 
     def _disk_full(self, exc: BaseException):
         """A full disk outside a checkpoint save (memory log, final weights, run files): the same one line."""
-        from lowmem_ft.train.saving import Saver
+        from lowmem_ft.train.checkpoints import Saver
 
         trainer = getattr(self, "trainer", None)
         saver = trainer.saver if trainer is not None else Saver(self.run)

@@ -21,7 +21,7 @@ do next is the guard's decision (`lowmem_ft.train.guard.MemoryGuard`):
   the micro batch's start is restored before the retry and before each replayed micro batch. So a recovered step
   equals the uninterrupted one, LoRA dropout included.
 - An OOM in evaluation lowers the eval batch (the guard's) and retries the evaluation; the train batch is untouched.
-- Checkpoints are saved whole or not at all (`lowmem_ft.train.saving`): transformers' `_save_checkpoint` runs
+- Checkpoints are saved whole or not at all (`lowmem_ft.train.checkpoints`): transformers' `_save_checkpoint` runs
   unchanged with the staging directory as its output directory, and the result is renamed when complete.
 - The length-grouped order of each epoch comes from a generator seeded with (data seed, epoch)
   (`EpochSeededSampler`): transformers' `LengthGroupedSampler` draws it from the global RNG when the epoch's
@@ -53,11 +53,11 @@ from trl import SFTTrainer
 
 from lowmem_ft.rundir import RunDir
 from lowmem_ft.train import dropout
+from lowmem_ft.train.checkpoints import Saver
 from lowmem_ft.train.device import free_memory
 from lowmem_ft.train.guard import MemoryGuard
 from lowmem_ft.train.monitor import MemoryMonitor
 from lowmem_ft.train.ranks import world_size
-from lowmem_ft.train.saving import Saver
 from lowmem_ft.train.split import label_count, piece_spans
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class MemorySafe:
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' save, into `checkpoints/.staging/checkpoint-N`, renamed to `checkpoint-N` when every rank
-        has written its part; the disk's room checked first (`lowmem_ft.train.saving`)."""
+        has written its part; the disk's room checked first (`lowmem_ft.train.checkpoints`)."""
         step = self.state.global_step
         self.saver.check_space(self, step)
         self._staging = True

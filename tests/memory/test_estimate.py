@@ -1,8 +1,8 @@
 """The estimate's family-dependent terms (the attention that actually runs, masked layers, q/k norms, softcaps) and
 its long-context terms (tiled MLP and norms, LoRA recompute, host embeddings, loss chunk sizing): pure arithmetic.
 
-Exactness against measurement is benchmarks/estimator_zoo.md (scripts/validate_estimator.py --zoo) and
-benchmarks/long_context_cpu.md (scripts/validate_long_context.py); these tests pin what each term depends on.
+Exactness against measurement is benchmarks/estimator_zoo.md (devkit/bench/estimator.py --zoo) and
+benchmarks/long_context_cpu.md (devkit/bench/long_context.py); these tests pin what each term depends on.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from devkit.zoo import estimator_config
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture, load_architecture
 from lowmem_ft.memory.estimate import (
     DTYPE_BYTES,
@@ -34,7 +35,6 @@ from lowmem_ft.memory.estimate import (
     mlp_activation_bytes,
     xielu_extra_bytes,
 )
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 CPU = Setup(device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)
@@ -106,7 +106,7 @@ PROBE = {
 
 def test_layer_bytes_match_the_per_layer_measurement():
     """PeakMemory, 1- vs 2-layer models of PROBE, LoRA r 8 on all linears, CPU dropout, bf16, 1,024 tokens: one
-    layer kept 15,352 B/token untiled and 6,296 B/token with the tiled MLP (devkit/long_context_check.py)."""
+    layer kept 15,352 B/token untiled and 6,296 B/token with the tiled MLP (devkit/harness/long_context.py)."""
     arch = Architecture.from_config(PROBE)
     s = Setup(quantization="none", lora_r=8, device="cpu")
     assert layer_activation_bytes(arch, s) == 15352
@@ -121,7 +121,7 @@ def test_layer_bytes_match_the_per_layer_measurement():
     assert layer_activation_bytes(arch, replace(both, tiled_norms=True, gradient_checkpointing=False)) == 1808
 
 
-# The accuracy grid's Cohere and Apertus blocks (scripts/validate_estimator.py BLOCKS), 256 tokens, bf16, LoRA r 8.
+# The accuracy grid's Cohere and Apertus blocks (devkit/bench/estimator.py BLOCKS), 256 tokens, bf16, LoRA r 8.
 COHERE = {
     "model_type": "cohere", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True,
@@ -202,7 +202,7 @@ def test_layer_bytes_match_the_measurement_where_heads_times_head_dim_is_not_hid
 
 
 def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim():
-    """Full fine-tune with checkpointing, 4,096 tokens, chunked loss of 64 (devkit/long_context_check.py points with
+    """Full fine-tune with checkpointing, 4,096 tokens, chunked loss of 64 (devkit/harness/long_context.py points with
     the adapter made full): the backward peaks of WIDE and NARROW differ by 12,058,880 B measured (PeakMemory; the
     recomputed layer, weights, gradients and states); the estimate's by 12,058,624 (it said 14,155,776 when it
     counted o_proj's input for the MLP's norm output)."""
@@ -215,7 +215,7 @@ def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim()
 def test_a_parallel_blocks_first_layer_keeps_no_mlp_input_masks():
     """Cohere's MLP shares the attention's norm output, which the first layer's LoRA input copies need no grad for:
     its gate/up dropout masks are not kept either (the harness's LoRA points without checkpointing were 0.5 % over
-    with them counted, 0.0 % without: scripts/validate_estimator.py --blocks)."""
+    with them counted, 0.0 % without: devkit/bench/estimator.py --blocks)."""
     cohere = Architecture.from_config(COHERE)
     llama = Architecture.from_config({**COHERE, "model_type": "llama"})
     s = replace(CPU, lora_r=8, adapter="lora", gradient_checkpointing=False)
@@ -235,7 +235,7 @@ KNOBS = {
 }
 # The layers' forward transient of PROBE at 2,048 tokens (LoRA r 8, CPU dropout, bf16, chunked loss of 32 tokens),
 # B/token: PeakMemory's window peak read by a forward pre-hook on the final norm, minus the static memory, the
-# predicted kept activations and RoPE's cos/sin (devkit/long_context_check.py models; op attribution in the
+# predicted kept activations and RoPE's cos/sin (devkit/harness/long_context.py models; op attribution in the
 # FWD_TRANSIENT_CKPT comment). (without checkpointing, with)
 LAYER_TRANSIENT_MEASURED = {
     "all savers": (1032, 2312),

@@ -6,19 +6,19 @@ from dataclasses import replace
 
 import pytest
 
+from lowmem_ft.choosing import fixed_knobs, plan_setup, setup_from_recipe
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.estimate import NF4_STATE_BYTES, Setup, estimate
 from lowmem_ft.memory.planner import Request, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import fixed_knobs, plan_setup, setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 QWEN7 = load_architecture("Qwen/Qwen2.5-7B")
 
 
 def request(vram, tier, overrides=None, gpus=1, **kw) -> Request:
-    """What `lowmem_ft.planning` asks the planner for a tier recipe with these overrides."""
+    """What `lowmem_ft.choosing` asks the planner for a tier recipe with these overrides."""
     recipe = resolve(tier, overrides)
     return Request(
         setup_from_recipe(recipe),
@@ -192,7 +192,7 @@ def test_eval_batch_set_by_the_user_is_kept():
     assert p.eval_batch_size == 3 and "set by you" in p.reasons["eval_batch_size"]
 
 
-# -- the sequence length: chosen from the data by lowmem_ft.planning -----------------------------------------------
+# -- the sequence length: chosen from the data by lowmem_ft.choosing -----------------------------------------------
 def _plan_for_data(vram, tier, profile, overrides=None):
     recipe = resolve(tier, overrides)
     target = Target(vram, recipe.memory.safety_margin_gb)
@@ -387,7 +387,7 @@ def test_max_seq_len_with_the_savers_is_the_planners_limit():
 def test_issue_13_targets_llama_8b_qlora_r32_all_linear_batch_1(vram, tokens):
     """The issue's targets, as benchmarks/max_context.md tabulates them (predicted by the CPU-checked model; not
     capped at the model's 131,072 positions, which `train` caps a run at)."""
-    from lowmem_ft.planning import longest_context
+    from lowmem_ft.choosing import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora", "r": 32, "target_modules": ["all-linear"]},
              "memory": {"micro_batch_size": 1}}  # fmt: skip
