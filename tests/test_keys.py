@@ -19,7 +19,6 @@ from lowmem_ft.choosing import (
     asked,
     origin_of,
     request_for,
-    setup_from_recipe,
 )
 from lowmem_ft.cli import build_parser
 from lowmem_ft.commands.flags import FLAG_KEYS
@@ -75,8 +74,7 @@ def test_every_setup_field_is_fed_by_a_recipe_key_or_named_here():
 
 @pytest.mark.parametrize("key", PLANNED, ids=lambda k: k.path)
 def test_the_planner_gets_the_schemas_default(key):
-    """The schema's default is what the planner starts from — never `Setup`'s own default (gradient_accumulation
-    is 8 in the schema and 1 in `Setup`)."""
+    """The schema's default is what the planner starts from (`setup_from_recipe` fills every mapped field)."""
     name, wanted = key.planned.name, key.planned.to_planner(key.default)
     request = request_for(Recipe(), Target(24.0, 1.0))
     got = getattr(request.start, name) if name in SETUP_FIELDS else getattr(request, name)
@@ -87,7 +85,13 @@ def test_the_planner_gets_the_schemas_default(key):
 
 def test_the_shipped_base_recipe_is_the_schemas_defaults():
     assert resolve("base") == Recipe()
-    assert setup_from_recipe(Recipe()).gradient_accumulation == 8 != Setup().gradient_accumulation
+
+
+@pytest.mark.parametrize("key", [k for k in PLANNED if k.planned.name in SETUP_FIELDS], ids=lambda k: k.path)
+def test_setups_own_default_is_the_schemas(key):
+    """One set of defaults: a `Setup` built without a recipe starts where the schema does (gradient_accumulation
+    was 1 in `Setup`, 8 in the schema). A schema default of 0 meaning "none" maps to the planner's None."""
+    assert getattr(Setup(), key.planned.name) == key.planned.to_planner(key.default)
 
 
 @pytest.mark.parametrize("key", list(KEYS.values()), ids=lambda k: k.path)

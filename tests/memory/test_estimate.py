@@ -37,7 +37,7 @@ from lowmem_ft.memory.estimate import (
 )
 from lowmem_ft.recipe.load import resolve
 
-CPU = Setup(device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)
+CPU = Setup(gradient_accumulation=1, device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)
 
 
 def test_plan_counts_eager_where_sdpa_is_refused():
@@ -108,7 +108,7 @@ def test_layer_bytes_match_the_per_layer_measurement():
     """PeakMemory, 1- vs 2-layer models of PROBE, LoRA r 8 on all linears, CPU dropout, bf16, 1,024 tokens: one
     layer kept 15,352 B/token untiled and 6,296 B/token with the tiled MLP (devkit/harness/long_context.py)."""
     arch = Architecture.from_config(PROBE)
-    s = Setup(quantization="none", lora_r=8, device="cpu")
+    s = Setup(gradient_accumulation=1, quantization="none", lora_r=8, device="cpu")
     assert layer_activation_bytes(arch, s) == 15352
     assert layer_activation_bytes(arch, replace(s, tiled_mlp=True)) == 6296
     # the tiled layer keeps the MLP input (c·h) instead of the MLP's own tensors
@@ -141,7 +141,7 @@ def test_cohere_and_apertus_layer_bytes_match_the_per_layer_measurement(config, 
     token: 10 B/token here). Before the centred-norm and xIELU terms the model said 13,356 / 26,508 (Cohere: and it
     counted o_proj's input, the attention output, twice) and 10,800 / 22,640 (Apertus)."""
     arch = Architecture.from_config(config)
-    s = Setup(quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
               micro_batch_size=1, max_seq_len=256)  # fmt: skip
     weight_copies = 4 * (arch.hidden_size + (arch.num_heads + arch.num_kv_heads) * arch.head_dim) / 256
     assert layer_activation_bytes(arch, s) == measured - (weight_copies if arch.model_type == "cohere" else 0)
@@ -193,7 +193,7 @@ def test_layer_bytes_match_the_measurement_where_heads_times_head_dim_is_not_hid
     the CPU), 26,400 / 38,784 (Gemma-2: eager attention keeps no output) and 13,356 (Cohere, tiled: its MLP's input
     is the attention's); LoRA was right. Cohere's also holds its norms' fp32 weight copies (13 B/token here)."""
     arch = Architecture.from_config(config)
-    s = Setup(quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
               micro_batch_size=1, max_seq_len=256, **knobs)  # fmt: skip
     s, _ = effective_setup(arch, s)
     scores = eager_scores_bytes(arch, s) / s.max_seq_len if s.attn_implementation == "eager" else 0
@@ -206,7 +206,7 @@ def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim()
     the adapter made full): the backward peaks of WIDE and NARROW differ by 12,058,880 B measured (PeakMemory; the
     recomputed layer, weights, gradients and states); the estimate's by 12,058,624 (it said 14,155,776 when it
     counted o_proj's input for the MLP's norm output)."""
-    s = Setup(quantization="none", adapter="full", lora_r=8, optimizer="adamw_torch", device="cpu", max_seq_len=4096,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter="full", lora_r=8, optimizer="adamw_torch", device="cpu", max_seq_len=4096,
               loss_impl="chunked", loss_chunk_tokens=64)  # fmt: skip
     wide, narrow = (estimate(Architecture.from_config(c), s).phases["backward"] for c in (WIDE, NARROW))
     assert wide - narrow == pytest.approx(12_058_880, abs=512)
@@ -251,6 +251,7 @@ LAYER_TRANSIENT_MEASURED = {
 def _long_probe(**knobs) -> Setup:
     """The setup of the long-context yardstick's PROBE points (LongPoint defaults: LoRA r 8, dropout 0.05)."""
     return Setup(
+        gradient_accumulation=1,
         quantization="none",
         lora_r=8,
         device="cpu",

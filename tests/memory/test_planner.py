@@ -413,3 +413,11 @@ def test_recipe_targets_the_model_only_partly_has_are_named():
     assert "dense, fc1, fc2 stay frozen" in p.reasons["adapter"]
     llama = plan(LLAMA8, request(24, "24gb"))
     assert "absent" not in llama.reasons["adapter"]
+
+
+def test_a_mixture_that_fits_no_device_share_is_refused_in_one_line():
+    """The refusal names the 16-bit experts of a single device's estimate; a per-device share has no such component
+    and used to raise KeyError instead of the refusal."""
+    mixtral = load_architecture("mistralai/Mixtral-8x7B-v0.1")
+    with pytest.raises(UserError, match="needs .* GB at seq 4096 .* per device"):
+        _plan(24, "24gb", {"memory": {"max_seq_len": 4096}}, arch=mixtral, gpus=2)
