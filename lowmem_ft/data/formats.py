@@ -336,10 +336,6 @@ def convert(record: dict[str, Any], fmt: str, unread: dict | None = None) -> dic
     """One raw record in format `fmt` → the TRL record (raises BadLine). Turn keys it does not read are added to
     `unread` (as `messages[].KEY`), for the reader to report. Preference shapes (`preference`, `kto`) are
     `lowmem_ft.data.preference`'s."""
-    if fmt in ("preference", "kto"):
-        from lowmem_ft.data import preference
-
-        return preference.convert(record, fmt, unread)
     if fmt == "text":
         return {"text": _string(record, "text")}
     if fmt == "prompt_completion":

@@ -35,18 +35,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from lowmem_ft.memory.activations import head_saved_bytes
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import (
+from lowmem_ft.memory.calibration import (
+    ALLOCATOR_FRACTION,
     BATCH_BYTES_PER_TOKEN,
-    DTYPE_BYTES,
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
     HF_LOSS_BYTES_PER_LOGIT,
-    Setup,
-    estimate,
-    eval_peak_bytes,
-    head_saved_bytes,
-    phase_peak_bytes,
-    weight_bytes,
 )
+from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
+from lowmem_ft.memory.evaluation import eval_peak_bytes
+from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.static import weight_bytes
 
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
 ReferenceKind = Literal["none", "adapter_disabled", "copy", "precomputed"]
@@ -78,7 +79,10 @@ def reference_pass_bytes(arch: Architecture, rows_setup: Setup) -> float:
     train = estimate(arch, s)
     static = sum(c.bytes for c in train.components if c.phase == "static" and c.name != "gradients")
     batch = BATCH_BYTES_PER_TOKEN * s.tokens * (2 if s.device == "cpu" else 1)
-    return max(0.0, eval_peak_bytes(arch, s, s.micro_batch_size) - static - batch - train.overhead_bytes)
+    transient = eval_peak_bytes(arch, s, s.micro_batch_size) - static
+    if s.device == "cuda":  # eval_peak_bytes' own overheads: context, workspaces, a fraction of its transient
+        transient = (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
+    return max(0.0, transient - batch)
 
 
 def policy_kept_bytes(arch: Architecture, rows_setup: Setup) -> float:
@@ -93,6 +97,16 @@ def policy_kept_bytes(arch: Architecture, rows_setup: Setup) -> float:
     layers = by.get("activations, all layers", 0.0) + by.get("checkpointed layer inputs", 0.0)
     layers += by.get("attention masks (s², bool)", 0.0)
     return layers + head + 4 * t
+
+
+def reference_kind(method: Method, adapter: str, given: str = "auto") -> ReferenceKind:
+    """The reference a run uses: none for SFT, ORPO, SimPO; for DPO (and KTO) `preference.reference`, where auto is
+    the adapter disabled (LoRA) or log-probs precomputed before training (full fine-tuning: `choose_reference`)."""
+    if method not in WITH_REFERENCE:
+        return "none"
+    if adapter == "lora":
+        return "adapter_disabled" if given in ("auto", "adapter_disabled") else given  # type: ignore[return-value]
+    return "precomputed" if given in ("auto", "adapter_disabled") else given  # type: ignore[return-value]
 
 
 def reference_weight_bytes(arch: Architecture, s: Setup, kind: ReferenceKind) -> float:
@@ -208,3 +222,31 @@ def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
         return f"{rows} rows × {seq_len} tokens"
     what = "chosen + rejected" if method in PAIRED else "completions + KL batch"
     return f"{micro_batch} pairs = {rows} rows ({what}) × {seq_len} tokens per forward"
+
+
+def plan_lines(
+    arch: Architecture, s: Setup, method: Method, *, budget_bytes: float, policy_peak_bytes: float, passes: float
+) -> list[str]:
+    """What `plan` says about a preference run (`s` in rows, as the planner planned it): the rows per micro batch,
+    the reference and why, and the reference pass's working set."""
+    pairs = max(1, s.micro_batch_size // 2)
+    lines = [f"method {method}: {describe_rows(method, pairs, s.max_seq_len)}"]
+    ref = choose_reference(
+        arch, s, method, pairs=None, passes_over_data=passes, budget_bytes=budget_bytes,
+        policy_peak_bytes=policy_peak_bytes,
+    )  # fmt: skip
+    lines.append(f"reference: {ref.kind} — {ref.why}")
+    if ref.kind in ("adapter_disabled", "copy"):
+        extra = reference_pass_bytes(arch, s)
+        est = estimate(arch, s)
+        at = est.phases["static"] + policy_kept_bytes(arch, s) + extra + reference_weight_bytes(arch, s, ref.kind)
+        where = (
+            "below the step's peak"
+            if at <= est.model_peak_bytes
+            else f"{(at - est.model_peak_bytes) / 1e9:.2f} GB above the planned peak: lower the micro batch"
+        )
+        lines.append(
+            f"reference pass: {extra / 1e9:.2f} GB of working set after the policy's forward (no gradients, "
+            f"checkpointing off), {where}"
+        )
+    return lines

@@ -100,12 +100,10 @@ class ExactMemory:
         setup = setup_from_recipe(recipe, device="cpu")
         if method == "sft":
             return cls(arch, setup, eval_batch, ddp=processes > 1)
-        from lowmem_ft.memory.preference import method_setup
+        from lowmem_ft.memory.preference import method_setup, reference_kind
 
         # a preference micro batch of B pairs runs 2·B rows (the CPU form speaks rows, as the monitor sees them)
-        from lowmem_ft.train.preference import reference_for
-
-        reference = reference_for(recipe)
+        reference = reference_kind(method, recipe.adapter.kind, recipe.preference.reference)
         return cls(
             arch, method_setup(method, setup), 2 * eval_batch, ddp=processes > 1, method=method, reference=reference
         )

@@ -191,14 +191,10 @@ def settings_of(recipe) -> PreferenceSettings:
 
 
 def reference_for(recipe) -> str:
-    """The reference a preference run uses (`lowmem_ft.memory.preference.ReferenceKind`): none for ORPO / SimPO;
-    for DPO preference.reference, where auto is the adapter disabled (LoRA) or precomputed log-probs (full)."""
-    method, given = recipe.training.method, recipe.preference.reference
-    if method not in ("dpo", "kto"):
-        return "none"
-    if recipe.adapter.kind == "lora":
-        return "adapter_disabled" if given in ("auto", "adapter_disabled") else given
-    return "precomputed" if given in ("auto", "adapter_disabled") else given
+    """The reference a preference run uses (`lowmem_ft.memory.preference.reference_kind`)."""
+    from lowmem_ft.memory.preference import reference_kind
+
+    return reference_kind(recipe.training.method, recipe.adapter.kind, recipe.preference.reference)
 
 
 def method_config(sft_args, recipe):
@@ -222,7 +218,7 @@ def method_config(sft_args, recipe):
 
 def prepare_data(recipe, tokenizer):
     """Train / eval datasets and the data summary of a preference run (`lowmem_ft.data.preference`)."""
-    from lowmem_ft.data.preference import PairFit, prepare_preference_datasets
+    from lowmem_ft.data.preference import PairFit
 
     settings = settings_of(recipe)
     fit = PairFit(recipe.memory.max_seq_len, settings.prompt_truncation, settings.max_prompt_len)
@@ -250,3 +246,62 @@ def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
 
         return type("MemorySafeSimPOTrainer", (_OddsRatioFamily, CPOTrainer), {}), {}
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
+
+
+def prepare_preference_datasets(recipe, tokenizer, fmt: str, fit) -> tuple[Any, Any, dict[str, Any]]:
+    """Train dataset, eval dataset (or None) and the data summary of a preference run: every source read as `fmt`
+    (`preference` or `kto`), tokenized and fitted (`tokenize_pairs`); eval data from data.eval_path / eval_split, or
+    held out of the training pairs (data.eval_fraction, seeded as for SFT)."""
+    from lowmem_ft.data.preference import describe_fit, tokenize_pairs
+    from lowmem_ft.data.prepare import held_out_split
+    from lowmem_ft.data.readers import RecordReader, log_skipped
+    from lowmem_ft.data.sources import check_source, eval_source_of
+    from lowmem_ft.errors import UserError
+
+    d = recipe.data
+    if d.mix or d.streaming:
+        raise UserError(
+            f"data.{'mix' if d.mix else 'streaming'} is not supported for preference training yet; give one --data "
+            "source that fits in memory"
+        )
+
+    def read(source):
+        reader = RecordReader(source, d.skip_bad_lines, fmt=fmt)
+        records = list(reader)
+        if not records:
+            raise UserError(f"{source.label}: no usable {fmt} records ({len(reader.skipped)} bad rows skipped)")
+        ds, report, skipped = tokenize_pairs(
+            records, fmt, tokenizer, fit, where=source.label, skip_bad=d.skip_bad_lines
+        )
+        for line in [*reader.skipped, *skipped]:
+            log_skipped(line)
+        return ds, report, [*reader.skipped, *skipped], reader.unused_columns()
+
+    source = check_source(recipe)[0]
+    train_ds, report, skipped, unused = read(source)
+    eval_ds, eval_where = None, None
+    eval_source = eval_source_of(recipe)
+    if eval_source is not None:
+        eval_ds, _, _, _ = read(eval_source)
+        eval_where = eval_source.label
+    elif d.eval_fraction > 0:
+        keep, held = held_out_split(len(train_ds), d.eval_fraction, recipe.training.seed)
+        train_ds, eval_ds = train_ds.select(keep), train_ds.select(held)
+        eval_where = f"held out {d.eval_fraction:g} of {source.label} (seed {recipe.training.seed})"
+    log.info("data: %s", describe_fit(report, fit.max_len))
+    if unused:
+        log.info("%s: columns not used: %s", source.label, ", ".join(unused))
+    summary = {
+        "path": d.path,
+        "format": fmt,
+        "records": report.samples_in,
+        "train_records": len(train_ds),
+        "eval_records": len(eval_ds) if eval_ds is not None else 0,
+        "eval_source": eval_where,
+        "skipped_lines": skipped,
+        "unused_columns": unused,
+        "loss_on": "answers (chosen and rejected)" if fmt == "preference" else "completions",
+        "fit": report.to_dict(),
+        "prompt_truncation": fit.prompt_rule,
+    }
+    return train_ds, eval_ds, summary
