@@ -139,7 +139,15 @@ def _hub_preflight(args: argparse.Namespace):
 
 
 def _print_done(m: dict, run_dir) -> None:
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}; run directory {run_dir}")
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}{_method_line(m)}; run directory {run_dir}")
+
+
+def _method_line(m: dict) -> str:
+    """A preference run's reward margin and accuracy (chosen over rejected) at its last logged step."""
+    got = m.get("method_metrics") or {}
+    shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
+             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio")) if key in got]  # fmt: skip
+    return "".join(f", {name} {value:.4g}" for name, value in shown)
 
 
 def _loss_line(m: dict) -> str:

@@ -414,6 +414,10 @@ class FineTune:
             "last_loss": logged[-1]["loss"] if logged else None,
             "first_loss_step": logged[0].get("step") if logged else None,
             "last_loss_step": logged[-1].get("step") if logged else None,
+            # the preference methods' own figures at the last logged step (TRL's names: rewards/margins, ...)
+            "method_metrics": {
+                k: v for k, v in (logged[-1] if logged else {}).items() if k.startswith(("rewards/", "log_odds"))
+            },
             "wall_seconds": round(self.elapsed, 2),
             "wandb_mode": self.tracking.mode,
         }
