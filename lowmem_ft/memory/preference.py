@@ -27,7 +27,7 @@ the policy's forward keeps:
   experimental/orpo/orpo_trainer.py and experimental/cpo/cpo_trainer.py; not yet measured).
 
 Measured (the exact CPU count of real runs through `train`, `lowmem_ft.train.exact`): see the module's tests
-(`tests/memory/test_preference.py`) and the numbers in README's "Preference training".
+(`tests/memory/test_preference_memory.py`) and the numbers in README's "Preference training".
 """
 
 from __future__ import annotations
