@@ -146,7 +146,7 @@ def _method_line(m: dict) -> str:
     """A preference run's reward margin and accuracy (chosen over rejected) at its last logged step."""
     got = m.get("method_metrics") or {}
     shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
-             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio")) if key in got]  # fmt: skip
+             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
     return "".join(f", {name} {value:.4g}" for name, value in shown)
 
 

@@ -75,7 +75,7 @@ def detect_format(record: dict[str, Any], key: str = "data") -> str:
             raise BadLine(
                 f"this is unpaired preference (KTO) data: '{tag}' marks each completion good or bad, and SFT would "
                 f"learn the bad ones too; keep the rows where {tag} is true (e.g. datasets' .filter) and train on "
-                "those, or use a KTO trainer"
+                "those, or train it with --method kto"
             )
         if isinstance(record["prompt"], list) or isinstance(record["completion"], list):
             return "chat_prompt_completion"

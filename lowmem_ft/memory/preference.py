@@ -57,7 +57,8 @@ WITH_REFERENCE = ("dpo", "kto")
 
 def rows_per_micro_batch(method: Method, micro_batch: int) -> int:
     """Rows one forward runs for a micro batch of `micro_batch` pairs (or KTO completions)."""
-    return micro_batch if method == "sft" else 2 * micro_batch
+    # KTO's KL batch runs apart, without gradients, before the policy's forward: its forward has B rows
+    return micro_batch if method in ("sft", "kto") else 2 * micro_batch
 
 
 def method_setup(method: Method, s: Setup) -> Setup:

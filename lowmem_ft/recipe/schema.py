@@ -365,9 +365,9 @@ class TrainingSection:
     method: Method = _f(
         "sft",
         "What is learned: sft (supervised), or preference training: dpo (TRL's DPOTrainer), orpo, simpo (TRL's "
-        "experimental ORPO / CPO trainers) on prompt/chosen/rejected pairs; kto (unpaired, labelled completions: "
-        "not wired yet). The preference section holds their settings.",
-        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo", metavar="METHOD"),
+        "experimental ORPO / CPO trainers) on prompt/chosen/rejected pairs; kto (TRL's KTOTrainer) on unpaired "
+        "prompt/completion/label samples. The preference section holds their settings.",
+        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo, kto", metavar="METHOD"),
     )
     epochs: float = _f(
         1.0,

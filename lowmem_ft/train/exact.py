@@ -100,12 +100,17 @@ class ExactMemory:
         setup = setup_from_recipe(recipe, device="cpu")
         if method == "sft":
             return cls(arch, setup, eval_batch, ddp=processes > 1)
-        from lowmem_ft.memory.preference import method_setup, reference_kind
+        from lowmem_ft.memory.preference import method_setup, reference_kind, rows_per_micro_batch
 
         # a preference micro batch of B pairs runs 2·B rows (the CPU form speaks rows, as the monitor sees them)
         reference = reference_kind(method, recipe.adapter.kind, recipe.preference.reference)
         return cls(
-            arch, method_setup(method, setup), 2 * eval_batch, ddp=processes > 1, method=method, reference=reference
+            arch,
+            method_setup(method, setup),
+            rows_per_micro_batch(method, eval_batch),
+            ddp=processes > 1,
+            method=method,
+            reference=reference,
         )
 
     # -- the plan's batch -----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from lowmem_ft.train.trainer import MemorySafe
 
@@ -105,10 +105,7 @@ class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
 
     def __init__(self, *args, keep_ref_adapter: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        if not keep_ref_adapter and "ref" in getattr(model, "peft_config", {}):
-            model.delete_adapter("ref")  # the reference is the base model: `use_adapter(model, None)` disables it
-            model.set_adapter("default")
+        _use_base_as_reference(self, keep_ref_adapter)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if "prompt_ids" in next(iter(dataset)):  # tokenized and fitted by lowmem_ft.data.preference
@@ -127,6 +124,41 @@ class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
             spans.append((start, size))
             start += size
         return parts, weights, (0, pairs, spans)
+
+
+class MemorySafeKTOTrainer(MemorySafe, KTOTrainer):
+    """`KTOTrainer` with `MemorySafe`'s monitor samples and OOM recovery. KTO's KL term is estimated from the micro
+    batch's own completions paired with other prompts of the same batch (TRL rotates them by one), so a piece of a
+    batch would estimate it from fewer, different pairs: an OOM is not split here (the guard's later steps —
+    checkpointing — still apply), and the batch's rows are never reordered (TRL requires sequential sampling)."""
+
+    def __init__(self, *args, keep_ref_adapter: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        _use_base_as_reference(self, keep_ref_adapter)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "prompt_ids" not in next(iter(dataset)):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if args.loss_type == "apo_zero_unpaired":  # TRL's one loss without the KL term (kto_trainer.py)
+            return dataset
+
+        def rotate(batch):  # TRL's KL completions: each batch's completions rotated by one
+            batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
+            return batch
+
+        return dataset.map(rotate, batched=True, batch_size=args.per_device_train_batch_size)
+
+    def _pieces(self, inputs, num_items_in_batch):
+        rows = inputs["input_ids"].shape[0]
+        return [inputs], [1.0], (0, rows, [(0, rows)])
+
+
+def _use_base_as_reference(trainer, keep_ref_adapter: bool) -> None:
+    """Drop TRL's frozen copy of a fresh adapter: the reference is then the base model with the adapter disabled."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not keep_ref_adapter and "ref" in getattr(model, "peft_config", {}):
+        model.delete_adapter("ref")
+        model.set_adapter("default")
 
 
 def concatenated_columns(row: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -213,6 +245,13 @@ def method_config(sft_args, recipe):
         # SimPO = CPO with loss_type "simpo" and no NLL term (cpo_config.py); β 2.0 and γ/β 0.5 as the paper's base
         return _experimental_config(CPOConfig, sft_args, loss_type="simpo", cpo_alpha=0.0, beta=settings.beta,
                                     simpo_gamma=settings.simpo_gamma)  # fmt: skip
+    if settings.method == "kto":
+        from transformers import TrainingArguments
+
+        shared = {f.name: getattr(sft_args, f.name) for f in fields(TrainingArguments) if f.init}
+        shared["train_sampling_strategy"] = "sequential"  # TRL: the KL pairs are built within fixed batches
+        return KTOConfig(**shared, max_length=sft_args.max_length, beta=settings.beta, dataset_num_proc=None,
+                         precompute_ref_log_probs=reference_for(recipe) == "precomputed")  # fmt: skip
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
 
 
@@ -245,6 +284,8 @@ def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
         from trl.experimental.cpo import CPOTrainer
 
         return type("MemorySafeSimPOTrainer", (_OddsRatioFamily, CPOTrainer), {}), {}
+    if settings.method == "kto":
+        return MemorySafeKTOTrainer, {"keep_ref_adapter": bool(recipe.adapter.name_or_path)}
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
 
 

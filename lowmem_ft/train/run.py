@@ -416,7 +416,9 @@ class FineTune:
             "last_loss_step": logged[-1].get("step") if logged else None,
             # the preference methods' own figures at the last logged step (TRL's names: rewards/margins, ...)
             "method_metrics": {
-                k: v for k, v in (logged[-1] if logged else {}).items() if k.startswith(("rewards/", "log_odds"))
+                k: v
+                for k, v in (logged[-1] if logged else {}).items()
+                if k.startswith(("rewards/", "log_odds")) or k == "kl"
             },
             "wall_seconds": round(self.elapsed, 2),
             "wandb_mode": self.tracking.mode,
