@@ -72,3 +72,17 @@ def test_dpo_loss_is_the_definition_on_every_zoo_family(zoo_models, tmp_path):
                     for p in pieces)  # fmt: skip
         assert total.item() == pytest.approx(ours.item(), rel=1e-5), name
         job.run.unlock()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "data", "metric"), [
+    ("orpo", PAIRS, "log_odds_ratio"),
+    ("simpo", PAIRS, "rewards/margins"),
+    ("kto", str(Path(PAIRS).with_name("kto_chat.jsonl")), "kl"),
+])  # fmt: skip
+def test_orpo_simpo_kto_train_end_to_end(zoo_models, tmp_path, method, data, metric):
+    """Each other method trains 2 steps with LoRA and logs its own metric; the suite checks each run's memory."""
+    result = tiny_run(zoo_models["llama3"], data, tmp_path, method, f"training.method={method}", "training.max_steps=2")
+    assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    logged = [h for h in result.log_history if "loss" in h]
+    assert metric in logged[-1] and math.isfinite(logged[-1]["loss"])
