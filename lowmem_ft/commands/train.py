@@ -139,11 +139,13 @@ def _hub_preflight(args: argparse.Namespace):
 
 
 def _print_done(m: dict, run_dir) -> None:
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}{_method_line(m)}; run directory {run_dir}")
+    speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}{_method_line(m)}{speed}; run directory {run_dir}")
 
 
 def _method_line(m: dict) -> str:
-    """A preference run's reward margin and accuracy (chosen over rejected) at its last logged step."""
+    """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
+    its last logged step."""
     got = m.get("method_metrics") or {}
     shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
              ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip

@@ -100,7 +100,33 @@ def pair_pieces(inputs: dict[str, Any], pairs_per_piece: int) -> list[dict[str, 
     return out
 
 
-class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
+def pair_lengths(dataset) -> list[int]:
+    """Each row's longest sequence: the prompt with its longer answer (what the collator pads to)."""
+    columns = set(dataset.column_names)
+    if "prompt_ids" in columns:
+        answers = [c for c in ("chosen_ids", "rejected_ids", "completion_ids") if c in columns]
+        return [len(r["prompt_ids"]) + max(len(r[c]) for c in answers) for r in dataset]
+    return [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in dataset]
+
+
+class _HeaviestPairsFirst:
+    """The SFT trainer's epoch order (seeded per epoch, the heaviest micro batch first: `lowmem_ft.train.order`)
+    over pairs, weighed by their longer row; an order TRL fixes (KTO's sequential batches) is kept."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        from torch.utils.data import RandomSampler
+
+        from lowmem_ft.train.order import HeaviestFirstSampler
+
+        sampler = super(MemorySafe, self)._get_train_sampler(train_dataset)  # TRL's, not MemorySafe's (input_ids)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if type(sampler) is not RandomSampler:
+            return sampler
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return HeaviestFirstSampler(pair_lengths(dataset), self.args.per_device_train_batch_size, seed)
+
+
+class MemorySafeDPOTrainer(_HeaviestPairsFirst, MemorySafe, DPOTrainer):
     """`DPOTrainer` with `MemorySafe`'s monitor samples and OOM recovery; pieces are whole pairs."""
 
     def __init__(self, *args, keep_ref_adapter: bool = False, **kwargs):
@@ -126,7 +152,7 @@ class MemorySafeDPOTrainer(MemorySafe, DPOTrainer):
         return parts, weights, (0, pairs, spans)
 
 
-class MemorySafeKTOTrainer(MemorySafe, KTOTrainer):
+class MemorySafeKTOTrainer(_HeaviestPairsFirst, MemorySafe, KTOTrainer):
     """`KTOTrainer` with `MemorySafe`'s monitor samples and OOM recovery. KTO's KL term is estimated from the micro
     batch's own completions paired with other prompts of the same batch (TRL rotates them by one), so a piece of a
     batch would estimate it from fewer, different pairs: an OOM is not split here (the guard's later steps —
@@ -175,7 +201,7 @@ def concatenated_columns(row: dict[str, list[int]]) -> dict[str, list[int]]:
     return out
 
 
-class _OddsRatioFamily(MemorySafe):
+class _OddsRatioFamily(_HeaviestPairsFirst, MemorySafe):
     """What TRL's experimental ORPO and CPO (SimPO) trainers share here: pre-tokenized rows pass `tokenize_row`
     unchanged, metrics live in `_stored_metrics`, and a micro batch's tensors are per pair (B rows each of chosen,
     rejected, prompt), so pieces are consecutive pairs, each with its share of the pairs."""

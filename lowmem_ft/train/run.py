@@ -180,7 +180,7 @@ class FineTune:
         self.is_main = self.args.process_index == 0
 
     def _setup_data(self) -> None:
-        from lowmem_ft.data.prepare import prepare_datasets
+        from lowmem_ft.data.prepare import pack, prepare_datasets
         from lowmem_ft.train.model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.recipe)
@@ -191,6 +191,10 @@ class FineTune:
         else:
             self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
         self.data_summary["batching"] = self.batching.to_dict()
+        if self.batching.packed:  # TRL's own preparation is skipped (`args.sft_config`), its packing with it
+            self.train_ds = pack(self.train_ds, self.recipe.memory.max_seq_len)
+            if self.eval_ds is not None:
+                self.eval_ds = pack(self.eval_ds, self.recipe.memory.max_seq_len)
 
     def _setup_model(self) -> None:
         from transformers import set_seed
@@ -245,6 +249,7 @@ class FineTune:
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train import progress, tracking
+        from lowmem_ft.train.early import ProveEarly
         from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
@@ -274,12 +279,32 @@ class FineTune:
             self.monitor.exact.extra_roots.append(reference)
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
+        # the evaluation's heaviest batch and a trial save after step 1, after the monitor that records their memory
+        self.early = ProveEarly(self.trainer)
+        self.trainer.add_callback(self.early)
+        # the banner after the trackers' callbacks (W&B's run exists when it prints), before the bar starts drawing
+        self.trainer.add_callback(self._banner())
         progress.install(self.trainer, self.monitor, self.target)
         _keep_adapters_fp32(self.trainer.model, self.recipe)
         if m.chunked_loss:
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
             install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
+
+    def _banner(self):
+        """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
+        from lowmem_ft.train.banner import PlanBanner, RunView, machine_ram_gb
+        from lowmem_ft.train.model import trainable_summary
+
+        plan = self.choice.plan
+        host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
+        counts = trainable_summary(self.model)
+        view = RunView(
+            "sft", self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
+            world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
+            run_dir=str(self.run.path),
+        )  # fmt: skip
+        return PlanBanner(view, tensorboard_dir=str(self.run.tensorboard))
 
     def _write_run_files(self) -> None:
         from lowmem_ft.train.model import trainable_summary
@@ -405,7 +430,10 @@ class FineTune:
             log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Final metrics: the trainer's, first/last loss, and with eval data the best evaluation and what was kept."""
+        """Final metrics: the trainer's, first/last loss, throughput, and with eval data the best evaluation and what
+        was kept."""
+        from lowmem_ft.train import progress
+
         logged = [h for h in history if "loss" in h]
         metrics = {
             **self.output.metrics,
@@ -421,6 +449,8 @@ class FineTune:
                 if k.startswith(("rewards/", "log_odds")) or k == "kl"
             },
             "wall_seconds": round(self.elapsed, 2),
+            "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
+            "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
             "wandb_mode": self.tracking.mode,
         }
         evals = [h for h in history if "eval_loss" in h]
