@@ -5,9 +5,10 @@ are the SFT memory model's (`lowmem_ft.memory.estimate`) at the method's rows, a
 the policy's forward keeps:
 
 - rows per micro batch (`rows_per_micro_batch`): DPO, ORPO and SimPO stack the chosen and the rejected rows
-  (TRL 1.16 `DataCollatorForPreference`: `prompt_chosen_ids + prompt_rejected_ids`, one forward of 2·B rows); KTO
-  runs the B completions and, for its KL estimate, B mismatched prompt/completion rows (`kto_trainer.py`: the KL
-  batch is the completions shifted by one within the batch).
+  (TRL 1.16 `DataCollatorForPreference`: `prompt_chosen_ids + prompt_rejected_ids`, one forward of 2·B rows); KTO's
+  forward is its B completions — its KL estimate's B mismatched rows (the completions rotated by one within the
+  batch) run apart, without gradients, before it (`kto_trainer.py` `_compute_kl_logps`), never beside the
+  policy's saved tensors.
 - the policy's forward and backward: `estimate` at those rows, every row padded to the longest of the micro batch
   (the pairs were fitted to max_seq_len before batching, `lowmem_ft.data.preference`).
 - the reference pass (`reference_pass_bytes`): TRL's `_compute_loss` runs it after the policy's forward, under

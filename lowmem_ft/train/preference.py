@@ -4,6 +4,10 @@ DPO runs on TRL 1.16's `DPOTrainer` (`trl.trainer.dpo_trainer`: its loss variant
 pairs `lowmem_ft.data.preference` has tokenized and fitted (`prompt_ids`, `chosen_ids`, `rejected_ids`), so TRL's
 own tokenization is skipped (`_prepare_dataset`) and its collator never meets a pair longer than max_seq_len.
 
+ORPO and SimPO run on TRL 1.16's experimental `ORPOTrainer` and `CPOTrainer` (`loss_type="simpo"`, no NLL term),
+fed the columns their `tokenize_row` would make (`concatenated_columns`); KTO on `KTOTrainer`, fed `prompt_ids` /
+`completion_ids` / `label` with TRL's KL completions (each batch's completions rotated by one).
+
 The one idea: a DPO micro batch of B pairs is 2·B rows — TRL's `DataCollatorForPreference` stacks the B chosen
 rows, then the B rejected rows — and the loss is a mean over pairs. So an OOM split cuts whole pairs: a piece of
 pairs [a, b) is rows a..b and B+a..B+b, with its share (b − a) / B of the micro batch's loss, and the pieces' losses
