@@ -300,7 +300,7 @@ class FineTune:
         host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
         counts = trainable_summary(self.model)
         view = RunView(
-            "sft", self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
+            self.recipe.training.method, self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
             world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
             run_dir=str(self.run.path),
         )  # fmt: skip
