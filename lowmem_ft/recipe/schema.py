@@ -455,7 +455,7 @@ class LoggingSection:
 
 @dataclass
 class PreferenceSection:
-    """Settings of the preference methods (training.method dpo, orpo, simpo); ignored by sft."""
+    """Settings of the preference methods (training.method dpo, orpo, simpo, kto); ignored by sft."""
 
     loss_type: DpoLoss = _f("sigmoid", "DPO's loss, as TRL names its variants (sigmoid, ipo, robust, hinge, ...).")
     beta: float = _f(
