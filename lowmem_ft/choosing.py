@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup, estimate
 from lowmem_ft.memory.host import host_over
-from lowmem_ft.memory.long_context import SAVERS
+from lowmem_ft.memory.long_context import KNOBS as LONG_CONTEXT_KNOBS
 from lowmem_ft.memory.planner import Plan, Request, Requested, check, longest_length, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
@@ -555,7 +555,6 @@ def choose_recipe(
 # What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation
 # offloading and the chunked loss at its automatic 64 MiB chunks: the planner before the long-context savers),
 # "none" (neither). The knobs left out are fixed at the tier recipe's values (off).
-LONG_CONTEXT_KNOBS = frozenset({*SAVERS, "mlp_tile_tokens", "loss_chunk_tokens"})
 SAVER_SETS = {
     "all": frozenset(),
     "previous": LONG_CONTEXT_KNOBS,

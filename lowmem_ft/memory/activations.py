@@ -1,7 +1,7 @@
 """What one decoder layer and the head keep for backward, per token: norms (RMSNorm, Cohere's centred
-LayerNorm, q/k norms, tiled norms), the linears' inputs, the attention (SDPA, eager scores, explicit masks), the MLP
-(gated, plain, xIELU, tiled), the first layer's discount, the final norm and loss input; and how the layers' terms add
-up with and without checkpointing or offloading (`_activations`).
+LayerNorm, q/k norms), the linears' inputs, the attention (SDPA, eager scores, explicit masks), the MLP (gated, plain,
+xIELU), the first layer's discount, the final norm and loss input; and how the layers' terms add up with and without
+checkpointing (`_activations`). What a saver changes in them is its own (`lowmem_ft.memory.savers`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.experts import moe_activation_bytes
 from lowmem_ft.memory.families import family, with_flag
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, _lora_input_bytes, is_mlp_linear, lora_linears
+from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup
+from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS, checkpointed_layers
 
 
 def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
@@ -30,7 +31,7 @@ def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
     c = DTYPE_BYTES[s.compute_dtype]
     i = arch.intermediate_size
     acts = (3 * c * i if arch.mlp == "gated" else c * i) + xielu_extra_bytes(arch, s)
-    return acts + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+    return acts + (0 if s.adapter == "full" else RECOMPUTE_LORA.lora_inputs(arch, s, mlp=True))
 
 
 def masked_layers(arch: Architecture, s: Setup) -> int:
@@ -69,20 +70,15 @@ def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = N
     benchmarks/estimator_cpu.md:
     exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA) and across the zoo's families
     (benchmarks/estimator_zoo.md). `masked`: the layer's SDPA gets an explicit mask (see `masked_layers`; default:
-    whether any layer does). With `tiled_mlp` the MLP keeps only its input (c·h, the view each tile's checkpoint holds); its own tensors
-    exist for one tile at a time in backward (`tiled_mlp_transient_bytes`).
+    whether any layer does). The tiled MLP's and the tiled norms' terms are theirs (`savers.TiledMLP.mlp_kept`,
+    `savers.TiledNorms.layer_norms`).
     """
-    c = DTYPE_BYTES[s.compute_dtype]
     masked = masked_layers(arch, s) > 0 if masked is None else masked
     total = _norm_bytes(arch, s) + _linear_input_bytes(arch, s) + _attention_bytes(arch, s, masked)
     if arch.moe:
         return total + moe_activation_bytes(arch, s)
-    if s.tiled_mlp:  # its input; in a parallel block a full fine-tune's q/k/v keep that norm output already
-        # (measured: Cohere h 256, head_dim 96, full, tiled: 12,857 B/token per layer; 13,356 with it counted twice)
-        shared = s.adapter == "full" and arch.norms_per_layer == 1
-        return total + (0 if shared else c * arch.hidden_size)
     # a full fine-tune's MLP linear inputs were counted with the others (`_linear_input_bytes`)
-    return total + mlp_activation_bytes(arch, s)
+    return total + TILED_MLP.mlp_kept(arch, s, mlp_activation_bytes(arch, s))
 
 
 def _norm_bytes(arch: Architecture, s: Setup) -> float:
@@ -93,13 +89,9 @@ def _norm_bytes(arch: Architecture, s: Setup) -> float:
     # normalized input of `weight *` is kept too: c bytes (Llama: weight * hidden.to(dtype)), or 4 for Gemma's
     # norm, which multiplies in fp32 (modeling_gemma*.py: output * (1.0 + self.weight.float())).
     normalized = (4 if arch.norm_fp32_output else c) * h if full else 0
-    total = arch.norms_per_layer * (4 * h + 4 + normalized)
-    if s.tiled_norms:  # each norm keeps a view of its c-byte input; under checkpointing the first one's input is the
-        # layer input the checkpoint holds already (measured per layer: 1,808 B/token for the probe, tiled MLP and
-        # recompute_lora on, without checkpointing)
-        total = c * h * (arch.norms_per_layer - (1 if s.gradient_checkpointing else 0))
+    total = TILED_NORMS.layer_norms(arch, s, arch.norms_per_layer * (4 * h + 4 + normalized))
     # q/k RMSNorm over head_dim (Qwen3, Gemma-3): the fp32 upcast of q and k and an rsqrt per head, as any RMSNorm
-    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md); `memory.tiled_norms` leaves them as are.
+    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md); the tiled norms leave them as they are.
     if arch.qk_norm:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
@@ -114,7 +106,7 @@ def centred_norm_extra_bytes(arch: Architecture, s: Setup, one_norm: bool = Fals
     `one_norm` one hidden-sized norm (the final norm, or the first layer's that keeps nothing); 0 for other norms."""
     if arch.norm != "layer_no_bias":
         return 0.0
-    norms = 0 if s.tiled_norms else (1 if one_norm else arch.norms_per_layer)
+    norms = TILED_NORMS.centred_norms(s, 1 if one_norm else arch.norms_per_layer)
     width = norms * arch.hidden_size
     if arch.qk_norm and not one_norm:
         width += (arch.num_heads + arch.num_kv_heads) * arch.head_dim
@@ -146,7 +138,7 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
     grouping said 12,312 / 10,264, with the tiled MLP 6,424 where it said 7,192; Phi-3 13,976 / 11,160
     where it said 13,464 / 10,648 (its o_proj reads a copy: `_o_proj_copies`)."""
     if s.adapter != "full":
-        return _lora_input_bytes(arch, s, mlp=False)
+        return RECOMPUTE_LORA.lora_inputs(arch, s, mlp=False)
     h = arch.hidden_size
     inputs: dict[str, int] = {}
     for lin in arch.linears:
@@ -154,8 +146,8 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
             if _o_proj_copies(arch, s):
                 inputs["attention output copy"] = lin.in_features
             continue
-        if s.tiled_mlp and is_mlp_linear(arch, lin):
-            continue  # the tiled MLP keeps its input itself (`layer_activation_bytes`)
+        if TILED_MLP.tiles(arch, s, lin):
+            continue  # the tiled MLP keeps its input itself (`TiledMLP.mlp_kept`)
         if lin.name in ATTENTION_INPUT_LINEARS or lin.name == "query_key_value":
             key = "attention norm"
         elif lin.in_features == h:
@@ -222,11 +214,11 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     if s.adapter == "full" or s.gradient_checkpointing:
         return 0.0
     h = arch.hidden_size
-    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
+    drop = RECOMPUTE_LORA.first_layer_masks(s, DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
     attn_in += parallel_block_inputs(arch, s)
-    # with recompute_lora no mask is kept in any layer; a tiled norm keeps its c-byte input only when it needs grad
-    norm = DTYPE_BYTES[s.compute_dtype] * h if s.tiled_norms else 4 * h + 4
+    # a tiled norm keeps its c-byte input only when it needs grad
+    norm = TILED_NORMS.one_norm(arch, s, 4 * h + 4)
     return norm + centred_norm_extra_bytes(arch, s, one_norm=True) + drop * attn_in
 
 
@@ -248,7 +240,7 @@ def head_saved_bytes(arch: Architecture, s: Setup) -> float:
     c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping."""
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
-    norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    norm = TILED_NORMS.one_norm(arch, s, 4 * h + 4 + (c * h if s.adapter == "full" else 0))
     norm += centred_norm_extra_bytes(arch, s, one_norm=True)
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
     # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output. The chunked loss's
@@ -274,9 +266,9 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
     """(kept for backward, one layer's activations) of the decoder layers, their components appended to `comps`.
 
     Layers whose attention gets an explicit mask keep more (see `masked_layers`); checkpointing keeps each layer's
-    input and recomputes the largest layer, without it every layer's activations are kept; eager attention adds its
-    s² scores to either."""
-    c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
+    input and recomputes the largest layer (`savers.checkpointed_layers`, offloading included), without it every
+    layer's activations are kept; eager attention adds its s² scores to either."""
+    t = s.tokens
     n_masked = masked_layers(arch, s)
     layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
     mask = attention_mask_bytes(arch, s)
@@ -284,13 +276,7 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
         comps.append(Component("attention masks (s², bool)", mask, "forward/backward", "masking_utils sdpa_mask"))
     all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
     if s.gradient_checkpointing:
-        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
-        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
-        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
-        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
-        if s.activation_offloading:
-            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
-        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
+        kept = checkpointed_layers(arch, s, comps, layer)
     else:
         kept = all_layers - first_layer_discount(arch, s) * t
         comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))

@@ -54,7 +54,7 @@ def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _experts(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer, from the config key each family uses (Mixtral / GPT-OSS `num_local_experts`,
     Qwen2-MoE / Qwen3-MoE / OLMoE `num_experts`, DeepSeek `n_routed_experts`); 0 for a dense MLP. The planner does not
-    tile such an MLP (`memory.tiled_mlp` refuses it: its router sees the whole sequence)."""
+    tile such an MLP (the tiled MLP refuses it: its router sees the whole sequence)."""
     counts = [config.get(key) for key in ("num_local_experts", "num_experts", "n_routed_experts")]
     return max([n for n in counts if isinstance(n, int) and not isinstance(n, bool)], default=0)
 

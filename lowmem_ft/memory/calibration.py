@@ -59,7 +59,7 @@ TRL_VOCAB_CHUNK = 32768
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
 # memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
-# (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
+# (no chunk size set) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
 # Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
 # bf16 and fp32, with and without a softcap): forward 8 B — the fp32 logits and the softmax made from them in place
 # (12 with a softcap in fp32: the tanh's temporaries); backward 4 B — the fp32 logits turned into their gradient in
@@ -123,7 +123,7 @@ BATCH_BYTES_PER_TOKEN = 3 * 8
 # (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
 NORM_BWD_BYTES_PER_H = 20
 RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
-# memory.tiled_mlp with checkpointing (devkit/harness/long_context.py, PeakMemory; fitted on a Llama-shaped h 128 /
+# The tiled MLP with checkpointing (devkit/harness/long_context.py, PeakMemory; fitted on a Llama-shaped h 128 /
 # i 512 model at 1-2k tokens, checked on Qwen2- and Mistral-shaped ones at 1-8k, benchmarks/long_context_cpu.md):
 # outside the MLP the recomputed layer's backward holds ~14·h B/token of gradients in flight (8·i + 5·h untiled:
 # the MLP's share is gone); the MLP's backward runs one tile at a time — the tile's recomputed MLP tensors plus
@@ -131,16 +131,16 @@ RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
 # token). The larger of the two is the term.
 TILED_RECOMPUTE_BWD_H = 14
 TILE_BWD_I = 6
-# memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
+# LoRA recompute without the tiled MLP: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
 # as above: 3,646 and 3,614 B/token at 1k and 2k tokens for i 512, h 128); 6·i + 5·h is within 3 %, on the safe side.
 RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
-# memory.tiled_norms (same yardstick, tiles of 16 and 128 tokens): the RMSNorms' fp32 backward was most of the 14·h
+# Tiled norms (same yardstick, tiles of 16 and 128 tokens): the RMSNorms' fp32 backward was most of the 14·h
 # above; with them tiled the layer's backward holds ~4·h B/token in flight (514 measured for h 128), and one MLP
 # tile ~8·i B per tile token beside its recomputed tensors (13.6 KB measured vs 13.4 KB) with no per-token gather in
 # the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
 TILED_NORMS_RECOMPUTE_BWD_H = 4
 TILE_BWD_I_TILED_NORMS = 8
-# That 4·h was measured with recompute_lora on. With tiled MLP and norms but peft's own LoRA branches, the recomputed
+# That 4·h was measured with LoRA recompute on. With tiled MLP and norms but peft's own LoRA branches, the recomputed
 # attention's LoRA backward holds more fp32 in flight: 10.1·h B/token (PeakMemory at 2,048 tokens, tiles of 64, the
 # long-context yardstick's Llama, Qwen2 and Mistral shapes: 10.10, 10.06, 10.11; the 4·h under-predicted those peaks
 # by 7.6-8.3 %); 10.5 keeps it on the safe side.
@@ -150,7 +150,7 @@ TILED_NORMS_BWD_H = 10.5
 # head's tensors, which do not exist yet, are not in it) and attributed op by op (a PeakMemory subclass recording
 # each live storage's creating op and shape at the peak); Llama- (h 128, i 512, GQA 4/2), Qwen2- (h 96, i 448,
 # GQA 6/2) and Mistral-shaped (h 160, i 384, MHA) models of devkit/harness/long_context.py at 2,048 tokens, LoRA r 8,
-# every combination of tiled_mlp / tiled_norms / recompute_lora, with and without checkpointing (14 setups per
+# every combination of the tiled MLP, tiled norms and LoRA recompute, with and without checkpointing (14 setups per
 # shape, 42 in all; the terms below, FWD_TOKEN_STATS_BYTES included, are within 4 B/token of each).
 # In peft's LoRA layer (lora/layer.py Linear.forward) the base output comes first (c bytes per output element),
 # then the input's fp32 cast (4), the dropout noise (DROPOUT_MASK_BYTES) and dropped copy (4), lora_B's fp32 output
@@ -164,11 +164,11 @@ TILED_NORMS_BWD_H = 10.5
 # views of their inputs are counted as kept).
 FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT, FWD_OUTPUT_FP32 = 8, 4, 8
 FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
-# With tiled_mlp under checkpointing the peak moves to the attention's output projection: q, k, v and the attention
+# With the tiled MLP under checkpointing the peak moves to the attention's output projection: q, k, v and the attention
 # output (c each), the layer input's norm output and the projection's base output (c·h each) beside its LoRA copies
-# (peft: mask + 8 per input element; recompute_lora: 8 per output element, the fp32 tile outputs and their
+# (peft: mask + 8 per input element; LoRA recompute: 8 per output element, the fp32 tile outputs and their
 # concatenation). Measured as above: 2,816 / 3,840 / 2,048 B/token (Llama / Mistral / Qwen2 shape, peft LoRA) and
-# 2,304 / 3,200 / 1,664 (recompute_lora), each +8.
+# 2,304 / 3,200 / 1,664 (LoRA recompute), each +8.
 # Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
 FWD_TOKEN_STATS_BYTES = 2 * 4
 # Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and

@@ -14,9 +14,11 @@ The terms live by concern, and this module composes them (and re-exports their n
 and the devkit import from here):
 - `records`: `Setup`, `Component`, `Estimate`, units; the setup as it runs on an architecture.
 - `static`: base weights (quantized or not), adapters, gradients, optimizer states and step temporaries, batches.
-- `linears`: which linears LoRA adapts, and what peft's LoRA layers (or `recompute_lora`) keep per token.
+- `linears`: which linears LoRA adapts, and what peft's LoRA layers keep per token.
 - `activations`: what one decoder layer and the head keep for backward (norms, linears, attention, MLP, masks).
-- `transients`: what is in flight at the layers' forward and backward peaks (tiled MLP / norms, recompute).
+- `transients`: what is in flight at the layers' forward and backward peaks.
+- `savers`: what each memory saver (host embeddings, tiled norms, tiled MLP, LoRA recompute, checkpointing and
+  offloading) changes at each moment, in one place per saver.
 - `loss`: the logits and loss working sets (full logits, the chunked loss, TRL's fused head).
 - `experts`: the mixture-of-experts blocks' kept tensors and moments.
 - `evaluation`: evaluation forwards (no autograd); generation is `inference`.
@@ -69,7 +71,6 @@ from lowmem_ft.memory.linears import (
     MLP_LINEARS,
     is_mlp_linear,
     lora_linears,
-    recomputed_lora_input_bytes,
 )
 from lowmem_ft.memory.loss import (
     chunk_backward_bytes,
@@ -91,6 +92,7 @@ from lowmem_ft.memory.records import (
     effective_setup,
     mlp_tile_tokens,
 )
+from lowmem_ft.memory.savers import TILED_NORMS
 from lowmem_ft.memory.static import (
     BATCH,
     MOE_WEIGHTS_SOURCE,
@@ -171,7 +173,6 @@ __all__ = [
     "parallel_block_inputs",
     "phase_peak_bytes",
     "recompute_forward_transient_bytes",
-    "recomputed_lora_input_bytes",
     "tiled_mlp_transient_bytes",
     "trainer_fp32_states",
     "unused_sliding_mask_bytes",
@@ -204,7 +205,7 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
     # the chunked loss copies the final norm's output (`hidden[mask]`), which itself stays alive through the loss's
     # forward (the model's `hidden_states`; PeakMemory, tiny-model runs at 4,096 tokens with and without tiled norms)
-    head_out = c * h * t if s.tiled_norms or s.loss_impl == "chunked" else 0.0
+    head_out = c * h * t if TILED_NORMS.head_output(s) or s.loss_impl == "chunked" else 0.0
     # The forward peaks in one of three places: the last decoder layer, beside everything the layers keep and RoPE's
     # cos/sin (the final norm, the loss input and the loss's bookkeeping do not exist yet); the final norm
     # (`final_norm_forward_bytes`); the head and loss, beside the head's saved tensors. Measured apart with

@@ -15,7 +15,8 @@ from lowmem_ft.memory.experts import moe_eval_bytes
 from lowmem_ft.memory.linears import lora_linears
 from lowmem_ft.memory.loss import loss_bytes
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
-from lowmem_ft.memory.records import DTYPE_BYTES, Setup, effective_setup, mlp_tile_tokens
+from lowmem_ft.memory.records import DTYPE_BYTES, Setup, effective_setup
+from lowmem_ft.memory.savers import TILED_MLP
 from lowmem_ft.memory.static import _static_components
 
 
@@ -68,8 +69,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     # Without autograd nothing outlives its layer: the peak is one layer's tensors in flight (beside the dequantized
     # weight), or later the loss's forward beside the final norm and loss input — never both (measured with the
     # exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them over-predicted by up to 25 %).
-    # With tiled_mlp the MLP's tiles run one after another: one tile's MLP tensors at a time.
-    mlp = eval_mlp_bytes(arch, es) * (mlp_tile_tokens(arch, es) if es.tiled_mlp else t)
+    # A tiled MLP's tiles run one after another: one tile's MLP tensors at a time.
+    mlp = eval_mlp_bytes(arch, es) * TILED_MLP.eval_tokens(arch, es)
     layer = max(layer_activation_bytes(arch, es) * t, mlp) + 2 * c * arch.hidden_size * t
     transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd) + attention_mask_bytes(arch, es)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)

@@ -21,8 +21,8 @@ from lowmem_ft.memory.calibration import (
     SHARED_GATE_KEPT_H,
 )
 from lowmem_ft.memory.families import family
-from lowmem_ft.memory.linears import _lora_input_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.savers import RECOMPUTE_LORA
 
 
 def moe_router_bytes(arch: Architecture, s: Setup) -> float:
@@ -53,7 +53,9 @@ def moe_activation_bytes(arch: Architecture, s: Setup) -> float:
     c = DTYPE_BYTES[s.compute_dtype]
     shared = 0.0
     if moe.shared_intermediate:
-        shared = 3 * c * moe.shared_intermediate + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+        shared = 3 * c * moe.shared_intermediate + (
+            0 if s.adapter == "full" else RECOMPUTE_LORA.lora_inputs(arch, s, mlp=True)
+        )
         shared += SHARED_GATE_KEPT_H * c * arch.hidden_size + 2 * c
     return shared + moe_router_bytes(arch, s) + moe_routed_bytes(arch, s)
 

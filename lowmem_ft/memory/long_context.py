@@ -1,8 +1,9 @@
 """The long-context savers as the planner's knobs: which apply to a model, the order they are added in, the MLP tiles
 and loss chunks the planner may choose, and the reason line of each (pure arithmetic; no recipe, no torch).
 
-One idea: each saver (host embeddings, tiled norms, tiled MLP, LoRA recompute; `lowmem_ft/train/savers.py` applies
-them) costs step time, so `lowmem_ft.memory.planner` searches without them first and, only when nothing fits, with
+One idea: each saver (host embeddings, tiled norms, tiled MLP, LoRA recompute: `lowmem_ft.memory.savers`, where
+each one's memory terms, cost, reason line and refusals are; `lowmem_ft.train.context_savers` applies them) costs
+step time, so `lowmem_ft.memory.planner` searches without them first and, only when nothing fits, with
 sets of them in order of cost (`saver_stages`): the first set where something fits wins, so each saver a plan turns
 on is needed. Once a setup is chosen, its loss chunk grows into what the rest of the step leaves of the budget
 (`size_loss_chunk`). What needs the planner's estimate of a variant takes it as `score` (a setup → its scored
@@ -29,19 +30,16 @@ from lowmem_ft.memory.estimate import (
     loss_chunk_tokens,
     mlp_tile_tokens,
 )
+from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 
-# Relative step-time cost of each saver, for the planner's ranking (`lowmem_ft.memory.planner.COST`). CPU step-time
-# ratios, not GPU ones (python -m devkit.bench.context, benchmarks/context_cpu.md: each on top of checkpointing + the
-# chunked loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the norms recomputed tile by tile),
-# tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA branches' forward again, as many
-# small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the CPU; 1.02 stands for a GPU's host
-# gather and host→device copy of 2·hidden B per token (~33 ms per 100k tokens predicted at PCIe 4 speed, a few % of a
-# step that long). The order they give — host embeddings, tiled norms, tiled MLP, LoRA recompute — is kept for a GPU:
-# the MLP's recompute is FLOPs (most of a layer's), the norms' a memory-bound pass, and LoRA recompute, whose GPU cost
-# is the least known, comes last.
-SAVER_COST = {"embeddings_on_host": 1.02, "tiled_norms": 1.09, "tiled_mlp": 1.16, "recompute_lora": 1.39}
+# Relative step-time cost of each saver (`Saver.cost`, where the figures and where they come from are), for the
+# planner's ranking (`lowmem_ft.memory.planner.COST`).
+SAVER_COST = {saver.name: saver.cost for saver in LONG_CONTEXT_SAVERS}
 SAVERS = tuple(SAVER_COST)  # `Setup` fields
-TILED = ("tiled_norms", "tiled_mlp", "recompute_lora")  # the savers `mlp_tile_tokens` sizes
+BY_NAME = {saver.name: saver for saver in LONG_CONTEXT_SAVERS}
+TILED = tuple(saver.name for saver in LONG_CONTEXT_SAVERS if saver.tiled)  # the savers `mlp_tile_tokens` sizes
+# every knob of the long-context search: the savers, their tile and the loss chunk (`Setup` fields)
+KNOBS = frozenset({*SAVERS, "mlp_tile_tokens", "loss_chunk_tokens"})
 # The tiles tried below the default (hidden_size) when a tiled saver is on: smaller tiles decide tight cards
 # (benchmarks/long_context_predicted.md: Llama-3.1-8B at 8 GB, 2,960 tokens with tiles of 4,096, 12,768 with tiles of
 # 1,024). A smaller tile costs kernel launches, not FLOPs (a 256-token tile of a 7B's MLP is still a ~15 GFLOP
@@ -51,13 +49,6 @@ SMALLER_TILES = (1024, 256)
 # 16), at most TRL's own token tile of 4,096 (a matmul that size already fills a GPU: larger chunks only take memory),
 # at most the micro batch's tokens (one chunk).
 LOSS_CHUNK_MIN, LOSS_CHUNK_STEP, LOSS_CHUNK_MAX = 16, 128, TRL_TOKEN_CHUNK
-# What each saver does, for its "on: …" line.
-SAVER_WHAT = {
-    "embeddings_on_host": "the {table:.2f} GB input embedding table stays in host RAM",
-    "tiled_norms": "the norms run in tiles of {tile:,} tokens (no fp32 copy of the whole sequence)",
-    "tiled_mlp": "the MLPs run in tiles of {tile:,} tokens (no tokens × intermediate tensor)",
-    "recompute_lora": "the LoRA branches are recomputed in backward (no fp32 copies of their inputs kept)",
-}
 
 
 class Scored(Protocol):
@@ -76,20 +67,7 @@ Score = Callable[[Setup], Scored]
 # -- which savers, in what order ---------------------------------------------------------------------------------
 def refusal(name: str, arch: Architecture, s: Setup, gpus: int) -> str | None:
     """Why the saver `name` cannot be used for this setup (the reason line's "off: …"), None when it can."""
-    if name == "embeddings_on_host":
-        if s.adapter != "lora":
-            return "full fine-tuning trains the embeddings"
-        if arch.tie_embeddings:
-            return "the input embeddings are tied to the lm_head, which the loss uses on the device"
-        if gpus > 1:
-            return "not supported with several processes"
-    if name == "recompute_lora" and s.adapter != "lora":
-        return "no LoRA branches (full fine-tuning)"
-    if name == "tiled_mlp" and arch.experts:
-        return f"a mixture of {arch.experts} experts is not tiled (its router sees the whole sequence)"
-    if name in ("tiled_norms", "recompute_lora") and arch.experts:
-        return f"not measured on a mixture of experts ({name}'s terms are fitted on dense blocks)"
-    return None
+    return BY_NAME[name].refusal(arch, s, gpus)
 
 
 def tiled(s: Setup) -> bool:
@@ -191,7 +169,7 @@ def saver_reasons(
             out[name] = "on (from the recipe)"
         else:
             without = score(replace(s, **{name: False})).peak_gb
-            what = SAVER_WHAT[name].format(**figures)
+            what = BY_NAME[name].what.format(**figures)
             out[name] = f"on: {what}; without it this setup needs {without:.2f} GB of the {budget_gb:.2f} GB budget"
     out["mlp_tile_tokens"] = tile_reason(arch, s, start, fixed, budget_gb, score)
     return out

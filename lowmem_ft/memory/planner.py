@@ -27,9 +27,11 @@ from typing import Any
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.host import host_need_gb, host_over
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
+from lowmem_ft.memory.reasons import choose_eval_batch, knob_reasons
+from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 from lowmem_ft.memory.sharding import (
     OFFLOAD_OPTIMIZERS,
     DeviceShare,
@@ -45,7 +47,7 @@ from lowmem_ft.memory.target import Target
 # forward+backward); NF4 dequantizes every linear in forward and backward (QLoRA paper / bnb benchmarks: ~1.3× a
 # 16-bit LoRA step at batch 1); offloading copies each layer input to host and back (≈ +10 % where the copy does not
 # fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %). The long-context
-# savers': CPU step-time ratios (`long_context.SAVER_COST` says where they come from).
+# savers': CPU step-time ratios (`savers.Saver.cost`; the comment above the savers says where they come from).
 COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05, **SAVER_COST}
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.
@@ -499,7 +501,7 @@ def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, 
     best, chunk_reason = _size_loss_chunk(arch, request, fitting[0], strat, off)
     s = best.setup
     accumulation = _accumulation(request, s.micro_batch_size)
-    eval_batch, eval_reason = _eval_batch(arch, request, s)
+    eval_batch, eval_reason = choose_eval_batch(arch, request, s)
     fits_16bit = any(x.setup.quantization == "none" for x in fitting)
     savers = long_context.saver_reasons(
         arch,
@@ -511,7 +513,7 @@ def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, 
         _scorer(arch, request, strat, off),
     )
     savers["loss_chunk_tokens"] = chunk_reason
-    reasons = _reasons(request, s, accumulation, fits_16bit, savers)
+    reasons = knob_reasons(request, s, accumulation, fits_16bit, savers)
     reasons["adapter"] += target_reason
     if not arch.chunked_loss_exact and "loss_impl" not in request.fixed:
         reasons["chunked_loss"] = f"off: not verified for model_type {arch.model_type!r} (its loss may differ)"
@@ -555,67 +557,6 @@ def _size_loss_chunk(arch: Architecture, request: Request, best: _Scored, strat:
     return long_context.size_loss_chunk(arch, best, request.target.budget_gb, _scorer(arch, request, strat, off))
 
 
-def _reasons(request: Request, s: Setup, accumulation: int, fits_16bit: bool, savers: dict[str, str]) -> dict[str, str]:
-    """One line per knob, the long-context savers' (`savers`) after the chunked loss's."""
-    start, fixed = request.start, request.fixed
-
-    def why(key: str, text: str) -> str:
-        return "set by you (--set)" if key in fixed else text
-
-    if s.adapter == "full":
-        quantization = "none: full fine-tuning trains the 16-bit weights themselves"
-    elif s.quantization == "none":
-        quantization = "16-bit weights fit: fastest"
-    elif not fits_16bit:
-        quantization = f"{s.quantization}: 16-bit weights do not fit"
-    else:
-        quantization = f"{s.quantization}: 16-bit fits only with slower savings"
-    eff = s.micro_batch_size * accumulation
-    batch = f"accumulation {accumulation} keeps the effective batch {eff}"
-    if "gradient_accumulation" in fixed:
-        wanted = start.micro_batch_size * request.gradient_accumulation
-        batch = f"accumulation {accumulation} (set by you) " + (
-            f"keeps the effective batch {eff}" if eff == wanted else f"makes the effective batch {eff}, not {wanted}"
-        )
-    chunked = s.loss_impl == "chunked"
-    return {
-        "quantization": why("quantization", quantization),
-        "adapter": f"{s.adapter}"
-        + (f", rank {s.lora_r} from the recipe" if s.adapter == "lora" else " fine-tuning (recipe)"),
-        "optimizer": why(
-            "optimizer",
-            f"{s.optimizer}" + (" (from the recipe)" if s.optimizer == start.optimizer else ": smaller states needed"),
-        ),
-        "gradient_checkpointing": why(
-            "gradient_checkpointing",
-            "on: activations of all layers do not fit" if s.gradient_checkpointing else "off: activations fit",
-        ),
-        "activation_offloading": why(
-            "activation_offloading",
-            "on: checkpointed layer inputs do not fit on the device" if s.activation_offloading else "off: not needed",
-        ),
-        "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
-        **savers,
-        "micro_batch_size": why(
-            "micro_batch_size", f"{s.micro_batch_size}: largest that fits with the fewest savings; {batch}"
-        ),
-        "max_seq_len": request.length_reason or f"{s.max_seq_len} tokens",
-    }
-
-
-def _eval_batch(arch: Architecture, request: Request, s: Setup) -> tuple[int, str]:
-    """The largest of 8×, 4×, 2×, 1× the micro batch (at most 64) whose eval forward fits the budget — evaluation
-    keeps no activations for backward, so it can batch wider than training."""
-    if "eval_batch_size" in request.fixed and request.eval_batch_size:
-        return request.eval_batch_size, f"{request.eval_batch_size} (set by you)"
-    b = s.micro_batch_size
-    if request.target.gpus > 1:
-        return b, f"{b}: the micro batch (per-device eval planning is not modelled for sharded runs)"
-    need = {n: eval_peak_bytes(arch, s, n) / GB for n in {min(64, b * f) for f in (8, 4, 2, 1)}}
-    chosen = max((n for n, gb in need.items() if gb <= request.target.budget_gb), default=b)
-    return chosen, f"{chosen}: eval forward needs {need[chosen]:.2f} GB (no gradients or saved activations)"
-
-
 # -- when nothing fits -------------------------------------------------------------------------------------------
 def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -> str:
     smallest = min(scored, key=lambda x: x.peak_gb)
@@ -626,10 +567,7 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
     savings += [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
                                       (s.activation_offloading, "offloading"),
                                       (s.loss_impl == "chunked", f"chunked loss ({loss_chunk_tokens(arch, s)}-token chunks)"),
-                                      (s.embeddings_on_host, "host embeddings"),
-                                      (s.tiled_norms, "tiled norms"),
-                                      (s.tiled_mlp, "tiled MLP"),
-                                      (s.recompute_lora, "LoRA recompute"),
+                                      *((saver.on(s), saver.label) for saver in LONG_CONTEXT_SAVERS),
                                       (long_context.tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:

@@ -20,6 +20,7 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.linears import lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, GB, Component, Device, Setup
+from lowmem_ft.memory.savers import HOST_EMBEDDINGS
 
 BATCH = "batch tensors (ids, labels, mask)"
 
@@ -161,12 +162,10 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
     w_lin, w_rest, w_desc = weight_bytes(arch, s)
     comps.append(Component("base weights (linears)", w_lin, "static", w_desc))
     rest_what = "embeddings + lm_head" if not arch.tie_embeddings else "tied embeddings (once)"
-    if s.embeddings_on_host and not arch.tie_embeddings and s.adapter == "lora":
-        # lowmem_ft/train/host_embeddings.py: the frozen table stays in host memory, the lookup runs there
-        host = c * arch.embedding_params
-        w_rest -= host
+    if host := HOST_EMBEDDINGS.host_table(arch, s):  # the frozen table stays in host memory
+        w_rest -= host.bytes
         rest_what = "lm_head"
-        comps.append(Component("input embeddings (host)", host, "host", "memory.embeddings_on_host: CPU lookup"))
+        comps.append(host)
     if arch.moe:  # the expert stacks and routers are not nn.Linear: bitsandbytes leaves them in the compute dtype
         experts = c * arch.num_layers * (arch.moe.layer_params(arch.hidden_size) - arch.moe.extra_norm_params)
         w_rest -= experts

@@ -1,6 +1,6 @@
 """What is in flight at the decoder layers' forward and backward peaks beyond what they keep: peft's fp32
 copies around the widest adapted linear, the final norm's forward, a masked layer's SDPA moment, the recomputed
-layer's gradients, and the long-context savers' moments (tiled MLP tiles, tiled norms, LoRA recompute).
+layer's gradients; the long-context savers' moments are theirs (`lowmem_ft.memory.savers`), handed the moment here.
 """
 
 from __future__ import annotations
@@ -11,50 +11,34 @@ from lowmem_ft.memory.calibration import (
     DROPOUT_MASK_BYTES,
     FWD_BESIDE_CKPT,
     FWD_BESIDE_NO_CKPT,
-    FWD_BESIDE_NO_CKPT_TILED_NORMS,
     FWD_OUTPUT_FP32,
     FWD_TOKEN_STATS_BYTES,
     FWD_TRANSIENT_CKPT,
     FWD_TRANSIENT_NO_CKPT,
-    NORM_BWD_BYTES_PER_H,
     RECOMPUTE_BWD_H,
     RECOMPUTE_BWD_I,
-    RECOMPUTE_BWD_I_LORA_RECOMPUTED,
-    TILE_BWD_I,
-    TILE_BWD_I_TILED_NORMS,
-    TILED_NORMS_BWD_H,
-    TILED_NORMS_RECOMPUTE_BWD_H,
-    TILED_RECOMPUTE_BWD_H,
 )
 from lowmem_ft.memory.experts import (
     moe_backward_transient_bytes,
     moe_forward_transient_bytes,
     unused_sliding_mask_bytes,
 )
-from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
-from lowmem_ft.memory.records import DTYPE_BYTES, Setup, mlp_tile_tokens
+from lowmem_ft.memory.linears import lora_linears
+from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS
 
 
 def tiled_mlp_transient_bytes(arch: Architecture, s: Setup) -> float:
-    """With `tiled_mlp`, the MLP's backward working set beyond the layer's saved tensors: one tile's recomputed MLP
-    tensors and TILE_BWD_I·i B per tile token of gradients, beside the tiles' input gradients (c·h per token)."""
-    c = DTYPE_BYTES[s.compute_dtype]
-    tile = mlp_tile_tokens(arch, s)
-    if s.tiled_norms:
-        return tile * (mlp_activation_bytes(arch, s) + TILE_BWD_I_TILED_NORMS * arch.intermediate_size)
-    per_tile_token = mlp_activation_bytes(arch, s) + TILE_BWD_I * arch.intermediate_size
-    return tile * per_tile_token + c * arch.hidden_size * s.tokens
+    """The tiled MLP's backward working set beyond the layer's saved tensors (`savers.TiledMLP.tile_backward`)."""
+    return TILED_MLP.tile_backward(arch, s, mlp_activation_bytes(arch, s))
 
 
 def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     """The largest transient of one layer's forward beyond what the layers keep (FWD_TRANSIENT_* and FWD_BESIDE_*,
     measured at the layers' own peak): peft's fp32 copies around the adapted linear with the widest input, beside
-    the hidden-sized tensors in flight. With `tiled_mlp` the MLP's linears see one tile at a time, under the tile's
-    checkpoint (nothing kept), beside the tile outputs gathered so far, the residual sum and the MLP input (3·c·h
-    per token: the forward of the yardstick's 1,024-token-tile points, where this moment is the peak, is exact on
-    the three shapes); under checkpointing the attention's output projection is the other moment
-    (`_attention_output_bytes`). RoPE's cos/sin, which also exist while the layers run, are the caller's
-    (`_forward_backward`)."""
+    the hidden-sized tensors in flight; the savers' moments are theirs (`savers.TiledMLP.forward`,
+    `savers.RecomputeLora.forward`, `savers.TiledNorms.forward_beside`). RoPE's cos/sin, which also exist while the
+    layers run, are the caller's (`_forward_backward`)."""
     if arch.moe:  # the experts' moment, or the attention's (whose LoRA copies are measured as for dense blocks)
         moments = max(moe_forward_transient_bytes(arch, s), _dense_forward_transient_bytes(arch, s))
         return moments + unused_sliding_mask_bytes(arch, s)
@@ -69,35 +53,18 @@ def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     h, t = arch.hidden_size, s.tokens
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
     lins = lora_linears(arch, s)
-    if s.recompute_lora:
-        return recompute_forward_transient_bytes(arch, s, lins) + FWD_TOKEN_STATS_BYTES * t
-    outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
+    if RECOMPUTE_LORA.on(s):
+        return RECOMPUTE_LORA.forward(arch, s, lins) + FWD_TOKEN_STATS_BYTES * t
+    outside = [lin for lin in lins if not TILED_MLP.tiles(arch, s, lin)]
     wide = max(outside, key=lambda lin: lin.in_features, default=None)
     wide_in = wide.in_features if wide else 0
     if s.gradient_checkpointing:
         transient = ((c + drop + FWD_TRANSIENT_CKPT) * wide_in + FWD_BESIDE_CKPT * c * h) * t
-        if s.tiled_mlp:
-            transient = max(transient, _attention_output_bytes(arch, s, (drop + FWD_TRANSIENT_CKPT) * wide_in))
-    elif s.tiled_mlp:  # the attention's linears, with two hidden-sized tensors beside (measured)
-        transient = ((c + drop + FWD_TRANSIENT_NO_CKPT) * wide_in + 2 * c * h) * t
     else:
-        beside = FWD_BESIDE_NO_CKPT_TILED_NORMS if s.tiled_norms else FWD_BESIDE_NO_CKPT
+        beside = TILED_NORMS.forward_beside(s, FWD_BESIDE_NO_CKPT)
         wide_out = wide.out_features if wide else 0
         transient = ((c + FWD_TRANSIENT_NO_CKPT) * wide_in + (c + FWD_OUTPUT_FP32) * wide_out + beside * c * h) * t
-    if s.tiled_mlp:
-        inside = max((lin.in_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
-        tile = mlp_tile_tokens(arch, s)
-        transient = max(transient, (c + drop + FWD_TRANSIENT_CKPT) * inside * tile + 3 * c * h * t)
-    return transient + FWD_TOKEN_STATS_BYTES * t
-
-
-def _attention_output_bytes(arch: Architecture, s: Setup, lora_copies: float) -> float:
-    """Under checkpointing with `tiled_mlp`: the moment of the attention's output projection — q, k, v and the
-    attention output (c bytes each), the norm output and the projection's base output (c·h each) and its LoRA
-    copies (`lora_copies` bytes per token; measured, see FWD_TRANSIENT_CKPT)."""
-    c = DTYPE_BYTES[s.compute_dtype]
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return (c * (2 * q + 2 * kv) + 2 * c * arch.hidden_size + lora_copies) * s.tokens
+    return TILED_MLP.forward(arch, s, lins, transient, wide_in) + FWD_TOKEN_STATS_BYTES * t
 
 
 def masked_attention_forward_bytes(arch: Architecture, s: Setup) -> float:
@@ -124,42 +91,16 @@ def final_norm_forward_bytes(arch: Architecture, s: Setup) -> float:
     (4 + 4 + c + c per element; Gemma's norm multiplies in fp32 and casts once: 4 + 4 + 4 + c) and the per-token mean
     and rsqrt. Measured at the forward's peak with PeakMemory (op attribution): 2,056 B/token on the Llama-shaped
     yardstick model (h 128) without checkpointing, where it is above the loss's forward. A tiled norm's fp32 copies
-    exist for one tile at a time (0: the layers' or the loss's moment is larger)."""
-    if s.tiled_norms:
-        return 0.0
+    exist for one tile at a time (`savers.TiledNorms.final_norm_forward`)."""
     c, h = DTYPE_BYTES[s.compute_dtype], arch.hidden_size
     stream = c * h * (1 if s.gradient_checkpointing else 2)
     copies = (12 + c if arch.norm_fp32_output else 8 + 2 * c) * h
-    return (stream + copies + FWD_TOKEN_STATS_BYTES) * s.tokens
+    return TILED_NORMS.final_norm_forward(s, (stream + copies + FWD_TOKEN_STATS_BYTES) * s.tokens)
 
 
 def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
-    """With `recompute_lora` the fp32 input copies live inside each branch's tile; what remains is output-side: the
-    base layer's c-byte output and the branch's fp32 tile outputs and their concatenation (FWD_TRANSIENT_CKPT bytes
-    per output element; peft's plain Linear then adds them in fp32), for the adapted linear with the widest output,
-    beside one c-byte tensor of the widest live activation and the two hidden-sized ones of FWD_BESIDE_CKPT. Without
-    checkpointing part of the fp32 output is kept already (FWD_TRANSIENT_NO_CKPT), beside three c-byte hidden-sized
-    tensors (one with tiled MLP and norms: the rest are the tiled norms' kept inputs). With `tiled_mlp` under
-    checkpointing the attention's output projection is the larger moment; one MLP tile's moment as in
-    `forward_transient_bytes`. Measured as FWD_TRANSIENT_CKPT says: within 4 B/token on the three shapes."""
-    c = DTYPE_BYTES[s.compute_dtype]
-    h, t = arch.hidden_size, s.tokens
-    outside = [lin for lin in lins if not (s.tiled_mlp and is_mlp_linear(arch, lin))]
-    widest = max((lin.out_features for lin in outside), default=0)
-    live = max([h] + [arch.intermediate_size for lin in outside if is_mlp_linear(arch, lin)])
-    if s.gradient_checkpointing:
-        transient = ((c + FWD_TRANSIENT_CKPT) * widest + c * live + (FWD_BESIDE_CKPT - 1) * c * h) * t
-        if s.tiled_mlp:
-            transient = max(transient, _attention_output_bytes(arch, s, FWD_TRANSIENT_CKPT * h))
-    else:
-        beside = 1 if s.tiled_mlp and s.tiled_norms else 3
-        transient = ((c + FWD_TRANSIENT_NO_CKPT) * widest + beside * c * h) * t
-    if s.tiled_mlp:
-        inside = max((lin.out_features for lin in lins if is_mlp_linear(arch, lin)), default=0)
-        tile = mlp_tile_tokens(arch, s)
-        i = arch.intermediate_size
-        transient = max(transient, ((c + FWD_TRANSIENT_CKPT) * inside + c * i) * tile + 3 * c * h * t)
-    return transient
+    """The forward moment of the recomputed LoRA branches (`savers.RecomputeLora.forward`)."""
+    return RECOMPUTE_LORA.forward(arch, s, lins)
 
 
 def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
@@ -168,17 +109,12 @@ def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
     h, i, t = arch.hidden_size, arch.intermediate_size, s.tokens
     if arch.moe:
         return moe_backward_transient_bytes(arch, s)
-    tile = mlp_tile_tokens(arch, s)
     if s.gradient_checkpointing:
-        if s.tiled_mlp:
-            attn_h = TILED_RECOMPUTE_BWD_H
-            if s.tiled_norms:
-                attn_h = TILED_NORMS_RECOMPUTE_BWD_H if s.recompute_lora else TILED_NORMS_BWD_H
-            grads = max(attn_h * h * t, tiled_mlp_transient_bytes(arch, s))
-            return grads, f"attention gradients or one MLP tile of {tile} tokens (measured)"
-        bwd_i = RECOMPUTE_BWD_I_LORA_RECOMPUTED if s.recompute_lora and s.adapter == "lora" else RECOMPUTE_BWD_I
+        if TILED_MLP.on(s):
+            return TILED_MLP.recomputed_backward(arch, s, mlp_activation_bytes(arch, s))
+        bwd_i = RECOMPUTE_LORA.recomputed_mlp_bwd_i(s, RECOMPUTE_BWD_I)
         return (bwd_i * i + RECOMPUTE_BWD_H * h) * t, "recomputed layer's MLP/LoRA gradients (measured)"
-    grads = NORM_BWD_BYTES_PER_H * h * (tile if s.tiled_norms else t)
-    if s.tiled_mlp:  # the last layer's MLP tiles are recomputed while every layer's activations are kept
+    grads = TILED_NORMS.final_norm_backward(arch, s)
+    if TILED_MLP.on(s):  # the last layer's MLP tiles are recomputed while every layer's activations are kept
         return max(grads, tiled_mlp_transient_bytes(arch, s)), "final RMSNorm backward or one MLP tile (measured)"
     return grads, "final RMSNorm backward, fp32 (measured)"

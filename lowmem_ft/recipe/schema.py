@@ -284,12 +284,13 @@ class MemorySection:
         "(the largest that fits what the rest of the step leaves, at most 4,096 tokens), else 64 MiB of fp32 logits "
         "per chunk. Larger chunks are fewer, faster matmuls and a larger loss working set "
         "(lowmem_ft.memory.estimate.largest_loss_chunk).",
+        ge=0,
         planner=Planned("loss_chunk_tokens", lambda n: n or None, lambda n: n or 0),  # the planner's None: automatic
     )
     tiled_mlp: bool = _f(
         False,
         "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
-        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
+        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiles); costs one more MLP "
         "forward per step.",
         planner="tiled_mlp",
     )
@@ -297,12 +298,13 @@ class MemorySection:
         0,
         "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens; under --vram "
         "the planner tries tiles of 1,024 and 256 tokens when the larger ones do not fit).",
+        ge=0,
         planner="mlp_tile_tokens",
     )
     tiled_norms: bool = _f(
         False,
         "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
-        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiled_mlp.tile_norms).",
+        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiles.tile_norms).",
         planner="tiled_norms",
     )
     recompute_lora: bool = _f(

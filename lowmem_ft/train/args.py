@@ -83,7 +83,7 @@ def save_steps(recipe: Recipe) -> int:
     return t.save_steps
 
 
-def sft_config(recipe: Recipe, checkpoints: Path, run_name: str, *, report_to: list[str], packed: bool):
+def sft_config(recipe: Recipe, checkpoints: Path, run_name: str, *, trackers: list[str], packed: bool):
     """TRL `SFTConfig` from the recipe: memory knobs, optimizer, cadence and loss masking."""
     import torch
     from trl import SFTConfig
@@ -139,7 +139,7 @@ def sft_config(recipe: Recipe, checkpoints: Path, run_name: str, *, report_to: l
         bf16=bf16,
         fp16=fp16,
         use_cpu=not cuda,
-        report_to=report_to,
+        report_to=trackers,
         run_name=run_name,
         dataloader_num_workers=0,
         # every LoRA weight is used in every forward; True (the Trainer's default for a PeftModel) costs DDP an

@@ -17,19 +17,18 @@ from transformers import TrainerCallback
 
 from lowmem_ft.choosing import Choice
 from lowmem_ft.console import quiet
+from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 from lowmem_ft.recipe.schema import Recipe
 
 GB = 1024**3
 
-# Recipe memory keys that save memory at some cost, in the order the banner names them (what each is called there).
+# Recipe memory keys that save memory at some cost, in the order the banner names them (what each is called there);
+# the long-context savers' names are their records' (`lowmem_ft.memory.savers`).
 SAVERS = {
     "gradient_checkpointing": "gradient checkpointing",
     "activation_offloading": "activation offloading",
     "chunked_loss": "chunked loss",
-    "tiled_mlp": "tiled MLP",
-    "tiled_norms": "tiled norms",
-    "recompute_lora": "LoRA recompute",
-    "embeddings_on_host": "embeddings on host",
+    **{saver.name: saver.label for saver in LONG_CONTEXT_SAVERS},
 }
 
 

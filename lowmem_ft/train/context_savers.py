@@ -3,7 +3,7 @@
 
 The one idea: every command builds its model through `lowmem_ft.train.model.build_model`, which calls
 `apply_memory_savers` last, so training, the estimator's harnesses and generation run the same model the memory
-model predicted. (`memory.loss_chunk_tokens` is read where the loss head is installed: `install_loss_head`.)
+model predicted. (The chunked loss's chunk is read where the loss head is installed: `install_loss_head`.)
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ log = logging.getLogger(__name__)
 
 
 def check_memory_keys(recipe: Recipe) -> None:
-    """UserError naming every out-of-range long-context key (the recipe validator predates them)."""
+    """UserError naming every LoRA-only saver a full fine-tune asks for (their ranges are the schema's)."""
     m = recipe.memory
-    problems = [
-        f"'memory.{key}' must be ≥ 0 (0 = automatic), got {getattr(m, key)}"
-        for key in ("loss_chunk_tokens", "mlp_tile_tokens")
-        if getattr(m, key) < 0
-    ]
+    problems = []
     for key in ("embeddings_on_host", "recompute_lora"):
         if getattr(m, key) and recipe.adapter.kind == "full":
             problems.append(f"'memory.{key}' is for LoRA adapters (adapter.kind=lora)")
@@ -35,7 +31,7 @@ def apply_memory_savers(model, recipe: Recipe) -> list[str]:
     """Apply the recipe's long-context savers to `model` (PEFT model or bare causal LM); returns what was done."""
     from lowmem_ft.train.host_embeddings import embeddings_on_host
     from lowmem_ft.train.lora_recompute import recompute_lora
-    from lowmem_ft.train.tiled_mlp import mlp_tile_tokens, tile_mlps, tile_norms
+    from lowmem_ft.train.tiles import mlp_tile_tokens, tile_mlps, tile_norms
 
     check_memory_keys(recipe)
     m = recipe.memory

@@ -13,7 +13,7 @@ LoRA kernels save less for the same reason but are not a library we can call. So
 layer's instance `forward` is replaced by one that calls `base_layer` and then the same vanilla-LoRA arithmetic as
 peft's `Linear.forward` / bnb `Linear4bit.forward` (result dtype handling included); adapters peft computes
 differently (DoRA and other variants, mixed-adapter batches, merged or disabled adapters) take peft's own path.
-With `memory.tiled_mlp` the MLP's linears are left alone: they already run inside the MLP's tiles.
+With the tiled MLP on, the MLP's linears are left alone: they already run inside the MLP's tiles.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from lowmem_ft.train.tiled_mlp import tiled_forward
+from lowmem_ft.train.tiles import tiled_forward
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Running a fine-tune, read as the recipe it runs: `setup()` builds, `fit()` trains, `finalize()` saves.
+"""Running a fine-tune, read as the recipe it runs: `build()` builds, `fit()` trains, `finalize()` saves.
 
-Like torchtune's recipes, setup is a list of steps in an order whose comments say why. What each step needs lives
+Like torchtune's recipes, building is a list of steps in an order whose comments say why. What each step needs lives
 in a library module: the device (`device`), W&B (`tracking`), the trainer arguments (`args`), data
 (`lowmem_ft.data.prepare`), model (`model`), memory policy and observation (`guard`, `monitor`), the OOM-safe
 trainer (`trainer`), and every file of the run directory (`lowmem_ft.rundir.RunDir`).
@@ -128,8 +128,8 @@ class FineTune:
         (log.warning if point.skipped else log.info)("%s", point.describe())
         return point.checkpoint, point.step
 
-    # -- setup -------------------------------------------------------------------------------------------------------
-    def setup(self) -> FineTune:
+    # -- build -------------------------------------------------------------------------------------------------------
+    def build(self) -> FineTune:
         # The device first: the allocator reads its configuration once, and under `train --gpus` every CUDA call
         # before this rank's GPU is current would open a context on GPU 0.
         self._setup_device()
@@ -145,7 +145,7 @@ class FineTune:
         # that runs the steps they look after and takes them as callbacks.
         self._setup_memory()
         self._setup_trainer()
-        # The run directory last: it records what setup decided (data summary, parameter counts).
+        # The run directory last: it records what building decided (data summary, parameter counts).
         self._write_run_files()
         return self
 
@@ -171,7 +171,7 @@ class FineTune:
             self.recipe,
             self.run.checkpoints,
             self.run.name,
-            report_to=self.tracking.report_to,
+            trackers=self.tracking.active,
             packed=self.batching.packed,
         )
         if self.recipe.training.method != "sft":
@@ -488,7 +488,7 @@ class FineTune:
     # -- the run's record ----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def recorded(self) -> Iterator[None]:
-        """Around setup, fit and finalize: run.json's status (running → completed / interrupted / failed), the
+        """Around build, fit and finalize: run.json's status (running → completed / interrupted / failed), the
         signal handlers, and every ending as one line; the run directory unlocked at the end."""
         self.stop.install()
         if self.is_main:
@@ -585,10 +585,10 @@ def train(
     resume: bool = False,
     callbacks: list | None = None,
 ) -> RunResult:
-    """Fine-tune per `recipe` into the run directory `run` (already created): setup, fit, finalize."""
+    """Fine-tune per `recipe` into the run directory `run` (already created): build, fit, finalize."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     job = FineTune(recipe, run, choice or Choice("recipe", "given"), resume=resume, callbacks=callbacks)
     with job.recorded():
-        job.setup()
+        job.build()
         job.fit()
         return job.finalize()

@@ -73,12 +73,13 @@ class Tracking:
     trackers: tuple[str, ...] = ("wandb",)
 
     @property
-    def report_to(self) -> list[str]:
+    def active(self) -> list[str]:
+        """The trackers that run (W&B left out when disabled): what transformers' `report_to` gets."""
         return [t for t in self.trackers if t != "wandb" or self.mode != "disabled"]
 
     @property
     def wandb(self) -> bool:
-        return "wandb" in self.report_to
+        return "wandb" in self.active
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +106,7 @@ def configure(recipe: Recipe, run_dir: Path) -> Tracking:
     trackers = tuple(t for t in recipe.logging.report_to if t != "none")
     tracking = Tracking(wandb_mode(recipe) if "wandb" in trackers else "disabled", trackers)
     with quiet_stdout():  # transformers prints a line when its integrations module is first imported
-        missing = [t for t in tracking.report_to if not _available(t)]
+        missing = [t for t in tracking.active if not _available(t)]
     if missing:
         raise UserError(
             f"logging.report_to {', '.join(missing)}: not installed; `pip install {' '.join(missing)}` or take "
@@ -153,7 +154,7 @@ class RunConfig(TrainerCallback):
                 text = json.dumps(value, indent=2, default=str)
                 self.tensorboard.tb_writer.add_text(f"lowmem_ft/{key}", "    " + text.replace("\n", "\n    "))
             self.tensorboard.tb_writer.flush()
-        if "trackio" in self.tracking.report_to:
+        if "trackio" in self.tracking.active:
             import trackio
 
             trackio.config.update(self.config, allow_val_change=True)

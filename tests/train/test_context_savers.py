@@ -8,7 +8,7 @@ from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.context_savers import check_memory_keys
 from lowmem_ft.train.model import build_model
-from lowmem_ft.train.tiled_mlp import decoder_mlps
+from lowmem_ft.train.tiles import decoder_mlps
 
 
 def test_build_model_applies_both_savers(tiny_model):
@@ -22,9 +22,15 @@ def test_build_model_applies_both_savers(tiny_model):
 
 
 def test_bad_values_are_reported_together():
+    """Out of range: the schema's declared range, when the recipe resolves; LoRA-only savers on a full fine-tune:
+    when the savers are applied. Each names every key at fault."""
+    with pytest.raises(UserError) as err:
+        resolve(None, {"memory": {"loss_chunk_tokens": -1, "mlp_tile_tokens": -2}})
+    for key in ("loss_chunk_tokens", "mlp_tile_tokens"):
+        assert f"'memory.{key}' must be at least 0" in str(err.value)
     recipe = resolve(None, {"adapter": {"kind": "full"}, "model": {"quantization": "none"},
-                            "memory": {"loss_chunk_tokens": -1, "mlp_tile_tokens": -2, "embeddings_on_host": True}})  # fmt: skip
+                            "memory": {"embeddings_on_host": True, "recompute_lora": True}})  # fmt: skip
     with pytest.raises(UserError) as err:
         check_memory_keys(recipe)
-    for key in ("loss_chunk_tokens", "mlp_tile_tokens", "embeddings_on_host"):
+    for key in ("embeddings_on_host", "recompute_lora"):
         assert key in str(err.value)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from lowmem_ft.train import tiled_mlp
+from lowmem_ft.train import tiles
 from lowmem_ft.train.lora_recompute import recompute_lora
-from lowmem_ft.train.tiled_mlp import tile_mlps
+from lowmem_ft.train.tiles import tile_mlps
 from tests.train.lora_models import FAMILIES, assert_same, batch, grads_of, model_of
 
 
@@ -40,7 +40,7 @@ def test_dropout_masks_are_replayed(monkeypatch):
     """Reference: the same tiles with every tensor kept (the checkpoint replaced by a plain call)."""
     ids, mask = batch()
     with monkeypatch.context() as m:
-        m.setattr(tiled_mlp, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
+        m.setattr(tiles, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
         reference = model_of("qwen2", dropout=0.3, checkpointing=True)
         recompute_lora(reference, 16, skip_mlp=False)
         ref_loss, expected = grads_of(reference, ids, mask)

@@ -22,11 +22,11 @@ def test_report_to_follows_the_recipe_and_wandb_mode(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     both = resolve(None, ["logging.report_to=[wandb, tensorboard]", "logging.wandb_mode=offline"])
     monkeypatch.setattr(tracking, "_available", lambda name: True)
-    assert configure(both, tmp_path).report_to == ["wandb", "tensorboard"]
+    assert configure(both, tmp_path).active == ["wandb", "tensorboard"]
     # the WANDB_MODE the first run set is not the user's: the second run's recipe decides
     off = resolve(None, ["logging.report_to=[wandb, tensorboard]", "logging.wandb_mode=disabled"])
-    assert configure(off, tmp_path).report_to == ["tensorboard"]
-    assert configure(resolve(None, ["logging.report_to=[none]"]), tmp_path).report_to == []
+    assert configure(off, tmp_path).active == ["tensorboard"]
+    assert configure(resolve(None, ["logging.report_to=[none]"]), tmp_path).active == []
     assert Tracking("offline", ("wandb",)).enabled and not Tracking("disabled", ("wandb",)).enabled
 
 

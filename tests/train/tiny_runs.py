@@ -54,7 +54,7 @@ def tiny_trainer(model: str, data: str, out: Path, *extra: str):
     from lowmem_ft.train.run import FineTune
 
     recipe = resolve("8gb", tiny_sets(model, data, out, *extra, "logging.wandb_mode=disabled"))
-    return FineTune(recipe, RunDir.new(out, "trainer", model), Choice("recipe", "8gb")).setup()
+    return FineTune(recipe, RunDir.new(out, "trainer", model), Choice("recipe", "8gb")).build()
 
 
 # The bound for the memory model against exact CPU measurements of real runs (#15): per run and per phase.

@@ -8,8 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.train import tiled_mlp
-from lowmem_ft.train.tiled_mlp import decoder_mlps, tile_mlps
+from lowmem_ft.train import tiles
+from lowmem_ft.train.tiles import decoder_mlps, tile_mlps
 from tests.train.lora_models import FAMILIES, SMALL, assert_same, batch, grads_of, model_of
 
 
@@ -62,7 +62,7 @@ def test_the_dropout_check_catches_a_recompute_without_rng_restore(monkeypatch):
     def no_rng_restore(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
-    monkeypatch.setattr(tiled_mlp, "checkpoint", no_rng_restore)
+    monkeypatch.setattr(tiles, "checkpoint", no_rng_restore)
     broken = model_of("llama", dropout=0.3)
     tile_mlps(broken, 16)
     _, grads = grads_of(broken, ids, mask)
@@ -136,7 +136,7 @@ def test_tiling_twice_keeps_the_first():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiled_norms_gradients_equal_untiled(family):
     """Every hidden-size norm (Gemma 2's four per layer and its (1 + w) scale included) tiled, with the MLPs."""
-    from lowmem_ft.train.tiled_mlp import hidden_norms, tile_norms
+    from lowmem_ft.train.tiles import hidden_norms, tile_norms
 
     ids, mask = batch()
     loss, plain = grads_of(model_of(family, checkpointing=True), ids, mask)
@@ -152,7 +152,7 @@ def test_tiled_norms_gradients_equal_untiled(family):
 
 def test_tiled_norms_train_the_norm_weights_of_a_full_fine_tune():
     """Norm weights that require grad (full fine-tuning) get the untiled gradients too."""
-    from lowmem_ft.train.tiled_mlp import tile_norms
+    from lowmem_ft.train.tiles import tile_norms
     from tests.train.lora_models import configs
 
     ids, mask = batch()

@@ -1,12 +1,13 @@
-"""Sequence-tiled MLP (`memory.tiled_mlp`): each decoder MLP runs over a tile of tokens at a time and is recomputed
-tile by tile in backward, so no (tokens × intermediate) tensor of the whole sequence ever exists.
+"""Token tiles: the tiled MLP (`memory.tiled_mlp`), the tiled norms (`memory.tiled_norms`, `tile_norms`) and the
+tiling the recomputed LoRA branches use (`tiled_forward`). Each decoder MLP runs over a tile of tokens at a time and
+is recomputed tile by tile in backward, so no (tokens × intermediate) tensor of the whole sequence ever exists.
 
 The one idea: an MLP acts on each token alone, so its forward over `tokens` equals the concatenation of its forward
 over tiles of tokens. Each tile runs under torch's non-reentrant `checkpoint`, which keeps only the tile's input
 (a view of the MLP input, no copy) and the tile's autograd graph; the tile's own saved tensors — the gate and up
 outputs, the activation, peft's fp32 copies of the LoRA inputs and their dropout masks — are recomputed in
 backward one tile at a time. At 100k tokens on Llama-3.1-8B that is ~10 GB of MLP activations replaced by one
-tile's (see `lowmem_ft.memory.estimate.tiled_mlp_bytes`).
+tile's (see `lowmem_ft.memory.savers.TiledMLP`).
 
 Why our own and not DeepSpeed's `TiledMLP` (deepspeed 0.19.8, `runtime/sequence_parallel/ulysses_sp.py`, the
 implementation Snowflake's Arctic Long Sequence Training uses) or liger-kernel's `LigerTiledMLPFunction` (0.8.5, a
@@ -14,7 +15,7 @@ copy of it): both run each shard under `no_grad` in forward and again in backwar
 the RNG state, so peft's LoRA dropout inside the MLP draws different masks in the recompute and the gradients are
 not those of the forward that produced the loss (checked on a copy of DeepSpeed 0.19.8's class with LoRA dropout
 0.3: its gradients differ from those of its own shards computed without recompute by up to 5.6× their size; ours
-match exactly; `tests/train/test_tiled_mlp.py` reproduces the failure mode by turning our RNG restore off). Read
+match exactly; `tests/train/test_tiles.py` reproduces the failure mode by turning our RNG restore off). Read
 from their code, not run: they shard the sequence dimension in forward but the flattened batch × sequence in
 backward, so the two passes see different tiles when the micro batch is above 1; they hand parameter gradients
 to a nested `autograd.backward` per shard, which fires DDP's per-parameter hooks once per shard; and liger-kernel
