@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 # costs no host memory.
 REAL_LIMIT = 64 << 20
 
+_METADATA = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
+
 # phase labels of `trace`, in order (the yardstick's, `devkit.estimator_check.measure`, plus "eval")
 STEPS = ((1, 1), (2, 1), (2, 2))
 
@@ -84,6 +86,8 @@ class Shadow(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA:  # a tensor's device or layout: answered by the tensor itself (fake or real)
+            return func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in leaves):
             return self._mixed(func, args, kwargs)
@@ -237,7 +241,26 @@ def build(recipe: Recipe, config, shadow: Shadow):
         model = prepare_for_training(model, recipe)
         model = attach_adapter(model, recipe)
         apply_memory_savers(model, recipe)
+    _fake_tensors_of(model, shadow)
     return model
+
+
+def _fake_tensors_of(model, shadow: Shadow) -> None:
+    """Make the parameters and buffers that came out real (small ones: LoRA weights, norms, rotary frequencies)
+    fake: the same bytes, and nothing the optimizer or the layers compute from them runs for real (on an 8B LoRA
+    the real adapters made the trace several times slower, converting each to fake at every use)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or isinstance(t, FakeTensor) or t.is_meta:
+                    continue
+                fake = shadow.fake.from_tensor(t.detach())
+                if isinstance(t, torch.nn.Parameter):
+                    param = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                    param.__dict__.update(t.__dict__)
+                    table[name] = param
+                else:
+                    table[name] = fake
 
 
 def install_loss(model, recipe: Recipe) -> None:
@@ -363,13 +386,12 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only)."""
     from transformers import set_seed
 
-    from lowmem_ft.train.model import load_config
 
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
                         "transformers ships")  # fmt: skip
     started = time.perf_counter()
-    config = config if config is not None else load_config(recipe)
+    config = config if config is not None else model_config(recipe)
     shadow = Shadow()
     set_seed(recipe.training.seed)
     model = build(recipe, config, shadow)
@@ -400,3 +422,26 @@ def _forget(model) -> None:
 
 def with_batch(recipe: Recipe, rows: int, seq: int) -> Recipe:
     return replace(recipe, memory=replace(recipe.memory, micro_batch_size=rows, max_seq_len=seq))
+
+
+def model_config(recipe: Recipe):
+    """The transformers config of the recipe's model from config.json alone (a local directory, the offline
+    catalog, or the Hub), or a UserError saying why it cannot be traced."""
+    from transformers import AutoConfig
+
+    from lowmem_ft.memory.arch import load_config_dict
+
+    name = recipe.model.name_or_path
+    if recipe.model.trust_remote_code:
+        raise UserError(f"cannot trace {name}: it runs its own code (--trust-remote-code); trace needs a model class "
+                        "transformers ships")  # fmt: skip
+    config, source = load_config_dict(name)
+    if config.get("auto_map"):
+        raise UserError(f"cannot trace {name}: its config.json names its own code (auto_map), which tracing does not run")
+    try:
+        return AutoConfig.for_model(**config)
+    except (KeyError, ValueError) as exc:
+        raise UserError(
+            f"cannot trace {name}: transformers {_version('transformers')} cannot build its config from {source} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
