@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         start = start_recipe(args.vram, args.recipe, overrides, origins)
         check_source(start)
         profile = length_profile(start)
+
     def plan(overrides: dict):
         return choose_recipe(
             vram_gb=args.vram,

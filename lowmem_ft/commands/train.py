@@ -39,6 +39,12 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --vram: trace the plan's training step at full size on the CPU before loading weights (the "
+        "installed library versions; a minute or more for a 7B model), planning again if it is over the budget",
+    )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
     flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
     p.add_argument(
@@ -269,6 +275,20 @@ def resume(path, overrides: dict | None = None, lock: bool = False):
     return run, recipe, choice
 
 
+def _verify(args: argparse.Namespace, recipe, choice, plan, overrides: dict):
+    """--verify: trace the plan's step at full size before any weight is read; over the budget, plan again."""
+    from lowmem_ft.commands.plan import margin_override
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.recipe.load import merge
+    from lowmem_ft.train.verify import verified
+
+    if args.vram is None or (args.gpus or 1) * args.nodes > 1:
+        raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")
+    print(f"tracing the training step of the plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
+    recipe, choice, _ = verified(recipe, choice, lambda margin: plan(merge(overrides, margin_override(margin))), print)
+    return recipe, choice
+
+
 def choose(args: argparse.Namespace, overrides: dict):
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile."""
     import logging
@@ -277,16 +297,22 @@ def choose(args: argparse.Namespace, overrides: dict):
 
     origins = flag_origins(args)
     profile = _data_profile(args, overrides, origins) if args.vram is not None else None
-    recipe, choice = choose_recipe(
-        vram_gb=args.vram,
-        recipe=args.recipe,
-        overrides=overrides,
-        origins=origins,
-        profile=profile,
-        gpus=(args.gpus or 1) * args.nodes,  # the plan is per device; the world size divides the shards
-        strategy=args.strategy,
-        offload=args.offload or None,  # not given: the planner may offload as its last step
-    )
+
+    def plan(overrides: dict):
+        return choose_recipe(
+            vram_gb=args.vram,
+            recipe=args.recipe,
+            overrides=overrides,
+            origins=origins,
+            profile=profile,
+            gpus=(args.gpus or 1) * args.nodes,  # the plan is per device; the world size divides the shards
+            strategy=args.strategy,
+            offload=args.offload or None,  # not given: the planner may offload as its last step
+        )
+
+    recipe, choice = plan(overrides)
+    if getattr(args, "verify", False):
+        recipe, choice = _verify(args, recipe, choice, plan, overrides)
     _check_inputs(recipe)
     if args.vram is None:  # not planned: the recipe's length as given, within the model's positions
         _check_length(recipe, overrides, args.recipe)

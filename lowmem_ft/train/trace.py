@@ -386,7 +386,6 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only)."""
     from transformers import set_seed
 
-
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
                         "transformers ships")  # fmt: skip
@@ -437,7 +436,9 @@ def model_config(recipe: Recipe):
                         "transformers ships")  # fmt: skip
     config, source = load_config_dict(name)
     if config.get("auto_map"):
-        raise UserError(f"cannot trace {name}: its config.json names its own code (auto_map), which tracing does not run")
+        raise UserError(
+            f"cannot trace {name}: its config.json names its own code (auto_map), which tracing does not run"
+        )
     try:
         return AutoConfig.for_model(**config)
     except (KeyError, ValueError) as exc:

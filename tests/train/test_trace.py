@@ -76,12 +76,12 @@ def test_trace_equals_the_measurement_with_long_context_savers(zoo_models, point
 @pytest.mark.slow
 def test_traced_evaluation_equals_the_real_one(zoo_models):
     """The evaluation forward (no gradients, the model's own loss) traced and run for real by the same step."""
+    from pathlib import Path
+
     import torch
 
     from lowmem_ft.train.model import build_model
     from lowmem_ft.train.trace import install_loss, optimizer_for, run_step
-
-    from pathlib import Path
 
     model_dir = Path(zoo_models["gemma2"])
     recipe = estimator_check.recipe_for(model_dir, Point("gemma2", "lora", "adamw_torch", True, 2, 32))
