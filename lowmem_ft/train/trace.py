@@ -154,7 +154,13 @@ def _state_dict_shapes(cls, config, dtype) -> dict[str, tuple[torch.Size, torch.
     with torch.device("meta"):
         model = cls(config)
     model.to(dtype)
-    return {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    shapes, seen = {}, set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:  # a tied weight (lm_head = embed_tokens): saved once, as save_pretrained saves it
+            continue
+        seen.add(id(value))
+        shapes[key] = (value.shape, value.dtype)
+    return shapes
 
 
 def _quantize(model, recipe: Recipe, shadow: Shadow) -> None:
@@ -220,6 +226,7 @@ def build(recipe: Recipe, config, shadow: Shadow):
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # no loading bar nor "newly initialized" lines: there are no weights
+    transformers.logging.disable_progress_bar()
     # transformers loads on worker threads unless told not to; a dispatch mode is the entering thread's alone
     threads = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
@@ -230,6 +237,7 @@ def build(recipe: Recipe, config, shadow: Shadow):
             )
     finally:
         transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
         if threads is None:
             os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD")
         else:
@@ -372,9 +380,10 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
         if eval_rows:
             model.eval()
             ids, mask, labels = next(batches(vocab, eval_rows, [m.max_seq_len]))
-            with torch.no_grad():
-                out = model(input_ids=ids, attention_mask=mask, labels=labels)
-                del out
+            with torch.no_grad():  # SFTTrainer.prediction_step → compute_loss: the same fused head as training
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+                del out, loss
             pm.mark("eval")
             model.train()
     return {mark.label: (mark.peak_bytes, mark.live_bytes) for mark in pm.marks}

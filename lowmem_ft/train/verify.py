@@ -4,7 +4,9 @@ model's prediction of the same phases, and what the planner does when the trace 
 The trace counts live tensor bytes on the CPU, so it is compared with the memory model's CPU form of the same
 setup (`phase_peak_bytes`, no device overheads): the two differ only where the memory model misses something the
 installed libraries do. What the trace cannot see — the CUDA context, cuBLAS workspaces, the caching allocator's
-rounding — is the plan's device-overhead terms, added to the traced peak to decide whether the plan still fits.
+rounding, and which tensors a CUDA run keeps in host memory (offloaded layer inputs, paged states) — stays the plan's:
+whether the plan still fits is decided on the plan's peak corrected by what the trace found
+(`plan peak + traced peak − predicted peak`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, estimate, phase_peak_bytes
+from lowmem_ft.memory.estimate import GB, phase_peak_bytes
 from lowmem_ft.recipe.schema import Recipe
 
 PHASES = ("static", "forward", "backward", "optimizer step", "eval")
@@ -25,7 +27,7 @@ class Verification:
     traced: dict[str, int]
     predicted: dict[str, float]
     seconds: float
-    overhead: float = 0.0  # the plan's peak minus the CPU form's: what a CUDA device adds to the live bytes
+    plan_peak: float | None = None  # the plan's (device) peak, bytes
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -43,8 +45,10 @@ class Verification:
 
     @property
     def device_peak(self) -> float:
-        """The traced peak with the plan's device overheads: what the plan's budget is compared with."""
-        return self.traced_peak + self.overhead
+        """The plan's peak corrected by the trace (plus what the memory model missed, minus what it overcounted):
+        what the plan's budget is compared with."""
+        base = self.plan_peak if self.plan_peak is not None else self.predicted_peak
+        return base + self.traced_peak - self.predicted_peak
 
     def lines(self) -> list[str]:
         out = []
@@ -69,13 +73,11 @@ def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = N
 
     rows = eval_batch_size(recipe)
     result = trace(recipe, eval_rows=rows)
-    s = setup_from_recipe(recipe, device="cpu")
+    # on the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), in the trace as in a CPU run
+    s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
     predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=rows), "eval")
-    overhead = 0.0
-    if plan_peak_bytes is not None:
-        overhead = max(0.0, plan_peak_bytes - estimate(arch, s).peak_bytes)
-    return Verification(result.phases, predicted, result.seconds, overhead)
+    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes)
 
 
 def verified(recipe: Recipe, choice, plan_again, say, tries: int = 3):
@@ -97,9 +99,9 @@ def verified(recipe: Recipe, choice, plan_again, say, tries: int = 3):
         excess = (result.device_peak - plan.budget_gb * GB) / GB
         margin = plan.margin_gb + excess + 0.05  # a little more than the excess: the next plan lands below it
         say(
-            f"traced peak {result.traced_peak / GB:.2f} GB + device overheads {result.overhead / GB:.2f} GB is over "
-            f"the budget of {plan.budget_gb:.2f} GB by {excess:.2f} GB: stepping down (planning again with a safety "
-            f"margin of {margin:.2f} GB)"
+            f"the trace puts the plan's peak at {result.device_peak / GB:.2f} GB (predicted {plan.estimate.peak_gb:.2f}), "
+            f"over the budget of {plan.budget_gb:.2f} GB by {excess:.2f} GB: stepping down (planning again with a "
+            f"safety margin of {margin:.2f} GB)"
         )
         recipe, choice = plan_again(margin)
     return recipe, choice, result

@@ -57,11 +57,11 @@ def test_trace_equals_the_exact_cpu_measurement(zoo_models, name):
 @pytest.mark.parametrize(
     "point",
     [
-        LongPoint("llama3", "lora", True, 256, tiled_mlp=True, tile_tokens=64, host_embeddings=True,
+        LongPoint("mistral", "lora", True, 256, tiled_mlp=True, tile_tokens=64, host_embeddings=True,
                   loss_chunk_tokens=64, recompute_lora=True, tiled_norms=True),
         LongPoint("qwen2.5", "qlora", False, 192, batch=2, loss_chunk_tokens=48, optimizer="adamw_8bit"),
     ],
-    ids=["llama3-savers", "qwen-qlora-chunked"],
+    ids=["mistral-savers", "qwen-qlora-chunked"],
 )  # fmt: skip
 def test_trace_equals_the_measurement_with_long_context_savers(zoo_models, point):
     from pathlib import Path
