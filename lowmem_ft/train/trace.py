@@ -84,6 +84,10 @@ class Shadow(TorchDispatchMode):
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing here is compiled: no `torch._disable_dynamo` wrapper around every operator
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:  # a tensor's device or layout: answered by the tensor itself (fake or real)
