@@ -60,6 +60,26 @@ log = logging.getLogger(__name__)
 REAL_LIMIT = 64 << 20
 
 _METADATA = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
+# Indexing fake data with real boolean masks (`hidden[labels != -100]`, and its backward): the kernel turns a mask
+# into the positions it selects, which fake tensors cannot (data-dependent shapes); the mask is real, so the
+# positions are computed for real, as the kernel does inside the one operator.
+_INDEXING = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
+def _long_indices(indices: list) -> list:
+    out = []
+    for index in indices:
+        if isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor) and index.dtype == torch.bool:
+            out.extend(index.nonzero(as_tuple=True))
+        else:
+            out.append(index)
+    return out
+
 
 # phase labels of `trace`, in order (the yardstick's, `devkit.estimator_check.measure`, plus "eval")
 STEPS = ((1, 1), (2, 1), (2, 2))
@@ -94,6 +114,8 @@ class Shadow(TorchDispatchMode):
             return func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in leaves):
+            if func in _INDEXING:
+                args = (args[0], _long_indices(args[1]), *args[2:])
             return self._mixed(func, args, kwargs)
         if any(t.is_meta for t in leaves):
             return func(*args, **kwargs)
@@ -362,9 +384,7 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
 
     m = recipe.memory
     trainable = [q for q in model.parameters() if q.requires_grad]
-    vocab = (
-        model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
-    )
+    vocab = model.config.get_text_config().vocab_size
     lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in STEPS]
     model.train()
     with PeakMemory(device="cpu", roots=[model, optimizer.state]) as pm:
