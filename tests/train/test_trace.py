@@ -57,13 +57,16 @@ def test_trace_equals_the_exact_cpu_measurement(zoo_models, name):
     assert_same(measured, {k: v for k, v in traced.marks.items() if k != "eval"})
 
 
+# The long-context harness counts every tensor the garbage collector knows (no `roots`), so under an 8-bit optimizer
+# it also counts bitsandbytes' quantization maps kept on the optimizer object (2 KB): 8-bit points are compared with
+# the estimator harness above, which counts the run's own tensors as the tracer does.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "point",
     [
         LongPoint("mistral", "lora", True, 256, tiled_mlp=True, tile_tokens=64, host_embeddings=True,
                   loss_chunk_tokens=64, recompute_lora=True, tiled_norms=True),
-        LongPoint("qwen2.5", "qlora", False, 192, batch=2, loss_chunk_tokens=48, optimizer="adamw_8bit"),
+        LongPoint("qwen2.5", "qlora", False, 192, batch=2, loss_chunk_tokens=48),
     ],
     ids=["mistral-savers", "qwen-qlora-chunked"],
 )  # fmt: skip

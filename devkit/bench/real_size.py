@@ -1,8 +1,8 @@
 """The real-size truth table: every catalog model at each tier's plan and a long-context plan per tier, the memory
 model's CPU form against the traced step (`lowmem_ft.train.trace`: the real step at full size, no weights).
 
-    python -m devkit.real_size --out benchmarks/real_size.md                    # every row (hours on 2 cores)
-    python -m devkit.real_size --models meta-llama/Llama-3.1-8B --tiers 24 --out /tmp/t.md
+    python -m devkit.bench.real_size --out benchmarks/real_size.md                    # every row (hours on 2 cores)
+    python -m devkit.bench.real_size --models meta-llama/Llama-3.1-8B --tiers 24 --out /tmp/t.md
 
 Each row: the plan `lowmem-ft plan --model M --vram T` chooses (`--seq-len` for the long-context row), traced
 (peak live tensor bytes over the yardstick's two optimizer steps and an evaluation forward) against predicted
@@ -24,7 +24,16 @@ from lowmem_ft.memory.estimate import GB
 
 TIERS = (8.0, 24.0, 40.0)
 LONG_SEQ = 16384  # the long-context row's --seq-len (capped at the model's positions)
-HEADER = (
+PREAMBLE = (
+    "# Real size: the memory model against the traced step\n\n"
+    "Written by `python -m devkit.bench.real_size`. Each row: the plan `lowmem-ft plan --model M --vram T` chooses "
+    "(rows marked long: with `--seq-len 16384`), traced by `lowmem_ft.train.trace` (the real step at full size on the "
+    "CPU, no weights: two optimizer steps with an accumulation window and an evaluation forward) against the memory "
+    "model's CPU form of the same phases (live tensor bytes, no device overheads; on the CPU nothing is offloaded). "
+    "`gap` = (predicted − traced) / traced of the peaks; `worst phase` the phase with the largest gap. "
+    "`trace s` is wall time on a shared 2-core machine (load ~9).\n\n"
+)
+HEADER = PREAMBLE + (
     "| model | vram | plan | traced GB | predicted GB | gap | worst phase | trace s |\n"
     "|---|---|---|---|---|---|---|---|\n"
 )
