@@ -1,12 +1,13 @@
 """The embedded default: a tiny random-initialized Qwen2 model with a tokenizer trained locally.
 
 It lets every command run on a fresh machine with no Hub and no GPU. Built deterministically (fixed seed, fixed
-corpus) by `python scripts/build_tiny_model.py`, which writes `models/tiny-qwen2/`; tests build their own copy. The
-other model families live in `devkit/zoo.py`, which shares this corpus.
+corpus) by `python -m devkit.tiny [--out models/tiny-qwen2]`; tests build their own copy. The other model families
+live in `devkit/zoo.py`, which shares this corpus.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from lowmem_ft.data.templates import CHATML as CHATML_TEMPLATE
@@ -137,3 +138,15 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devkit.tiny", description="Build the embedded tiny Qwen2 model.")
+    parser.add_argument("--out", default="models/tiny-qwen2", help="model folder to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    print(f"wrote {build_tiny_model(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -487,7 +487,7 @@ def build_all(root: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Pat
     return out
 
 
-# Wider replicas for the memory model's accuracy grid (`scripts/validate_estimator.py --zoo`): each family's config
+# Wider replicas for the memory model's accuracy grid (`devkit/bench/estimator.py --zoo`): each family's config
 # quirks at hidden 256 × 3 layers, with the family's vocabulary-to-width ratio and head_dim ≠ hidden / heads where
 # the family has it — shapes the estimator's constants were not fitted on (those were Qwen2 h512 and Llama h384).
 ESTIMATOR_SHAPES: dict[str, dict[str, Any]] = {

@@ -25,7 +25,7 @@ One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.j
 Nothing is lost, nothing half-written is taken for whole:
 - JSON records are written to a temporary name and renamed (`os.replace`), so a reader sees the old or the new
   file, never a part. A checkpoint is saved under `checkpoints/.staging/` and renamed to `checkpoint-N` only when
-  complete (`lowmem_ft.train.saving`); `last_checkpoint` takes the newest checkpoint that `checkpoint_problem`
+  complete (`lowmem_ft.train.checkpoints`); `last_checkpoint` takes the newest checkpoint that `checkpoint_problem`
   finds complete (trainer_state.json and weights present and readable) and says which it skipped.
 - One process at a time runs a run directory: `lock` holds an exclusive `flock` on `.lock` for the whole run. The
   OS releases it when the process ends, however it ends, so a crashed run never leaves a stale lock.
@@ -52,7 +52,7 @@ from lowmem_ft.checks import checkpoint_problem  # the one answer to "can traini
 from lowmem_ft.errors import UserError
 
 if TYPE_CHECKING:
-    from lowmem_ft.planning import Choice
+    from lowmem_ft.choosing import Choice
     from lowmem_ft.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ class RunDir:
 
     @property
     def staging(self) -> Path:
-        """Where checkpoints are saved before they are complete (`lowmem_ft.train.saving`)."""
+        """Where checkpoints are saved before they are complete (`lowmem_ft.train.checkpoints`)."""
         return self.checkpoints / self.STAGING
 
     @property
@@ -463,7 +463,7 @@ class RunDir:
 
     def read_choice(self) -> Choice | None:
         """How the run's recipe was chosen (run.json), or None when the run never wrote it."""
-        from lowmem_ft.planning import Choice
+        from lowmem_ft.choosing import Choice
 
         record = self.read_info().get("choice")
         if not isinstance(record, dict):
@@ -522,6 +522,17 @@ class RunDir:
                 return ResumePoint(path, skipped)
             skipped.append((path, problem))
         return ResumePoint(None, skipped)
+
+    def resumable(self) -> ResumePoint:
+        """The resume point of `--resume`; with no complete checkpoint, the one refusal (the run unlocked first)."""
+        point = self.resume_point()
+        if point.checkpoint is None:
+            self.unlock()
+            raise UserError(
+                f"--resume {self.path}: {point.describe()}, nothing to continue; start the run again without "
+                "--resume (same --name)"
+            )
+        return point
 
     def last_checkpoint(self) -> Path | None:
         """The checkpoint to resume from: the newest complete one, or None."""

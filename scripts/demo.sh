@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
-[ -f models/tiny-qwen2/config.json ] || python scripts/build_tiny_model.py
+[ -f models/tiny-qwen2/config.json ] || python -m devkit.tiny
 name=demo-$(date +%Y%m%d-%H%M%S)
 lowmem-ft train --vram 8 --model models/tiny-qwen2 --data examples/chat.jsonl --name "$name" \
   --max-steps 30 --lr 2e-3 --set training.logging_steps=5 --set training.save_steps=10

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-ruff check lowmem_ft devkit scripts tests
-ruff format --check lowmem_ft devkit scripts tests
+ruff check lowmem_ft devkit tests
+ruff format --check lowmem_ft devkit tests
 python -m pytest "$@"

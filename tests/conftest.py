@@ -16,14 +16,22 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
+    """`requires_cuda` tests skip without a CUDA device. torch is imported only when such a test was collected, so
+    the torch-free tests (the memory model, recipes, planning) collect and run where torch is not installed."""
+    cuda_items = [item for item in items if "requires_cuda" in item.keywords]
+    if not cuda_items or _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "requires_cuda" in item.keywords:
-            item.add_marker(skip)
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)

@@ -116,6 +116,22 @@ def test_the_demo_console_has_no_warnings(demo):
     assert "done: 3 steps" in output
 
 
+def test_the_demo_shows_the_plan_before_step_1_and_compact_lines(demo):
+    run, output = demo
+    assert output.count("plan: sft of ") == 1
+    plan = output.index("plan: sft of ")
+    assert plan < output.index("step 1/3  loss ")
+    banner = output[plan:].split("\n")
+    assert [line.split()[0] for line in banner[1:9]] == ["weights", "adapter", "batch", "savers", "memory", "host",
+                                                         "run", "tracker"]  # fmt: skip
+    assert f"  run      {run}" in output and f"  tracker  W&B offline in {run}/wandb/offline-run-" in output
+    assert "predicted peak " in banner[5] and " budget " in banner[5] and "× 1 device = " in banner[3]
+    assert "{'" not in output  # none of the Trainer's raw dictionaries
+    assert "Truncating" not in output and "Dropping fully masked" not in output  # no second pass over our data
+    assert re.search(r"step 1/3  loss \d+\.\d{4}  lr \S+  grad \S+  [\d,]+ tok/s  host \d+\.\d\d GB  acc ", output)
+    assert re.search(r"done: 3 steps, .*, [\d,]+ tokens/s; run directory ", output)
+
+
 def test_the_progress_bar_shows_the_memory(demo):
     run, output = demo
     shown = [float(gb) for gb in re.findall(r"\d+/3 \[[^\]]*, host (\d+\.\d\d) GB\]", output)]

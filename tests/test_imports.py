@@ -1,6 +1,6 @@
 """The package's import graph: no cycles, and the layers import only downstream (module- and function-level imports).
 
-Data flows one way (CLI → recipe → planning → memory model; train → run directory → report), so an import that
+Data flows one way (CLI → recipe → choosing → memory model; train → run directory → report), so an import that
 points back up is a design error even when Python tolerates it inside a function.
 """
 
@@ -49,8 +49,8 @@ EXTERNAL = {name: imports_of(name) for name in MODULES}
 
 
 def test_the_graph_sees_function_level_imports():
-    assert "lowmem_ft.planning" in GRAPH["lowmem_ft.commands.plan"]  # imported inside run()
-    assert "lowmem_ft.memory.arch" in GRAPH["lowmem_ft.planning"]  # imported inside choose_recipe()
+    assert "lowmem_ft.choosing" in GRAPH["lowmem_ft.commands.plan"]  # imported inside run()
+    assert "lowmem_ft.memory.arch" in GRAPH["lowmem_ft.choosing"]  # imported inside choose_recipe()
 
 
 SUBPACKAGES = {f"lowmem_ft.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
@@ -107,7 +107,7 @@ def test_no_import_cycles_between_modules():
 
 def test_no_import_cycles_between_packages():
     """memory ↔ recipe was one: the planner imported the recipe loader, the recipe chooser imported the planner."""
-    assert "lowmem_ft.memory" in PACKAGES and "lowmem_ft.planning" in PACKAGES
+    assert "lowmem_ft.memory" in PACKAGES and "lowmem_ft.choosing" in PACKAGES
     assert cycles_of(PACKAGES) == []
 
 
@@ -125,16 +125,17 @@ def _violations(layer: str, forbidden: tuple[str, ...]) -> list[str]:
     ("layer", "forbidden"),
     [
         # the memory model is pure arithmetic: plan is instant and knows no recipe
-        ("lowmem_ft.memory", ("lowmem_ft.recipe", "lowmem_ft.planning", "lowmem_ft.train", "torch", "transformers")),
+        ("lowmem_ft.memory", ("lowmem_ft.recipe", "lowmem_ft.choosing", "lowmem_ft.train", "torch", "transformers")),
         # the recipe is what the user wrote: it knows neither the memory model nor the trainer
-        ("lowmem_ft.recipe", ("lowmem_ft.memory", "lowmem_ft.planning", "lowmem_ft.train", "lowmem_ft.rundir")),
+        ("lowmem_ft.recipe", ("lowmem_ft.memory", "lowmem_ft.choosing", "lowmem_ft.train", "lowmem_ft.rundir")),
         # choosing a recipe happens before training and writes no run directory
-        ("lowmem_ft.planning", ("lowmem_ft.train", "lowmem_ft.rundir", "lowmem_ft.commands", "torch")),
+        ("lowmem_ft.choosing", ("lowmem_ft.train", "lowmem_ft.rundir", "lowmem_ft.commands", "torch")),
         # the run directory is read by report, generate and merge: no trainer, no torch at import
         ("lowmem_ft.rundir", ("lowmem_ft.train", "lowmem_ft.commands")),
         # library modules do not reach up into the command line
         ("lowmem_ft.train", ("lowmem_ft.commands", "lowmem_ft.cli")),
-        ("lowmem_ft.data", ("lowmem_ft.train", "lowmem_ft.commands", "lowmem_ft.planning")),
+        ("lowmem_ft.preparing", ("lowmem_ft.commands", "lowmem_ft.cli")),
+        ("lowmem_ft.data", ("lowmem_ft.train", "lowmem_ft.commands", "lowmem_ft.choosing")),
         # development tooling never ships in (or is imported by) the package
         ("lowmem_ft", ("devkit", "tests")),
     ],

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.rundir import RunDir, RunStatus, checkpoint_problem
 

@@ -40,7 +40,7 @@ HEADER = PREAMBLE + (
 
 
 def plan_row(model: str, vram: float, seq_len: int | None) -> str:
-    from lowmem_ft.planning import choose_recipe
+    from lowmem_ft.choosing import choose_recipe
     from lowmem_ft.train.verify import verified
 
     try:

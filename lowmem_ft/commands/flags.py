@@ -1,10 +1,12 @@
-"""Flags shared by the commands: argparse `type=` functions that check values where they enter, and the flags
-several commands take (`--set`, `--push-to-hub`).
+"""Flags shared by the commands: argparse `type=` functions that check values where they enter, the flags
+several commands take (`--set`, `--push-to-hub`), and the flags of recipe keys, made from their declaration.
 
 The one idea: a bad flag value is refused while the command line is parsed — before any file is read or any model
 loaded — in one line that names the flag, the rule and the value (`lowmem_ft.cli` prints argparse's errors as one
 line). Range rules that need the recipe or the model (`--vram` above the safety margin, `--seq-len` within the model's
-positions) are checked where those are known (`lowmem_ft.planning`).
+positions) are checked where those are known (`lowmem_ft.choosing`). A recipe key's flag (`schema.Flag`: `--seq-len`,
+`--model`, …) is `--set` of its key: its value is checked with the recipe, in the message `--set` would give, naming
+the flag (`key_overrides` says which flag set which key).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from typing import Any, Literal, get_args, get_origin
 
-from lowmem_ft.recipe.schema import INT_LIMIT, in_range, span
+from lowmem_ft.recipe.schema import INT_LIMIT, KEYS, Key, in_range, span
 
 
 def _parse(text: str, kind: type) -> float | int:
@@ -47,7 +50,7 @@ def ranged(
 
 
 # The flags several commands share.
-vram_gb = ranged(float, gt=0, unit=" GB")  # above the recipe's safety margin too: checked by lowmem_ft.planning
+vram_gb = ranged(float, gt=0, unit=" GB")  # above the recipe's safety margin too: checked by lowmem_ft.choosing
 count = ranged(int, ge=1)  # --gpus, --nodes, --max-new-tokens, --max-len
 seed = ranged(int, ge=0)
 
@@ -88,3 +91,64 @@ def add_push_to_hub(parser, what: str, when: str) -> None:
         "checked before any work starts",
     )
     parser.add_argument("--hub-private", action="store_true", help="create the --push-to-hub repo private")
+
+
+# -- the flags of recipe keys (declared with the key: `lowmem_ft.recipe.schema.Flag`) ----------------------------
+FLAG_KEYS: dict[str, Key] = {key.flag.name: key for key in KEYS.values() if key.flag is not None}
+"""Flag → the recipe key it sets, for every key declared with one."""
+
+
+def _dest(key: Key) -> str:
+    return key.flag.name.removeprefix("--").replace("-", "_")
+
+
+def _choices(tp: Any) -> list[str] | None:
+    """The choices of a `Literal` key (or a list of one): what `--help` shows and argparse checks."""
+    if get_origin(tp) is list:
+        (tp,) = get_args(tp)
+    return list(get_args(tp)) if get_origin(tp) is Literal else None
+
+
+def add_key_flags(parser, *names: str, checked: bool = False, note: str = "", **kw) -> None:
+    """Add the flags `names` (e.g. "--seq-len") of their recipe keys to `parser`: help, metavar, choices, a list's
+    nargs and a switch's store_true from the declaration; `note` adds a command's own words to the help, `kw` goes
+    to argparse (`required=True`). `checked`: a number is refused while parsing, against the key's declared type and
+    range (what `plan` does, before any file is read); otherwise it is checked with the recipe, as `--set` is."""
+    for name in names:
+        key = FLAG_KEYS[name]
+        flag = key.flag
+        said = f"{key.path}={flag.switch}" if flag.switch not in (None, True) else key.path
+        options: dict[str, Any] = {"dest": _dest(key), "help": f"{flag.help} ({said}){note}"}
+        if flag.switch is not None:
+            parser.add_argument(name, action="store_true", **options, **kw)
+            continue
+        options["metavar"] = flag.metavar
+        choices = _choices(key.type)
+        if choices is not None:
+            options["choices"] = [c for c in choices if c not in flag.hidden_choices]
+        if get_origin(key.type) is list:
+            options["nargs"] = "+"
+        if checked and key.type in (int, float):
+            options["type"] = ranged(key.type, **key.bounds)
+        parser.add_argument(name, **{**options, **kw})
+
+
+def key_overrides(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """The recipe keys the flags on this command line set, as overrides (the flags a parser has that were given),
+    and the flag behind each key (`origins`, for error messages). A value is read as `--set` reads it — a YAML
+    scalar — except a string key's, taken as typed (a path may look like a number or `null`)."""
+    from lowmem_ft.recipe.load import parse_overrides
+
+    overrides: dict = {}
+    origins: dict[str, str] = {}
+    for name, key in FLAG_KEYS.items():
+        value = getattr(args, _dest(key), None)
+        if value is None or value is False:
+            continue
+        if key.flag.switch is not None:
+            value = key.flag.switch
+        elif isinstance(value, str) and key.type is not str:
+            value = parse_overrides([f"{key.path}={value}"])[key.section][key.name]
+        overrides.setdefault(key.section, {})[key.name] = value
+        origins[key.path] = name
+    return overrides, origins

@@ -2,7 +2,9 @@
 
 The one memory trap: a QLoRA base is 4-bit, and merging into 4-bit weights would round the adapter's update
 away (and not load without bitsandbytes). So the base is always reloaded in 16-bit for the merge — params × 2
-bytes, which can be several times what training held — on the GPU when it fits, else on the CPU.
+bytes, which can be several times what training held. `lowmem_ft.merging` plans what each step holds before any
+weight is read: on the GPU when it fits, else on the host, else one line saying what it needs. The output appears
+whole (staged beside it, renamed when complete) or not at all.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from lowmem_ft.checks import check_writable
 from lowmem_ft.commands import flags
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import DTYPE_BYTES
+from lowmem_ft.merging import MergePlan, choose, largest_adapted_linear, staged_output
 
 
 def add_parser(sub) -> None:
@@ -51,8 +54,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def count_parameters(recipe) -> int:
-    """Parameters of the base from its config alone (built on the meta device: no weight is read or allocated)."""
+def base_on_meta(recipe):
+    """The base built from its config on the meta device: no weight is read or allocated."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -60,28 +63,12 @@ def count_parameters(recipe) -> int:
 
     config = load_config(recipe)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
 
 
-def _choose_device(requested: str, needed: int) -> tuple[str, str]:
-    """(device, why): the GPU when the merge fits in its free memory, else the CPU."""
-    from lowmem_ft.finetuned import resolve_device
-    from lowmem_ft.memory.inference import human
-
-    device = resolve_device(requested)
-    if device == "cpu":
-        return "cpu", "requested" if requested == "cpu" else "no CUDA GPU"
-    import torch
-
-    free, _total = torch.cuda.mem_get_info()
-    if free >= needed:
-        return "cuda", f"{human(free)} free on the GPU"
-    if requested == "cuda":
-        raise UserError(
-            f"--device cuda: the merge needs {human(needed)} but the GPU has {human(free)} free; use --device cpu"
-        )
-    return "cpu", f"the GPU has {human(free)} free, the merge needs {human(needed)}"
+def count_parameters(recipe) -> int:
+    """Parameters of the base from its config alone."""
+    return sum(p.numel() for p in base_on_meta(recipe).parameters())
 
 
 def check_output(output: Path, run_dir: Path) -> None:
@@ -113,6 +100,8 @@ def check_space(output: Path, needed: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+
     from lowmem_ft.finetuned import load_finetuned, load_tokenizer_of, open_run
     from lowmem_ft.memory.inference import human
 
@@ -132,19 +121,26 @@ def run(args: argparse.Namespace) -> int:
     trained = run_.recipe.model
     dtype = args.dtype or trained.compute_dtype
     recipe = run_.base_recipe(quantization="none", compute_dtype=dtype)
-    params = count_parameters(recipe)
-    weights = params * DTYPE_BYTES[dtype]
-    check_space(output, weights)
-    adapter = (run_.weights_dir / "adapter_model.safetensors").stat().st_size
-    # merge_and_unload(safe_merge=True) clones one module's weight at a time: the peak is the base + adapter.
-    needed = weights + adapter
-    device, why = _choose_device(args.device, needed)
+    meta = base_on_meta(recipe)
+    plan = MergePlan(
+        params=sum(p.numel() for p in meta.parameters()),
+        dtype_bytes=DTYPE_BYTES[dtype],
+        adapter=(run_.weights_dir / "adapter_model.safetensors").stat().st_size,
+        largest_linear=largest_adapted_linear(meta, run_.recipe.adapter.target_modules),
+        shard=convert_file_size_to_int(args.max_shard_size),
+    )
+    del meta
+    check_space(output, plan.weights)
+    device, why = choose(plan, args.device)  # refuses here, before any weight is read, when nothing fits
+    device_bytes, host_bytes = plan.needs(device)
     storage = f"trained on {trained.quantization}, reloaded in {dtype}" if trained.quantization != "none" else dtype
-    print(f"merge plan: base {run_.base} ({params:,} params, {storage}) = {human(weights)} + adapter {human(adapter)}")
+    print(f"merge plan: base {run_.base} ({plan.params:,} params, {storage}) = {human(plan.weights)} + adapter "
+          f"{human(plan.adapter)}")  # fmt: skip
     if device == "cuda":
-        print(f"  device memory {human(needed)}; host memory up to one shard ({args.max_shard_size}) while saving")
+        print(f"  device memory {human(device_bytes)} ({plan.describe()}); host memory {human(host_bytes)}: one "
+              f"shard (--max-shard-size {args.max_shard_size}) while saving")  # fmt: skip
     else:
-        print(f"  on the CPU ({why}): host memory {human(needed)}, no device memory")
+        print(f"  on the CPU ({why}): host memory {human(host_bytes)} ({plan.describe()}), no device memory")
     if trained.quantization != "none":
         print(
             f"  note: the adapter learned against {trained.quantization}-rounded weights and is merged into the "
@@ -153,24 +149,28 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_finetuned(run_, recipe, device)
     merged = model.merge_and_unload(safe_merge=True)
-    output.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(output, max_shard_size=args.max_shard_size)
-    load_tokenizer_of(run_).save_pretrained(output)
+    with staged_output(output) as staged:  # renamed to --output once weights, tokenizer and card are all there
+        merged.save_pretrained(staged, max_shard_size=args.max_shard_size)
+        load_tokenizer_of(run_).save_pretrained(staged)
+        _card(run_.run_dir, output, staged, hub_repo)
     shards = sorted(p.name for p in output.glob("*.safetensors"))
     print(
         f"merged model saved to {output} ({len(shards)} safetensors shard{'s' if len(shards) != 1 else ''} + tokenizer)"
     )
     print(f"  load it with AutoModelForCausalLM.from_pretrained({str(output)!r}) — no peft needed", file=sys.stdout)
-    _card_and_push(run_.run_dir, output, hub_repo)
+    if hub_repo is not None:
+        from lowmem_ft.hub import push
+
+        print(f"pushed to {push(output, hub_repo, what=f'merged model of run {run_.run_dir.name}')}")
     return 0
 
 
-def _card_and_push(run_dir: Path, output: Path, hub_repo) -> None:
-    """The merged model's card (README.md: the training run's recipe, plan and measured peak), and the upload."""
-    from lowmem_ft.hub import push, write_card
+def _card(run_dir: Path, output: Path, staged: Path, hub_repo) -> None:
+    """The merged model's card (README.md: the training run's recipe, plan and measured peak), written into the
+    staging directory with the usage example loading `output`, where it is renamed to."""
+    from lowmem_ft.hub import CARD, model_card
     from lowmem_ft.rundir import RunDir
 
-    run = RunDir(run_dir)
-    write_card(run, output, repo_id=hub_repo.repo_id if hub_repo else "", merged=True)
-    if hub_repo is not None:
-        print(f"pushed to {push(output, hub_repo, what=f'merged model of run {run.name}')}")
+    model_card(RunDir(run_dir), repo_id=hub_repo.repo_id if hub_repo else "", merged=True, folder=output).save(
+        staged / CARD
+    )

@@ -21,19 +21,13 @@ def add_parser(sub) -> None:
         description="Plan a fine-tune of MODEL for --vram GB: each memory component, the total, budget, margin and "
         "headroom, and why each knob was chosen. --output writes the recipe `train --recipe` accepts.",
     )
-    p.add_argument("--model", required=True, help="hub id (offline catalog or Hub config.json) or local directory")
+    flags.add_key_flags(p, "--model", required=True, note="; a Hub id is read from the offline catalog or config.json")
     p.add_argument("--vram", type=flags.vram_gb, required=True, metavar="GB", help="GPU memory to fit in, in GB")
-    p.add_argument(
-        "--seq-len",
-        type=flags.ranged(int, ge=MIN_SEQ_LEN),
-        metavar="N",
-        help=f"maximum sequence length in tokens, at least {MIN_SEQ_LEN} and at most the model's positions "
-        "(fixes memory.max_seq_len)",
-    )
-    p.add_argument(
+    flags.add_key_flags(p, "--seq-len", checked=True, note=f"; at least {MIN_SEQ_LEN}, at most the model's positions")
+    flags.add_key_flags(
+        p,
         "--data",
-        metavar="FILE.jsonl",
-        help="size max_seq_len from this data's token lengths (p99), as train --vram does; needs the tokenizer",
+        note="; max_seq_len is sized from its token lengths (p99), as train --vram does (needs the tokenizer)",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
     p.add_argument("--gpus", type=flags.count, default=1, metavar="N", help="GPUs to train on; the plan is per device")
@@ -53,10 +47,8 @@ def add_parser(sub) -> None:
         help="trace the chosen plan's training step at full size on the CPU without weights (the installed "
         "library versions) and print traced against predicted per phase; over the budget, plan again below it",
     )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the tokenizer's own code with --data (planning itself reads config.json and runs no code)",
+    flags.add_key_flags(
+        p, "--trust-remote-code", note="; with --data, the tokenizer's (planning reads config.json and runs no code)"
     )
     p.set_defaults(func=run)
 
@@ -71,21 +63,19 @@ def check_output_file(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lowmem_ft.checks import check_model
-    from lowmem_ft.planning import choose_recipe, start_recipe
+    from lowmem_ft.choosing import choose_recipe, start_recipe
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
 
     output = Path(args.output) if args.output else None
     if output is not None:
         check_output_file(output)
     check_model(args.model, "--model", weights=False)  # planning reads config.json only
-    model = {"name_or_path": args.model, **({"trust_remote_code": True} if args.trust_remote_code else {})}
-    overrides = merge(parse_overrides(args.overrides), {"model": model})
-    origins = {"model.name_or_path": "--model", "data.path": "--data"}
+    keys, origins = flags.key_overrides(args)
+    overrides = merge(parse_overrides(args.overrides), keys)
     profile = None
     if args.data:
         from lowmem_ft.data import check_source, length_profile
 
-        overrides = merge(overrides, {"data": {"path": args.data}})
         start = start_recipe(args.vram, args.recipe, overrides, origins)
         check_source(start)
         profile = length_profile(start)
@@ -96,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
             recipe=args.recipe,
             overrides=overrides,
             origins=origins,
-            seq_len=args.seq_len,
             profile=profile,
             gpus=args.gpus,
             strategy=args.strategy,
@@ -106,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     recipe, choice = plan(overrides)
     version_note()
     if args.verify:
-        recipe, choice = verify(args, recipe, choice, lambda margin: plan(merge(overrides, margin_override(margin))))
+        recipe, choice = verify(args, recipe, choice, lambda keys: plan(merge(overrides, keys)))
     fits = choice.plan.fits
     if output is not None and fits:
         try:
@@ -142,13 +131,9 @@ def version_note() -> None:
               "installed ones")  # fmt: skip
 
 
-def margin_override(margin_gb: float) -> dict:
-    return {"memory": {"safety_margin_gb": round(margin_gb, 2)}}
-
-
 def verify(args: argparse.Namespace, recipe, choice, plan_again):
     """--verify: trace the plan (printed first), step down while the trace is over the budget."""
-    from lowmem_ft.train.verify import verified
+    from lowmem_ft.train.verify import margin_override, verified
 
     if args.gpus > 1:
         raise UserError("--verify traces one device's step; plan with --gpus 1, or drop --verify")
@@ -158,7 +143,7 @@ def verify(args: argparse.Namespace, recipe, choice, plan_again):
     say(f"tracing the training step of this plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
 
     def again(margin_gb: float):
-        new_recipe, new_choice = plan_again(margin_gb)
+        new_recipe, new_choice = plan_again(margin_override(margin_gb))
         if not args.json:
             print_plan(new_choice.plan, new_recipe)
         return new_recipe, new_choice

@@ -153,6 +153,16 @@ def prepare_datasets(recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
     return train_ds, eval_ds, summary
 
 
+def pack(dataset, max_len: int):
+    """Pack fitted samples into rows of at most `max_len` tokens, as TRL's SFTTrainer would (its `pack_dataset`,
+    best-fit decreasing: sample boundaries kept, a `seq_lengths` column for the padding-free collator). Done here
+    because the trainer is told the data is prepared (`skip_prepare_dataset`), which skips TRL's packing too."""
+    from trl import pack_dataset
+
+    kwargs = {"desc": f"Packing samples into rows of {max_len} tokens"} if hasattr(dataset, "num_rows") else {}
+    return pack_dataset(dataset.select_columns(["input_ids", "labels"]), max_len, "bfd", kwargs)
+
+
 def _log_parts(data: TrainingData) -> None:
     for part in data.parts:
         for line in part.skipped:

@@ -1,6 +1,6 @@
 """The data's token-length profile: what planning needs to pick a sequence length, and what `data stats` prints.
 
-The one `LengthProfile` of the package: `lowmem_ft.planning` sizes `memory.max_seq_len` from its p99 (and says
+The one `LengthProfile` of the package: `lowmem_ft.choosing` sizes `memory.max_seq_len` from its p99 (and says
 how many samples a shorter length cuts, `over`).
 
 Lengths come from the same tokenization as training (`lowmem_ft.data.tokenize`, chat template and EOS

@@ -18,43 +18,30 @@ from typing import Any, Literal
 
 from lowmem_ft.console import first_time
 from lowmem_ft.errors import UserError
+from lowmem_ft.memory.blocks import (
+    BUILDERS,
+    Linear,
+    _experts,
+    _llama_block,
+    _logit_scale,
+    _sliding,
+    _with_class_defaults,
+)
+from lowmem_ft.memory.families import FAMILIES, family, with_flag
 
 log = logging.getLogger(__name__)
 CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
-# model_type → why transformers 5.24 refuses `attn_implementation="sdpa"` for it (`_supports_sdpa = False` on the
-# model class; loading raises "does not support an attention implementation through
-# torch.nn.functional.scaled_dot_product_attention"). Those models train with eager attention.
-NO_SDPA = {
-    "gemma2": "SDPA cannot apply Gemma-2's attention logit softcapping (modeling_gemma2.py _supports_sdpa = False)",
-    "vaultgemma": "SDPA cannot apply VaultGemma's attention logit softcapping (_supports_sdpa = False)",
-    "gpt_oss": "SDPA cannot apply GPT-OSS's attention sinks (modeling_gpt_oss.py _supports_sdpa = False)",
-}
 # Fused projection → the separate projections it replaces (transformers' modeling_phi3.py).
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# model_type → how its forward turns the LM head's output into logits, read from transformers 5.24's modeling code
-# and checked against the model's own loss and gradients on the zoo (tests/train/test_losses.py): `lm_head(h)`, then
-# × logit_scale (Granite: ÷ logits_scaling), then final-logit softcapping (Gemma-2: cap · tanh(logits / cap)).
-# `memory.chunked_loss` reproduces exactly these; on any other model_type it is refused (its forward is unknown).
-# Gemma-3's multimodal checkpoints (`gemma3`) plan as their gemma3_text model, checked the same way on the
-# zoo's gemma3-vision (Gemma3ForConditionalGeneration: its forward applies lm_head to the language model's output).
-CHUNKED_LOSS_VERIFIED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite"}
+# The family tables the rest of the package reads, derived from the one record per family
+# (`lowmem_ft.memory.families`): model_type → why transformers 5.24 refuses `attn_implementation="sdpa"` (those
+# models train with eager attention); the model_types whose logits `memory.chunked_loss` reproduces exactly (checked
+# against the model's own loss and gradients on the zoo, tests/train/test_losses.py; refused on any other).
+NO_SDPA = {t: f.no_sdpa for t, f in FAMILIES.items() if f.no_sdpa}
+CHUNKED_LOSS_VERIFIED = with_flag("chunked_loss_verified")
 # Suffixes of fine-tuned variants that keep the base model's architecture (Qwen2.5-7B-Instruct = Qwen2.5-7B,
 # gemma-3-1b-it = gemma-3-1b-pt).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-it")
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One linear layer of a transformer block (names as in the transformers/remote-code module tree)."""
-
-    name: str
-    in_features: int
-    out_features: int
-    bias: bool = False
-
-    @property
-    def params(self) -> int:
-        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
 
 
 @dataclass(frozen=True)
@@ -106,7 +93,8 @@ class Architecture:
         config = _with_class_defaults(config)
         model_type = str(config.get("model_type", ""))
         needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        if model_type not in NON_LLAMA_BLOCKS and model_type != "qwen":
+        rule = family(model_type)
+        if rule.block in ("llama", "moe"):  # the other builders default or derive the MLP width
             needed.append("intermediate_size")
         missing = [k for k in needed if k not in config]
         if missing:
@@ -119,31 +107,26 @@ class Architecture:
                 f"model '{name}': config.json gives {', '.join(per_layer)} per layer (a list); lowmem-ft plans "
                 "models whose layers all have one shape"
             )
-        if model_type == "qwen":
+        if rule.block == "qwen_v1":
             return _qwen_v1(config, name)
-        if model_type in MOE_FAMILIES:
+        if rule.block == "moe":
             return _moe_architecture(cls, config, name, model_type)
-        if model_type in NON_LLAMA_BLOCKS:
-            shape = NON_LLAMA_BLOCKS[model_type](config)
-        else:
-            shape = _llama_block(config, model_type)
+        shape = BUILDERS[rule.block](config) if rule.block in BUILDERS else _llama_block(config, model_type)
         return cls(
             name=name or str(config.get("_name_or_path", "")),
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             num_layers=int(config["num_hidden_layers"]),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3", "apertus", *FULL_WIDTH_QK_NORM, "exaone4")
-            or (model_type in COHERE and bool(config.get("use_qk_norm"))),
+            qk_norm=rule.qk_norm == "always" or (rule.qk_norm == "use_qk_norm" and bool(config.get("use_qk_norm"))),
             **shape,
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
             **_sliding(config, model_type),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
-            # CohereLayerNorm also multiplies in fp32 (self.weight.to(float32) * hidden_states)
-            norm_fp32_output=model_type.startswith("gemma") or model_type in COHERE,
+            norm_fp32_output=rule.norm_fp32_output,
             final_logit_softcapping=config.get("final_logit_softcapping"),
             logit_scale=_logit_scale(config),
-            remote_code="auto_map" in config and model_type not in _NATIVE,
+            remote_code="auto_map" in config and not rule.native,
             experts=_experts(config),
             **tower,
         )
@@ -254,262 +237,24 @@ class Architecture:
         )
 
 
-def _sliding(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """`sliding_window` and how many layers use it, as transformers 5.24's configs decide: `layer_types` when the
-    config lists them; Qwen2/3 only with `use_sliding_window` (layers from `max_window_layers` on); Gemma-2 every
-    other layer (the first sliding); Gemma-3 all but every `sliding_window_pattern`-th; Mistral / Phi-3 all."""
-    window = config.get("sliding_window")
-    layers = int(config["num_hidden_layers"])
-    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-        window = None
-    if not window:
-        return {"sliding_window": None, "sliding_layers": 0}
-    types = config.get("layer_types")
-    if types and model_type != "mistral":  # MistralModel slides every layer whatever layer_types says (it warns)
-        count = sum(t == "sliding_attention" for t in types)
-    elif model_type in ("qwen2", "qwen3"):
-        count = max(0, layers - int(config.get("max_window_layers", layers)))
-    elif model_type == "gemma2":
-        count = (layers + 1) // 2
-    elif model_type.startswith("gemma3") or model_type == "cohere2":  # configuration_cohere2.py: pattern 4
-        pattern = int(config.get("sliding_window_pattern") or (4 if model_type == "cohere2" else 6))
-        count = sum((i + 1) % pattern != 0 for i in range(layers))
-    else:
-        count = layers
-    return {"sliding_window": int(window), "sliding_layers": count}
-
-
-def _experts(config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer, from the config key each family uses (Mixtral / GPT-OSS `num_local_experts`,
-    Qwen2-MoE / Qwen3-MoE / OLMoE `num_experts`, DeepSeek `n_routed_experts`); 0 for a dense MLP. The planner does not
-    tile such an MLP (`memory.tiled_mlp` refuses it: its router sees the whole sequence)."""
-    counts = [config.get(key) for key in ("num_local_experts", "num_experts", "n_routed_experts")]
-    return max([n for n in counts if isinstance(n, int) and not isinstance(n, bool)], default=0)
-
-
-def _logit_scale(config: dict[str, Any]) -> float:
-    """The factor the forward multiplies the LM head's output by, read as TRL 1.16's `add_fused_lm_head` reads it:
-    `logit_scale` (Cohere), `output_multiplier`, `lm_head_multiplier` (Falcon-H1), else 1 / `logits_scaling`
-    (Granite, MiniCPM3 divide by it; HyperCLOVA X multiplies)."""
-    for key in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if config.get(key) is not None:
-            return float(config[key])
-    scaling = config.get("logits_scaling")
-    if scaling is None:
-        return 1.0
-    return float(scaling) if config.get("model_type") == "hyperclovax" else 1.0 / float(scaling)
-
-
-# model_type values transformers implements natively (remote-code configs carry an auto_map and another type).
-_NATIVE = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "granite"}
-
-
-def _llama_block(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Heads, widths, norms and linears of a Llama-shaped block (Llama, Qwen, Mistral, Gemma, Phi-3, Granite, ...):
-    q/k/v/o projections, a gated MLP, RMSNorm."""
-    h = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    # A missing head_dim was filled with the config class's default (`_with_class_defaults`); a null one is
-    # hidden / heads, as the classes that accept null make it.
-    head_dim = int(config.get("head_dim") or h // heads)
-    inter = int(config["intermediate_size"])
-    # Apertus's xIELU activation (activations.py XIELU) holds two learnable scalars, alpha_p and alpha_n, per MLP.
-    xielu = model_type == "apertus" and str(config.get("hidden_act")) == "xielu"
-    return {
-        "num_heads": heads,
-        "num_kv_heads": kv,
-        "head_dim": head_dim,
-        "intermediate_size": inter,
-        "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", _tied_by_default(model_type))),
-        "norms_per_layer": 4
-        if model_type in ("gemma2", "gemma3_text", "gemma3", "glm4")
-        else (1 if model_type in COHERE else 2),
-        "linears": _block_linears(config, model_type, h, heads * head_dim, kv * head_dim, inter),
-        "mlp": "plain" if model_type in UP_DOWN_MLP else "gated",
-        "norm": "layer" if model_type == "nemotron" else ("layer_no_bias" if model_type in COHERE else "rms"),
-        "qk_norm_per_head": model_type in COHERE or model_type in FULL_WIDTH_QK_NORM,
-        "block_extra_params": 2 if xielu else 0,
-    }
-
-
-# OLMo-2 / OLMo-3 norm q and k over their full width (modeling_olmo2.py: RMSNorm(heads · head_dim) on q_proj's
-# output, RMSNorm(kv heads · head_dim) on k_proj's): as many weights as Cohere's per-head q/k norms.
-FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")
-# Llama-shaped families whose MLP is plain: down_proj(act(up_proj(x))), no gate (modeling_arcee.py, _nemotron.py,
-# _apertus.py: ReLU² / xIELU); Nemotron's norms are LayerNorms (weight, bias).
-UP_DOWN_MLP = {"arcee", "nemotron", "apertus"}
-# Cohere / Cohere2 (modeling_cohere*.py): attention and MLP run in parallel on one `input_layernorm`, a LayerNorm with
-# a weight and no bias (CohereLayerNorm ignores its `bias` argument); `use_qk_norm` norms q and k per head.
-COHERE = {"cohere", "cohere2"}
-# Llama-shaped families whose config class ties the embeddings when config.json does not say (transformers 5.24's
-# `tie_word_embeddings: bool = True` in configuration_cohere.py, _cohere2, _ernie4_5, _smollm3; every gemma*).
-TIED_BY_DEFAULT = {"cohere", "cohere2", "ernie4_5", "smollm3"}
-
-
-def _tied_by_default(model_type: str) -> bool:
-    return model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT
-
-
-def _gpt_neox_block(config: dict[str, Any]) -> dict[str, Any]:
-    """GPT-NeoX / Pythia (modeling_gpt_neox.py): fused query_key_value and dense with `attention_bias` (default
-    true), a plain MLP dense_h_to_4h → GELU → dense_4h_to_h with biases, two LayerNorms, untied by default."""
-    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads = int(config["num_attention_heads"])
-    bias = bool(config.get("attention_bias", True))
-    linears = (
-        Linear("query_key_value", h, 3 * h, bias),
-        Linear("dense", h, h, bias),
-        Linear("dense_h_to_4h", h, inter, True),
-        Linear("dense_4h_to_h", inter, h, True),
-    )
-    return _plain_block(config, heads, heads, h // heads, inter, linears, tied=False, norms=2)
-
-
-def _falcon_block(config: dict[str, Any]) -> dict[str, Any]:
-    """Falcon (modeling_falcon.py): fused query_key_value whose width follows the attention kind (new decoder
-    architecture: num_kv_heads groups; multi-query: one k/v head; else 3 × hidden), dense, a plain MLP of
-    `ffn_hidden_size` (default 4 × hidden), biases only with `bias` (default false), LayerNorms: one per layer with
-    parallel attention (two with the new architecture or `num_ln_in_parallel_attn` 2), two without; tied default."""
-    h = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    head_dim = h // heads
-    new_arch = bool(config.get("new_decoder_architecture", False))
-    multi_query = bool(config.get("multi_query", True))
-    kv = int(config.get("num_kv_heads") or heads) if new_arch else (1 if multi_query else heads)
-    inter = int(config.get("ffn_hidden_size") or 4 * h)
-    bias = bool(config.get("bias", False))
-    linears = (
-        Linear("query_key_value", h, (heads + 2 * kv) * head_dim, bias),
-        Linear("dense", h, h, bias),
-        Linear("dense_h_to_4h", h, inter, bias),
-        Linear("dense_4h_to_h", inter, h, bias),
-    )
-    if not config.get("parallel_attn", True):
-        norms = 2
-    else:
-        norms = int(config.get("num_ln_in_parallel_attn") or (2 if new_arch else 1))
-    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=norms)
-
-
-def _starcoder2_block(config: dict[str, Any]) -> dict[str, Any]:
-    """StarCoder2 (modeling_starcoder2.py): q/k/v/o and a plain MLP c_fc → GELU → c_proj, all with `use_bias`
-    (default true), two LayerNorms, tied by default."""
-    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = h // heads
-    bias = bool(config.get("use_bias", True))
-    linears = (
-        Linear("q_proj", h, heads * head_dim, bias),
-        Linear("k_proj", h, kv * head_dim, bias),
-        Linear("v_proj", h, kv * head_dim, bias),
-        Linear("o_proj", heads * head_dim, h, bias),
-        Linear("c_fc", h, inter, bias),
-        Linear("c_proj", inter, h, bias),
-    )
-    return _plain_block(config, heads, kv, head_dim, inter, linears, tied=True, norms=2)
-
-
-def _phi_block(config: dict[str, Any]) -> dict[str, Any]:
-    """Phi-1 / 1.5 / 2 (modeling_phi.py): q/k/v_proj and dense with biases, a plain MLP fc1 → GELU → fc2 with
-    biases, one LayerNorm per layer (attention and MLP in parallel), an LM head with a bias, untied by default."""
-    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = h // heads
-    linears = (
-        Linear("q_proj", h, heads * head_dim, True),
-        Linear("k_proj", h, kv * head_dim, True),
-        Linear("v_proj", h, kv * head_dim, True),
-        Linear("dense", heads * head_dim, h, True),
-        Linear("fc1", h, inter, True),
-        Linear("fc2", inter, h, True),
-    )
-    return {**_plain_block(config, heads, kv, head_dim, inter, linears, tied=False, norms=1), "lm_head_bias": True}
-
-
-def _plain_block(config, heads, kv, head_dim, inter, linears, tied: bool, norms: int) -> dict[str, Any]:
-    """The shape fields of a block with a plain (non-gated) MLP and LayerNorms (weight and bias)."""
-    return {
-        "num_heads": heads,
-        "num_kv_heads": kv,
-        "head_dim": head_dim,
-        "intermediate_size": inter,
-        "mlp": "plain",
-        "hidden_act": str(config.get("hidden_act") or config.get("activation") or "gelu"),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", tied)),
-        "norm": "layer",
-        "norms_per_layer": norms,
-        "linears": linears,
-    }
-
-
-# model_type → its block's shape, for native families whose blocks are not Llama-shaped (fused or differently named
-# projections, plain MLPs, LayerNorms, other defaults). Any other model_type is read as Llama-shaped.
-NON_LLAMA_BLOCKS = {
-    "gpt_neox": _gpt_neox_block,
-    "falcon": _falcon_block,
-    "phi": _phi_block,
-    "starcoder2": _starcoder2_block,
-}
-
-# Llama-shaped model types whose block `_llama_block` describes exactly: each one's parameter count equals the
-# model transformers 5.24 builds from its config class (tests/memory/test_arch_configs.py, on small configs). Any
-# other model_type is read as Llama-shaped too, with a warning (`unchecked_family`): a new family's norms, biases or
-# layer kinds (OLMo's parameter-free LayerNorm, StableLM's partial rotary, LFM2's convolutions) are not counted.
-CHECKED_LLAMA_SHAPED = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "cohere", "cohere2",
-    "helium", "nemotron", "arcee", "apertus", "ernie4_5", "smollm3", "glm", "glm4", "olmo2", "olmo3", "exaone4",
-    "seed_oss",
-})  # fmt: skip
+# model_type → its block's builder, for native families whose blocks are not Llama-shaped; Llama-shaped model types
+# whose block `blocks._llama_block` describes exactly (each one's parameter count equals the model transformers 5.24
+# builds from its config class: tests/memory/test_arch_configs.py). Any other model_type is read as Llama-shaped
+# too, with a warning (`unchecked_family`): a new family's norms, biases or layer kinds are not counted.
+NON_LLAMA_BLOCKS = {t: BUILDERS[f.block] for t, f in FAMILIES.items() if f.block in BUILDERS}
+CHECKED_LLAMA_SHAPED = frozenset(t for t, f in FAMILIES.items() if f.checked and f.block == "llama")
+CLASS_DEFAULTS = {t: dict(f.class_defaults) for t, f in FAMILIES.items() if f.class_defaults}
 
 
 def unchecked_family(arch) -> str | None:
     """Why the plan of `arch` may be off (one line), when its model_type is none that lowmem-ft describes exactly."""
-    known = CHECKED_LLAMA_SHAPED | set(NON_LLAMA_BLOCKS) | {"qwen", "gemma3", "llama4_text"}
-    if arch.model_type in known or arch.experts:
+    rule = FAMILIES.get(arch.model_type)
+    if (rule and (rule.checked or rule.described)) or arch.experts:
         return None
     return (
         f"model_type {arch.model_type!r} is not a family lowmem-ft has checked; its block is read as Llama's "
         f"({', '.join(lin.name for lin in arch.linears)}, RMSNorms), so norms, biases or layer kinds of its own are "
         "not counted and the plan may be off"
-    )
-
-
-def _block_linears(config: dict[str, Any], model_type: str, h: int, q_out: int, kv_out: int, inter: int):
-    """The linear layers of one decoder block, as transformers names them."""
-    # Qwen2 puts a bias on q/k/v only; Llama-family `attention_bias` covers q/k/v/o (modeling_llama.py).
-    # GLM / GLM-4 too, with `attention_bias` true by default (configuration_glm4.py).
-    glm = model_type in ("glm", "glm4")
-    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", glm))
-    o_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2" and not glm
-    if model_type == "seed_oss":  # modeling_seed_oss.py: o_proj's bias is its own flag, `attention_out_bias`
-        o_bias = bool(config.get("attention_out_bias", False))
-    mlp_bias = bool(config.get("mlp_bias", False))
-    if model_type == "phi3":  # fused projections (modeling_phi3.py: qkv_proj, gate_up_proj)
-        return (
-            Linear("qkv_proj", h, q_out + 2 * kv_out),
-            Linear("o_proj", q_out, h),
-            Linear("gate_up_proj", h, 2 * inter),
-            Linear("down_proj", inter, h),
-        )
-    attention = (
-        Linear("q_proj", h, q_out, qkv_bias),
-        Linear("k_proj", h, kv_out, qkv_bias),
-        Linear("v_proj", h, kv_out, qkv_bias),
-        Linear("o_proj", q_out, h, o_bias),
-    )
-    if glm:  # modeling_glm4.py: a fused gate_up_proj, no biases in the MLP
-        return (*attention, Linear("gate_up_proj", h, 2 * inter), Linear("down_proj", inter, h))
-    if model_type in UP_DOWN_MLP:
-        return (*attention, Linear("up_proj", h, inter, mlp_bias), Linear("down_proj", inter, h, mlp_bias))
-    return (
-        *attention,
-        Linear("gate_proj", h, inter, mlp_bias),
-        Linear("up_proj", h, inter, mlp_bias),
-        Linear("down_proj", inter, h, mlp_bias),
     )
 
 
@@ -544,29 +289,7 @@ def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
     )
 
 
-# -- what a config.json leaves unsaid, and configs that nest the text model ------------------------------------
-# model_type → the defaults its transformers 5.24 config class fills in for keys a config.json may omit, where they
-# differ from what `_llama_block` and `_sliding` assume (head_dim = hidden / heads, no sliding window, no softcapping).
-# Read from each configuration_*.py: `head_dim: int = 128` (Qwen3, GLM, GLM-4, ERNIE 4.5, Seed-OSS, Ministral3,
-# Helium, InternLM3) or 256 (every Gemma); `sliding_window: int | None = 4096` (Mistral: every layer; Gemma-2/3,
-# Cohere2: by their layer patterns); Gemma-2's softcapping; Cohere's `logit_scale = 0.0625`; Apertus's
-# `hidden_act = "xielu"`. Gemma-3's text config lists all of Gemma3TextConfig's shape defaults: a multimodal Gemma-3
-# config.json ships a text_config of a few keys.
-_HEAD_DIM_128 = ("qwen3", "glm", "glm4", "ernie4_5", "seed_oss", "ministral3", "helium", "internlm3")
-CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    **{model_type: {"head_dim": 128} for model_type in _HEAD_DIM_128},
-    "gemma": {"head_dim": 256},
-    "gemma2": {"head_dim": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
-               "attn_logit_softcapping": 50.0},
-    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
-                    "sliding_window": 4096},
-    "mistral": {"sliding_window": 4096},
-    "cohere": {"logit_scale": 0.0625},
-    "cohere2": {"sliding_window": 4096, "logit_scale": 0.0625},
-    "apertus": {"hidden_act": "xielu"},
-}  # fmt: skip
+# -- configs that nest the text model -------------------------------------------------------------------------------
 # transformers' SiglipVisionConfig defaults (configuration_siglip.py): Gemma-3's vision_config names only some keys.
 SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
                    "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
@@ -575,13 +298,6 @@ SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_la
 # (checked with `AutoConfig.for_model(t)` → `AutoModelForCausalLM.from_config`).
 NOT_CAUSAL_LM = {"mistral3", "llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
                  "paligemma", "idefics3", "smolvlm", "aya_vision", "internvl", "glm4v", "cohere2_vision"}  # fmt: skip
-
-
-def _with_class_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with its config class's defaults for the keys it omits (`CLASS_DEFAULTS`); a key present with
-    null stays null (head_dim null is hidden / heads, as in the classes that accept it)."""
-    defaults = CLASS_DEFAULTS.get(str(config.get("model_type", "")), {})
-    return {**defaults, **config}
 
 
 def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -649,21 +365,11 @@ def _gemma3_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
 # `_MOE_TARGET_MODULE_MAPPING`: Mixtral's w1/w2/w3/gate; gate_proj/up_proj/down_proj/gate on the families transformers
 # maps to the qwen2_moe pattern: Qwen3-MoE, OLMoE — not Qwen2-MoE itself); "all-linear" reaches them there and every
 # nn.Linear router (PhiMoE's). All checked on tiny models (tests/memory/test_moe.py).
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
-# Families whose MoE blocks the memory model's activation terms were measured on (devkit/moe_check.py,
+MOE_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.block == "moe")
+# Families whose MoE blocks the memory model's activation terms were measured on (devkit/harness/moe.py,
 # benchmarks/estimator_moe.md): all of MOE_FAMILIES; PhiMoE's (sparsemixer router, LayerNorms) is over-predicted by
 # up to 4.3 % of the layers' windows, the others within 1.1 % but for the expert-wide no-checkpointing envelope.
 MOE_PLANNED = MOE_FAMILIES
-# model_type → the target_modules names peft turns into LoRA on the experts / router parameters (see above).
-_PEFT_EXPERT_NAMES = {
-    "mixtral": frozenset({"w1", "w2", "w3", "gate"}),
-    "qwen3_moe": frozenset({"gate_proj", "up_proj", "down_proj", "gate"}),
-    "olmoe": frozenset({"gate_proj", "up_proj", "down_proj", "gate"}),
-}
-
-# model_type → `MoE.routing`, read from each family's TopKRouter.forward (modeling_*.py); the Qwen-MoE / OLMoE
-# routers depend on the config's `norm_topk_prob`.
-_ROUTING = {"mixtral": "fp32_renorm", "granitemoe": "topk_softmax"}
 
 
 @dataclass(frozen=True)
@@ -686,7 +392,7 @@ class MoE:
     routing: str = "cast"
     router_logits_kept: bool = False  # `output_router_logits`: every layer's [tokens, E] logits kept for the aux loss
     # layers with a dense MLP instead (Qwen-MoE `decoder_sparse_step` / `mlp_only_layers`): counted as sparse here,
-    # so the planner refuses such a config (lowmem_ft.planning); training and generation read it as is
+    # so the planner refuses such a config (lowmem_ft.choosing); training and generation read it as is
     dense_layers: tuple[int, ...] = ()
 
     def expert_params(self, hidden: int) -> int:
@@ -722,8 +428,9 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
     inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
     shape = _llama_block({**config, "intermediate_size": inter}, model_type)
     heads, kv, head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
-    qkv_bias = bool(config.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(config.get("attention_bias"))
-    o_bias = model_type != "qwen2_moe" and bool(config.get("attention_bias"))
+    rule = family(model_type)
+    qkv_bias = bool(config.get("qkv_bias", True)) if rule.shared_expert else bool(config.get("attention_bias"))
+    o_bias = not rule.shared_expert and bool(config.get("attention_bias"))
     linears = [
         Linear("q_proj", h, heads * head_dim, qkv_bias),
         Linear("k_proj", h, kv * head_dim, qkv_bias),
@@ -731,7 +438,7 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
         Linear("o_proj", heads * head_dim, h, o_bias),
     ]
     shared = 0
-    if model_type == "qwen2_moe":  # modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock: shared_expert + shared_expert_gate
+    if rule.shared_expert:  # modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock: shared_expert + shared_expert_gate
         shared = int(config.get("shared_expert_intermediate_size") or 0)
         linears += [Linear("gate_proj", h, shared), Linear("up_proj", h, shared), Linear("down_proj", shared, h)]
         linears.append(Linear("shared_expert_gate", h, 1))
@@ -739,20 +446,20 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
         experts=experts,
         top_k=per_token,
         intermediate_size=inter,
-        router="router" if model_type in ("granitemoe", "phimoe") else "gate",
-        router_linear=model_type == "phimoe",
+        router=rule.router,
+        router_linear=rule.router_linear,
         shared_intermediate=shared,
         # modeling_olmoe.py: q_norm over hidden_size, k_norm over the k/v width (not head_dim as Qwen3's)
-        extra_norm_params=(h + kv * head_dim - 2 * head_dim) if model_type == "olmoe" else 0,
-        peft_names=_PEFT_EXPERT_NAMES.get(model_type, frozenset()),
-        routing=_ROUTING.get(model_type) or ("fp32_renorm_cast" if config.get("norm_topk_prob") else "cast"),
+        extra_norm_params=(h + kv * head_dim - 2 * head_dim) if rule.moe_wide_qk_norm else 0,
+        peft_names=rule.peft_expert_names,
+        routing=rule.routing or ("fp32_renorm_cast" if config.get("norm_topk_prob") else "cast"),
         router_logits_kept=bool(config.get("output_router_logits")),
         dense_layers=tuple(dense_layers),
     )
     shape.update(
         linears=tuple(linears),
         intermediate_size=shared or inter,
-        norm="layer" if model_type == "phimoe" else "rms",  # modeling_phimoe.py: nn.LayerNorm (weight and bias)
+        norm=rule.norm,  # PhiMoE: nn.LayerNorm (weight and bias)
     )
     return cls(
         name=name or str(config.get("_name_or_path", "")),
@@ -760,14 +467,14 @@ def _moe_architecture(cls, config: dict[str, Any], name: str, model_type: str) -
         vocab_size=int(config["vocab_size"]),
         hidden_size=h,
         num_layers=layers,
-        qk_norm=model_type in ("qwen3_moe", "olmoe"),
+        qk_norm=rule.qk_norm == "always",
         **shape,
         max_position_embeddings=int(config.get("max_position_embeddings") or 0),
-        **_sliding(config, "qwen2" if model_type.startswith("qwen") else model_type),
+        **_sliding(config, model_type),
         logit_scale=_logit_scale(config),
         remote_code=False,
         experts=experts,
-        lm_head_bias=model_type == "phimoe" and bool(config.get("lm_head_bias")),
+        lm_head_bias=rule.lm_head_bias_flag and bool(config.get("lm_head_bias")),
         moe=moe,
     )
 

@@ -31,7 +31,7 @@ from lowmem_ft.memory.estimate import (
 )
 
 # Relative step-time cost of each saver, for the planner's ranking (`lowmem_ft.memory.planner.COST`). CPU step-time
-# ratios, not GPU ones (scripts/bench_context.py, benchmarks/context_cpu.md: each on top of checkpointing + the
+# ratios, not GPU ones (python -m devkit.bench.context, benchmarks/context_cpu.md: each on top of checkpointing + the
 # chunked loss, a 4-layer hidden-256 model at 1,024 tokens): tiled norms +9 % (the norms recomputed tile by tile),
 # tiled MLP +16 % (one more MLP forward per step), LoRA recompute +39 % (the LoRA branches' forward again, as many
 # small per-tile ops — what a CPU runs worst). Host embeddings measured +0 % on the CPU; 1.02 stands for a GPU's host

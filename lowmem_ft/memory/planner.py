@@ -10,10 +10,10 @@ added in order of cost — each set searched like the start — and the first se
 saver a plan turns on is needed. With the chunked loss chosen, its chunk is then sized from what the rest of the step
 leaves of the budget.
 
-A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.planning`), the `Target` it must
+A `Request` says where the search starts (a tier recipe's setup, mapped by `lowmem_ft.choosing`), the `Target` it must
 fit, and which knobs the user fixed (`Setup` field names, plus "gradient_accumulation" and "eval_batch_size"): those
 are never changed. The answer is a `Plan` record. Sequence length is the request's: choosing it from the data, and
-shortening it when the data's length cannot fit, is `lowmem_ft.planning`'s job (`max_seq_len` here finds the limit).
+shortening it when the data's length cannot fit, is `lowmem_ft.choosing`'s job (`max_seq_len` here finds the limit).
 """
 
 from __future__ import annotations
@@ -22,14 +22,21 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
-from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, DeviceShare, device_estimate, per_device, states_of
+from lowmem_ft.memory.sharding import (
+    OFFLOAD_OPTIMIZERS,
+    DeviceShare,
+    Requested,
+    _stages,
+    _strategy_reason,
+    per_device_estimate,
+)
 from lowmem_ft.memory.target import Target
 
 # Relative step-time cost of each saving, used only to rank configurations (a setup's cost is their product).
@@ -42,18 +49,6 @@ COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chu
 # The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
 # rounded up to cover the data, down to fit memory.
 SEQ_MULTIPLE = 16
-# Strategies the planner tries in order for `--gpus N` (strategy, offload): replication first (only the gradient
-# all-reduce), then full sharding (an all-gather per layer), then host offload (PCIe copies every step) — each step
-# saves device memory at a cost in speed. A user-given --strategy keeps its strategy; offload stays a further step.
-Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
-STAGES: dict[str, tuple[tuple[str, bool], ...]] = {
-    "auto": (("ddp", False), ("fsdp", False), ("fsdp", True)),
-    "ddp": (("ddp", False),),
-    "fsdp": (("fsdp", False), ("fsdp", True)),
-    "zero2": (("zero2", False), ("zero2", True)),
-    "zero3": (("zero3", False), ("zero3", True)),
-}
-assert tuple(STAGES) == get_args(Requested)
 # What the planner may change when the user did not fix it.
 KNOBS = frozenset(
     {
@@ -155,7 +150,7 @@ class Plan:
         return sum(c.bytes for c in self.estimate.components if c.phase == "host") / GB
 
     def to_dict(self) -> dict[str, Any]:
-        """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.planning` adds)."""
+        """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.choosing` adds)."""
         return {
             **self.target.to_dict(),
             "headroom_gb": round(self.headroom_gb, 3),
@@ -178,63 +173,6 @@ def _share_dict(share: DeviceShare) -> dict[str, Any]:
     keys = ("weights", "gradients", "optimizer", "gathered", "comm_buffers", "activations", "host")
     out: dict[str, Any] = {f"{k}_gb": round(getattr(share, k) / GB, 4) for k in keys}
     return {**out, "offload_optimizer": share.offload_optimizer, "offload_params": share.offload_params}
-
-
-def per_device_estimate(
-    arch: Architecture, s: Setup, gpus: int, strategy: str, offload: bool
-) -> tuple[Estimate, DeviceShare | None]:
-    """The estimate of one device: the single-device estimate when gpus == 1, else the strategy's share."""
-    est = estimate(arch, s)
-    if gpus == 1:
-        return est, None
-    full_shard = strategy in ("zero3", "fsdp")
-    share = per_device(
-        states_of(arch, s),
-        strategy,  # type: ignore[arg-type]
-        gpus,
-        offload_optimizer=offload,
-        offload_params=offload and strategy == "fsdp" and full_shard,  # FSDP CPUOffload moves both together
-    )
-    return device_estimate(arch, est, share), share
-
-
-# -- strategies (several devices) --------------------------------------------------------------------------------
-def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantization: str | None) -> list:
-    """Strategy stages to try; offload only where the optimizer can step on the host, sharding not for int8."""
-    if strategy not in STAGES:
-        raise UserError(f"--strategy {strategy}: choose one of {', '.join(STAGES)}")
-    if strategy == "ddp" and offload:
-        raise UserError("--offload needs a sharded strategy (DDP keeps everything on the device); use --strategy fsdp")
-    stages = [
-        (st, off)
-        for st, off in STAGES[strategy]
-        if (offload is None or off == offload)
-        and not (off and optimizer is not None and optimizer not in OFFLOAD_OPTIMIZERS)
-        and not (st != "ddp" and quantization == "int8")  # bnb int8 weights have no float storage to shard
-    ]
-    if not stages:
-        raise UserError(
-            f"--strategy {strategy}{' --offload' if offload else ''}: no runnable combination "
-            f"(offload needs optimizer.name adamw_torch or adafactor; int8 weights cannot be sharded)"
-        )
-    return stages
-
-
-def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, budget: float) -> str:
-    """Why this strategy: the per-device need of each stage tried before it."""
-    verb = {"ddp": "DDP (a full copy per device)", "fsdp": "FSDP full shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
-    name = verb[strat] + (" + CPU offload" if off else "")
-    before = [f"{verb[t[0]] + (' + offload' if t[1] else '')} needs {t[2].peak_gb:.1f} GB" for t in tried[:-1]]
-    last = tried[-1][2].peak_gb
-    fits = last <= budget
-    why = f"{name} on {gpus} devices: {last:.1f} GB per device " + (
-        f"fits the {budget:.1f} GB budget" if fits else f"OVER the {budget:.1f} GB budget"
-    )
-    if before:
-        why += f" ({'; '.join(before)} per device, over the budget)"
-    elif strat == "ddp" and fits:
-        why += " — the model fits whole on each device, so only gradients are all-reduced"
-    return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")
 
 
 def check(arch: Architecture, request: Request) -> Plan:
@@ -668,10 +606,12 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
         else f"use a smaller model or --vram {math.ceil(need)}"
     )
     experts = ""
-    if arch.moe and s.quantization != "none":
+    # a single device's estimate names the 16-bit experts (a per-device share names weights by kind instead)
+    expert_bytes = est.by_name().get("experts + routers (16-bit)")
+    if arch.moe and s.quantization != "none" and expert_bytes is not None:
         n_experts = arch.num_layers * arch.moe.expert_params(arch.hidden_size)
         experts = (
-            f", of which {est.by_name()['experts + routers (16-bit)'] / 1e9:.1f} GB are its {n_experts / 1e9:.1f}B "
+            f", of which {expert_bytes / 1e9:.1f} GB are its {n_experts / 1e9:.1f}B "
             f"expert parameters (of {arch.total_params / 1e9:.1f}B), which {STORAGE[s.quantization]} leaves in 16-bit: "
             "bitsandbytes quantizes nn.Linear layers only"
         )

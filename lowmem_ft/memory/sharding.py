@@ -15,8 +15,9 @@ DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_stat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
+from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import (
     BATCH,
@@ -25,6 +26,7 @@ from lowmem_ft.memory.estimate import (
     Estimate,
     Setup,
     _trainable_tensors,  # the estimate's own list of trainable tensors, so both count the same parameters
+    estimate,
     optimizer_state_bytes,
     trainer_fp32_states,
     weight_bytes,
@@ -330,3 +332,74 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
     notes = [*est.notes, f"per device: {share.strategy} over {n} devices"]
     return Estimate(per + rest, est.setup, est.model_peak_bytes - static + device_static, est.overhead_bytes,
                     est.peak_phase, notes)  # fmt: skip
+
+
+# -- the strategies the planner tries (several devices) -------------------------------------------------------------
+# Strategies the planner tries in order for `--gpus N` (strategy, offload): replication first (only the gradient
+# all-reduce), then full sharding (an all-gather per layer), then host offload (PCIe copies every step) — each step
+# saves device memory at a cost in speed. A user-given --strategy keeps its strategy; offload stays a further step.
+Requested = Literal["auto", "ddp", "fsdp", "zero2", "zero3"]
+STAGES: dict[str, tuple[tuple[str, bool], ...]] = {
+    "auto": (("ddp", False), ("fsdp", False), ("fsdp", True)),
+    "ddp": (("ddp", False),),
+    "fsdp": (("fsdp", False), ("fsdp", True)),
+    "zero2": (("zero2", False), ("zero2", True)),
+    "zero3": (("zero3", False), ("zero3", True)),
+}
+assert tuple(STAGES) == get_args(Requested)
+
+
+def per_device_estimate(
+    arch: Architecture, s: Setup, gpus: int, strategy: str, offload: bool
+) -> tuple[Estimate, DeviceShare | None]:
+    """The estimate of one device: the single-device estimate when gpus == 1, else the strategy's share."""
+    est = estimate(arch, s)
+    if gpus == 1:
+        return est, None
+    full_shard = strategy in ("zero3", "fsdp")
+    share = per_device(
+        states_of(arch, s),
+        strategy,  # type: ignore[arg-type]
+        gpus,
+        offload_optimizer=offload,
+        offload_params=offload and strategy == "fsdp" and full_shard,  # FSDP CPUOffload moves both together
+    )
+    return device_estimate(arch, est, share), share
+
+
+def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantization: str | None) -> list:
+    """Strategy stages to try; offload only where the optimizer can step on the host, sharding not for int8."""
+    if strategy not in STAGES:
+        raise UserError(f"--strategy {strategy}: choose one of {', '.join(STAGES)}")
+    if strategy == "ddp" and offload:
+        raise UserError("--offload needs a sharded strategy (DDP keeps everything on the device); use --strategy fsdp")
+    stages = [
+        (st, off)
+        for st, off in STAGES[strategy]
+        if (offload is None or off == offload)
+        and not (off and optimizer is not None and optimizer not in OFFLOAD_OPTIMIZERS)
+        and not (st != "ddp" and quantization == "int8")  # bnb int8 weights have no float storage to shard
+    ]
+    if not stages:
+        raise UserError(
+            f"--strategy {strategy}{' --offload' if offload else ''}: no runnable combination "
+            f"(offload needs optimizer.name adamw_torch or adafactor; int8 weights cannot be sharded)"
+        )
+    return stages
+
+
+def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, budget: float) -> str:
+    """Why this strategy: the per-device need of each stage tried before it."""
+    verb = {"ddp": "DDP (a full copy per device)", "fsdp": "FSDP full shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+    name = verb[strat] + (" + CPU offload" if off else "")
+    before = [f"{verb[t[0]] + (' + offload' if t[1] else '')} needs {t[2].peak_gb:.1f} GB" for t in tried[:-1]]
+    last = tried[-1][2].peak_gb
+    fits = last <= budget
+    why = f"{name} on {gpus} devices: {last:.1f} GB per device " + (
+        f"fits the {budget:.1f} GB budget" if fits else f"OVER the {budget:.1f} GB budget"
+    )
+    if before:
+        why += f" ({'; '.join(before)} per device, over the budget)"
+    elif strat == "ddp" and fits:
+        why += " — the model fits whole on each device, so only gradients are all-reduced"
+    return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")

@@ -13,7 +13,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import MISSING, asdict, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -21,7 +21,7 @@ import yaml
 
 from lowmem_ft.console import first_time
 from lowmem_ft.errors import ConfigError, UserError
-from lowmem_ft.recipe.schema import INT_LIMIT, SECTIONS, Recipe, in_range, span
+from lowmem_ft.recipe.schema import INT_LIMIT, KEYS, SECTIONS, Recipe, in_range, span
 
 log = logging.getLogger(__name__)
 
@@ -386,12 +386,14 @@ def dump(recipe: Recipe, header: str | None = None) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """`section.key` → its documentation, from the schema."""
+    """`section.key` → its documentation, from the schema (`recipes keys`): help, default, range and flag."""
     out = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            bounds = _bounds(f)
-            where = f", {span(**bounds)}" if bounds else ""
-            out[f"{section}.{f.name}"] = f"{f.metadata.get('help', '')} (default: {default!r}{where})"
+    for path, key in KEYS.items():
+        bounds = key.bounds
+        where = f", {span(**bounds)}" if bounds else ""
+        flag = ""
+        if key.flag is not None:
+            to = f" to {key.flag.switch}" if key.flag.switch not in (None, True) else ""
+            flag = f"; {key.flag.name} sets it{to}"
+        out[path] = f"{key.help} (default: {key.default!r}{where}{flag})"
     return out

@@ -1,13 +1,21 @@
-"""The recipe schema: one typed dataclass per section, whose field help is the documentation.
+"""The recipe schema: one typed dataclass per section, whose fields are the one declaration of each recipe key.
 
 A recipe is everything a run needs besides the machine: which model and data, how the model is stored and
 adapted, which optimizer, how memory is spent, how long to train and where to log. YAML files only fill these
 dataclasses in (see `lowmem_ft.recipe.load`); `lowmem-ft recipes show NAME` prints them resolved.
+
+The one idea: a key is declared once, here — its type, default, range and help, and where it has them its
+command-line flag (`Flag`: `--seq-len` is `--set memory.max_seq_len=…`) and the planner knob it feeds (`Planned`:
+a `Setup` field of the memory model). Everything else is derived from `KEYS`: the defaults (the shipped YAML files
+restate none), the flags of `train` and `plan` and the origin their errors name (`lowmem_ft.commands.flags`), and
+recipe ⇄ `Setup` ⇄ plan (`lowmem_ft.choosing`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import typing
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
 
 Quantization = Literal["nf4", "int8", "none"]
@@ -30,17 +38,52 @@ MIN_SEQ_LEN = 16
 INT_LIMIT = 2**31
 
 
-def _f(default, help: str, **kw):
+@dataclass(frozen=True)
+class Flag:
+    """The command-line flag of a recipe key: `--seq-len 64` is `--set memory.max_seq_len=64` (the value read as
+    `--set` reads it, a string key's as typed), and errors about the value name the flag, not `--set`.
+
+    `help` is the flag's line in `--help` (the key is added after it); `switch` makes it a flag without a value
+    that sets the key to `switch` (`--no-wandb` → logging.wandb_mode=disabled); `hidden_choices` are choices of the
+    key the flag does not offer (`--format auto` is what no flag means).
+    """
+
+    name: str
+    help: str
+    metavar: str | None = None
+    switch: Any = None
+    hidden_choices: tuple[str, ...] = ()
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner knob a recipe key feeds: a field of the memory model's `Setup`, or a figure the planner's request
+    and plan carry beside it (`gradient_accumulation`, `eval_batch_size`), and how a value is spelled there and back
+    where the two differ (a list as a tuple, a switch as a choice, 0 = automatic as None)."""
+
+    name: str
+    to_planner: Callable[[Any], Any] = _same
+    from_planner: Callable[[Any], Any] = _same
+
+
+def _f(default, help: str, *, flag: Flag | None = None, planner: str | Planned | None = None, **kw):
     """A dataclass field whose `help` is its documentation (`lowmem-ft recipes keys`).
 
     `ge` / `gt` / `lt` in `kw` declare the field's range (at least `ge`, above `gt`, below `lt`);
     `lowmem_ft.recipe.load` checks it, once, when a recipe is resolved — the one place a value is validated.
+    `flag` is the key's command-line flag, `planner` the planner knob it feeds (a name: the same value there).
     """
+    planned = Planned(planner) if isinstance(planner, str) else planner
+    metadata = {"help": help, "flag": flag, "planner": planned, **kw}
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+        return field(default_factory=lambda d=default: list(d), metadata=metadata)
     if isinstance(default, dict):
-        return field(default_factory=lambda d=default: dict(d), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=lambda d=default: dict(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def span(*, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None) -> str:
@@ -73,40 +116,60 @@ def in_range(value: float, *, ge=None, gt=None, le=None, lt=None) -> bool:
 
 @dataclass
 class ModelSection:
-    name_or_path: str = _f("", "Hub id (e.g. Qwen/Qwen2.5-7B) or local directory of the base model. `--model` sets it.")
-    quantization: Quantization = _f(
-        "nf4", "How base weights are stored: nf4 (QLoRA 4-bit), int8 (LLM.int8), none (16-bit)."
+    name_or_path: str = _f(
+        "",
+        "Hub id (e.g. Qwen/Qwen2.5-7B) or local directory of the base model.",
+        flag=Flag("--model", "hub id or local directory of the base model"),
     )
-    double_quant: bool = _f(True, "NF4 only: quantize the quantization constants too (saves ~0.37 bit/param).")
+    quantization: Quantization = _f(
+        "nf4", "How base weights are stored: nf4 (QLoRA 4-bit), int8 (LLM.int8), none (16-bit).", planner="quantization"
+    )
+    double_quant: bool = _f(
+        True, "NF4 only: quantize the quantization constants too (saves ~0.37 bit/param).", planner="double_quant"
+    )
     compute_dtype: DType = _f(
-        "bfloat16", "dtype of matmuls and of the unquantized modules (embeddings, lm_head, norms)."
+        "bfloat16",
+        "dtype of matmuls and of the unquantized modules (embeddings, lm_head, norms).",
+        planner="compute_dtype",
     )
     attn_implementation: Attention = _f(
-        "sdpa", "Attention kernel: sdpa (memory-efficient), flash_attention_2, eager (s² scores)."
+        "sdpa",
+        "Attention kernel: sdpa (memory-efficient), flash_attention_2, eager (s² scores).",
+        planner="attn_implementation",
     )
     trust_remote_code: bool = _f(
         False,
         "Run the model repository's own Python code. Only the command line turns it on (--trust-remote-code or "
         "--set): a recipe file — a run directory's recipe.yaml included — cannot.",
+        flag=Flag("--trust-remote-code", "allow the model repository's own code", switch=True),
     )
 
 
 @dataclass
 class AdapterSection:
     kind: AdapterKind = _f(
-        "lora", "lora: train low-rank adapters on a frozen base; full: train every weight (no quantization)."
+        "lora",
+        "lora: train low-rank adapters on a frozen base; full: train every weight (no quantization).",
+        planner="adapter",
     )
-    r: int = _f(16, "LoRA rank.", ge=1)
+    r: int = _f(16, "LoRA rank.", ge=1, planner="lora_r")
     alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).", ge=1)
-    dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0)
+    dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0, planner="lora_dropout")
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",
+        planner=Planned("lora_targets", tuple, list),
     )
     name_or_path: str = _f(
         "",
         "An existing LoRA adapter to continue training (a directory with adapter_config.json, or a Hub id); its r, "
-        "alpha, dropout and target_modules replace this section's. `--adapter` sets it.",
+        "alpha, dropout and target_modules replace this section's.",
+        flag=Flag(
+            "--adapter",
+            "continue training this LoRA adapter (a directory, runs/NAME, or a Hub id); the plan counts its rank and "
+            "target modules",
+            metavar="PATH_OR_ID",
+        ),
     )
 
 
@@ -115,8 +178,9 @@ class OptimizerSection:
     name: OptimizerName = _f(
         "paged_adamw_8bit",
         "Optimizer: adamw_torch (fp32 states, 8 B/param), adamw_8bit / paged_adamw_8bit (bitsandbytes, ~2 B/param), paged_adamw_32bit, adafactor.",
+        planner="optimizer",
     )
-    lr: float = _f(2e-4, "Peak learning rate.", gt=0.0)
+    lr: float = _f(2e-4, "Peak learning rate.", gt=0.0, flag=Flag("--lr", "peak learning rate", metavar="LR"))
     weight_decay: float = _f(0.0, "Weight decay (decoupled, AdamW).", ge=0.0)
     schedule: Schedule = _f("cosine", "Learning-rate schedule after warmup.")
     warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.", ge=0.0, lt=1.0)
@@ -126,31 +190,50 @@ class OptimizerSection:
 @dataclass
 class MemorySection:
     gradient_checkpointing: bool = _f(
-        True, "Recompute layer activations in backward (non-reentrant) instead of keeping them."
+        True,
+        "Recompute layer activations in backward (non-reentrant) instead of keeping them.",
+        planner="gradient_checkpointing",
     )
-    micro_batch_size: int = _f(1, "Samples per forward/backward on one device.", ge=1)
+    micro_batch_size: int = _f(1, "Samples per forward/backward on one device.", ge=1, planner="micro_batch_size")
     gradient_accumulation: int = _f(
-        8, "Micro batches per optimizer step (effective batch = micro_batch_size × this × GPUs).", ge=1
+        8,
+        "Micro batches per optimizer step (effective batch = micro_batch_size × this × GPUs).",
+        ge=1,
+        planner="gradient_accumulation",
     )
-    max_seq_len: int = _f(1024, "Longest sequence in tokens; longer samples follow data.truncate.", ge=MIN_SEQ_LEN)
+    max_seq_len: int = _f(
+        1024,
+        "Longest sequence in tokens; longer samples follow data.truncate.",
+        ge=MIN_SEQ_LEN,
+        flag=Flag("--seq-len", "longest sequence in tokens; fixed, not sized from the data", metavar="N"),
+        planner="max_seq_len",
+    )
     safety_margin_gb: float = _f(
-        1.0, "VRAM kept free below the target, for the allocator and for spikes (budget = VRAM − this).", ge=0.0
+        1.0,
+        "VRAM kept free below the target, for the allocator and for spikes (budget = VRAM − this).",
+        ge=0.0,
+        planner="safety_margin_gb",
     )
     activation_offloading: bool = _f(
         False,
         "Keep the checkpointed layer inputs in pinned host memory (transformers' offload=True, torch save_on_cpu); "
         "needs gradient_checkpointing.",
+        planner="activation_offloading",
     )
     chunked_loss: bool = _f(
         False,
         "Compute the loss in token chunks, recomputing each chunk's logits in backward, instead of over full fp32 "
         "logits (lowmem_ft.train.losses).",
+        # TRL 1.16 SFTTrainer.compute_loss always goes through the fused LM head unless a compute_loss_func is set;
+        # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
+        planner=Planned("loss_impl", lambda on: "chunked" if on else "trl_fused", lambda impl: impl == "chunked"),
     )
     eval_batch_size: int = _f(
         0,
         "Samples per evaluation forward; 0 = automatic (the planner's choice under --vram, else micro_batch_size). Eval keeps no "
         "gradients or optimizer states, but its logits are a peak of their own.",
         ge=0,
+        planner="eval_batch_size",
     )
     loss_chunk_tokens: int = _f(
         0,
@@ -158,33 +241,39 @@ class MemorySection:
         "(the largest that fits what the rest of the step leaves, at most 4,096 tokens), else 64 MiB of fp32 logits "
         "per chunk. Larger chunks are fewer, faster matmuls and a larger loss working set "
         "(lowmem_ft.memory.estimate.largest_loss_chunk).",
+        planner=Planned("loss_chunk_tokens", lambda n: n or None, lambda n: n or 0),  # the planner's None: automatic
     )
     tiled_mlp: bool = _f(
         False,
         "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
         "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiled_mlp); costs one more MLP "
         "forward per step.",
+        planner="tiled_mlp",
     )
     mlp_tile_tokens: int = _f(
         0,
         "Tokens per tile of tiled_mlp, tiled_norms and recompute_lora; 0 = automatic (hidden_size tokens; under --vram "
         "the planner tries tiles of 1,024 and 256 tokens when the larger ones do not fit).",
+        planner="mlp_tile_tokens",
     )
     tiled_norms: bool = _f(
         False,
         "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
         "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiled_mlp.tile_norms).",
+        planner="tiled_norms",
     )
     recompute_lora: bool = _f(
         False,
         "Recompute each LoRA branch (input cast, dropout, lora_A) in token tiles in backward instead of keeping "
         "peft's fp32 copies of every adapted linear's input (lowmem_ft.train.lora_recompute); costs the LoRA "
         "branches' forward once more.",
+        planner="recompute_lora",
     )
     embeddings_on_host: bool = _f(
         False,
         "Keep the frozen input embedding table in host memory: the lookup runs on the CPU and only the gathered rows "
         "move to the device (untied models with LoRA only; lowmem_ft.train.host_embeddings).",
+        planner="embeddings_on_host",
     )
 
 
@@ -193,7 +282,12 @@ class DataSection:
     path: str = _f(
         "",
         "Training data: a JSONL / JSON / Parquet / CSV / TSV file, a directory of them, a `save_to_disk` directory, "
-        "or a Hugging Face Hub data set id (org/name). `--data` sets it.",
+        "or a Hugging Face Hub data set id (org/name).",
+        flag=Flag(
+            "--data",
+            "training data: a JSONL / JSON / Parquet / CSV file, a directory of them, a save_to_disk directory or a "
+            "Hub id",
+        ),
     )
     split: str = _f(
         "train", "Split to train on: of a Hub data set, a saved DatasetDict, or a directory with train/test files."
@@ -223,6 +317,7 @@ class DataSection:
         "auto",
         "Record shape; auto detects text, prompt/completion (strings, or lists of turns: chat_prompt_completion), "
         "messages, sharegpt, alpaca.",
+        flag=Flag("--format", "force the data format; default: detect it", hidden_choices=("auto",)),
     )
     train_on_prompt: bool = _f(
         False, "Also compute the loss on prompt / user tokens (default: completion / assistant only)."
@@ -236,10 +331,15 @@ class DataSection:
     truncate: Truncate = _f("keep_start", "What happens to samples longer than memory.max_seq_len.")
     overlap: int = _f(128, "Tokens shared by consecutive chunks when truncate is chunk.", ge=0)
     packing: bool = _f(False, "Pack several samples into one max_seq_len sequence (no attention across samples).")
-    skip_bad_lines: bool = _f(False, "Skip malformed lines (and report them) instead of stopping.")
+    skip_bad_lines: bool = _f(
+        False,
+        "Skip malformed lines (and report them) instead of stopping.",
+        flag=Flag("--skip-bad-lines", "skip malformed data lines and report them", switch=True),
+    )
     eval_path: str = _f(
         "",
         "Evaluation data, any source `path` takes (default: none, eval_split, or eval_fraction of the training data).",
+        flag=Flag("--eval-data", "evaluation data, any source --data takes"),
     )
     eval_split: str = _f(
         "", "Split of the evaluation data: of eval_path, or of `path` when eval_path is empty (e.g. test, validation)."
@@ -254,14 +354,27 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
-    epochs: float = _f(1.0, "Passes over the data, fractions allowed (ignored when max_steps > 0).", gt=0.0)
-    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs `epochs` passes.")
+    epochs: float = _f(
+        1.0,
+        "Passes over the data, fractions allowed (ignored when max_steps > 0).",
+        gt=0.0,
+        flag=Flag("--epochs", "passes over the data", metavar="N"),
+    )
+    max_steps: int = _f(
+        -1,
+        "Optimizer steps to run; -1 runs `epochs` passes.",
+        flag=Flag("--max-steps", "optimizer steps to run (-1: run --epochs passes)", metavar="N"),
+    )
     seed: int = _f(42, "Seed for data order and adapter initialization.", ge=0)
     logging_steps: int = _f(10, "Log loss every N optimizer steps.", ge=1)
     save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.", ge=1)
     save_total_limit: int = _f(2, "Checkpoints kept on disk (the newest; 0 keeps every one).", ge=0)
     eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)
-    output_dir: str = _f("runs", "Parent directory of run directories.")
+    output_dir: str = _f(
+        "runs",
+        "Parent directory of run directories.",
+        flag=Flag("--output-dir", "parent directory of run directories", metavar="DIR"),
+    )
 
 
 @dataclass
@@ -270,10 +383,17 @@ class LoggingSection:
         ["wandb"],
         "Trackers that get the metrics, the resolved recipe and the plan (transformers' report_to names): wandb, "
         "tensorboard (into the run directory's tensorboard/), trackio, or none.",
+        flag=Flag(
+            "--report-to",
+            f"trackers for metrics, recipe and plan: {', '.join(typing.get_args(Tracker))}",
+            metavar="TRACKER",
+        ),
     )
     wandb_project: str = _f("lowmem-ft", "Weights & Biases (and trackio) project.")
     wandb_mode: WandbMode = _f(
-        "auto", "online, offline, disabled, or auto (online when logged in, offline otherwise); disabled drops wandb."
+        "auto",
+        "online, offline, disabled, or auto (online when logged in, offline otherwise); disabled drops wandb.",
+        flag=Flag("--no-wandb", "do not log to Weights & Biases", switch="disabled"),
     )
 
 
@@ -289,3 +409,56 @@ class Recipe:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Recipe)}  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key as declared: `section.name`, its type, default and the declaration's metadata."""
+
+    section: str
+    name: str
+    type: Any
+    field: Field
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        return f.default_factory() if callable(f.default_factory) else f.default
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata.get("help", "")
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The declared range: `ge`, `gt`, `le`, `lt` as given (see `_f`)."""
+        return {b: self.field.metadata[b] for b in ("ge", "gt", "le", "lt") if self.field.metadata.get(b) is not None}
+
+    @property
+    def flag(self) -> Flag | None:
+        return self.field.metadata.get("flag")
+
+    @property
+    def planned(self) -> Planned | None:
+        return self.field.metadata.get("planner")
+
+    def of(self, recipe: Recipe) -> Any:
+        """This key's value in `recipe`."""
+        return getattr(getattr(recipe, self.section), self.name)
+
+
+def _keys() -> dict[str, Key]:
+    out = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            out[f"{section}.{f.name}"] = Key(section, f.name, hints[f.name], f)
+    return out
+
+
+KEYS: dict[str, Key] = _keys()
+"""Every recipe key, `section.name` → its declaration, in schema order."""

@@ -103,8 +103,11 @@ def sft_config(recipe: Recipe, checkpoints: Path, run_name: str, *, report_to: l
         # the old `gradient_checkpointing=True` alias would print a FutureWarning on every run.
         activation_checkpointing=False,
         max_length=m.max_seq_len,
-        # lowmem_ft.data has tokenized, masked (labels) and fitted every sample to max_length already, so TRL's
-        # truncation is a no-op and its completion/assistant masking is not needed.
+        # lowmem_ft.data has tokenized, masked (labels), fitted every sample to max_length and dropped those left
+        # without loss tokens already (and packs them, `lowmem_ft.data.prepare.pack`): TRL's second pass over them
+        # (SFTTrainer._prepare_dataset: its "Truncating" and "Dropping fully masked examples" maps) would change
+        # nothing, so it is skipped.
+        dataset_kwargs={"skip_prepare_dataset": True},
         truncation_mode="keep_start",
         packing=packed,
         packing_strategy="bfd",  # keeps sample boundaries; TRL turns padding_free on for it

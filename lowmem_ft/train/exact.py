@@ -51,7 +51,7 @@ class ExactMemory:
 
     Args:
         arch: the model's architecture (the memory model's view of it).
-        setup: the run's memory setup in its CPU form (`planning.setup_from_recipe(recipe, device="cpu")`).
+        setup: the run's memory setup in its CPU form (`choosing.setup_from_recipe(recipe, device="cpu")`).
         eval_batch: the evaluation batch the run starts with (for the start record's eval prediction).
         ddp: one of several processes (`train --gpus N` on the CPU is DDP): the trainer's gradient average.
     """
@@ -81,8 +81,8 @@ class ExactMemory:
     def for_recipe(cls, recipe, eval_batch: int, processes: int = 1, config=None) -> ExactMemory:
         """The CPU form of `recipe`'s setup, with the architecture the planner reads (config.json), else that of the
         loaded model's `config` (a Hub model read from the cache while offline)."""
+        from lowmem_ft.choosing import setup_from_recipe
         from lowmem_ft.memory.arch import load_architecture
-        from lowmem_ft.planning import setup_from_recipe
 
         try:
             arch = load_architecture(recipe.model.name_or_path, recipe.model.trust_remote_code)

@@ -6,7 +6,7 @@ The one idea: a signal only raises a flag; the trainer acts on it at the end of 
 (SIGINT) or 143 (SIGTERM) and one line saying how to resume (`lowmem_ft.errors.Interrupted`, raised by
 `lowmem_ft.train.run`). A second Ctrl-C aborts at
 once: the steps since the last checkpoint are lost, and a save it cuts short is never taken for whole
-(`lowmem_ft.train.saving`). Before training starts (data, model) there is nothing to save and a signal stops at
+(`lowmem_ft.train.checkpoints`). Before training starts (data, model) there is nothing to save and a signal stops at
 once; after training ended (final save) a first signal is noted and the run finishes.
 
 transformers' own `enable_jit_checkpoint` (trainer_jit_checkpoint.py) answers SIGTERM only, after a fixed 3 s

@@ -27,10 +27,10 @@ from typing import Any, get_args
 
 import yaml
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
 from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir
 

@@ -16,7 +16,7 @@ fp32 copies of each tile in its torch fallback elsewhere): that is the `memory.c
 the estimator's "trl_fused" term models. With `chunked_loss: true`, `install_loss_head` answers the call with ours, so
 TRL's loss normalisation and metrics stay TRL's; entropy and top-1 accuracy are computed per chunk (no full logits).
 `install_loss_head(chunked=False)` gives the standard transformers loss over full logits (the reference of the
-tests and of scripts/bench_savers.py; not used in training).
+tests and of devkit/bench/savers.py; not used in training).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # transformers' `ForCausalLMLoss` and TRL's label masks
 # Bytes of fp32 logits one chunk may hold. A chunk's transient peak is about 3× this (its logits in the compute
-# dtype, their fp32 copy, exp()), measured with PeakMemory in scripts/bench_savers.py: 64 MiB keeps the loss
+# dtype, their fp32 copy, exp()), measured with PeakMemory in devkit/bench/savers.py: 64 MiB keeps the loss
 # term near 0.25 GB for any vocabulary while the chunk's matmul stays large enough to be efficient
 # (110 tokens × 151,936 vocab).
 CHUNK_FP32_BYTES = 64 * 2**20

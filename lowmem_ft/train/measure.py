@@ -20,7 +20,7 @@ Why not torch's own tools: `torch.cuda.memory._record_memory_history` and the al
 CPU allocations but buffers every event of every operator until it stops (memory grows with the run) and gives no
 running peak without post-processing them; `MemTracker` is this same mechanism plus module hooks and misses tensors
 that are neither parameters, buffers nor optimizer states (bitsandbytes' quantization constants). The measured cost
-of each is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
+of each is in `benchmarks/monitor_overhead.md` (`python -m devkit.bench.monitor_overhead`).
 
     with PeakMemory() as pm:
         loss = model(**batch).loss; loss.backward(); optimizer.step()

@@ -313,12 +313,12 @@ def load_adapter(model, recipe: Recipe):
 
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
-    from lowmem_ft.train.savers import apply_memory_savers
+    from lowmem_ft.train.context_savers import apply_memory_savers
 
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
     model = load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
-    apply_memory_savers(model, recipe)  # memory.tiled_mlp, tiled_norms, recompute_lora, embeddings_on_host
+    apply_memory_savers(model, recipe)  # the recipe's long-context savers, last
     return model
 
 

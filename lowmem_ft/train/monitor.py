@@ -15,7 +15,7 @@ Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; eve
   phase and the batch that ran, `predicted_peak_live_gb`, with the batch as `batch` ([rows, tokens]).
 
 Reading these is host-side bookkeeping (no device synchronisation), so a sample costs microseconds; the measured
-overhead is in `benchmarks/monitor_overhead.md` (`scripts/bench_monitor.py`).
+overhead is in `benchmarks/monitor_overhead.md` (`python -m devkit.bench.monitor_overhead`).
 
 Several processes (`train --gpus N`): every rank samples its own device. Rank 0 writes `memory.jsonl` (what the
 report reads), rank R > 0 writes `memory.rank{R}.jsonl` beside it — one writer per file, so no appends interleave

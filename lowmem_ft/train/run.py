@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
 
@@ -118,13 +118,7 @@ class FineTune:
         """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
         UserError when there is none."""
         run = self.run
-        point = run.resume_point()
-        if point.checkpoint is None:
-            run.unlock()
-            raise UserError(
-                f"--resume {run.path}: {point.describe()}, nothing to continue; start the run again without "
-                "--resume (same --name)"
-            )
+        point = run.resumable()
         before = run.read_status()
         if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
             ended = "stopped without recording how" if before.state == "running" else before.describe()
@@ -182,12 +176,16 @@ class FineTune:
         self.is_main = self.args.process_index == 0
 
     def _setup_data(self) -> None:
-        from lowmem_ft.data.prepare import prepare_datasets
+        from lowmem_ft.data.prepare import pack, prepare_datasets
         from lowmem_ft.train.model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.recipe)
         self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
         self.data_summary["batching"] = self.batching.to_dict()
+        if self.batching.packed:  # TRL's own preparation is skipped (`args.sft_config`), its packing with it
+            self.train_ds = pack(self.train_ds, self.recipe.memory.max_seq_len)
+            if self.eval_ds is not None:
+                self.eval_ds = pack(self.eval_ds, self.recipe.memory.max_seq_len)
 
     def _setup_model(self) -> None:
         from transformers import set_seed
@@ -242,6 +240,7 @@ class FineTune:
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train import progress, tracking
+        from lowmem_ft.train.early import ProveEarly
         from lowmem_ft.train.losses import install_loss_head
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
@@ -262,12 +261,32 @@ class FineTune:
         )
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
+        # the evaluation's heaviest batch and a trial save after step 1, after the monitor that records their memory
+        self.early = ProveEarly(self.trainer)
+        self.trainer.add_callback(self.early)
+        # the banner after the trackers' callbacks (W&B's run exists when it prints), before the bar starts drawing
+        self.trainer.add_callback(self._banner())
         progress.install(self.trainer, self.monitor, self.target)
         _keep_adapters_fp32(self.trainer.model, self.recipe)
         if m.chunked_loss:
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
             install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
+
+    def _banner(self):
+        """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
+        from lowmem_ft.train.banner import PlanBanner, RunView, machine_ram_gb
+        from lowmem_ft.train.model import trainable_summary
+
+        plan = self.choice.plan
+        host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
+        counts = trainable_summary(self.model)
+        view = RunView(
+            "sft", self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
+            world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
+            run_dir=str(self.run.path),
+        )  # fmt: skip
+        return PlanBanner(view, tensorboard_dir=str(self.run.tensorboard))
 
     def _write_run_files(self) -> None:
         from lowmem_ft.train.model import trainable_summary
@@ -358,8 +377,8 @@ class FineTune:
     def _save_weights(self) -> None:
         """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
         rank 0 writes the weights and the tokenizer."""
+        from lowmem_ft.train.checkpoints import rename_into_place
         from lowmem_ft.train.ranks import barrier
-        from lowmem_ft.train.saving import rename_into_place
 
         final = self.run.weights(self.recipe.adapter.kind == "full")
         staged = self.run.staged(final)
@@ -393,7 +412,10 @@ class FineTune:
             log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Final metrics: the trainer's, first/last loss, and with eval data the best evaluation and what was kept."""
+        """Final metrics: the trainer's, first/last loss, throughput, and with eval data the best evaluation and what
+        was kept."""
+        from lowmem_ft.train import progress
+
         logged = [h for h in history if "loss" in h]
         metrics = {
             **self.output.metrics,
@@ -403,6 +425,8 @@ class FineTune:
             "first_loss_step": logged[0].get("step") if logged else None,
             "last_loss_step": logged[-1].get("step") if logged else None,
             "wall_seconds": round(self.elapsed, 2),
+            "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
+            "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
             "wandb_mode": self.tracking.mode,
         }
         evals = [h for h in history if "eval_loss" in h]
@@ -460,7 +484,7 @@ class FineTune:
     def _ending(self, exc: BaseException) -> BaseException:
         """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
         for everything but a bug."""
-        from lowmem_ft.train.saving import DiskFull, is_disk_full
+        from lowmem_ft.train.checkpoints import DiskFull, is_disk_full
 
         trainer = getattr(self, "trainer", None)
         step = trainer.state.global_step if trainer is not None else None
@@ -481,7 +505,7 @@ class FineTune:
 
     def _disk_full(self, exc: BaseException):
         """A full disk outside a checkpoint save (memory log, final weights, run files): the same one line."""
-        from lowmem_ft.train.saving import Saver
+        from lowmem_ft.train.checkpoints import Saver
 
         trainer = getattr(self, "trainer", None)
         saver = trainer.saver if trainer is not None else Saver(self.run)

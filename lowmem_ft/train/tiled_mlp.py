@@ -22,8 +22,9 @@ needs Triton to import, DeepSpeed its whole runtime. torch's `checkpoint` alread
 state restored (`preserve_rng_state=True`) and lets the one autograd graph accumulate each weight's gradient
 once; what is ours is the ~20 lines that split the tokens and concatenate the tiles.
 
-The same tiling serves the norms (`memory.tiled_norms`, `tile_norms`): an RMSNorm is per token too, and tiled it
-keeps a view of its c-byte input instead of its fp32 upcast, and its fp32 backward runs one tile at a time.
+The same tiling serves the norms (`tile_norms`; `lowmem_ft.train.context_savers` applies both): an RMSNorm is per
+token too, and tiled it keeps a view of its c-byte input instead of its fp32 upcast, and its fp32 backward runs one
+tile at a time.
 
 Works with LoRA / QLoRA adapters inside the MLP (peft's layers are ordinary modules called by the MLP's forward)
 and with activation checkpointing (a checkpoint nested in transformers' per-layer checkpoint: the layer's recompute
@@ -103,7 +104,7 @@ def hidden_norms(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 def tile_norms(model, tile_tokens: int) -> int:
-    """Make every hidden-size norm of `model` sequence-tiled (`memory.tiled_norms`); returns how many.
+    """Make every hidden-size norm of `model` sequence-tiled; returns how many.
 
     An RMSNorm keeps its input upcast to fp32 (4 B per element) for backward; tiled, it keeps only a view of its
     c-byte input, and the fp32 copies (and the fp32 gradients of its backward) exist for one tile at a time."""

@@ -3,7 +3,7 @@
 `trace` builds the recipe's model from its config alone through the path `train` uses (transformers'
 `from_pretrained`, with a state dict of tensors that have shapes but no storage; `prepare_for_training`,
 `attach_adapter`, `apply_memory_savers`; the loss head `train` installs; the optimizer transformers' Trainer builds),
-then runs the step the CPU yardstick runs (`devkit.estimator_check.measure`: two optimizer steps, the second with
+then runs the step the CPU yardstick runs (`devkit.harness.estimator.measure`: two optimizer steps, the second with
 an accumulation window of two micro batches, the last at the full batch) and an evaluation forward, under
 `lowmem_ft.train.measure.PeakMemory` — the same live-tensor accounting as a CPU run, counting each storage once.
 
@@ -81,7 +81,7 @@ def _long_indices(indices: list) -> list:
     return out
 
 
-# phase labels of `trace`, in order (the yardstick's, `devkit.estimator_check.measure`, plus "eval")
+# phase labels of `trace`, in order (the yardstick's, `devkit.harness.estimator.measure`, plus "eval")
 STEPS = ((1, 1), (2, 1), (2, 2))
 
 
@@ -239,8 +239,8 @@ def _quantize(model, recipe: Recipe, shadow: Shadow) -> None:
 def build(recipe: Recipe, config, shadow: Shadow):
     """`lowmem_ft.train.model.build_model` without weights: the base from `config` with fake weights in the
     recipe's storage, then the same preparation, adapters and memory savers."""
+    from lowmem_ft.train.context_savers import apply_memory_savers
     from lowmem_ft.train.model import attach_adapter, attention, prepare_for_training, torch_dtype
-    from lowmem_ft.train.savers import apply_memory_savers
 
     if recipe.adapter.name_or_path:
         raise UserError("cannot trace a run that continues a saved adapter (--adapter); trace without it")
@@ -332,7 +332,7 @@ def optimizer_for(model, recipe: Recipe):
 
 def batches(vocab: int, rows: int, lengths: list[int], seed: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
     """Real micro batches (input_ids, attention_mask, labels) of `lengths` tokens, one made ahead as the CPU
-    loader makes it, one row of a padded batch masked at its start: those of `devkit.estimator_check`."""
+    loader makes it, one row of a padded batch masked at its start: those of `devkit.harness.estimator`."""
     gen = torch.Generator().manual_seed(seed)
 
     def make(seq: int):
@@ -351,7 +351,7 @@ def batches(vocab: int, rows: int, lengths: list[int], seed: int = 1) -> Iterato
 @dataclass
 class Trace:
     """Peak live bytes per phase of a traced step: `marks` label → (peak within it, live at its end), the labels of
-    `devkit.estimator_check.measure` ("static", "forward n.k", "backward n.k", "optimizer n") and "eval"."""
+    `devkit.harness.estimator.measure` ("static", "forward n.k", "backward n.k", "optimizer n") and "eval"."""
 
     marks: dict[str, tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -441,7 +441,7 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
 
 def _host_table_bytes(model) -> int:
     """The input embedding table `embeddings_on_host` keeps in host memory: on this CPU-only trace host and device
-    are one memory, so its bytes are taken out of every figure (as `devkit.long_context_check` does)."""
+    are one memory, so its bytes are taken out of every figure (as `devkit.harness.long_context` does)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_input_embeddings().weight.untyped_storage().nbytes()
 

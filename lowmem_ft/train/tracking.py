@@ -19,9 +19,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.console import quiet_stdout
 from lowmem_ft.errors import UserError
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import MemoryLog, RunDir
 

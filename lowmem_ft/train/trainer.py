@@ -21,12 +21,11 @@ do next is the guard's decision (`lowmem_ft.train.guard.MemoryGuard`):
   the micro batch's start is restored before the retry and before each replayed micro batch. So a recovered step
   equals the uninterrupted one, LoRA dropout included.
 - An OOM in evaluation lowers the eval batch (the guard's) and retries the evaluation; the train batch is untouched.
-- Checkpoints are saved whole or not at all (`lowmem_ft.train.saving`): transformers' `_save_checkpoint` runs
+- Checkpoints are saved whole or not at all (`lowmem_ft.train.checkpoints`): transformers' `_save_checkpoint` runs
   unchanged with the staging directory as its output directory, and the result is renamed when complete.
-- The length-grouped order of each epoch comes from a generator seeded with (data seed, epoch)
-  (`EpochSeededSampler`): transformers' `LengthGroupedSampler` draws it from the global RNG when the epoch's
-  iterator is made, so a run resumed in its second epoch saw other batches than one never stopped (measured:
-  1.7e-2 apart in the adapter of a tiny 12-step run resumed at step 10, with or without dropout).
+- Each epoch's order is seeded with (data seed, epoch) and starts with its heaviest micro batch
+  (`lowmem_ft.train.order.HeaviestFirstSampler`): the same order whether the epoch is reached by training or by
+  `--resume`, and an OOM in the first minute rather than at the step the longest sample arrives.
 - Several processes (`train --gpus N`): after each micro batch attempt the ranks all-reduce which of them ran out
   of memory (one small collective), so every rank steps down and redoes the same micro batch together. Under DDP
   each attempt runs in `no_sync` and the gradients are averaged by one flat all-reduce once the optimizer step's
@@ -43,21 +42,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import distributed as dist
+from torch.utils.data import RandomSampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from trl import SFTTrainer
 
+from lowmem_ft.data.profile import lengths_of
 from lowmem_ft.rundir import RunDir
 from lowmem_ft.train import dropout
+from lowmem_ft.train.checkpoints import Saver
 from lowmem_ft.train.device import free_memory
 from lowmem_ft.train.guard import MemoryGuard
 from lowmem_ft.train.monitor import MemoryMonitor
-from lowmem_ft.train.ranks import world_size
-from lowmem_ft.train.saving import Saver
+from lowmem_ft.train.order import HeaviestFirstSampler, batch_tokens
+from lowmem_ft.train.ranks import barrier, world_size
 from lowmem_ft.train.split import label_count, piece_spans
 
 log = logging.getLogger(__name__)
@@ -94,23 +97,6 @@ def add_perplexity(logs: dict[str, float]) -> None:
             logs["eval_perplexity"] = float("inf")
 
 
-class EpochSeededSampler(LengthGroupedSampler):
-    """transformers' length-grouped order (`get_length_grouped_indices`), each epoch's drawn from a generator seeded
-    with `seed + epoch` — the same order whether the epoch is reached by training or by `--resume`. accelerate's
-    `DataLoaderShard.set_epoch` tells it the epoch (also through `skip_first_batches`)."""
-
-    def __init__(self, batch_size: int, lengths: list[int], seed: int):
-        super().__init__(batch_size, lengths=lengths)
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return super().__iter__()
-
-
 class MemorySafeSFTTrainer(SFTTrainer):
     """`SFTTrainer` + `MemoryMonitor` samples at backward end + OOM recovery (see the module docstring)."""
 
@@ -120,7 +106,7 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self.monitor = monitor
         self.saver = Saver(run)
         self.dropout = dropout.install(self.model)
-        self._staging = False  # inside `_save_checkpoint`: transformers' output directory is the staging one
+        self._staging: bool | str = False  # in `_save_checkpoint`: True (a checkpoint) or "trial" (`prove_save`)
         self._window: list[tuple[dict[str, Any], Any, Draw]] = []  # micro batches of the optimizer step in progress
         self._window_step = -1
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
@@ -133,11 +119,22 @@ class MemorySafeSFTTrainer(SFTTrainer):
 
     # -- training -------------------------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
+        """transformers' order (length-grouped or random), seeded per epoch, the heaviest micro batch first
+        (`lowmem_ft.train.order`): an OOM or a wrong plan shows in step 1, and --resume continues exactly."""
         sampler = super()._get_train_sampler(train_dataset)
-        if type(sampler) is LengthGroupedSampler and sampler.generator is None:
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-            return EpochSeededSampler(sampler.batch_size, sampler.lengths, seed)
-        return sampler
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        grouped = type(sampler) is LengthGroupedSampler and sampler.generator is None
+        if not (grouped or type(sampler) is RandomSampler) or not hasattr(dataset, "data"):
+            return sampler  # a stream (no sampler), or an order someone chose on purpose
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        lengths = sampler.lengths if grouped else lengths_of(dataset)
+        return HeaviestFirstSampler(
+            lengths,
+            self.args.per_device_train_batch_size,
+            seed,
+            group_size=sampler.batch_size if grouped else 0,
+            padded=not self.padding_free,
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         add_perplexity(logs)  # eval perplexity beside eval loss: W&B, log_history and the best-model metric
@@ -267,11 +264,14 @@ class MemorySafeSFTTrainer(SFTTrainer):
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
         # transformers composes the checkpoint's path from this in `_save_checkpoint`: during a save, the staging one
-        return str(self.saver.run.staging) if self._staging else super()._get_output_dir(trial)
+        # (a trial save, `prove_save`: a directory of its own inside it)
+        if self._staging:
+            return str(self.saver.run.staging / "trial" if self._staging == "trial" else self.saver.run.staging)
+        return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' save, into `checkpoints/.staging/checkpoint-N`, renamed to `checkpoint-N` when every rank
-        has written its part; the disk's room checked first (`lowmem_ft.train.saving`)."""
+        has written its part; the disk's room checked first (`lowmem_ft.train.checkpoints`)."""
         step = self.state.global_step
         self.saver.check_space(self, step)
         self._staging = True
@@ -286,7 +286,60 @@ class MemorySafeSFTTrainer(SFTTrainer):
             self._staging = False
         self.saver.publish(self, step)
 
+    def prove_save(self) -> None:
+        """Save a checkpoint as the run will (transformers' `_save_checkpoint`, its disk check first) into
+        `checkpoints/.staging/trial/` and remove it: the save's memory and the disk's room shown at step 1. A save
+        that cannot happen ends the run there, as it would at the first real save (call on all ranks)."""
+        step = self.state.global_step
+        trial = self.saver.run.staging / "trial"
+        self.saver.check_space(self, step)
+        self._staging = "trial"
+        try:
+            super()._save_checkpoint(self.model_wrapped, trial=None)
+        except Exception as exc:
+            shutil.rmtree(trial, ignore_errors=True)
+            failure = self.saver.failed(exc, step)
+            if failure is exc:
+                raise
+            raise failure from None
+        finally:
+            self._staging = False
+        self.monitor.sample("save")
+        barrier()
+        if self.args.should_save:
+            shutil.rmtree(trial, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the staging directory, empty now
+                self.saver.run.staging.rmdir()
+
     # -- evaluation -----------------------------------------------------------------------------------------------
+    def prove_eval(self) -> tuple[int, int] | None:
+        """Run the evaluation's heaviest batch (by tokens, in the order evaluation reads: as stored) through one
+        forward as `evaluate` runs it, stepping the eval batch down on OOM as `evaluate` would. Returns (samples,
+        tokens) of the batch that ran, or None when there is no evaluation or nothing fits."""
+        dataset = self.eval_dataset
+        if dataset is None or not hasattr(dataset, "data"):
+            return None
+        lengths = lengths_of(dataset)
+        padded = not self.padding_free
+        while True:
+            size = self.guard.eval_batch
+            batches = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+            batch = max(batches, key=lambda b: batch_tokens(b, lengths, padded))
+            inputs = self._prepare_inputs(self.data_collator([dataset[i] for i in batch]))
+            self.model.eval()  # as evaluate runs it (no dropout); the next training step sets train mode again
+            try:
+                self.prediction_step(self.model, inputs, prediction_loss_only=True)
+                return len(batch), batch_tokens(batch, lengths, padded)
+            except torch.OutOfMemoryError as exc:
+                failure = {"error": str(exc).splitlines()[0][:200], **self.monitor.reader()}
+            finally:
+                self._metrics["eval"].clear()  # TRL's eval metrics of this forward are not an evaluation's
+                self.model.train()
+            del inputs
+            free_memory()
+            if not self.guard.recover_eval(failure):
+                return None
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         while True:
             self.args.per_device_eval_batch_size = self.guard.eval_batch

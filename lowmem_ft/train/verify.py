@@ -67,7 +67,7 @@ def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = N
     """Trace `recipe`'s step (with an evaluation forward at its eval batch) and predict the same phases."""
     from dataclasses import replace
 
-    from lowmem_ft.planning import setup_from_recipe
+    from lowmem_ft.choosing import setup_from_recipe
     from lowmem_ft.train.args import eval_batch_size
     from lowmem_ft.train.trace import trace
 
@@ -78,6 +78,11 @@ def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = N
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
     predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=rows), "eval")
     return Verification(result.phases, predicted, result.seconds, plan_peak_bytes)
+
+
+def margin_override(margin_gb: float) -> dict:
+    """The recipe keys of a step down: a safety margin raised by the trace's excess."""
+    return {"memory": {"safety_margin_gb": round(margin_gb, 2)}}
 
 
 def verified(recipe: Recipe, choice, plan_again, say, tries: int = 3):

@@ -35,7 +35,7 @@ def test_plan_too_big_exits_2(capsys):
 
 def test_plan_imports_no_torch():
     """`plan` is pure arithmetic: it must not pay torch's or transformers' import (its latency is benchmarked in
-    scripts/bench_plan.py, not timed here)."""
+    devkit/bench/plan_latency.py, not timed here)."""
     code = (
         "import sys; from lowmem_ft.cli import main; "
         "main(['plan','--vram','24','--model','Qwen/Qwen-7B','--json']); "

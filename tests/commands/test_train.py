@@ -31,7 +31,8 @@ def qlora_result(tmp_path_factory, tiny_model):
     in-process, so the test can look at the trained model object itself.
     """
     from lowmem_ft.cli import build_parser
-    from lowmem_ft.commands.train import choose, flag_overrides, new_run
+    from lowmem_ft.commands.train import request_of
+    from lowmem_ft.preparing import prepare
     from lowmem_ft.train.run import train
 
     out = tmp_path_factory.mktemp("runs")
@@ -45,8 +46,8 @@ def qlora_result(tmp_path_factory, tiny_model):
         "--set", "model.quantization=nf4", "--set", "memory.gradient_checkpointing=true",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
-    recipe, choice = choose(args, flag_overrides(args))
-    result = train(recipe, new_run(recipe, args.name), choice=choice)
+    ready = prepare(request_of(args))
+    result = train(ready.recipe, ready.run, choice=ready.choice)
     # transformers registered the model's embedding with bitsandbytes' process-wide optimizer manager (8-bit AdamW);
     # a finished run takes it back out, so the model does not outlive the run in this process
     from bitsandbytes.optim import GlobalOptimManager
@@ -183,7 +184,7 @@ def test_resume_of_a_non_run(capsys, tmp_path):
 
 
 def test_resume_of_a_run_without_a_complete_checkpoint(capsys, tmp_path):
-    """It says to start again, which works under the same --name (tests/test_rundir.py, tests/train/test_saving.py)."""
+    """It says to start again, which works under the same --name (tests/test_rundir.py, tests/train/test_checkpoints.py)."""
     from lowmem_ft.rundir import RunDir, RunStatus
 
     run = RunDir.new(tmp_path, "early", "m")

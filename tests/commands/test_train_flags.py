@@ -11,7 +11,7 @@ import pytest
 
 from lowmem_ft import console
 from lowmem_ft.cli import build_parser, main
-from lowmem_ft.commands.train import flag_origins, flag_overrides
+from lowmem_ft.commands.train import request_of
 from lowmem_ft.memory.planner import Requested
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.recipe.schema import DataFormat, DType, Tracker
@@ -41,17 +41,17 @@ def _args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize(("flag", "setting"), SHORTCUTS)
 def test_each_shortcut_is_its_set(flag, setting):
-    by_flag, by_set = _args(*flag), _args("--set", setting)
-    assert flag_overrides(by_flag) == flag_overrides(by_set)
+    by_flag, by_set = request_of(_args(*flag)), request_of(_args("--set", setting))
+    assert by_flag.overrides == by_set.overrides
     key = setting.partition("=")[0]
-    assert flag_origins(by_flag)[key] == flag[0] and key not in flag_origins(by_set)
+    assert by_flag.origins[key] == flag[0] and key not in by_set.origins
 
 
 def test_shortcuts_resolve_to_the_recipe_their_sets_do():
-    flags = _args(*[part for flag, _ in SHORTCUTS if flag[0] != "--adapter" for part in flag])
-    sets = _args(*[part for flag, s in SHORTCUTS if flag[0] != "--adapter" for part in ("--set", s)])
-    recipe = resolve("8gb", flag_overrides(flags), flag_origins(flags))
-    assert recipe == resolve("8gb", flag_overrides(sets))
+    flags = request_of(_args(*[part for flag, _ in SHORTCUTS if flag[0] != "--adapter" for part in flag]))
+    sets = request_of(_args(*[part for flag, s in SHORTCUTS if flag[0] != "--adapter" for part in ("--set", s)]))
+    recipe = resolve("8gb", flags.overrides, flags.origins)
+    assert recipe == resolve("8gb", sets.overrides)
     m, t = recipe.memory, recipe.training
     assert (m.max_seq_len, t.max_steps, t.epochs, recipe.optimizer.lr) == (64, 5, 2.5, 1e-4)
     assert (t.output_dir, recipe.logging.report_to) == ("elsewhere/runs", ["tensorboard", "wandb"])
@@ -72,11 +72,11 @@ def test_a_bad_value_names_the_flag(capsys, console_env, tiny_model, argv, messa
 
 
 def test_seq_len_fixes_the_planned_length(tiny_model):
-    from lowmem_ft.commands.train import choose
+    from lowmem_ft.preparing import choose
 
     args = _args("--vram", "8", "--seq-len", "96")
     args.model, args.data = tiny_model, CHAT
-    recipe, choice = choose(args, flag_overrides(args))
+    recipe, choice = choose(request_of(args))
     assert recipe.memory.max_seq_len == 96
     assert choice.reasons["max_seq_len"] == "96 tokens, as --seq-len asked"
 

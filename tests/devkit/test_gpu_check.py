@@ -1,4 +1,4 @@
-"""devkit/gpu_check.py: the GPU kit's steps. Here they run on the CPU path (`--cpu-smoke`); a CUDA test checks the
+"""devkit/gpu/check.py: the GPU kit's steps. Here they run on the CPU path (`--cpu-smoke`); a CUDA test checks the
 probe where a GPU is present."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from devkit import gpu_check, gpu_report
+from devkit.gpu import check as gpu_check
+from devkit.gpu import report as gpu_report
 from lowmem_ft import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def test_cpu_smoke_runs_every_step_end_to_end(tmp_path):
 @pytest.mark.requires_cuda
 def test_probe_measures_the_cuda_terms(tmp_path):
     results = tmp_path / "results.jsonl"
-    subprocess.run([sys.executable, "-m", "devkit.gpu_check", "probe", "--results", str(results)], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "devkit.gpu.check", "probe", "--results", str(results)], cwd=ROOT, check=True)
     probe = json.loads(results.read_text().splitlines()[-1])
     assert probe["preflight"] == [] and "error" not in probe
     assert probe["context"]["device"] > probe["context"]["reserved"] > 0  # the context lies outside torch

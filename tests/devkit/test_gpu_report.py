@@ -1,4 +1,4 @@
-"""devkit/gpu_report.py on hand-made GPU results: every error and constant against the plain computation."""
+"""devkit/gpu/report.py on hand-made GPU results: every error and constant against the plain computation."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from devkit import gpu_report
+from devkit.gpu import report as gpu_report
+from lowmem_ft.choosing import choose_recipe
 from lowmem_ft.memory import estimate as model
 from lowmem_ft.memory.arch import catalog_entry
-from lowmem_ft.planning import choose_recipe
 
 GB = 1e9
 MODEL = "Qwen/Qwen2.5-0.5B"

@@ -204,7 +204,7 @@ def test_gemma3_multimodal_directory_and_nf4_weights(tmp_path):
 
 def test_llama4_plans_the_text_model_it_loads():
     """AutoModelForCausalLM on a llama4 config builds Llama4ForCausalLM (the text model alone): its mixture of
-    experts is read from text_config, which the planner refuses with --vram (`planning._check_plannable`)."""
+    experts is read from text_config, which the planner refuses with --vram (`choosing._check_plannable`)."""
     config = {"model_type": "llama4", "text_config": {**SMALL, "model_type": "llama4_text", "num_local_experts": 4}}
     _, model = _built(config)
     assert type(model).__name__ == "Llama4ForCausalLM"

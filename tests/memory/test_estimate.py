@@ -1,8 +1,8 @@
 """The estimate's family-dependent terms (the attention that actually runs, masked layers, q/k norms, softcaps) and
 its long-context terms (tiled MLP and norms, LoRA recompute, host embeddings, loss chunk sizing): pure arithmetic.
 
-Exactness against measurement is benchmarks/estimator_zoo.md (scripts/validate_estimator.py --zoo) and
-benchmarks/long_context_cpu.md (scripts/validate_long_context.py); these tests pin what each term depends on.
+Exactness against measurement is benchmarks/estimator_zoo.md (devkit/bench/estimator.py --zoo) and
+benchmarks/long_context_cpu.md (devkit/bench/long_context.py); these tests pin what each term depends on.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from devkit.zoo import estimator_config
+from lowmem_ft.choosing import setup_from_recipe
 from lowmem_ft.memory.arch import Architecture, load_architecture
 from lowmem_ft.memory.estimate import (
     DTYPE_BYTES,
@@ -34,10 +35,9 @@ from lowmem_ft.memory.estimate import (
     mlp_activation_bytes,
     xielu_extra_bytes,
 )
-from lowmem_ft.planning import setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
-CPU = Setup(device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)
+CPU = Setup(gradient_accumulation=1, device="cpu", quantization="none", micro_batch_size=1, max_seq_len=256)
 
 
 def test_plan_counts_eager_where_sdpa_is_refused():
@@ -106,9 +106,9 @@ PROBE = {
 
 def test_layer_bytes_match_the_per_layer_measurement():
     """PeakMemory, 1- vs 2-layer models of PROBE, LoRA r 8 on all linears, CPU dropout, bf16, 1,024 tokens: one
-    layer kept 15,352 B/token untiled and 6,296 B/token with the tiled MLP (devkit/long_context_check.py)."""
+    layer kept 15,352 B/token untiled and 6,296 B/token with the tiled MLP (devkit/harness/long_context.py)."""
     arch = Architecture.from_config(PROBE)
-    s = Setup(quantization="none", lora_r=8, device="cpu")
+    s = Setup(gradient_accumulation=1, quantization="none", lora_r=8, device="cpu")
     assert layer_activation_bytes(arch, s) == 15352
     assert layer_activation_bytes(arch, replace(s, tiled_mlp=True)) == 6296
     # the tiled layer keeps the MLP input (c·h) instead of the MLP's own tensors
@@ -121,7 +121,7 @@ def test_layer_bytes_match_the_per_layer_measurement():
     assert layer_activation_bytes(arch, replace(both, tiled_norms=True, gradient_checkpointing=False)) == 1808
 
 
-# The accuracy grid's Cohere and Apertus blocks (scripts/validate_estimator.py BLOCKS), 256 tokens, bf16, LoRA r 8.
+# The accuracy grid's Cohere and Apertus blocks (devkit/bench/estimator.py BLOCKS), 256 tokens, bf16, LoRA r 8.
 COHERE = {
     "model_type": "cohere", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True,
@@ -141,7 +141,7 @@ def test_cohere_and_apertus_layer_bytes_match_the_per_layer_measurement(config, 
     token: 10 B/token here). Before the centred-norm and xIELU terms the model said 13,356 / 26,508 (Cohere: and it
     counted o_proj's input, the attention output, twice) and 10,800 / 22,640 (Apertus)."""
     arch = Architecture.from_config(config)
-    s = Setup(quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
               micro_batch_size=1, max_seq_len=256)  # fmt: skip
     weight_copies = 4 * (arch.hidden_size + (arch.num_heads + arch.num_kv_heads) * arch.head_dim) / 256
     assert layer_activation_bytes(arch, s) == measured - (weight_copies if arch.model_type == "cohere" else 0)
@@ -193,7 +193,7 @@ def test_layer_bytes_match_the_measurement_where_heads_times_head_dim_is_not_hid
     the CPU), 26,400 / 38,784 (Gemma-2: eager attention keeps no output) and 13,356 (Cohere, tiled: its MLP's input
     is the attention's); LoRA was right. Cohere's also holds its norms' fp32 weight copies (13 B/token here)."""
     arch = Architecture.from_config(config)
-    s = Setup(quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter=adapter, lora_r=8, device="cpu", gradient_checkpointing=False,
               micro_batch_size=1, max_seq_len=256, **knobs)  # fmt: skip
     s, _ = effective_setup(arch, s)
     scores = eager_scores_bytes(arch, s) / s.max_seq_len if s.attn_implementation == "eager" else 0
@@ -202,11 +202,11 @@ def test_layer_bytes_match_the_measurement_where_heads_times_head_dim_is_not_hid
 
 
 def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim():
-    """Full fine-tune with checkpointing, 4,096 tokens, chunked loss of 64 (devkit/long_context_check.py points with
+    """Full fine-tune with checkpointing, 4,096 tokens, chunked loss of 64 (devkit/harness/long_context.py points with
     the adapter made full): the backward peaks of WIDE and NARROW differ by 12,058,880 B measured (PeakMemory; the
     recomputed layer, weights, gradients and states); the estimate's by 12,058,624 (it said 14,155,776 when it
     counted o_proj's input for the MLP's norm output)."""
-    s = Setup(quantization="none", adapter="full", lora_r=8, optimizer="adamw_torch", device="cpu", max_seq_len=4096,
+    s = Setup(gradient_accumulation=1, quantization="none", adapter="full", lora_r=8, optimizer="adamw_torch", device="cpu", max_seq_len=4096,
               loss_impl="chunked", loss_chunk_tokens=64)  # fmt: skip
     wide, narrow = (estimate(Architecture.from_config(c), s).phases["backward"] for c in (WIDE, NARROW))
     assert wide - narrow == pytest.approx(12_058_880, abs=512)
@@ -215,7 +215,7 @@ def test_the_recomputed_layer_under_checkpointing_follows_heads_times_head_dim()
 def test_a_parallel_blocks_first_layer_keeps_no_mlp_input_masks():
     """Cohere's MLP shares the attention's norm output, which the first layer's LoRA input copies need no grad for:
     its gate/up dropout masks are not kept either (the harness's LoRA points without checkpointing were 0.5 % over
-    with them counted, 0.0 % without: scripts/validate_estimator.py --blocks)."""
+    with them counted, 0.0 % without: devkit/bench/estimator.py --blocks)."""
     cohere = Architecture.from_config(COHERE)
     llama = Architecture.from_config({**COHERE, "model_type": "llama"})
     s = replace(CPU, lora_r=8, adapter="lora", gradient_checkpointing=False)
@@ -235,7 +235,7 @@ KNOBS = {
 }
 # The layers' forward transient of PROBE at 2,048 tokens (LoRA r 8, CPU dropout, bf16, chunked loss of 32 tokens),
 # B/token: PeakMemory's window peak read by a forward pre-hook on the final norm, minus the static memory, the
-# predicted kept activations and RoPE's cos/sin (devkit/long_context_check.py models; op attribution in the
+# predicted kept activations and RoPE's cos/sin (devkit/harness/long_context.py models; op attribution in the
 # FWD_TRANSIENT_CKPT comment). (without checkpointing, with)
 LAYER_TRANSIENT_MEASURED = {
     "all savers": (1032, 2312),
@@ -251,6 +251,7 @@ LAYER_TRANSIENT_MEASURED = {
 def _long_probe(**knobs) -> Setup:
     """The setup of the long-context yardstick's PROBE points (LongPoint defaults: LoRA r 8, dropout 0.05)."""
     return Setup(
+        gradient_accumulation=1,
         quantization="none",
         lora_r=8,
         device="cpu",

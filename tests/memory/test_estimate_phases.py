@@ -28,7 +28,7 @@ TINY = Architecture.from_config(
      "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
     "tiny",
 )  # fmt: skip
-CPU = Setup(quantization="none", compute_dtype="float32", optimizer="adamw_torch", gradient_checkpointing=False,
+CPU = Setup(gradient_accumulation=1, quantization="none", compute_dtype="float32", optimizer="adamw_torch", gradient_checkpointing=False,
             micro_batch_size=4, max_seq_len=48, device="cpu")  # fmt: skip
 
 

@@ -94,7 +94,7 @@ def test_moe_prefill_workspace_covers_the_experts_forward():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from devkit.moe_check import MOE_SHAPES
+    from devkit.harness.moe import MOE_SHAPES
     from lowmem_ft.train.measure import PeakMemory
 
     config = {**MOE_SHAPES["qwen3_moe"], "num_hidden_layers": 1}

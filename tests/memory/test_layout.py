@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
-import torch
-from safetensors.torch import save_file
+import numpy as np
+from safetensors.numpy import save_file  # numpy, not torch: the memory model's tests run without torch
 
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.layout import layout_mismatch
@@ -18,8 +18,10 @@ CONFIG = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hid
 def _model(path, model_type: str, layer0: dict[str, tuple[int, int]], prefix: str = "model.layers.0."):
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
-    tensors = {f"{prefix}{name}.weight": torch.zeros(shape) for name, shape in layer0.items()}
-    save_file({**tensors, "model.embed_tokens.weight": torch.zeros(64, 16)}, str(path / "model.safetensors"))
+    tensors = {f"{prefix}{name}.weight": np.zeros(shape, dtype=np.float32) for name, shape in layer0.items()}
+    save_file(
+        {**tensors, "model.embed_tokens.weight": np.zeros((64, 16), dtype=np.float32)}, str(path / "model.safetensors")
+    )
     return path
 
 

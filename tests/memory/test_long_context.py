@@ -5,18 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from lowmem_ft.choosing import fixed_knobs, setup_from_recipe
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.long_context import SAVER_COST, SAVERS, chunk_sizes, saver_stages
 from lowmem_ft.memory.planner import Request, plan
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import fixed_knobs, setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 LLAMA8 = load_architecture("meta-llama/Llama-3.1-8B")
 
 
 def request(vram, tier, overrides=None, gpus=1) -> Request:
-    """What `lowmem_ft.planning` asks the planner for a tier recipe with these overrides."""
+    """What `lowmem_ft.choosing` asks the planner for a tier recipe with these overrides."""
     recipe = resolve(tier, overrides)
     return Request(
         setup_from_recipe(recipe),

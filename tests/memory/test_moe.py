@@ -86,7 +86,7 @@ def test_mixtures_with_dense_layers_are_refused_by_the_planner(tmp_path):
     reading it (train without --vram, generate) still works."""
     import json
 
-    from lowmem_ft.planning import choose_recipe
+    from lowmem_ft.choosing import choose_recipe
 
     assert Architecture.from_config({**_config("qwen3_moe"), "mlp_only_layers": [0]}).moe.dense_layers == (0,)
     assert Architecture.from_config({**_config("qwen2_moe"), "decoder_sparse_step": 2}).moe.dense_layers == (0,)

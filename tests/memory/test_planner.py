@@ -6,19 +6,19 @@ from dataclasses import replace
 
 import pytest
 
+from lowmem_ft.choosing import fixed_knobs, plan_setup, setup_from_recipe
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.estimate import NF4_STATE_BYTES, Setup, estimate
 from lowmem_ft.memory.planner import Request, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
-from lowmem_ft.planning import fixed_knobs, plan_setup, setup_from_recipe
 from lowmem_ft.recipe.load import resolve
 
 QWEN7 = load_architecture("Qwen/Qwen2.5-7B")
 
 
 def request(vram, tier, overrides=None, gpus=1, **kw) -> Request:
-    """What `lowmem_ft.planning` asks the planner for a tier recipe with these overrides."""
+    """What `lowmem_ft.choosing` asks the planner for a tier recipe with these overrides."""
     recipe = resolve(tier, overrides)
     return Request(
         setup_from_recipe(recipe),
@@ -192,7 +192,7 @@ def test_eval_batch_set_by_the_user_is_kept():
     assert p.eval_batch_size == 3 and "set by you" in p.reasons["eval_batch_size"]
 
 
-# -- the sequence length: chosen from the data by lowmem_ft.planning -----------------------------------------------
+# -- the sequence length: chosen from the data by lowmem_ft.choosing -----------------------------------------------
 def _plan_for_data(vram, tier, profile, overrides=None):
     recipe = resolve(tier, overrides)
     target = Target(vram, recipe.memory.safety_margin_gb)
@@ -387,7 +387,7 @@ def test_max_seq_len_with_the_savers_is_the_planners_limit():
 def test_issue_13_targets_llama_8b_qlora_r32_all_linear_batch_1(vram, tokens):
     """The issue's targets, as benchmarks/max_context.md tabulates them (predicted by the CPU-checked model; not
     capped at the model's 131,072 positions, which `train` caps a run at)."""
-    from lowmem_ft.planning import longest_context
+    from lowmem_ft.choosing import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora", "r": 32, "target_modules": ["all-linear"]},
              "memory": {"micro_batch_size": 1}}  # fmt: skip
@@ -413,3 +413,11 @@ def test_recipe_targets_the_model_only_partly_has_are_named():
     assert "dense, fc1, fc2 stay frozen" in p.reasons["adapter"]
     llama = plan(LLAMA8, request(24, "24gb"))
     assert "absent" not in llama.reasons["adapter"]
+
+
+def test_a_mixture_that_fits_no_device_share_is_refused_in_one_line():
+    """The refusal names the 16-bit experts of a single device's estimate; a per-device share has no such component
+    and used to raise KeyError instead of the refusal."""
+    mixtral = load_architecture("mistralai/Mixtral-8x7B-v0.1")
+    with pytest.raises(UserError, match="needs .* GB at seq 4096 .* per device"):
+        _plan(24, "24gb", {"memory": {"max_seq_len": 4096}}, arch=mixtral, gpus=2)

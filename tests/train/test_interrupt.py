@@ -109,7 +109,7 @@ def test_sigterm_finishes_the_step_saves_and_resume_is_exact(tiny_model, tmp_pat
 def test_an_interrupt_in_the_second_epoch_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys):
     """64 samples, 8 per step: step 10 is in the second epoch, whose batch order transformers' length-grouped
     sampler drew from the global RNG — the resumed run saw other batches (1.7e-2 apart in the adapter) until the
-    order was seeded by epoch (lowmem_ft.train.trainer.EpochSeededSampler)."""
+    order was seeded by epoch (lowmem_ft.train.order.HeaviestFirstSampler)."""
     steps = "training.max_steps=12"
     baseline = tiny_run(tiny_model, DATA, tmp_path / "base", "base", *SHIPPED, steps).run_dir
     code = train_cli(tiny_model, tmp_path, "epoch2", monkeypatch, SendAt(10, signal.SIGTERM), extra=[steps])

@@ -52,6 +52,8 @@ def test_two_cpu_processes_train_one_adapter(tmp_path, tiny_model, capfd, monkey
     assert f"relaunch by hand: {launch.launcher()[0]}" in out
     assert f"--config_file {run / 'accelerate.yaml'}" in out and f"--run-dir {run}" in out
     assert out.count("done: 2 steps") == 1  # rank 0 reports, rank 1 does not
+    assert out.count("plan: sft of ") == 1  # the plan once per launch, from rank 0
+    assert "2 micro × 1 accumulation × 2 devices = 4 sequences per step" in out and "{'loss'" not in out
 
     for name in ("recipe.yaml", "run.json", "metrics.json", "log_history.jsonl", "accelerate.yaml", "launch.json"):
         assert (run / name).is_file(), name

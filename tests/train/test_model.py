@@ -208,9 +208,9 @@ def test_lora_the_plan_counts_is_the_lora_peft_builds(zoo_models, family, target
     """The plan's trainable LoRA parameters are what peft creates on the loaded model, every family, the recipes'
     names and all-linear; on Gemma-3's multimodal checkpoint only the language model is adapted (its SigLIP tower's
     q/k/v_proj, out_proj, fc1/fc2 match those names too)."""
+    from lowmem_ft.choosing import setup_from_recipe
     from lowmem_ft.memory.arch import load_architecture
     from lowmem_ft.memory.estimate import _trainable_tensors
-    from lowmem_ft.planning import setup_from_recipe
     from lowmem_ft.train.model import attach_adapter
 
     adapter = {"target_modules": targets} if targets else {}

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lowmem_ft.choosing import choose_recipe
 from lowmem_ft.errors import UserError
-from lowmem_ft.planning import choose_recipe
 from lowmem_ft.train.model import build_model
 from tests.saved_adapters import save_adapter
 

@@ -22,7 +22,7 @@ def test_recipe_names_on_qwen3_moe_adapt_the_linears_and_leave_the_experts_froze
     (target_parameters), whose ParamWrapper refuses the recipes' lora_dropout 0.05: `train --recipe 24gb` on
     Qwen3-30B-A3B stopped with "lora.ParamWrapper does not work with lora_dropout != 0". The names now stay on the
     nn.Linear layers (what the memory model counts), with a warning naming the experts left frozen."""
-    from devkit.estimator_check import write_model
+    from devkit.harness.estimator import write_model
 
     model_dir = write_model(QWEN3_MOE, tmp_path / "m")
     overrides = {"model": {"name_or_path": str(model_dir)}}

@@ -1,7 +1,7 @@
 """The tracer against the exact CPU measurement of the same step: every zoo family, every adapter kind, both
 optimizer families, checkpointing on and off, padded and unpadded batches, the long-context savers, evaluation.
 
-The yardstick is `devkit.estimator_check.measure` (and `devkit.long_context_check.measure` for the savers), run on
+The yardstick is `devkit.harness.estimator.measure` (and `devkit.harness.long_context.measure` for the savers), run on
 the same zoo model with its weights; the trace builds the model from its config alone, with no weights. The target
 is 0.1 % per phase mark; on these points the trace equals the measurement to the byte.
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from devkit import estimator_check, long_context_check
-from devkit.estimator_check import Point
-from devkit.long_context_check import LongPoint
+from devkit.harness import estimator as estimator_check
+from devkit.harness import long_context as long_context_check
+from devkit.harness.estimator import Point
+from devkit.harness.long_context import LongPoint
 from devkit.zoo import NAMES
 from lowmem_ft.errors import UserError
 from lowmem_ft.train.trace import trace

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
+from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import ConfigError, UserError
-from lowmem_ft.planning import Choice
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.rundir import MemoryLog
 from lowmem_ft.train import tracking

@@ -35,7 +35,7 @@ def tiny_sets(model: str, data: str, out: Path, *extra: str) -> list[str]:
 
 def tiny_run(model: str, data: str, out: Path, name: str, *extra: str, callbacks=None, choice=None):
     """A run of the embedded model; `choice` as run.json records it (default: an 8 GB target, margin 1 GB)."""
-    from lowmem_ft.planning import Choice
+    from lowmem_ft.choosing import Choice
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.run import train
@@ -48,7 +48,7 @@ def tiny_run(model: str, data: str, out: Path, name: str, *extra: str, callbacks
 
 def tiny_trainer(model: str, data: str, out: Path, *extra: str):
     """A set-up (not yet fitted) `FineTune` of the embedded model: its `trainer`, `guard` and `monitor`."""
-    from lowmem_ft.planning import Choice
+    from lowmem_ft.choosing import Choice
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.run import FineTune

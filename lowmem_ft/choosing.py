@@ -1,0 +1,534 @@
+"""Choosing the recipe a run uses: the tier recipes, a recipe as a memory `Setup`, and a `Plan` applied back.
+
+The one seam between the recipe (`lowmem_ft.recipe`, what the user wrote) and the memory model
+(`lowmem_ft.memory`, pure arithmetic that knows no recipe): `choose_recipe` starts from the tier recipe for the
+VRAM target (or the user's recipe), maps it to a `Setup`, decides the sequence length from the data's length profile,
+lets the planner search, and applies the plan back onto the recipe with `dataclasses.replace`. It returns the
+recipe and a typed `Choice` — how the recipe was chosen — which the run directory keeps (`run.json`, `plan.json`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup
+from lowmem_ft.memory.long_context import SAVERS
+from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan, round_seq_len
+from lowmem_ft.memory.target import Target
+from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
+from lowmem_ft.recipe.schema import KEYS, Recipe
+
+if TYPE_CHECKING:
+    from lowmem_ft.data.profile import LengthProfile
+
+log = logging.getLogger(__name__)
+
+# Recipe key → the planner's name for it (a `Setup` field, or a figure the `Request` / `Plan` carry beside the
+# setup), from the keys' declaration (`lowmem_ft.recipe.schema`, `planner=`).
+RECIPE_KNOBS = {path: key.planned.name for path, key in KEYS.items() if key.planned is not None}
+SETUP_FIELDS = frozenset(f.name for f in fields(Setup))
+# What the planner's request and plan carry beside the setup (gradient_accumulation, eval_batch_size): a plan's own
+# figure is the one applied back.
+BESIDE_SETUP = frozenset(f.name for f in fields(Plan)) & frozenset(f.name for f in fields(Request))
+
+
+# -- tiers -------------------------------------------------------------------------------------------------------
+def tier_recipes() -> dict[float, str]:
+    """Shipped tier recipes by their size in GB (`8gb.yaml` → 8.0)."""
+    tiers = {}
+    for name in shipped_recipes():
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)gb", name)
+        if match:
+            tiers[float(match.group(1))] = name
+    return dict(sorted(tiers.items()))
+
+
+def tier_for_vram(vram_gb: float, strict: bool = True) -> str:
+    """The largest shipped tier not above `vram_gb` (the smallest tier when none is and not `strict`)."""
+    tiers = tier_recipes()
+    fitting = [size for size in tiers if size <= vram_gb]
+    if not fitting and not strict:
+        return tiers[min(tiers)]
+    if not fitting:
+        smallest = min(tiers)
+        raise UserError(
+            f"--vram {vram_gb:g}: no recipe tier fits under {vram_gb:g} GB (smallest is {smallest:g} GB); "
+            "pass --recipe FILE with a smaller configuration"
+        )
+    return tiers[max(fitting)]
+
+
+def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: dict | None = None) -> Recipe:
+    """Where planning starts: `--recipe` if given, else the tier for `vram_gb`, with the overrides applied.
+
+    A tier's storage is only a starting point: a full fine-tune (`adapter.kind=full`) starts from 16-bit weights
+    unless the user fixed `model.quantization` too.
+    """
+    planned_defaults: dict[str, Any] = {}
+    full = overrides.get("adapter", {}).get("kind") == "full"
+    if recipe is None and full and "quantization" not in overrides.get("model", {}):
+        planned_defaults = {"model": {"quantization": "none"}}
+    resolved = resolve(recipe or tier_for_vram(vram_gb, strict=False), merge(planned_defaults, overrides), origins)
+    return with_saved_adapter(resolved, overrides, origins)
+
+
+# -- an existing adapter -----------------------------------------------------------------------------------------
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+
+
+def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:
+    """The recipe with the shape of the adapter it continues (`adapter.name_or_path`): that adapter's r, alpha,
+    dropout and target modules replace the section's, and its base is the model when none is given. A key the user
+    set to another value is an error (the adapter's weights decide it); a base of another name is a warning (the
+    shapes are checked against the model before training)."""
+    name = recipe.adapter.name_or_path
+    if not name:
+        return recipe
+    from lowmem_ft.adapter import locate
+
+    saved = locate(name)
+    origins = origins or {}
+    given = overrides.get("adapter", {})
+    section = saved.section()
+    clashes = [
+        f"{origins.get(f'adapter.{key}', '--set')} adapter.{key}={given[key]!r}"
+        for key, value in section.items()
+        if key in given and given[key] != value
+    ]
+    if clashes:
+        shape = ", ".join(f"{k}={v}" for k, v in section.items())
+        raise UserError(f"--adapter {name} has {shape}; {'; '.join(clashes)} contradicts it: drop it")
+    model = recipe.model
+    if not model.name_or_path and saved.base:
+        model = replace(model, name_or_path=saved.base)
+        _say_once(logging.INFO, f"model: {saved.base}, the base --adapter {name} was trained on")
+    elif model.name_or_path and not saved.same_base(model.name_or_path):
+        _say_once(
+            logging.WARNING,
+            f"--adapter {name} was trained on {saved.base}, not {model.name_or_path}; continuing on "
+            f"{model.name_or_path} (its matrices are checked against that model's layers)",
+        )
+    for note in saved.uncounted:
+        _say_once(logging.WARNING, f"--adapter {name} trains {note}, which the memory plan does not count")
+    changed = [
+        f"{k} {getattr(recipe.adapter, k)!r} → {v!r}" for k, v in section.items() if getattr(recipe.adapter, k) != v
+    ]
+    if changed:  # the recipe file's values give way to the adapter's: say so
+        _say_once(logging.INFO, f"adapter: {', '.join(changed)}, as the adapter {name} has them")
+    return replace(recipe, model=model, adapter=replace(recipe.adapter, **section))
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+    """Log a message once per process: a command resolves its recipe more than once (profile, then plan)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.log(level, message)
+
+
+def _check_plannable(arch, model: str, recipe: Recipe, gpus: int = 1) -> None:
+    """Refuse what the memory model cannot describe (one line, with the real parameter counts): a mixture of experts
+    of a family it does not describe (`MOE_PLANNED`: their blocks were measured, devkit/harness/moe.py), full
+    fine-tuning of one (trainable expert stacks are not measured), dense layers among its sparse ones, several
+    devices, or a config that keeps every layer's router logits."""
+    if not arch.experts:
+        return
+    head = f"model {model}: a mixture of {arch.experts} experts"
+    from lowmem_ft.memory.arch import MOE_PLANNED
+
+    if arch.moe is None:
+        raise UserError(
+            f"{head} ({arch.model_type}: {arch.total_params / 1e9:.1f}B parameters, of which the memory model counts "
+            f"one dense MLP per layer); lowmem-ft plans the mixtures of {', '.join(MOE_PLANNED)} only, so it cannot "
+            "plan this one for --vram; train it with --recipe and no --vram, sized yourself"
+        )
+    if recipe.adapter.kind == "full":
+        raise UserError(
+            f"{head}: full fine-tuning trains the expert stacks ({arch.total_params / 1e9:.1f}B parameters), whose "
+            "memory lowmem-ft has not measured; plan LoRA or QLoRA (--set adapter.kind=lora)"
+        )
+    if arch.moe.dense_layers:
+        raise UserError(
+            f"{head}: layers {list(arch.moe.dense_layers[:8])} have a dense MLP among the sparse ones "
+            "(decoder_sparse_step / mlp_only_layers), which the memory model does not describe; train it with "
+            "--recipe and no --vram, sized yourself"
+        )
+    if gpus > 1:
+        raise UserError(
+            f"{head}: lowmem-ft plans a mixture of experts on one device only (the sharded strategies' units do not "
+            "count the expert stacks yet); plan it with --gpus 1, or train it with --recipe and no --vram"
+        )
+    if arch.moe.router_logits_kept:
+        raise UserError(
+            f"{head}: its config sets output_router_logits, so every layer's router logits and the auxiliary loss "
+            "stay in memory, which lowmem-ft does not plan; set output_router_logits to false in config.json"
+        )
+
+
+def _check_adapter_fits(arch, recipe: Recipe) -> None:
+    """An adapter whose matrices do not fit the model's layers is one line, before any data or weight is read."""
+    if not recipe.adapter.name_or_path:
+        return
+    from lowmem_ft.adapter import locate
+
+    saved = locate(recipe.adapter.name_or_path)
+    misfit = saved.misfit({lin.name: (lin.in_features, lin.out_features) for lin in arch.linears}, arch.num_layers)
+    if misfit:
+        raise UserError(
+            f"--adapter {saved.source} does not fit {recipe.model.name_or_path}: {misfit}; pass the --model it was "
+            f"trained on ({saved.base or 'see its adapter_config.json'})"
+        )
+
+
+def _adapter_reason(p: Plan, recipe: Recipe, origins: dict[str, str] | None) -> Plan:
+    """The plan's adapter line names the adapter it counts when one is loaded."""
+    a = recipe.adapter
+    if not a.name_or_path:
+        return p
+    where = (origins or {}).get("adapter.name_or_path", "adapter.name_or_path")
+    why = f"lora, rank {a.r} on {', '.join(a.target_modules)}: the adapter loaded from {where} {a.name_or_path}"
+    return replace(p, reasons={**p.reasons, "adapter": why})
+
+
+# -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
+def planner_values(recipe: Recipe) -> dict[str, Any]:
+    """Every recipe key that feeds the planner, by the planner's name, spelled as the planner spells it."""
+    return {
+        key.planned.name: key.planned.to_planner(key.of(recipe)) for key in KEYS.values() if key.planned is not None
+    }
+
+
+def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
+    """The memory-relevant knobs of a `Recipe`: every `Setup` field a recipe key feeds is filled from the recipe, so
+    the schema's defaults are the planner's too (`Setup`'s own defaults never reach a plan)."""
+    values = planner_values(recipe)
+    return Setup(**{name: value for name, value in values.items() if name in SETUP_FIELDS}, device=device)
+
+
+def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
+    """The planner's request starting from `recipe`: its setup, and the figures the request carries beside it."""
+    values = planner_values(recipe)
+    beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
+    return Request(setup_from_recipe(recipe), target, **beside, **kw)
+
+
+def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
+    """The planner's names of the recipe keys the user set (`--set`, flags): the knobs it must not change."""
+    given = {f"{section}.{key}" for section, values in overrides.items() if isinstance(values, dict) for key in values}
+    return frozenset(name for key, name in RECIPE_KNOBS.items() if key in given)
+
+
+def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
+    """The recipe with the plan's knobs: every key that feeds the planner takes the plan's value back (a knob the
+    planner left alone comes back as it went in)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key in KEYS.values():
+        if key.planned is not None:
+            name = key.planned.name
+            value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
+            sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
+    return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
+
+
+# -- the record of the choice -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    """How a run's recipe was chosen: `plan` (for --vram, from the tier `recipe`), `recipe` (as given, checked
+    against --vram when there is one) or `resume` (the run's own recipe.yaml, with the original plan's figures).
+
+    `plan` is the full plan (for plan.json) where one was made in this process; the other fields are what the run
+    needs from it and what run.json keeps, so a resumed run has them too.
+    """
+
+    how: Literal["plan", "recipe", "resume"]
+    recipe: str
+    model: str = ""
+    target: Target | None = None
+    predicted_peak_gb: float | None = None
+    fits: bool | None = None
+    strategy: str = "single"
+    offload: bool = False
+    reasons: dict[str, str] = field(default_factory=dict)
+    plan: Plan | None = field(default=None, compare=False)
+
+    @classmethod
+    def of_plan(cls, how: Literal["plan", "recipe"], recipe: str, model: str, p: Plan) -> Choice:
+        return cls(how, recipe, model, p.target, round(p.estimate.peak_gb, 3), p.fits, p.strategy, p.offload,
+                   dict(p.reasons), p)  # fmt: skip
+
+    def resumed(self, recipe: str) -> Choice:
+        return replace(self, how="resume", recipe=recipe, plan=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `choice` of run.json; `budget_gb` = vram − margin, as everywhere."""
+        target = self.target.to_dict() if self.target is not None else {"vram_gb": None}
+        return {"how": self.how, "recipe": self.recipe, "model": self.model, **target,
+                "predicted_peak_gb": self.predicted_peak_gb, "fits": self.fits, "strategy": self.strategy,
+                "offload": self.offload, "reasons": dict(self.reasons)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Choice:
+        """The record run.json keeps; a ValueError / TypeError when its figures are not what a run wrote."""
+        target, peak = Target.from_dict(data), data.get("predicted_peak_gb")
+        if target is not None and not (math.isfinite(target.vram_gb) and target.vram_gb > target.margin_gb >= 0):
+            raise ValueError(f"vram_gb {target.vram_gb} with safety_margin_gb {target.margin_gb} is no memory target")
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))):
+            raise ValueError(f"predicted_peak_gb {peak!r} is not a number")
+        return cls(
+            how=data.get("how", "recipe"),
+            recipe=str(data.get("recipe", "")),
+            model=str(data.get("model", "")),
+            target=target,
+            predicted_peak_gb=peak,
+            fits=data.get("fits"),
+            strategy=data.get("strategy") or "single",
+            offload=bool(data.get("offload")),
+            reasons=dict(data.get("reasons") or {}),
+        )
+
+    def plan_record(self, recipe: Recipe) -> dict[str, Any] | None:
+        """plan.json and `plan --json`: the model, the full plan, and the recipe it gives."""
+        if self.plan is None:
+            return None
+        return {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
+                "recipe": to_dict(recipe)}  # fmt: skip
+
+
+# -- the target and the length ----------------------------------------------------------------------------------
+def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
+    """The memory target of `--vram` for `recipe`: a finite VRAM above the safety margin the recipe keeps free."""
+    margin = recipe.memory.safety_margin_gb
+    if not math.isfinite(vram_gb):
+        raise UserError(f"--vram {vram_gb:g}: not a finite number of GB")
+    if vram_gb <= margin:
+        smallest = margin + CUDA_CONTEXT_BYTES / GB
+        raise UserError(
+            f"--vram {vram_gb:g}: not above the recipe's {margin:g} GB safety margin (memory.safety_margin_gb), so "
+            f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
+            f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
+        )
+    return Target(vram_gb, margin, gpus)
+
+
+def origin_of(path: str, overrides: dict, origins: dict[str, str] | None) -> str | None:
+    """Who set recipe key `path`: its flag (`origins`), "--set", or None (the recipe file, or the defaults)."""
+    section, _, name = path.partition(".")
+    if (origins or {}).get(path):
+        return origins[path]
+    return "--set" if isinstance(overrides.get(section), dict) and name in overrides[section] else None
+
+
+def asked(path: str, value: Any, origin: str | None, recipe: str | None) -> str:
+    """Where the value of recipe key `path` was asked, as the user wrote it — `--seq-len 4096`,
+    `--set memory.max_seq_len=4096` or `recipe 8gb` (`origin` as `origin_of` says): the one wording of it."""
+    if origin == "--set":
+        return f"--set {path}={value}"
+    return f"{origin} {value}" if origin else f"recipe {recipe}"
+
+
+def check_positions(length: int, positions: int, model: str, asked: str) -> None:
+    """A max_seq_len the user asked for (`asked` says where) within the model's positions, when they are known."""
+    if positions and length > positions:
+        raise UserError(
+            f"{asked}: max_seq_len {length} is beyond the {positions} positions of {model} "
+            f"(max_position_embeddings in its config); use {positions} or less"
+        )
+
+
+def model_positions(name_or_path: str) -> int:
+    """The model's max_position_embeddings from a local config.json or the offline catalog; 0 when unknown without
+    asking the Hub."""
+    from lowmem_ft.memory.arch import Architecture, catalog_entry, load_config_dict
+
+    if not name_or_path or not (Path(name_or_path).is_dir() or catalog_entry(name_or_path)):
+        return 0
+    config, _ = load_config_dict(name_or_path)
+    return Architecture.from_config(config, name=name_or_path).max_position_embeddings
+
+
+def _length(
+    arch, recipe: Recipe, fixed: frozenset[str], seq_len: int | None, profile, asked_by: str = "--set"
+) -> tuple[int, str, bool]:
+    """(max_seq_len to plan for, why, whether it came from the data and may be shortened to fit), within the model's
+    positions: a length the user asked for beyond them is an error naming the limit; the data's or the tier
+    recipe's is capped there (longer samples follow data.truncate), and the reason says so."""
+    length, positions = recipe.memory.max_seq_len, arch.max_position_embeddings
+    cap = round_seq_len(positions, up=False) if positions else 0
+    if seq_len or "max_seq_len" in fixed:
+        flag = "--seq-len" if seq_len else asked_by  # the flag that fixed it (`origins`), else --set
+        check_positions(length, positions, arch.name or "the model", asked("memory.max_seq_len", length, flag, None))
+        return length, f"{length} tokens, as {flag} asked", False
+    if profile is not None and profile.p99 > 0:
+        wanted = round_seq_len(profile.p99)
+        if cap and wanted > cap:
+            samples, tokens = profile.over(cap)
+            why = (
+                f"{cap} tokens: the model's {positions} positions (max_position_embeddings; p99 {profile.p99} is "
+                f"beyond them); {samples} samples longer, {tokens} tokens beyond it (data.truncate={recipe.data.truncate})"
+            )
+            return cap, why, True
+        covers = "every sample" if profile.max and wanted >= profile.max else "99 % of samples (longer ones truncate)"
+        return wanted, f"{wanted} tokens covers {covers} (p99 {profile.p99}, max {profile.max})", True
+    if cap and length > cap:
+        return cap, f"{cap} tokens: the recipe's {length} capped at the model's {positions} positions", False
+    return length, f"{length} tokens from the recipe", False
+
+
+# -- host memory -------------------------------------------------------------------------------------------------
+def with_host_ram(p: Plan, ram_gb: float | None = None) -> Plan:
+    """The plan with a `host_ram` reason line when its setup keeps memory on the host (offloaded layer inputs are
+    pinned: they cannot be swapped out; host embeddings, offloaded states): how much in all (paged optimizer states
+    included, as evicted), per process, against this machine's RAM (`ram_gb`, psutil's total when None; the memory
+    model stays machine-free), and a warning when the plan needs more than that."""
+    if all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0):
+        return p  # bnb's paged states live on the device until evicted: no line of their own
+    if ram_gb is None:
+        import psutil
+
+        ram_gb = psutil.virtual_memory().total / GB
+    parts = ", ".join(f"{c.name} {c.gb:.2f}" for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
+    per = " per process" if p.gpus > 1 else ""
+    why = f"{p.host_gb:.1f} GB{per} ({parts}); this machine has {ram_gb:.1f} GB"
+    if p.host_gb > ram_gb:
+        why += ": MORE than it has — train on a machine with more RAM, or on shorter sequences (--seq-len)"
+        _say_once(logging.WARNING, f"host RAM: the plan keeps {p.host_gb:.1f} GB{per} in host memory ({parts}), "
+                                   f"more than this machine's {ram_gb:.1f} GB")  # fmt: skip
+    return replace(p, reasons={**p.reasons, "host_ram": why})
+
+
+# -- choosing ----------------------------------------------------------------------------------------------------
+
+
+def plan_setup(
+    arch,
+    recipe: Recipe,
+    target: Target,
+    fixed: frozenset[str],
+    *,
+    seq_len: int | None = None,
+    profile: LengthProfile | None = None,
+    strategy: Requested = "auto",
+    offload: bool | None = None,
+    origins: dict[str, str] | None = None,
+) -> Plan:
+    """The planner's answer for `recipe` as the start. When the data's p99 length (our own choice) does not fit, the
+    longest length that does: longer samples then follow `data.truncate`, and the reason line says how many that
+    cuts. `origins` names the flag that fixed a length (`--seq-len`), for the reason line."""
+    asked_by = (origins or {}).get("memory.max_seq_len", "--set")
+    length, why, from_data = _length(arch, recipe, fixed, seq_len, profile, asked_by)
+    request = request_for(recipe, target, fixed=fixed, strategy=strategy, offload=offload, length_reason=why)
+    request = replace(request, start=replace(request.start, max_seq_len=length))
+    try:
+        return plan(arch, request)
+    except UserError:
+        if not from_data:
+            raise
+        fit = max_seq_len(arch, request, limit=length)
+        if not fit:
+            raise
+    samples, tokens = profile.over(fit)
+    why = (
+        f"{fit} tokens: the longest that fits (p99 {profile.p99} does not); {samples} samples longer, {tokens} "
+        f"tokens beyond it (data.truncate={recipe.data.truncate})"
+    )
+    return plan(arch, replace(request, start=replace(request.start, max_seq_len=fit), length_reason=why))
+
+
+def choose_recipe(
+    *,
+    vram_gb: float | None,
+    recipe: str | None,
+    overrides: dict,
+    origins: dict[str, str] | None = None,
+    seq_len: int | None = None,
+    profile: LengthProfile | None = None,
+    gpus: int = 1,
+    strategy: Requested = "auto",
+    offload: bool | None = None,
+) -> tuple[Recipe, Choice]:
+    """The recipe a run uses and a record of why: `--recipe` as given (checked against --vram when there is one),
+    else planned for `--vram` from the tier recipe.
+
+    `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
+    planner; `origins` names the flag behind an override key, for error messages. `seq_len` (plan --seq-len) fixes
+    `memory.max_seq_len`; otherwise, with `profile`, the planner sizes it from the data. With `gpus` > 1 the plan's
+    figures are per device and its `strategy` / `offload` say how the run is sharded.
+    """
+    if recipe is None and vram_gb is None:
+        raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
+    if seq_len:
+        overrides = merge(overrides, {"memory": {"max_seq_len": seq_len}})
+        origins = {**(origins or {}), "memory.max_seq_len": "--seq-len"}
+    if vram_gb is None:
+        resolved = with_saved_adapter(resolve(recipe, overrides, origins), overrides, origins)
+        return resolved, Choice("recipe", str(recipe), resolved.model.name_or_path)
+    start = start_recipe(vram_gb, recipe, overrides, origins)
+    if not start.model.name_or_path:
+        raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    from lowmem_ft.memory.arch import load_architecture
+
+    target = target_for(vram_gb, start, gpus)
+    arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
+    _check_plannable(arch, start.model.name_or_path, start, target.gpus)
+    _check_adapter_fits(arch, start)
+    model = start.model.name_or_path
+    if recipe is not None:
+        length = start.memory.max_seq_len
+        where = asked("memory.max_seq_len", length, origin_of("memory.max_seq_len", overrides, origins), recipe)
+        check_positions(length, arch.max_position_embeddings, model, where)
+        request = request_for(start, target, strategy=strategy, offload=offload)
+        # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
+        checked = with_host_ram(_adapter_reason(check(arch, request), start, origins))
+        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
+    planned = plan_setup(
+        arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
+        origins=origins,
+    )  # fmt: skip
+    planned = with_host_ram(_adapter_reason(planned, start, origins))
+    return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
+
+
+# What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation
+# offloading and the chunked loss at its automatic 64 MiB chunks: the planner before the long-context savers),
+# "none" (neither). The knobs left out are fixed at the tier recipe's values (off).
+LONG_CONTEXT_KNOBS = frozenset({*SAVERS, "mlp_tile_tokens", "loss_chunk_tokens"})
+SAVER_SETS = {
+    "all": frozenset(),
+    "previous": LONG_CONTEXT_KNOBS,
+    "none": LONG_CONTEXT_KNOBS | {"activation_offloading", "loss_impl"},
+}
+
+
+def context_request(
+    model: str, vram_gb: float, overrides: dict | None = None, savers: str = "all"
+) -> tuple[Any, Request]:
+    """(architecture, request) of `longest_context`: the tier recipe for `vram_gb` with `overrides` fixed and the
+    savers outside `SAVER_SETS[savers]` fixed off."""
+    from lowmem_ft.memory.arch import load_architecture
+
+    fixed = merge(overrides or {}, {"model": {"name_or_path": model}})
+    start = resolve(tier_for_vram(vram_gb), fixed)
+    request = request_for(start, target_for(vram_gb, start), fixed=fixed_knobs(fixed) | SAVER_SETS[savers])
+    return load_architecture(model, start.model.trust_remote_code), request
+
+
+def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: str = "all",
+                    limit: int = 262144, positions: bool = True) -> int:  # fmt: skip
+    """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
+    `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers` says which savers the planner may
+    turn on (`SAVER_SETS`); `positions` caps the length at the model's positions as `plan` and `train` do (False:
+    what memory allows). What `python -m devkit.bench.max_context` tabulates and the GPU check runs."""
+    arch, request = context_request(model, vram_gb, overrides, savers)
+    if positions and arch.max_position_embeddings:
+        limit = min(limit, round_seq_len(arch.max_position_embeddings, up=False))
+    return max_seq_len(arch, request, limit=limit)

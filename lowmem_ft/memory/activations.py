@@ -1,0 +1,303 @@
+"""What one decoder layer and the head keep for backward, per token: norms (RMSNorm, Cohere's centred
+LayerNorm, q/k norms, tiled norms), the linears' inputs, the attention (SDPA, eager scores, explicit masks), the MLP
+(gated, plain, xIELU, tiled), the first layer's discount, the final norm and loss input; and how the layers' terms add
+up with and without checkpointing or offloading (`_activations`).
+"""
+
+from __future__ import annotations
+
+from lowmem_ft.memory.arch import Architecture, Linear
+from lowmem_ft.memory.calibration import (
+    CENTRED_NORM_EXTRA_FP32,
+    CHUNKED_LABEL_BYTES,
+    CHUNKED_POSITION_BYTES,
+    DROPOUT_MASK_BYTES,
+    TOKEN_BOOKKEEPING_BYTES,
+    XIELU_KEPT_BOOL,
+    XIELU_KEPT_C,
+    XIELU_KEPT_C_TRAINED,
+)
+from lowmem_ft.memory.experts import moe_activation_bytes
+from lowmem_ft.memory.families import family, with_flag
+from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, _lora_input_bytes, is_mlp_linear, lora_linears
+from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup
+
+
+def mlp_activation_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what one untiled decoder MLP keeps for backward: act(gate) keeps gate (c·i), the product keeps
+    act(gate) and up (2·c·i); plus the LoRA inputs of its adapted linears (frozen linears keep nothing)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    i = arch.intermediate_size
+    acts = (3 * c * i if arch.mlp == "gated" else c * i) + xielu_extra_bytes(arch, s)
+    return acts + (0 if s.adapter == "full" else _lora_input_bytes(arch, s, mlp=True))
+
+
+def masked_layers(arch: Architecture, s: Setup) -> int:
+    """Layers whose SDPA attention is given an explicit mask rather than `is_causal` (transformers 5.24
+    masking_utils `_ignore_causal_mask_sdpa`): every layer of a padded batch (micro batch > 1: the collator pads),
+    and the sliding-window layers once the sequence reaches the window (`kv_length >= local_attention_size`)."""
+    if s.attn_implementation != "sdpa":
+        return 0
+    if s.micro_batch_size > 1:
+        return arch.num_layers
+    if arch.sliding_window and s.max_seq_len >= arch.sliding_window:
+        return arch.sliding_layers
+    return 0
+
+
+def attention_mask_bytes(arch: Architecture, s: Setup) -> float:
+    """The explicit attention masks masking_utils builds once per forward for the masked layers (`masked_layers`):
+    bool, b × 1 × s × s, one per kind of layer masked (a padded batch of a model with sliding and full layers gets
+    both). Passed to every layer, so alive from the forward to the end of the backward (each checkpoint keeps it).
+    Measured (PeakMemory, devkit/harness/long_context.py on the Mistral shape with a 4,096-token window, 8,192 tokens,
+    checkpointing): 67 MB the model lacked before, 1 B per element; each masked layer's SDPA adds its c-byte additive
+    copy beside it (`layer_activation_bytes`, and the forward transient under checkpointing)."""
+    n_masked = masked_layers(arch, s)
+    if n_masked == 0:
+        return 0.0
+    kinds = 2 if s.micro_batch_size > 1 and 0 < arch.sliding_layers < arch.num_layers else 1
+    return kinds * s.micro_batch_size * s.max_seq_len**2
+
+
+def layer_activation_bytes(arch: Architecture, s: Setup, masked: bool | None = None) -> float:
+    """Bytes one decoder layer keeps for backward per token, without checkpointing (autograd's saved tensors).
+
+    Read from the modeling code (modeling_llama/qwen2 RMSNorm upcast, RoPE, MLP), torch's autograd formulas (a
+    frozen weight makes its op keep no input) and peft lora/layer.py Linear.forward (input cast to fp32, dropout
+    mask, lora_A input and output); checked against PeakMemory per layer (1- vs 2-layer models,
+    benchmarks/estimator_cpu.md:
+    exact for full fine-tuning and, with the CPU dropout mask, for LoRA/QLoRA) and across the zoo's families
+    (benchmarks/estimator_zoo.md). `masked`: the layer's SDPA gets an explicit mask (see `masked_layers`; default:
+    whether any layer does). With `tiled_mlp` the MLP keeps only its input (c·h, the view each tile's checkpoint holds); its own tensors
+    exist for one tile at a time in backward (`tiled_mlp_transient_bytes`).
+    """
+    c = DTYPE_BYTES[s.compute_dtype]
+    masked = masked_layers(arch, s) > 0 if masked is None else masked
+    total = _norm_bytes(arch, s) + _linear_input_bytes(arch, s) + _attention_bytes(arch, s, masked)
+    if arch.moe:
+        return total + moe_activation_bytes(arch, s)
+    if s.tiled_mlp:  # its input; in a parallel block a full fine-tune's q/k/v keep that norm output already
+        # (measured: Cohere h 256, head_dim 96, full, tiled: 12,857 B/token per layer; 13,356 with it counted twice)
+        shared = s.adapter == "full" and arch.norms_per_layer == 1
+        return total + (0 if shared else c * arch.hidden_size)
+    # a full fine-tune's MLP linear inputs were counted with the others (`_linear_input_bytes`)
+    return total + mlp_activation_bytes(arch, s)
+
+
+def _norm_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what a layer's RMSNorms keep (q/k norms included)."""
+    c, h = DTYPE_BYTES[s.compute_dtype], arch.hidden_size
+    full = s.adapter == "full"
+    # RMSNorm: hidden.to(float32) is kept (pow and mul both need it) + rsqrt per token; with a trainable weight the
+    # normalized input of `weight *` is kept too: c bytes (Llama: weight * hidden.to(dtype)), or 4 for Gemma's
+    # norm, which multiplies in fp32 (modeling_gemma*.py: output * (1.0 + self.weight.float())).
+    normalized = (4 if arch.norm_fp32_output else c) * h if full else 0
+    total = arch.norms_per_layer * (4 * h + 4 + normalized)
+    if s.tiled_norms:  # each norm keeps a view of its c-byte input; under checkpointing the first one's input is the
+        # layer input the checkpoint holds already (measured per layer: 1,808 B/token for the probe, tiled MLP and
+        # recompute_lora on, without checkpointing)
+        total = c * h * (arch.norms_per_layer - (1 if s.gradient_checkpointing else 0))
+    # q/k RMSNorm over head_dim (Qwen3, Gemma-3): the fp32 upcast of q and k and an rsqrt per head, as any RMSNorm
+    # (measured on the zoo's Qwen3 / Gemma-3: benchmarks/estimator_zoo.md); `memory.tiled_norms` leaves them as are.
+    if arch.qk_norm:
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        total += 4 * (q + kv) + 4 * (arch.num_heads + arch.num_kv_heads)
+        if full:
+            total += (4 if arch.norm_fp32_output else c) * (q + kv)
+    return total + centred_norm_extra_bytes(arch, s)
+
+
+def centred_norm_extra_bytes(arch: Architecture, s: Setup, one_norm: bool = False) -> float:
+    """Per token, the second fp32 x − mean copy Cohere's mean-centred LayerNorms keep beyond an RMSNorm's upcast
+    (CENTRED_NORM_EXTRA_FP32): the layer's norms (a tiled norm keeps only its input) and q/k norms, or with
+    `one_norm` one hidden-sized norm (the final norm, or the first layer's that keeps nothing); 0 for other norms."""
+    if arch.norm != "layer_no_bias":
+        return 0.0
+    norms = 0 if s.tiled_norms else (1 if one_norm else arch.norms_per_layer)
+    width = norms * arch.hidden_size
+    if arch.qk_norm and not one_norm:
+        width += (arch.num_heads + arch.num_kv_heads) * arch.head_dim
+    return CENTRED_NORM_EXTRA_FP32 * width
+
+
+def xielu_extra_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, what Apertus's xIELU activation keeps beyond the c·i input a plain activation keeps (XIELU_KEPT_*);
+    0 for other activations."""
+    if arch.hidden_act != "xielu":
+        return 0.0
+    c = DTYPE_BYTES[s.compute_dtype]
+    kept_c = XIELU_KEPT_C + (XIELU_KEPT_C_TRAINED if s.adapter == "full" else 0)
+    return (kept_c * c + XIELU_KEPT_BOOL) * arch.intermediate_size
+
+
+def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, the linears' kept inputs outside the attention's and the MLP's own tensors. LoRA: peft's. A full
+    fine-tune: a trainable weight keeps its input (c bytes), one tensor per input however many linears read it — the
+    attention's norm output (q/k/v, fused or not), the MLP's norm output (gate/up; in a parallel block with one norm,
+    Cohere / Phi / Falcon, the attention's), each down-projection's own input — while the attention output
+    projection's input is the attention output `_attention_bytes` counts, unless it is a copy (`_o_proj_copies`).
+
+    Grouping by (input width, output side) instead merged the MLP's norm output with the attention's input and let
+    o_proj's entry (heads·head_dim wide) stand for it: off by c·(hidden − heads·head_dim) per token and layer where
+    they differ (Qwen3, Gemma-2/3, Mistral-Nemo), and by c·heads·head_dim with the tiled MLP. Measured per layer with
+    PeakMemory (live after the backbone's forward minus static, 3- minus 2-layer models, bf16, 256 tokens, h 256,
+    4 heads; tests/memory/test_estimate.py): Llama with head_dim 96 / 32 kept 12,056 / 10,520 B/token where the
+    grouping said 12,312 / 10,264, with the tiled MLP 6,424 where it said 7,192; Phi-3 13,976 / 11,160
+    where it said 13,464 / 10,648 (its o_proj reads a copy: `_o_proj_copies`)."""
+    if s.adapter != "full":
+        return _lora_input_bytes(arch, s, mlp=False)
+    h = arch.hidden_size
+    inputs: dict[str, int] = {}
+    for lin in arch.linears:
+        if _is_attention_output(arch, lin):
+            if _o_proj_copies(arch, s):
+                inputs["attention output copy"] = lin.in_features
+            continue
+        if s.tiled_mlp and is_mlp_linear(arch, lin):
+            continue  # the tiled MLP keeps its input itself (`layer_activation_bytes`)
+        if lin.name in ATTENTION_INPUT_LINEARS or lin.name == "query_key_value":
+            key = "attention norm"
+        elif lin.in_features == h:
+            key = "attention norm" if arch.norms_per_layer == 1 else "mlp norm"
+        else:
+            key = lin.name  # a down-projection reads a tensor of its own
+        inputs[key] = lin.in_features
+    return DTYPE_BYTES[s.compute_dtype] * sum(inputs.values())
+
+
+def _is_attention_output(arch: Architecture, lin: Linear) -> bool:
+    """The attention's output projection (o_proj; `dense` in GPT-NeoX / Falcon / Phi; Qwen v1's attention c_proj)."""
+    if lin.name == "c_proj":
+        return family(arch.model_type).mlp_c_proj and not is_mlp_linear(arch, lin)
+    return lin.name in ("o_proj", "dense")
+
+
+# Families whose apply_rotary_pos_emb joins the rotated and passed-through halves with torch.cat (transformers 5.24
+# modeling_phi3 / _glm / _glm4 / _nemotron / _gpt_neox; Phi's attention inline): q comes out (batch, heads, seq,
+# head_dim)-contiguous rather than a transposed view, and SDPA returns its output in that order (`Family.rope_cat`).
+ROPE_CAT_FAMILIES = with_flag("rope_cat")
+
+
+def _o_proj_copies(arch: Architecture, s: Setup) -> bool:
+    """Whether the output projection's input is a tensor of its own rather than the attention output
+    `_attention_bytes` counts. transformers' `attn_output.transpose(1, 2).contiguous()` copies unless the attention
+    returned (batch, seq, heads, head_dim) memory order, which it does not for eager attention (its value matmul
+    returns (batch, heads, seq, head_dim)) nor for the ROPE_CAT_FAMILIES' queries. Traced on the CPU (does o_proj
+    read the SDPA kernel's output storage?): yes for Llama, Qwen3, Cohere, StarCoder2; no for Phi-3, Phi, GLM,
+    GLM-4, Nemotron, GPT-NeoX. Measured on Phi-3 (above) and the zoo's Gemma-2 (eager, h 256, 4 × 96, full:
+    26,144 B/token kept with its 8,192 of scores, where the grouping, with `_attention_bytes` counting an eager
+    output, said 26,400). CUDA's kernels are taken to order their output as the CPU's does (not measured: counting
+    the copy is the safe side)."""
+    return s.attn_implementation == "eager" or family(arch.model_type).rope_cat
+
+
+def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
+    """Per token, what a layer's attention keeps (its s² eager scores are a term of their own).
+
+    SDPA flash/efficient, or flash_attention_2: q, k, v, output (c bytes) + fp32 logsumexp per head. With an
+    explicit mask (padding, or a sliding window the sequence reaches) transformers repeats k/v to all heads
+    (sdpa_attention.py repeat_kv, `use_gqa_in_sdpa` needs mask None) and torch's SDPA converts the bool mask to a
+    c-byte additive mask (b × 1 × s × s) that each layer's attention keeps: s·c per token (measured 256 B/token at
+    s 128, bf16). Eager attention always repeats k/v (eager_attention_forward)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    repeated = masked or s.attn_implementation == "eager"
+    kv_kept = q if repeated else kv
+    # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
+    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
+    v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
+    # eager attention's value matmul keeps its inputs, not its output (o_proj's input there is a copy a trained
+    # o_proj keeps: `_o_proj_copies`); measured on the zoo's Gemma-2 shape (h 256, 4 × 96, LoRA): 38,016 B/token per
+    # layer with its scores, where counting an output said 38,784
+    out = 0 if s.attn_implementation == "eager" else q
+    return c * (q + out + kv_kept + v_kept) + 4 * arch.num_heads + (c * s.max_seq_len if masked else 0)
+
+
+def first_layer_discount(arch: Architecture, s: Setup) -> float:
+    """Per token, what the first layer does not keep when its input needs no gradient (LoRA without checkpointing:
+    frozen embeddings, and `enable_input_require_grads` is only set for checkpointing): the input RMSNorm's fp32
+    upcast and rsqrt, and the dropout masks of the attention input projections (`input * noise` keeps the noise
+    only for an input that requires grad). Measured: 8203 B/token less for h 512 (= 4·512 + 4 + 3·4·512 + 7)."""
+    if s.adapter == "full" or s.gradient_checkpointing:
+        return 0.0
+    h = arch.hidden_size
+    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 and not s.recompute_lora else 0
+    attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
+    attn_in += parallel_block_inputs(arch, s)
+    # with recompute_lora no mask is kept in any layer; a tiled norm keeps its c-byte input only when it needs grad
+    norm = DTYPE_BYTES[s.compute_dtype] * h if s.tiled_norms else 4 * h + 4
+    return norm + centred_norm_extra_bytes(arch, s, one_norm=True) + drop * attn_in
+
+
+def parallel_block_inputs(arch: Architecture, s: Setup) -> int:
+    """A parallel block (Cohere: attention and MLP on one `input_layernorm`, the only family with one norm per
+    layer) feeds its MLP's input linears the attention's input: per token, their LoRA input widths, whose dropout
+    masks the first layer does not keep either (`first_layer_discount`). A full fine-tune's MLP keeps that same norm output
+    (`_linear_input_bytes`), not a norm output of its own as a sequential block's does. Measured per layer with PeakMemory (2- vs 3-layer Cohere h 256 models, full fine-tune, 256
+    tokens): 15,414 B/token kept, 15,916 with a second norm output; LoRA without checkpointing 0.5 % over the harness's
+    peak with the first layer's gate/up masks counted (`python -m devkit.bench.estimator --blocks`)."""
+    if arch.norms_per_layer != 1:
+        return 0
+    return sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ("gate_proj", "up_proj"))
+
+
+def head_saved_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, kept from the end of forward to the loss's backward: the final RMSNorm (fp32 upcast, rsqrt, and
+    its normalized input when trained), the loss input (the fused head's `hidden_states[:, :-1]` is reshaped — a
+    c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    h = arch.hidden_size
+    norm = c * h if s.tiled_norms else 4 * h + 4 + (c * h if s.adapter == "full" else 0)
+    norm += centred_norm_extra_bytes(arch, s, one_norm=True)
+    # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
+    # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output. The chunked loss's
+    # copy and per-label tensors are per labelled position: spread here over every position (× their fraction).
+    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    if s.loss_impl == "chunked":
+        labelled = s.tokens if s.loss_tokens is None else min(s.loss_tokens, s.tokens)
+        loss_input = (c * h + CHUNKED_LABEL_BYTES) * labelled / max(1, s.tokens) + CHUNKED_POSITION_BYTES
+    return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
+
+
+def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
+    """Per layer, the b·heads·s² scores eager attention keeps (modeling_*.py eager_attention_forward): the softmax's
+    fp32 output (`softmax(..., dtype=float32)` saves it) and the c-byte probabilities the value matmul keeps; with
+    attention softcapping (Gemma-2) also tanh's c-byte output. Measured on the zoo's Gemma-2
+    (benchmarks/estimator_zoo.md)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    per_score = 4 + c + (c if arch.attn_logit_softcapping else 0)
+    return per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+
+
+def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
+    """(kept for backward, one layer's activations) of the decoder layers, their components appended to `comps`.
+
+    Layers whose attention gets an explicit mask keep more (see `masked_layers`); checkpointing keeps each layer's
+    input and recomputes the largest layer, without it every layer's activations are kept; eager attention adds its
+    s² scores to either."""
+    c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
+    n_masked = masked_layers(arch, s)
+    layer = layer_activation_bytes(arch, s, masked=n_masked > 0) * t
+    mask = attention_mask_bytes(arch, s)
+    if mask:
+        comps.append(Component("attention masks (s², bool)", mask, "forward/backward", "masking_utils sdpa_mask"))
+    all_layers = n_masked * layer + (arch.num_layers - n_masked) * layer_activation_bytes(arch, s, masked=False) * t
+    if s.gradient_checkpointing:
+        boundary = c * arch.hidden_size * t  # a decoder layer's input, what a checkpoint keeps
+        kept = 0.0 if s.activation_offloading else arch.num_layers * boundary
+        label = "checkpointed layer inputs" + (" (offloaded to host)" if s.activation_offloading else "")
+        comps.append(Component(label, kept, "forward/backward", "non-reentrant checkpoint keeps each layer's input"))
+        if s.activation_offloading:
+            comps.append(Component("offloaded layer inputs", arch.num_layers * boundary, "host", "save_on_cpu"))
+        comps.append(Component("one layer's activations (recompute)", layer, "forward/backward", "recomputed in bwd"))
+    else:
+        kept = all_layers - first_layer_discount(arch, s) * t
+        comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
+    if s.attn_implementation == "eager":
+        eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
+        comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))
+        if not s.gradient_checkpointing:
+            kept += eager
+        else:
+            layer += eager
+    return kept + mask, layer

@@ -1,0 +1,316 @@
+"""The memory model's calibration table: every constant, what it was read from or measured with, and under which
+library versions (pure data; no torch).
+
+Each constant keeps the comment that derives it. `SOURCES` then says, per constant, in one line, its kind — `code`
+(read from the named library file and function), `measured` (the named harness and benchmark table; exact live
+tensor bytes on the CPU with PeakMemory or saved-tensor hooks unless said otherwise), `code+measured` (read, then
+confirmed by a measurement), `assumed` (neither: a typical figure, to be replaced by the GPU harness's reading) —
+and where. Every constant was read or measured with the libraries of `lowmem_ft.versions.CHECKED` installed
+(`VERSIONS`); `doctor` and `plan` say when the installed ones differ. A prediction is not a measurement: the
+benchmark tables under benchmarks/ say which of their numbers are which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lowmem_ft.memory.records import GB
+from lowmem_ft.versions import CHECKED
+
+VERSIONS = CHECKED  # the library versions every constant below was read from or measured with
+
+# bitsandbytes functional.quantize_4bit: blocksize 64, one fp32 absmax per block → 4 + 32/64 = 4.5 bits/param.
+# With double quant (compress_statistics) the absmax are quantized to 8 bits in blocks of 256 with an fp32 absmax
+# each → 4 + 8/64 + 32/(64·256) ≈ 4.127 bits/param.
+NF4_BITS = 4.5
+NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+# Beyond the per-parameter bits, each quantized linear's QuantState holds the NF4 code (16 fp32) and, with double
+# quant, the absmax offset (one fp32) and the 8-bit code of the absmax quantization (256 fp32): 64 + 4 + 1024 B (read
+# from a quantized Linear4bit's quant_state; found by the exact CPU measurement of real runs, lowmem_ft.train.exact,
+# as 1092 B of static memory per linear the estimate lacked).
+NF4_STATE_BYTES = 16 * 4
+NF4_DQ_STATE_BYTES = 16 * 4 + 4 + 256 * 4
+# bitsandbytes Linear8bitLt (LLM.int8): int8 weight + one fp32 scale (SCB) per output row.
+INT8_ROW_SCALE_BYTES = 4
+# bitsandbytes optim/optimizer.py Optimizer2State.init_state: 8-bit states are two uint8 tensors plus two fp32
+# absmax per block of 256; tensors with fewer than `min_8bit_size` = 4096 elements keep fp32 states; paged buffers
+# (get_state_buffer) are used only for tensors of ≥ 1e5 elements and only on CUDA.
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN = 100_000
+# TRL 1.16 kernels/chunked_logprob.py: the fused LM head SFTTrainer installs (`add_fused_lm_head`) projects the
+# hidden states in tiles of TOKEN_CHUNK_SIZE tokens × `_CHUNKED_LOGPROB_CHUNK_SIZE` vocabulary (trainer/utils.py).
+# ChunkedLogProbFunction.forward/backward each allocate `mm_buf = empty((min(N, 4096), chunk_size))` in the compute
+# dtype: its width is the full 32,768 even when the vocabulary is smaller (measured: 2.05 fp32 tiles of a
+# 512 × 8000 tile = 512 × 32768 × 2 B).
+TRL_TOKEN_CHUNK = 4096
+TRL_VOCAB_CHUNK = 32768
+# Without Triton (the CPU) each tile is folded with torch ops, `_forward_tile` / `_backward_tile`, that hold fp32
+# copies of the tile (n × min(V, 32768) × 4 B) at once. Counted op by op with a PeakMemory trace of
+# ChunkedLogProbFunction alone (N 512, V 8000, H 64, bf16; the counts follow from the code): forward peak at
+# `e = torch.exp(z - new_m)`: z, the z − max temporary, e (3 fp32) + the bool `before_target` mask of is_top1
+# (1 B = 0.25 fp32) → 3.25; backward peak at
+# `is_target.float() - p`: y, z, log_p, p, grad, is_target.float(), the difference (7 fp32) + the bool is_target
+# → 7.25. The backward's `_addmm_fp32` then upcasts on the CPU (`acc.addmm_(a.float(), b.float())`): an fp32 tile
+# and an fp32 copy of the vocabulary chunk of the weight (min(V, 32768) × H × 4 B), plus the fp32 hidden chunk
+# when the head is trained. On CUDA (Triton) the folds run in registers and `torch.addmm(..., out_dtype=float32)`
+# needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
+CPU_TILE_FP32_FWD = 3.25
+CPU_TILE_FP32_BWD = 7.25
+# memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
+# (memory.loss_chunk_tokens 0) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
+# Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
+# bf16 and fp32, with and without a softcap): forward 8 B — the fp32 logits and the softmax made from them in place
+# (12 with a softcap in fp32: the tanh's temporaries); backward 4 B — the fp32 logits turned into their gradient in
+# place — plus the c-byte matmul output / gradient cast when c < 4 (6.0 and 4.0 measured); with a softcap the
+# logits stay for its derivative: 16 B. On top of the backward's chunk, the c-byte `grad_hidden` of all n tokens
+# and three fp32 per-token gradients (log-probs' gradient, masked_scatter's backward and its zeros: 12 B per token,
+# measured in a tiny-model run at 4,096 tokens). The loss input `hidden[mask]` is a c-byte copy kept from forward
+# to backward, beside its int64 targets, fp32 log-probs and two bool masks (same run).
+# The head projects the labelled positions only (`token_log_probs`: `hidden[mask]`, mask = shifted labels ≠ −100),
+# so the chunks, the `hidden[mask]` copy, its int64 targets and fp32 log_z (CHUNKED_LABEL_BYTES) and the backward's
+# per-token gradients scale with the labelled positions (`Setup.loss_tokens`); the bool mask and the scattered bool
+# top-1 hits are per position (CHUNKED_POSITION_BYTES). Measured with PeakMemory on `token_log_probs` alone (S 4,096,
+# h 64, V 8,000, bf16, chunks of 256; 4,095 / 2,048 / 1,024 / 256 labelled positions): kept after forward
+# 140 B per labelled position (c·h + 12) + 10.0 B per position (the 8-byte padded targets of TOKEN_BOOKKEEPING_BYTES
+# and these 2); backward beyond its chunk 137 B per labelled position (c·h + 9 ≤ c·h + 12) and nothing per position
+# (tests/memory/test_estimate_loss.py). TRL's fused head (chunked_loss off) compacts to the labelled positions too,
+# but on Triton devices only (trl/trainer/utils.py add_fused_lm_head: `compact = _use_triton(...)`); on the CPU, where
+# runs are measured exactly, it scores every position, so its terms (TRL_*) count every position.
+CHUNK_FP32_BYTES = 64 * 2**20
+CHUNK_FWD_BYTES_PER_LOGIT, CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32 = 8, 12
+CHUNK_BWD_BYTES_PER_LOGIT, CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP = 4, 16
+CHUNK_BWD_BYTES_PER_TOKEN = 3 * 4
+CHUNKED_LABEL_BYTES, CHUNKED_POSITION_BYTES = 8 + 4, 2
+# transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
+# cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
+HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
+# ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
+# mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
+# which saves a noise tensor in the input's dtype — fp32 for peft's LoRA input. Measured on the CPU: a LoRA layer
+# keeps 3 B/element more per adapted linear input than with a bool mask (PeakMemory, models built with 1 and 2
+# layers, difference = one layer; benchmarks/estimator_cpu.md).
+DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
+# Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
+# computed once by the model's rotary embedding, saved by every layer's `q * cos`), the loss's int64 shifted targets
+# (8 B) and fp32 log_z and entropy the fused head saves (4 B each). Measured remainder 23-35 B/token beyond RoPE
+# with one batch's tensors (PeakMemory, the 1-layer model's forward minus one layer).
+TOKEN_BOOKKEEPING_BYTES = 8 + 2 * 4
+# The batch's tensors, int64 (TRL DataCollatorForLanguageModeling: input_ids, labels and attention_mask, or
+# position_ids when padding-free): 3 × 8 B per token. transformers' Trainer fetches a whole accumulation window's
+# micro batches before the window's first forward (trainer.py get_batch_samples), each already on the device
+# (accelerate DataLoaderShard.__iter__ sends a batch there before yielding it), and they stay referenced through the
+# optimizer step; the loader also holds the next batch, on the host, to see the end of the data — device memory on
+# the CPU only. Measured on the CPU (PeakMemory, a tiny-model run at 4,096 tokens, accumulation 1, optimizer step):
+# six (1, 4096) int64 tensors from the collator's `torch.full`, 196.6 KB.
+BATCH_BYTES_PER_TOKEN = 3 * 8
+# Backward transients measured on the CPU with PeakMemory (the backbone alone with `last_hidden_state.sum()`; Qwen2-
+# and Llama-shaped layers, h 512/384, i 1408/1024): without checkpointing the backward's first op, the final RMSNorm
+# backward, holds ~5 fp32 hidden-sized gradients (20·h B/token: 10236 and 7676 measured vs 10240 and 7680); with
+# checkpointing the recomputed layer's saved activations plus MLP/LoRA gradients in flight ≈ (8·i + 5·h) B/token
+# (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
+NORM_BWD_BYTES_PER_H = 20
+RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
+# memory.tiled_mlp with checkpointing (devkit/harness/long_context.py, PeakMemory; fitted on a Llama-shaped h 128 /
+# i 512 model at 1-2k tokens, checked on Qwen2- and Mistral-shaped ones at 1-8k, benchmarks/long_context_cpu.md):
+# outside the MLP the recomputed layer's backward holds ~14·h B/token of gradients in flight (8·i + 5·h untiled:
+# the MLP's share is gone); the MLP's backward runs one tile at a time — the tile's recomputed MLP tensors plus
+# TILE_BWD_I·i B per tile token of gradients — beside the tiles' input gradients gathered for the split (c·h per
+# token). The larger of the two is the term.
+TILED_RECOMPUTE_BWD_H = 14
+TILE_BWD_I = 6
+# memory.recompute_lora without tiled_mlp: the recomputed MLP's gradients in flight are ~7·i + 5·h B/token (measured
+# as above: 3,646 and 3,614 B/token at 1k and 2k tokens for i 512, h 128); 6·i + 5·h is within 3 %, on the safe side.
+RECOMPUTE_BWD_I_LORA_RECOMPUTED = 6
+# memory.tiled_norms (same yardstick, tiles of 16 and 128 tokens): the RMSNorms' fp32 backward was most of the 14·h
+# above; with them tiled the layer's backward holds ~4·h B/token in flight (514 measured for h 128), and one MLP
+# tile ~8·i B per tile token beside its recomputed tensors (13.6 KB measured vs 13.4 KB) with no per-token gather in
+# the peak; without checkpointing the final norm's fp32 backward (NORM_BWD_BYTES_PER_H) is per tile too.
+TILED_NORMS_RECOMPUTE_BWD_H = 4
+TILE_BWD_I_TILED_NORMS = 8
+# That 4·h was measured with recompute_lora on. With tiled MLP and norms but peft's own LoRA branches, the recomputed
+# attention's LoRA backward holds more fp32 in flight: 10.1·h B/token (PeakMemory at 2,048 tokens, tiles of 64, the
+# long-context yardstick's Llama, Qwen2 and Mistral shapes: 10.10, 10.06, 10.11; the 4·h under-predicted those peaks
+# by 7.6-8.3 %); 10.5 keeps it on the safe side.
+TILED_NORMS_BWD_H = 10.5
+# The largest transient of one layer's forward (LoRA), beyond what the layers keep for backward and RoPE's cos/sin:
+# measured at the layers' own peak (PeakMemory's window peak read by a forward pre-hook on the final norm, so the
+# head's tensors, which do not exist yet, are not in it) and attributed op by op (a PeakMemory subclass recording
+# each live storage's creating op and shape at the peak); Llama- (h 128, i 512, GQA 4/2), Qwen2- (h 96, i 448,
+# GQA 6/2) and Mistral-shaped (h 160, i 384, MHA) models of devkit/harness/long_context.py at 2,048 tokens, LoRA r 8,
+# every combination of tiled_mlp / tiled_norms / recompute_lora, with and without checkpointing (14 setups per
+# shape, 42 in all; the terms below, FWD_TOKEN_STATS_BYTES included, are within 4 B/token of each).
+# In peft's LoRA layer (lora/layer.py Linear.forward) the base output comes first (c bytes per output element),
+# then the input's fp32 cast (4), the dropout noise (DROPOUT_MASK_BYTES) and dropped copy (4), lora_B's fp32 output
+# and its scaled copy (4 + 4 per output element). Under checkpointing nothing of it is kept: the moment of the
+# widest-input linear holds the input and its three copies (c + mask + FWD_TRANSIENT_CKPT per input element)
+# beside three c-byte hidden-sized tensors (the residual sum after attention, the MLP input and the base output:
+# FWD_BESIDE_CKPT). Without checkpointing the noise and dropped copy are kept already, and the peak is the widest-
+# input linear's output side: input and cast (c + FWD_TRANSIENT_NO_CKPT) beside base output, lora_B output and
+# scaled copy (c + FWD_OUTPUT_FP32 per output element), and four hidden-sized tensors (the model's input embeddings,
+# which its forward holds, the layer's input, the residual sum, the MLP input; two with tiled norms, whose saved
+# views of their inputs are counted as kept).
+FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT, FWD_OUTPUT_FP32 = 8, 4, 8
+FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
+# With tiled_mlp under checkpointing the peak moves to the attention's output projection: q, k, v and the attention
+# output (c each), the layer input's norm output and the projection's base output (c·h each) beside its LoRA copies
+# (peft: mask + 8 per input element; recompute_lora: 8 per output element, the fp32 tile outputs and their
+# concatenation). Measured as above: 2,816 / 3,840 / 2,048 B/token (Llama / Mistral / Qwen2 shape, peft LoRA) and
+# 2,304 / 3,200 / 1,664 (recompute_lora), each +8.
+# Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
+FWD_TOKEN_STATS_BYTES = 2 * 4
+# Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and
+# composite in fp32: `(x - mean).pow(2)` keeps its fp32 input and `(x - mean) * rsqrt(...)` a second fp32 x − mean of
+# its own, one fp32 copy per element more than an RMSNorm, whose pow and mul share the upcast. Measured with
+# autograd's saved-tensor hooks (every saved storage counted once, per module) on a Cohere h 256 / 3-layer model
+# with q/k norms, bf16, 256 tokens: input_layernorm keeps 2 × 1,024 + 4 B/token (LoRA; + 1,024 for the normalized
+# input under a full fine-tune), q_norm 2 × 1,024 + 16, k_norm 2 × 512 + 8; PeakMemory per layer agrees
+# (tests/memory/test_estimate.py, Cohere and Apertus layer bytes), and so do the --blocks grid's peaks, within 0.1 %
+# (python -m devkit.bench.estimator --blocks, benchmarks/estimator_blocks.md).
+CENTRED_NORM_EXTRA_FP32 = 4
+# xIELU (transformers activations.py XIELUActivation._xielu_python, the path without the optional `xielu` CUDA
+# package): `alpha_p * x * x` keeps x and alpha_p·x, `expm1(min(x, eps))` its output, `torch.where` its bool
+# condition, and with trainable alpha_n `(expm1(...) - x) * alpha_n` keeps the difference. Measured as above on an
+# Apertus h 256 / i 704 model: 3 × 1,408 + 704 B/token (LoRA: frozen alphas), 4 × 1,408 + 704 (full), against the
+# c·i a plain activation keeps: (2·c + 1)·i more, and c·i more again when the alphas train (the same test and grid).
+XIELU_KEPT_C, XIELU_KEPT_C_TRAINED, XIELU_KEPT_BOOL = 2, 1, 1
+# Device overheads (CUDA only). Assumed, not measured in this session (no GPU): the GPU run of the harness
+# measures NVML device use minus torch's reserved bytes.
+CUDA_CONTEXT_BYTES = 0.5 * GB  # torch 2.x + CUDA 12 context with lazy module loading (typical nvidia-smi reading)
+# torch aten/src/ATen/cuda/CublasHandlePool.cpp getChosenWorkspaceSize: 32 MiB per handle on Hopper (4 MiB before),
+# plus the cuBLASLt workspace of the same size.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
+# Caching allocator: block rounding (512 B / 2 MiB segments) and fragmentation of the transient tensors, as a
+# fraction of the transient peak. Assumed from typical reserved/allocated ratios of 1.05–1.15 in training.
+ALLOCATOR_FRACTION = 0.10
+
+# -- mixtures of experts (`lowmem_ft.memory.experts`; the shapes: lowmem_ft/memory/arch.py `MoE`) ----------------------------------------------------------
+# What one MoE block keeps for backward with frozen experts (LoRA / QLoRA: transformers 5.24's default
+# `grouped_mm_experts_forward`, integrations/moe.py), per token, k = top-k routed experts, E experts, I one expert's
+# width: the router's fp32 softmax output (4·E; Granite-MoE softmaxes the top-k logits only: 4·k), its int64 top-k
+# indices (8·k), with Mixtral's renormalisation the fp32 top-k values and their sum (4·k + 4); per routed copy
+# (k per token) the sort permutation and its `// k` gather index and the inverse permutation (3 × int64), the
+# up-projection's output (c·2I: act(gate) keeps it, `up` is a view of it), act(gate) (c·I), the down-projection's
+# output (c·h, kept by the weighting product) and the routing weight (fp32 for Mixtral, else c). A frozen expert
+# stack makes `grouped_mm` keep no input: neither the gathered hidden states nor act(gate)·up. Read from the code and
+# measured exactly with saved_tensors_hooks on one block (Mixtral k 2/E 8, Qwen3-MoE k 4/E 16, Granite-MoE k 2/E 8;
+# 2,676.06 / 3,784.13 / 2,636.06 B per token at h 256) and as per-layer differences of whole runs (PeakMemory, 1- vs
+# 2-layer models, devkit/harness/moe.py).
+MOE_INDEX_BYTES = 3 * 8
+# Qwen2-MoE's shared expert (modeling_qwen2_moe.py: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`): beside
+# its dense MLP's terms the product keeps the shared expert's c-byte output and the c-byte sigmoid (per token), and
+# that output is alive through the routed experts' moments (SHARED_BESIDE_H); Granite-MoE (`inputs_embeds *
+# embedding_multiplier`) holds the unscaled embeddings beside the scaled first-layer input through the forward,
+# and one more hidden-sized tensor is in flight in the recomputed layer's backward (GRANITE_BESIDE_H). Measured on
+# the layers' windows (devkit/harness/moe.py): −2,013 / −993 B/token (Qwen2-MoE without / with checkpointing) and
+# −481 / −496 (Granite-MoE, checkpointing) before these terms.
+SHARED_GATE_KEPT_H, SHARED_BESIDE_H = 1, 1
+GRANITE_BESIDE_H = 1
+# The experts' transient moments (integrations/moe.py `grouped_mm_experts_forward`; k routed copies per token, w the
+# routing weight's bytes: 4 for Mixtral's fp32 weights, else c), per token, attributed op by op with a PeakMemory
+# subclass on one block (devkit/harness/moe.py shapes) and checked on whole runs' layer windows:
+# - forward: the up-projection's moment — the gathered hidden states (c·h, a local the function holds to its end),
+#   its c·2I output, act(gate) and the act·up product (c·I each) — or the un-permute's — the gathered states, the
+#   down-projection's output (c·h), the weighted copy and its un-permuted copy (w·h each). Without checkpointing the
+#   up-projection's output, act(gate) and the down output are kept already, so only the gathered states and product
+#   (or the two weighted copies) are extra. Beside them the layer's hidden-sized tensors: the residual sum and the
+#   block's input (checkpointing: MOE_FWD_BESIDE_CKPT), and also the model's input embeddings and the layer's input
+#   without (MOE_FWD_BESIDE_NO_CKPT: four, as FWD_BESIDE_NO_CKPT for dense blocks); the routing
+#   indices in flight (sort values and permutation, the histc float copy, an arange: MOE_FWD_INDEX_BYTES per copy
+#   with checkpointing, half without where part of them is kept) and the router's c-byte logits, which the block
+#   holds (`_, weights, index = self.gate(...)`).
+# - backward: the un-permute's gradient — the [tokens, k, h] expanded output gradient, the zeros and the scattered
+#   rows of the index backward (w·h each; c·h + 2·w·h measured) — or the up-projection's — the gradients of the
+#   product, act(gate), and the concatenated c·2I gate/up gradient (c·4I). Without checkpointing it runs beside
+#   every kept tensor, less two c-byte hidden-sized tensors of the head already freed (MOE_BWD_HEAD_FREED); with
+#   checkpointing beside the recomputed layer, plus MOE_BWD_INDEX_BYTES per copy.
+# Measured on the CPU, where transformers 5.24 runs the same `grouped_mm_experts_forward` (torch 2.13's
+# F.grouped_mm) as on CUDA (sm80+); that the CUDA kernels return the same tensors is assumed, not measured here.
+MOE_FWD_INDEX_BYTES = 48
+MOE_FWD_BESIDE_CKPT, MOE_FWD_BESIDE_NO_CKPT = 2, 4
+MOE_BWD_HEAD_FREED = 2
+MOE_BWD_INDEX_BYTES = 32
+# The up-projection's backward moment: with checkpointing the act·up product's gradient and the two gradients of its
+# factors (c·3I per copy), the recomputed down output and routing weight already freed (w·h per copy): within
+# +16..+144 B/token of the layers' backward window on four shapes (Mixtral- and Qwen3-MoE-like, I from 0.375·h to
+# 4·h). Without checkpointing 4·c·I per copy (the concatenated c·2I gate/up gradient too) is an envelope: exact at
+# I = 1.75·h (Mixtral-like), over by 5.1 and 10.3 KB/token at I = 4·h and 1.5·h with top-8 (+3.1 / +4.2 % of the
+# layers' window; the planner checkpoints real MoE models, whose layers do not fit otherwise).
+MOE_BWD_UP_I_CKPT, MOE_BWD_UP_I = 3, 4
+
+
+# -- where each constant comes from ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    kind: Literal["code", "measured", "code+measured", "assumed"]
+    where: str  # the library file and function read, or the harness and benchmark table of the measurement
+
+
+_BNB_OPT = "bitsandbytes optim/optimizer.py Optimizer2State.init_state / get_state_buffer"
+_LONG = "devkit/harness/long_context.py (Llama/Qwen2/Mistral shapes), benchmarks/long_context_cpu.md"
+_LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 setups), tests/memory/test_estimate.py"
+_MOE = "devkit/harness/moe.py (one block and 1- vs 2-layer runs), benchmarks/estimator_moe.md"
+_CHUNKED = "PeakMemory on lowmem_ft/train/losses.py token_log_probs alone, tests/memory/test_estimate_loss.py"
+SOURCES: dict[str, Source] = {
+    "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
+    "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
+    "NF4_STATE_BYTES": Source("code+measured", "bitsandbytes Linear4bit quant_state; lowmem_ft.train.exact runs"),
+    "NF4_DQ_STATE_BYTES": Source("code+measured", "bitsandbytes QuantState (nested); lowmem_ft.train.exact runs"),
+    "INT8_ROW_SCALE_BYTES": Source("code", "bitsandbytes nn/modules.py Linear8bitLt (SCB per output row)"),
+    "BNB_BLOCK": Source("code", _BNB_OPT),
+    "BNB_MIN_8BIT_SIZE": Source("code", _BNB_OPT),
+    "BNB_PAGED_MIN": Source("code", _BNB_OPT),
+    "TRL_TOKEN_CHUNK": Source("code", "trl kernels/chunked_logprob.py, trainer/utils.py add_fused_lm_head"),
+    "TRL_VOCAB_CHUNK": Source("code+measured", "trl kernels/chunked_logprob.py mm_buf; PeakMemory 512 × 8000 tile"),
+    "CPU_TILE_FP32_FWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
+    "CPU_TILE_FP32_BWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
+    "CHUNK_FP32_BYTES": Source("code", "lowmem_ft/train/losses.py ChunkedLinearCrossEntropy (64 MiB of logits)"),
+    "CHUNK_FWD_BYTES_PER_LOGIT": Source("measured", _CHUNKED),
+    "CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32": Source("measured", _CHUNKED),
+    "CHUNK_BWD_BYTES_PER_LOGIT": Source("measured", _CHUNKED),
+    "CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP": Source("measured", _CHUNKED),
+    "CHUNK_BWD_BYTES_PER_TOKEN": Source("measured", "tiny-model run at 4,096 tokens (PeakMemory)"),
+    "CHUNKED_LABEL_BYTES": Source("measured", _CHUNKED),
+    "CHUNKED_POSITION_BYTES": Source("measured", _CHUNKED),
+    "HF_LOSS_BYTES_PER_LOGIT": Source("code", "transformers loss/loss_utils.py ForCausalLMLoss"),
+    "DROPOUT_MASK_BYTES": Source("code+measured", "ATen native/Dropout.cpp; benchmarks/estimator_cpu.md"),
+    "TOKEN_BOOKKEEPING_BYTES": Source("measured", "PeakMemory, 1-layer model's forward minus one layer"),
+    "BATCH_BYTES_PER_TOKEN": Source("code+measured", "trl DataCollatorForLanguageModeling, transformers Trainer "
+                                    "get_batch_samples; PeakMemory tiny-model run at 4,096 tokens"),
+    "NORM_BWD_BYTES_PER_H": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
+    "RECOMPUTE_BWD_I": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
+    "RECOMPUTE_BWD_H": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
+    "TILED_RECOMPUTE_BWD_H": Source("measured", _LONG),
+    "TILE_BWD_I": Source("measured", _LONG),
+    "RECOMPUTE_BWD_I_LORA_RECOMPUTED": Source("measured", _LONG),
+    "TILED_NORMS_RECOMPUTE_BWD_H": Source("measured", _LONG),
+    "TILE_BWD_I_TILED_NORMS": Source("measured", _LONG),
+    "TILED_NORMS_BWD_H": Source("measured", _LONG),
+    "FWD_TRANSIENT_CKPT": Source("measured", _LAYERS),
+    "FWD_TRANSIENT_NO_CKPT": Source("measured", _LAYERS),
+    "FWD_OUTPUT_FP32": Source("measured", _LAYERS),
+    "FWD_BESIDE_CKPT": Source("measured", _LAYERS),
+    "FWD_BESIDE_NO_CKPT": Source("measured", _LAYERS),
+    "FWD_BESIDE_NO_CKPT_TILED_NORMS": Source("measured", _LAYERS),
+    "FWD_TOKEN_STATS_BYTES": Source("measured", _LAYERS),
+    "CENTRED_NORM_EXTRA_FP32": Source("code+measured", "transformers modeling_cohere.py CohereLayerNorm; "
+                                      "python -m devkit.bench.estimator --blocks, benchmarks/estimator_blocks.md"),
+    "XIELU_KEPT_C": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),
+    "XIELU_KEPT_C_TRAINED": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),
+    "XIELU_KEPT_BOOL": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),
+    "CUDA_CONTEXT_BYTES": Source("assumed", "typical nvidia-smi reading of a torch 2.x + CUDA 12 context"),
+    "CUBLAS_WORKSPACE_BYTES": Source("code", "torch aten/src/ATen/cuda/CublasHandlePool.cpp getChosenWorkspaceSize"),
+    "ALLOCATOR_FRACTION": Source("assumed", "typical reserved / allocated ratios of 1.05-1.15 in training"),
+    "MOE_INDEX_BYTES": Source("code+measured", "transformers integrations/moe.py grouped_mm_experts_forward; " + _MOE),
+    "SHARED_GATE_KEPT_H": Source("measured", _MOE),
+    "SHARED_BESIDE_H": Source("measured", _MOE),
+    "GRANITE_BESIDE_H": Source("measured", _MOE),
+    "MOE_FWD_INDEX_BYTES": Source("measured", _MOE),
+    "MOE_FWD_BESIDE_CKPT": Source("measured", _MOE),
+    "MOE_FWD_BESIDE_NO_CKPT": Source("measured", _MOE),
+    "MOE_BWD_HEAD_FREED": Source("measured", _MOE),
+    "MOE_BWD_INDEX_BYTES": Source("measured", _MOE),
+    "MOE_BWD_UP_I_CKPT": Source("measured", _MOE),
+    "MOE_BWD_UP_I": Source("measured", _MOE),
+}  # fmt: skip

@@ -1,0 +1,117 @@
+"""The memory model's records: the `Setup` of knobs that change memory, a named `Component` of the peak, the
+`Estimate` they make; bytes per dtype and the decimal GB lowmem-ft speaks; the setup as it runs on an architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from lowmem_ft.memory.arch import Architecture
+
+GB = 1e9  # lowmem-ft speaks decimal GB, as `--vram 24` does
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+LossImpl = Literal["trl_fused", "hf_full", "chunked"]
+
+
+Device = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs that change memory, independent of the recipe dataclasses (`lowmem_ft.choosing.setup_from_recipe`)."""
+
+    quantization: Literal["nf4", "int8", "none"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    adapter: Literal["lora", "full"] = "lora"
+    lora_r: int = 16
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    optimizer: str = "paged_adamw_8bit"
+    gradient_checkpointing: bool = True
+    micro_batch_size: int = 1
+    max_seq_len: int = 1024
+    gradient_accumulation: int = 8  # micro batches per optimizer step (their batch tensors are held together); the
+    # recipe schema's default (memory.gradient_accumulation)
+    activation_offloading: bool = False
+    loss_impl: LossImpl = "trl_fused"
+    loss_chunk_tokens: int | None = None  # memory.chunked_loss: tokens per chunk (None: as losses.py sizes them)
+    # labelled positions of a micro batch (labels ≠ -100 after the shift), what the chunked loss projects
+    # (`loss_positions`); None: every position, the upper bound a plan keeps (it does not know the batches' labels)
+    loss_tokens: int | None = None
+    tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiled_mlp.py)
+    mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
+    embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
+    recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/lora_recompute.py)
+    tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/tiled_mlp.py tile_norms)
+    device: Device = "cuda"
+    safety_margin_gb: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.max_seq_len
+
+
+@dataclass
+class Component:
+    name: str
+    bytes: float
+    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host"]
+    source: str
+
+    @property
+    def gb(self) -> float:
+        return self.bytes / GB
+
+
+@dataclass
+class Estimate:
+    components: list[Component]
+    setup: Setup
+    model_peak_bytes: float  # live tensor bytes at the peak: what PeakMemory measures
+    overhead_bytes: float  # CUDA context, workspaces, allocator (0 on the CPU)
+    peak_phase: str
+    notes: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # live tensor bytes at each phase's peak (no overheads)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.model_peak_bytes + self.overhead_bytes
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / GB
+
+    def by_name(self) -> dict[str, float]:
+        return {c.name: c.bytes for c in self.components}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "predicted_peak_gb": round(self.peak_gb, 3),
+            "model_peak_gb": round(self.model_peak_bytes / GB, 3),
+            "overhead_gb": round(self.overhead_bytes / GB, 3),
+            "peak_phase": self.peak_phase,
+            "components": [
+                {"name": c.name, "gb": round(c.gb, 4), "phase": c.phase, "source": c.source} for c in self.components
+            ],
+            "setup": asdict(self.setup),
+        }
+
+
+def mlp_tile_tokens(arch: Architecture, s: Setup) -> int:
+    """Tokens per MLP tile (lowmem_ft/train/tiled_mlp.py mlp_tile_tokens: 0 means hidden_size), at most all tokens."""
+    return min(s.tokens, s.mlp_tile_tokens or arch.hidden_size)
+
+
+def effective_setup(arch: Architecture, s: Setup) -> tuple[Setup, str | None]:
+    """The setup as it runs on this architecture: the attention implementation the family supports when
+    transformers refuses the requested one (`Architecture.attention_for`, applied at load by
+    `lowmem_ft.train.model.attention`), and why it changed (None when it did not)."""
+    used, why = arch.attention_for(s.attn_implementation)
+    return (s if used == s.attn_implementation else replace(s, attn_implementation=used)), why

@@ -1,0 +1,72 @@
+"""The estimator against exact CPU measurements on two tiny points (the CPU grid is benchmarks/estimator_cpu.md).
+
+The bound is the issue's max-error target (8 %); the calibrated model lands within ~1 % on these points, so a
+wrong constant in the activation, loss or optimizer terms fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from devkit.harness.estimator import Point, run_point, write_model
+
+CONFIG = {
+    "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 192,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point",
+    [
+        Point("qwen2-tiny", "lora", "adamw_torch", False, 1, 64),  # LoRA dropout masks, first-layer discount
+        Point("qwen2-tiny", "full", "adamw_8bit", True, 2, 32),  # padded batch, recompute, bnb CPU step
+    ],
+    ids=lambda p: f"{p.adapter}-{p.optimizer}-ckpt{int(p.checkpointing)}",
+)
+def test_point_within_target(tmp_path, point):
+    model_dir = write_model(CONFIG, tmp_path / "m")
+    p = run_point(model_dir, point)
+    assert p.measured > p.phases["static"][1] > 0  # something was measured beyond the weights
+    assert abs(p.error) <= 0.08, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
+
+
+# Blocks that are not Llama-shaped: Cohere (parallel attention + MLP on one mean-centred LayerNorm, per-head q/k
+# norms) and Apertus (xIELU). Without checkpointing every layer's saved tensors are in the peak, so their per-layer
+# terms show: before they were counted the model was 1.0-2.9 % under these peaks (Cohere LoRA / full, Apertus LoRA /
+# full: -1.0, -1.7, -2.2, -2.9 %); now within 0.2 %, and the bound is 0.5 %.
+BLOCKS = {
+    "cohere": {
+        "model_type": "cohere", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True,
+    },
+    "apertus": {
+        "model_type": "apertus", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "xielu",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(BLOCKS))
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_cohere_and_apertus_blocks_within_half_a_percent(tmp_path, family, adapter):
+    model_dir = write_model(BLOCKS[family], tmp_path / family)
+    p = run_point(model_dir, Point(family, adapter, "adamw_torch", False, 1, 256))
+    assert abs(p.error) <= 0.005, f"predicted {p.predicted:.0f} vs measured {p.measured} ({p.error:+.1%})"
+
+
+@pytest.mark.requires_cuda
+def test_cuda_point_measures_three_ways_and_predicts_live_bytes(tmp_path):
+    """The GPU harness: allocator peak ≥ exact live bytes, reserved ≥ allocated, and the prediction without
+    overheads near the allocator peak. The bound is loose (25 %) until a GPU table calibrates the CUDA terms."""
+    from devkit.harness.estimator import measure_cuda, predict
+
+    model_dir = write_model(CONFIG, tmp_path / "m")
+    point = Point("qwen2-tiny", "qlora", "paged_adamw_8bit", True, 2, 64)
+    m = measure_cuda(model_dir, point, vram_gb=8)
+    assert m["allocated"] >= 0.99 * m["exact"] > 0
+    assert m["reserved"] >= m["allocated"]
+    est = predict(model_dir, point, device="cuda")
+    assert abs(est.model_peak_bytes - m["allocated"]) / m["allocated"] <= 0.25
