@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup
+from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup, estimate
+from lowmem_ft.memory.host import host_over
 from lowmem_ft.memory.long_context import SAVERS
-from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan, round_seq_len
+from lowmem_ft.memory.planner import Plan, Request, Requested, check, longest_length, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
 from lowmem_ft.recipe.schema import KEYS, Recipe
@@ -316,7 +317,21 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
             f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
             f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
         )
-    return Target(vram_gb, margin, gpus)
+    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb)
+
+
+def host_ram_gb(recipe: Recipe) -> float:
+    """The host RAM a plan may use: `memory.host_ram_gb` (`--host-ram`) when set, else what this machine has
+    available now."""
+    return recipe.memory.host_ram_gb or detected_host_ram_gb()
+
+
+def detected_host_ram_gb() -> float:
+    """What this machine has available now, in GB: psutil's `available` (free memory plus what the kernel can
+    reclaim without swapping)."""
+    import psutil
+
+    return psutil.virtual_memory().available / GB
 
 
 def origin_of(path: str, overrides: dict, origins: dict[str, str] | None) -> str | None:
@@ -384,25 +399,41 @@ def _length(
 
 
 # -- host memory -------------------------------------------------------------------------------------------------
-def with_host_ram(p: Plan, ram_gb: float | None = None) -> Plan:
+def with_host_ram(arch, p: Plan) -> Plan:
     """The plan with a `host_ram` reason line when its setup keeps memory on the host (offloaded layer inputs are
-    pinned: they cannot be swapped out; host embeddings, offloaded states): how much in all (paged optimizer states
-    included, as evicted), per process, against this machine's RAM (`ram_gb`, psutil's total when None; the memory
-    model stays machine-free), and a warning when the plan needs more than that."""
-    if all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0):
-        return p  # bnb's paged states live on the device until evicted: no line of their own
-    if ram_gb is None:
-        import psutil
-
-        ram_gb = psutil.virtual_memory().total / GB
+    pinned: they cannot be swapped out; host embeddings, paged and offloaded states): how much, against the host
+    budget. A plan over it does not fit (`Plan.host_fits`); its line then says what would: the longest length
+    whose host need fits, or the RAM this one needs."""
+    t = p.target
     parts = ", ".join(f"{c.name} {c.gb:.2f}" for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
-    per = " per process" if p.gpus > 1 else ""
-    why = f"{p.host_gb:.1f} GB{per} ({parts}); this machine has {ram_gb:.1f} GB"
-    if p.host_gb > ram_gb:
-        why += ": MORE than it has — train on a machine with more RAM, or on shorter sequences (--seq-len)"
-        _say_once(logging.WARNING, f"host RAM: the plan keeps {p.host_gb:.1f} GB{per} in host memory ({parts}), "
-                                   f"more than this machine's {ram_gb:.1f} GB")  # fmt: skip
+    paged_only = all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
+    if not parts or (paged_only and p.host_fits):
+        return p  # bnb's paged states live on the device until evicted: counted, but no line of their own
+    per = f" ({p.gpus} processes)" if p.gpus > 1 else ""
+    budget = f"{t.host_budget_gb:.1f} GB host budget (RAM {t.host_ram_gb:.1f} − margin {t.host_margin_gb:g})"
+    if p.host_fits:
+        why = f"{p.host_need_gb:.1f} GB{per} ({parts}) of the {budget}"
+    else:
+        ram = math.ceil(p.host_need_gb + t.host_margin_gb)
+        instead = [f"--host-ram {ram} (a machine with {ram} GB available)"]
+        fit = _longest_host_fit(arch, p)
+        if fit:
+            instead.insert(0, f"--seq-len {fit}")
+        why = f"{host_over(p.estimate, t)}; what fits: {' or '.join(instead)}"
     return replace(p, reasons={**p.reasons, "host_ram": why})
+
+
+def _longest_host_fit(arch, p: Plan) -> int:
+    """The longest max_seq_len below the plan's at which its setup's host need fits the host budget, else 0."""
+    from lowmem_ft.memory.host import host_need_gb
+    from lowmem_ft.memory.sharding import per_device_estimate
+
+    def fits(length: int) -> bool:
+        s = replace(p.setup, max_seq_len=length)
+        est = per_device_estimate(arch, s, p.gpus, p.strategy, p.offload)[0] if p.gpus > 1 else estimate(arch, s)
+        return host_need_gb(est, p.gpus) <= p.target.host_budget_gb
+
+    return longest_length(fits, p.setup.max_seq_len - 1)
 
 
 # -- choosing ----------------------------------------------------------------------------------------------------
@@ -487,14 +518,14 @@ def choose_recipe(
         check_positions(length, arch.max_position_embeddings, model, where)
         request = request_for(start, target, strategy=strategy, offload=offload)
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
-        checked = with_host_ram(_adapter_reason(check(arch, request), start, origins))
+        checked = with_host_ram(arch, _adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
     fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
         arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
         origins=origins,
     )  # fmt: skip
-    planned = with_host_ram(_adapter_reason(planned, start, origins))
+    planned = with_host_ram(arch, _adapter_reason(planned, start, origins))
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 

@@ -96,6 +96,7 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
     run = RunDir.existing(path)
     if lock:
         run.lock()  # a run still going is said as such, before its checkpoints are looked at
+    run.refuse_finished()  # continuing would train past its last step and rewrite its weights
     recipe = run.read_recipe(overrides)
     run.resumable()
     check_inputs(recipe, run.path)
@@ -143,6 +144,8 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
         origin = origin_of("memory.max_seq_len", request.overrides, request.origins)
         where = asked("memory.max_seq_len", length, origin, request.recipe)
         check_positions(length, model_positions(model), model, where)
+    elif choice.plan is not None and not choice.plan.host_fits:  # no guard steps down from an OOM-killed host
+        raise UserError(f"recipe {request.recipe}: {choice.reasons['host_ram']}")
     elif choice.fits is False:  # --recipe R --vram N: used as given; the guard steps down if memory runs out
         log.warning(
             "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); drop "

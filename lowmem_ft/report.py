@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.rundir import MemoryLog, RunDir
+from lowmem_ft.rundir import MemoryLog, RunDir, unique_tmp
 
 # What "measured peak" means in order of preference: the whole card as NVML sees it, else the allocator's peak,
 # else (no CUDA) the exact count of live tensor bytes, else (a memory file from before it) the host's resident set.
@@ -307,9 +307,10 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
     return fig
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, str]:
+def write_report(run_dir: str | Path, strict: bool = False) -> tuple[Path, str]:
     """Draw the run's memory.png and return (its path, the console summary). The summary starts with the run's
-    status (run.json) unless this process is the run, and says so when the plot could not be written."""
+    status (run.json) unless this process is the run, and says so when the plot could not be written — or, `strict`
+    (the `report` command), the OSError is raised."""
     run = RunDir(run_dir)
     log: MemoryLog = run.memory_log()
     summary = format_summary(summarize(log.start, log.samples, log.events))
@@ -319,11 +320,15 @@ def write_report(run_dir: str | Path) -> tuple[Path, str]:
     if status is not None and status.pid != os.getpid():
         summary = f"run: {run.describe_status()}\n{summary}"
     fig = plot(log.start, log.samples, log.events, title=f"memory of {run.name}")
-    tmp = run.memory_plot.with_name(f".{run.memory_plot.name}.tmp")
+    tmp = None
     try:
+        tmp = unique_tmp(run.memory_plot)  # the run's own report at its end and a `report` of it may draw at once
         fig.savefig(tmp, format="png")
         os.replace(tmp, run.memory_plot)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if strict:
+            raise
         summary += f"\n  ({run.memory_plot.name} not written: {exc.strerror or exc})"
     return run.memory_plot, summary

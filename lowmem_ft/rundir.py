@@ -11,6 +11,7 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | plan.json | train (rank 0) | with --vram: the full plan (components, reasons, strategy) |
 | data_report.json | train (rank 0) | what the token budget did to the samples, and the batching |
 | memory.jsonl | the monitor | memory samples and events; `memory.rank{R}.jsonl` for rank R > 0 |
+| status.rank{R}.json | train --gpus, rank R > 0 | that process's own status; the launcher reads them all to say how a failed launch ended |
 | memory.png | report | the memory curve |
 | metrics.json, log_history.jsonl | train (rank 0) | final metrics and every logged row |
 | checkpoints/ | the trainer | resumable checkpoints (`checkpoint-N`); saves in progress under `checkpoints/.staging/` |
@@ -18,6 +19,7 @@ it for a path or a record, and nobody else composes `run_dir / "x.json"`:
 | accelerate.yaml, launch.json | train --gpus | how the ranks were launched |
 | wandb/, tensorboard/ | the trackers (logging.report_to) | W&B's run files (offline runs sync from here), TensorBoard's events |
 | .lock | train | held (`fcntl.flock`) by the process running the run; holds its pid |
+| .reserve | train (rank 0) | 1 MB of room kept while the run goes, given up to record its end on a full disk |
 
 One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.json and memory.jsonl alike.
 `memory.jsonl` has one reader, `memory_log`, which tolerates a last line cut short by a crash.
@@ -29,6 +31,8 @@ Nothing is lost, nothing half-written is taken for whole:
   finds complete (trainer_state.json and weights present and readable) and says which it skipped.
 - One process at a time runs a run directory: `lock` holds an exclusive `flock` on `.lock` for the whole run. The
   OS releases it when the process ends, however it ends, so a crashed run never leaves a stale lock.
+- A full disk cannot keep a run from saying how it ended: while it runs, the run keeps `.reserve` (`reserve`), and
+  a status write that finds the disk full gives it up and writes again (`write_status`).
 - run.json's `status` says where the run stands (running with its pid → completed, interrupted or failed with the
   reason). A run that stopped before its first checkpoint can be started again under the same name (`new` clears
   it); one with a checkpoint continues with `--resume`, which first drops the memory samples of the steps it
@@ -37,12 +41,14 @@ Nothing is lost, nothing half-written is taken for whole:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,12 +64,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' `_re_checkpoint` (trainer_utils.py)
+# Room kept for run.json's last write on a full disk: run.json of the tiny test runs is ~6 KB and grows with the data
+# summary (one entry per source) and the choice's reasons, not with the steps; 1 MB leaves room for any run's,
+# written once more beside itself (write_atomic) — and a filesystem's block rounding.
+RESERVE_BYTES = 1 << 20
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 def check_run_name(name: str) -> str:
-    """A run name is a name: one path component, so the run stays inside `<training.output_dir>/`."""
+    """A run name is a name: one path component, so the run stays inside `<training.output_dir>/`, and one printable
+    line, so the files that name it (recipe.yaml's header comment, accelerate.yaml) stay readable."""
     separators = {"/", "\\", os.sep, os.altsep or "/"}
-    if not name or name in (".", "..") or any(s in name for s in separators) or "\0" in name:
+    if name and not name.isprintable():  # a newline, a NUL: the name heads recipe.yaml and names files
+        raise UserError(
+            f"--name {name!r}: a run name must be printable on one line (no newline, tab or control character); "
+            "pick another --name"
+        )
+    if not name or name in (".", "..") or any(s in name for s in separators):
         raise UserError(
             f"--name {name!r}: a run name is a name, not a path (no '/', '\\', '..'); the run goes to "
             "<training.output_dir>/<name> — set training.output_dir to choose where"
@@ -143,6 +160,7 @@ class RunStatus:
     checkpoint: str | None = None
     reason: str | None = None
     signal: str | None = None  # interrupted: SIGINT or SIGTERM
+    rank: int | None = None  # under --gpus: the process whose end this says (run.json: the one that ended the launch)
 
     @classmethod
     def running(cls) -> RunStatus:
@@ -160,6 +178,7 @@ class RunStatus:
 
     def describe(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
+        where += f" (rank {self.rank})" if self.rank is not None else ""
         if self.state == "running":
             return f"running (pid {self.pid} on {self.host}, since {self.started_at})"
         why = f" ({self.signal})" if self.signal else f": {self.reason}" if self.reason else ""
@@ -174,7 +193,7 @@ def _now() -> str:
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file, never
     a part (a crash or a full disk leaves the old one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = unique_tmp(path)
     try:
         with tmp.open("w", encoding="utf-8") as handle:
             handle.write(text)
@@ -183,6 +202,14 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def unique_tmp(path: Path) -> Path:
+    """A temporary name beside `path`, this writer's own: two writers of one file (a run's end and a `report` of it)
+    must not write into, or rename, each other's temporary file."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
 
 
 class RunDir:
@@ -200,6 +227,7 @@ class RunDir:
     LAUNCH = "launch.json"
     TENSORBOARD = "tensorboard"
     LOCK = ".lock"
+    RESERVE = ".reserve"
     STAGING = ".staging"  # under checkpoints/: a save in progress; `^checkpoint-\d+$` never matches it
 
     def __init__(self, path: str | Path):
@@ -441,13 +469,58 @@ class RunDir:
         self._write_json(self.info_file, {**info, "status": status} if status is not None else info)
 
     def write_status(self, status: RunStatus) -> None:
-        """run.json's `status` (the rest of run.json unchanged)."""
-        self._write_json(self.info_file, {**self.read_info(), "status": status.to_dict()})
+        """run.json's `status` (the rest of run.json unchanged). On a full disk the reserve (`reserve`) is given up
+        and the write tried again: the status a failed run ends with is the one that most needs writing."""
+        record = {**self.read_info(), "status": status.to_dict()}
+        try:
+            self._write_json(self.info_file, record)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL or not self.release_reserve():
+                raise
+            self._write_json(self.info_file, record)
+
+    def reserve(self) -> None:
+        """Keep `RESERVE_BYTES` of the disk for the run's last status (best effort: a disk too full for it already
+        goes without)."""
+        path = self.path / self.RESERVE
+        try:
+            with path.open("wb") as handle:
+                handle.write(bytes(RESERVE_BYTES))  # written, not sparse: the blocks are taken now
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            log.debug("no room reserved in %s for the run's last status: %s", self.path, exc)
+
+    def release_reserve(self) -> bool:
+        """Give the reserve back to the disk; whether there was one."""
+        path = self.path / self.RESERVE
+        existed = path.is_file()
+        path.unlink(missing_ok=True)
+        return existed
 
     def read_status(self) -> RunStatus | None:
         """The run's status, or None when run.json records none (a run from before statuses, or not a run)."""
         record = self.read_info().get("status")
         return RunStatus.from_dict(record) if isinstance(record, dict) and "state" in record else None
+
+    def rank_status_file(self, rank: int) -> Path:
+        return self.path / f"status.rank{rank}.json"
+
+    def write_rank_status(self, rank: int, status: RunStatus) -> None:
+        """The status of rank `rank` of a launch: run.json's for rank 0, its own file for the others."""
+        if rank == 0:
+            self.write_status(status)
+        else:
+            self._write_json(self.rank_status_file(rank), status.to_dict())
+
+    def rank_statuses(self, world_size: int) -> dict[int, RunStatus | None]:
+        """Each rank's last status (None: the rank recorded none)."""
+        out: dict[int, RunStatus | None] = {0: self.read_status()}
+        for rank in range(1, world_size):
+            record = self._read_json(self.rank_status_file(rank))
+            out[rank] = RunStatus.from_dict(record) if record is not None and "state" in record else None
+        return out
 
     def describe_status(self) -> str:
         """The status in words; a run recorded as running whose lock is free ended without a word (killed)."""
@@ -538,6 +611,37 @@ class RunDir:
         """The checkpoint to resume from: the newest complete one, or None."""
         return self.resume_point().checkpoint
 
+    def finished(self) -> str | None:
+        """What a finished run holds (its end and its weights), or None when it is not finished. Finished: run.json
+        says completed — or, for a run from before statuses, metrics.json of a run that was not interrupted, beside
+        its weights."""
+        status = self.read_status()
+        weights = next((w for w in (self.weights(False), self.weights(True)) if w.is_dir()), None)
+        if status is not None and status.state != "completed":
+            return None
+        metrics = self.read_metrics()
+        if status is None and (weights is None or metrics is None or "interrupted" in metrics):
+            return None
+        step = status.step if status is not None and status.step is not None else (metrics or {}).get("global_step")
+        at = f" at step {step}" if step is not None else ""
+        return f"completed{at}" + (f", weights in {weights}" if weights is not None else "")
+
+    def refuse_finished(self, flag: str = "--resume") -> None:
+        """A UserError (the lock given back) when the run is finished: continuing it would train past its last step
+        and rewrite its weights. Training further is a new run from those weights."""
+        done = self.finished()
+        if done is None:
+            return
+        self.unlock()
+        weights = next((w for w in (self.weights(False), self.weights(True)) if w.is_dir()), None)
+        how = (
+            f"start a new run from them: lowmem-ft train --{'model' if weights.name == 'model' else 'adapter'} "
+            f"{weights} ..."
+            if weights is not None
+            else "start a new run"
+        )
+        raise UserError(f"{flag} {self.path}: the run finished ({done}); nothing to continue — to train further, {how}")
+
     def continuation(self) -> str:
         """What the directory holds to go on from, and the command that does (the end of a run's last line)."""
         point = self.resume_point()
@@ -590,12 +694,19 @@ class RunDir:
         return dropped
 
     def memory_log(self, rank: int = 0) -> MemoryLog:
-        """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`)."""
+        """The records of a memory file, tolerating a last line cut short by a crash (see `MemoryLog`). Of a run
+        still going (its lock held), the whole lines written so far: a last line without its newline is the one the
+        monitor is writing, neither a record nor damage."""
         log = MemoryLog()
+        running = None  # whether the run is going: asked only when a last line is cut
         with self.memory_file(rank).open(encoding="utf-8", errors="replace") as handle:  # bad bytes: unreadable
             for line in handle:
                 if not line.strip():
                     continue
+                if not line.endswith("\n"):  # the last line, cut: being written now, or by a run that crashed
+                    running = self.in_use() if running is None else running
+                    if running:
+                        continue
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, RecursionError):

@@ -43,6 +43,16 @@ def _each_test_a_fresh_command():
     console._SAID.clear()
 
 
+# The host RAM a plan may use when a test does not say (`--host-ram`): a roomy machine's, the same on every machine the
+# suite runs on, so a plan does not depend on what else the test machine is running. Host-RAM tests set their own.
+TEST_HOST_RAM_GB = 512.0
+
+
+@pytest.fixture(autouse=True)
+def _a_fixed_host_ram(monkeypatch):
+    monkeypatch.setattr("lowmem_ft.choosing.detected_host_ram_gb", lambda: TEST_HOST_RAM_GB)
+
+
 @pytest.fixture(autouse=True)
 def _forget_bnb_module_overrides():
     """transformers' Trainer registers every nn.Embedding with bitsandbytes' process-wide `GlobalOptimManager` (32-bit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def test_choice_means_one_thing_per_field_and_round_trips():
     assert record["vram_gb"] == 24 and record["safety_margin_gb"] == 1.5 and record["budget_gb"] == 22.5
     assert record["predicted_peak_gb"] <= record["budget_gb"] and record["fits"] is True
     again = Choice.from_dict(record)
-    assert again == choice and again.plan is None and again.target == Target(24, 1.5)
+    assert again == choice and again.plan is None and again.target == Target(24, 1.5, 1, 512.0, 4.0)
     assert again.resumed("runs/x/recipe.yaml").how == "resume"
     plan_record = choice.plan_record(resolve("24gb", QWEN7))
     assert plan_record["budget_gb"] == 22.5 and plan_record["model"] == "Qwen/Qwen2.5-7B" and "recipe" in plan_record
@@ -288,26 +289,76 @@ def test_new_savers_are_fixed_knobs_and_round_trip():
     assert setup_from_recipe(recipe) == choice.plan.setup and apply_plan(recipe, choice.plan) == recipe
 
 
-def test_host_ram_is_said_and_warned_about_past_the_machines(caplog):
-    from lowmem_ft.choosing import with_host_ram
-
+def test_host_ram_is_said_against_the_host_budget():
     _, choice = choose_recipe(vram_gb=24, recipe=None, overrides=LLAMA8, seq_len=100_000)
     p = choice.plan
-    assert p.host_gb > 26  # 26.2 GB of offloaded layer inputs at 100k tokens
-    roomy = with_host_ram(replace_reasons(p), ram_gb=512)
-    assert (
-        roomy.reasons["host_ram"].startswith(f"{p.host_gb:.1f} GB (")
-        and "offloaded layer inputs 26.21" in (roomy.reasons["host_ram"])
+    assert p.host_gb > 26 and p.host_fits  # 26.2 GB of offloaded layer inputs at 100k tokens, of the suite's 512 GB
+    assert choice.reasons["host_ram"] == (
+        f"{p.host_gb:.1f} GB (paged optimizer states 0.04, offloaded layer inputs 26.21) of the 508.0 GB host budget "
+        "(RAM 512.0 − margin 4)"
     )
-    assert roomy.reasons["host_ram"].endswith("this machine has 512.0 GB")
-    with caplog.at_level(logging.WARNING, logger="lowmem_ft.choosing"):
-        tight = with_host_ram(replace_reasons(p), ram_gb=16)
-    assert "MORE than it has" in tight.reasons["host_ram"]
-    assert (
-        f"the plan keeps {p.host_gb:.1f} GB in host memory" in caplog.text and "this machine's 16.0 GB" in caplog.text
-    )
+    assert p.to_dict()["host_budget_gb"] == 508.0 and p.to_dict()["host_fits"] is True
     _, short = choose_recipe(vram_gb=80, recipe=None, overrides={"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}})
     assert short.plan.host_gb < 0.1 and "host_ram" not in short.reasons  # only bnb's paged states (on the device)
+
+
+def with_host_ram(overrides: dict, gb: float) -> dict:
+    return {**overrides, "memory": {**overrides.get("memory", {}), "host_ram_gb": gb}}
+
+
+def test_a_setup_that_needs_more_host_ram_than_the_machine_has_does_not_fit():
+    """Offloading 100k tokens' layer inputs needs 26.3 GB of host RAM: with 16 GB (12 GB after the margin) nothing
+    fits, and the one line says what would — a length the planner checked, or the RAM."""
+    with pytest.raises(UserError) as refused:
+        choose_recipe(vram_gb=24, recipe=None, overrides=with_host_ram(LLAMA8, 16), seq_len=100_000)
+    line = str(refused.value)
+    assert "keeps 26.3 GB in host RAM" in line and "over the 12.0 GB host budget (--host-ram 16 − margin 4" in line
+    shorter = int(re.search(r"what fits: --seq-len (\d+) or --host-ram 31 ", line).group(1))
+    assert 16_000 < shorter < 100_000
+    _, fits = choose_recipe(vram_gb=24, recipe=None, overrides=with_host_ram(LLAMA8, 16), seq_len=shorter)
+    assert fits.plan.fits and fits.plan.host_need_gb <= 12 and fits.plan.setup.max_seq_len == shorter
+    with pytest.raises(UserError):  # the length offered is the longest that fits
+        choose_recipe(vram_gb=24, recipe=None, overrides=with_host_ram(LLAMA8, 16), seq_len=shorter + 16)
+    _, roomy = choose_recipe(vram_gb=24, recipe=None, overrides=with_host_ram(LLAMA8, 31), seq_len=100_000)
+    assert roomy.plan.fits
+
+
+def test_the_length_from_the_data_is_capped_by_host_ram():
+    from lowmem_ft.data.profile import LengthProfile
+
+    profile = LengthProfile.from_lengths(list(range(60_000, 110_001, 500)))
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides=with_host_ram(LLAMA8, 16), profile=profile)
+    assert choice.plan.fits and choice.plan.host_need_gb <= 12
+    assert 16_000 < recipe.memory.max_seq_len < 60_000 and "the longest that fits" in choice.reasons["max_seq_len"]
+
+
+def test_host_ram_makes_the_planner_drop_offloading_where_the_device_allows():
+    """At 16k tokens on 80 GB the device fits without offloading: a host budget of nothing still plans."""
+    _, choice = choose_recipe(vram_gb=80, recipe=None, overrides=with_host_ram(LLAMA8, 4.1), seq_len=16_384)
+    assert choice.plan.fits and not choice.plan.setup.activation_offloading
+
+
+def test_a_recipe_over_the_host_budget_is_checked_not_to_fit(tmp_path):
+    from lowmem_ft.recipe.load import dump
+
+    planned, _ = choose_recipe(vram_gb=24, recipe=None, overrides=LLAMA8, seq_len=100_000)  # fits 512 GB of RAM
+    recipe_file = tmp_path / "offload.yaml"
+    recipe_file.write_text(dump(planned), "utf-8")
+    _, choice = choose_recipe(vram_gb=24, recipe=str(recipe_file), overrides=with_host_ram(LLAMA8, 16))
+    p = choice.plan
+    assert not p.fits and not p.host_fits and choice.fits is False
+    assert p.to_dict()["unfit_reason"].startswith("keeps 26.3 GB in host RAM")
+    assert re.search(r"what fits: --seq-len \d+ or --host-ram 31 ", choice.reasons["host_ram"])
+
+
+def test_the_detected_ram_is_the_default_and_host_ram_gb_overrides_it(monkeypatch):
+    from lowmem_ft.choosing import target_for
+    from lowmem_ft.recipe.load import resolve
+
+    monkeypatch.setattr("lowmem_ft.choosing.detected_host_ram_gb", lambda: 20.0)
+    assert target_for(24, resolve("24gb", {})).host_budget_gb == 16.0
+    given = resolve("24gb", {"memory": {"host_ram_gb": 100, "host_margin_gb": 10}})
+    assert target_for(24, given).host_budget_gb == 90.0
 
 
 def replace_reasons(p):

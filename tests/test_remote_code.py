@@ -99,6 +99,10 @@ def _refused(capsys, code: int) -> str:
     ids=["generate", "merge", "resume"],
 )
 def test_a_run_directory_cannot_grant_itself_code_execution(argv, hostile, capsys):
+    if "--resume" in argv:  # a finished run is not resumed at all (issue #24): make it one that stopped midway
+        from lowmem_ft.rundir import RunDir, RunStatus
+
+        RunDir(hostile["run"]).write_status(RunStatus("interrupted", step=1, signal="SIGINT"))
     line = _refused(capsys, main([a.format(**hostile) for a in argv]))
     assert "needs its own code" in line and "--trust-remote-code" in line
     assert not hostile["marker"].exists(), hostile["marker"].read_text()
@@ -161,3 +165,16 @@ def test_with_the_flag_generate_runs_the_models_code(hostile):
         assert hostile["marker"].read_text() == "the base model's code ran"
     finally:
         hostile["marker"].unlink(missing_ok=True)
+
+
+def test_with_the_flag_a_recipe_file_saying_true_is_not_said_to_be_off(tmp_path, caplog):
+    """`train --resume RUN --trust-remote-code`: the run's recipe.yaml says true and the command line grants it, so
+    no warning may say it is off (issue #24: it did)."""
+    from lowmem_ft.recipe.load import resolve
+
+    path = tmp_path / "granted.yaml"
+    path.write_text("base: 8gb\nmodel:\n  trust_remote_code: true\n")
+    with caplog.at_level(logging.WARNING):
+        assert resolve(path, {"model": {"trust_remote_code": True}}).model.trust_remote_code is True
+        assert resolve(path, ["model.trust_remote_code=true"]).model.trust_remote_code is True
+    assert "it is off" not in caplog.text and "only the command line can grant" not in caplog.text

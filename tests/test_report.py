@@ -200,3 +200,62 @@ def test_cpu_plot_draws_measured_against_predicted_and_rss_on_its_own_axis(tmp_p
     assert [line.get_label() for line in rss.get_lines()] == ["host RSS (right axis)"]
     legend = [t.get_text() for t in rss.get_legend().get_texts()]
     assert "host RSS (right axis)" in legend and measured.get_label() in legend
+
+
+def _running(run_dir):
+    """A run still going: its lock held (by another RunDir object: flock is per open file) and a memory log whose
+    last line the monitor is in the middle of writing."""
+    from lowmem_ft.rundir import RunDir, RunStatus
+
+    cuda_run(run_dir)
+    holder = RunDir(run_dir)
+    holder.lock()
+    holder.write_status(RunStatus("running", pid=1, host="h", started_at="t"))
+    with (run_dir / "memory.jsonl").open("a") as handle:
+        handle.write('{"step": 4, "phase": "forw')  # no newline yet
+    return holder
+
+
+def test_report_of_a_running_run_reads_its_complete_lines_only(tmp_path, capsys):
+    """Issue #24: `report` on a run still training counted the line being written as unreadable and said the run had
+    crashed while writing it."""
+    from lowmem_ft.cli import main
+
+    holder = _running(tmp_path)
+    try:
+        assert main(["report", str(tmp_path)]) == 0
+    finally:
+        holder.unlock()
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "run: running (pid 1 on h, since t)"
+    assert "unreadable" not in out and "crashed" not in out
+    # the same file once the run is gone (the lock free): the cut line is what a crash left
+    _, text = write_report(tmp_path)
+    assert "(1 unreadable line(s) skipped: a run that crashed while writing)" in text
+
+
+def test_two_reports_at_once_both_write_the_plot(tmp_path, monkeypatch):
+    """The run's own report at its end and a `lowmem-ft report` of it drew into the same temporary file: the second
+    rename found it gone (or renamed the other's half-written figure). Here both are inside savefig at once."""
+    import threading
+
+    from matplotlib.figure import Figure
+
+    cuda_run(tmp_path)
+    both_in, savefig = threading.Barrier(2, timeout=30), Figure.savefig
+
+    def together(self, fname, **kwargs):
+        both_in.wait()
+        savefig(self, fname, **kwargs)
+        both_in.wait()
+
+    monkeypatch.setattr(Figure, "savefig", together)
+    texts = []
+    threads = [threading.Thread(target=lambda: texts.append(write_report(tmp_path)[1])) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(texts) == 2 and not any("not written" in t for t in texts), texts
+    assert matplotlib.image.imread(tmp_path / "memory.png").shape[0] > 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.jsonl", "memory.png"]

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     )
     flags.add_key_flags(p, "--model", required=True, note="; a Hub id is read from the offline catalog or config.json")
     p.add_argument("--vram", type=flags.vram_gb, required=True, metavar="GB", help="GPU memory to fit in, in GB")
+    flags.add_key_flags(p, "--host-ram")
     flags.add_key_flags(p, "--seq-len", checked=True, note=f"; at least {MIN_SEQ_LEN}, at most the model's positions")
     flags.add_key_flags(
         p,
@@ -92,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
             offload=args.offload,
         )
 
-    recipe, choice = plan(overrides)
+    try:
+        recipe, choice = plan(overrides)
+    except UserError as exc:
+        if args.json:  # nothing fits (the device or the host RAM): the JSON says so too, the line goes to stderr
+            print(json.dumps({"model": args.model, "fits": False, "unfit_reason": str(exc)}, indent=2))
+        raise
     version_note()
     if args.verify:
         recipe, choice = verify(args, recipe, choice, lambda keys: plan(merge(overrides, keys)))
@@ -109,13 +115,12 @@ def run(args: argparse.Namespace) -> int:
             print_plan(choice.plan, recipe)
         if output is not None and fits:
             print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
-    if not fits:  # only a recipe as given (--recipe) can come back over the budget: the planner's plans fit
+    if not fits:  # only a recipe as given (--recipe) can come back over a budget: the planner's plans fit
         p = choice.plan
         raise UserError(
-            f"recipe {args.recipe} does not fit: predicted peak {p.estimate.peak_gb:.2f} GB over the budget of "
-            f"{p.budget_gb:.2f} GB (--vram {p.vram_gb:g} − margin {p.margin_gb:g}; the plan on stdout shows where "
-            f"it goes){'; nothing written to --output' if output is not None else ''}; drop --recipe to let the "
-            "planner choose"
+            f"recipe {args.recipe} does not fit: {p.unfit_reason()} (the plan on stdout shows where it goes)"
+            f"{'; nothing written to --output' if output is not None else ''}; drop --recipe to let the planner "
+            "choose"
         )
     return 0
 
@@ -178,12 +183,19 @@ def print_plan(result, r) -> None:
     table.add_section()
     table.add_row("predicted peak", f"{est.peak_gb:.2f}", f"at the {est.peak_phase}")
     table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
-    table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.fits else "DOES NOT FIT")
+    table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.headroom_gb >= 0 else "DOES NOT FIT")
     host = [c for c in est.components if c.phase == "host" and c.bytes > 0]
     if host:
         table.add_section()
         for c in host:
             table.add_row(c.name, f"{c.gb:.2f}", "host RAM, not on the device")
+        t = result.target
+        if t.host_ram_gb is not None:
+            table.add_row(
+                "host budget (RAM − margin)",
+                f"{t.host_budget_gb:.2f}",
+                ("fits" if result.host_fits else "DOES NOT FIT") + f": {result.host_need_gb:.2f} GB on the host",
+            )
     console = rich_console()
     console.print(table)
     for knob, why in result.reasons.items():

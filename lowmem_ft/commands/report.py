@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         what = "does not exist" if not run.path.exists() else "has no memory.jsonl (not a lowmem-ft run directory?)"
         raise UserError(f"{run.path} {what}; pass runs/NAME of a run started by lowmem-ft train")
     try:
-        png, summary = write_report(run.path)
+        png, summary = write_report(run.path, strict=True)
     except OSError as exc:  # a run directory handed over read-only, or a full disk
         raise UserError(
             f"{run.path}: cannot write {run.MEMORY_PLOT} there ({exc.strerror or exc}); copy the run directory "

@@ -43,6 +43,7 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         "installed library versions; minutes for a 7B model), planning again if it is over the budget",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
+    flags.add_key_flags(p, "--host-ram")
     flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
     p.add_argument(
         "--name",
@@ -169,9 +170,7 @@ def _launch(ready) -> None:
     """--gpus N: write the run directory's launch files, print the relaunch command, run accelerate (rank 0 prints
     the "done" line); the run directory stays locked while the ranks, its children, run."""
     import shlex
-    import signal
 
-    from lowmem_ft.errors import Interrupted, UserError
     from lowmem_ft.train import launch
 
     plan, run_dir = ready.launch, ready.run
@@ -180,11 +179,6 @@ def _launch(ready) -> None:
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
     print(f"relaunch by hand: {shlex.join(cmd)}")
     try:
-        code = launch.run(cmd)
+        launch.settle(run_dir, plan, launch.run(cmd))  # which rank ended a failed launch, and how, in one line
     finally:
         run_dir.unlock()
-    if code != 0:
-        status = run_dir.read_status()
-        if status is not None and status.state == "interrupted":  # rank 0's line, and its exit code (130 / 143)
-            raise Interrupted(status.reason or "interrupted", getattr(signal, status.signal or "SIGINT"))
-        raise UserError(f"accelerate launch exited with code {code}; the processes' output above says why")

@@ -27,18 +27,22 @@ import hashlib
 import itertools
 import json
 import logging
+import lzma
 import os
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lowmem_ft.data.formats import BadLine, LoadedData, convert, detect_format
 from lowmem_ft.data.sources import (
-    FILE_KINDS,
+    COMPRESSIONS,
     FORMAT_FIELDS,
     OPTIONAL_FIELDS,
     DataSource,
+    by_magic,
+    file_kind,
     open_binary,
     resolve_source,
 )
@@ -54,8 +58,14 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _read_error(path: str, exc: OSError) -> UserError:
-    return UserError(f"cannot read data file {path} ({exc.strerror or exc}); check that it is readable")
+# What reading a file can raise: the OS's errors, and a compressed stream's (cut short: EOFError; damaged: zlib's,
+# lzma's; gzip's and bz2's are OSErrors)
+READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _read_error(path: str, exc: Exception) -> UserError:
+    why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return UserError(f"cannot read data file {path} ({why}); check that it is readable and whole")
 
 
 # ---- rows: (where, a dict or the BadLine that stands for an unreadable record) --------------------------------
@@ -69,7 +79,7 @@ def iter_rows(source: DataSource) -> Iterator[tuple[str, Any]]:
         yield from _dataset_rows(load_saved(source), source.label)
     else:
         for name in source.files:
-            kind = FILE_KINDS[Path(name).suffix.lower()]
+            kind = file_kind(name)
             if kind == "jsonl":
                 yield from _jsonl_rows(name)
             elif kind == "json":
@@ -92,15 +102,16 @@ def _parse_object(text: str, what: str) -> dict | BadLine:
 
 def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
     with open_binary(path) as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line")
-        lines = enumerate(handle, start=1)
+        lines = enumerate(handle, start=1)  # decompressed: the lines of the text inside
+        lineno = 0
         while True:
             try:
                 lineno, raw = next(lines)
             except StopIteration:
+                if lineno == 0:
+                    raise UserError(f"{path}:1: the file is empty; it must hold one JSON sample per line") from None
                 return
-            except OSError as exc:
+            except READ_ERRORS as exc:
                 raise _read_error(path, exc) from None
             if lineno == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
@@ -119,7 +130,7 @@ def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
     with open_binary(path) as handle:
         try:
             data = handle.read().removeprefix(BOM)
-        except OSError as exc:
+        except READ_ERRORS as exc:
             raise _read_error(path, exc) from None
     try:
         text = data.decode("utf-8")
@@ -193,7 +204,7 @@ def _csv_options(path: str, kind: str) -> dict[str, Any]:
             header = next(csv.reader(io.TextIOWrapper(handle, encoding="utf-8-sig", newline=""), delimiter=sep), None)
         except UnicodeDecodeError as exc:
             raise UserError(f"{path}: not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
-        except OSError as exc:
+        except READ_ERRORS as exc:
             raise _read_error(path, exc) from None
     if not header:
         raise UserError(f"{path}: the file is empty; a {kind.upper()} file starts with a header row naming its columns")
@@ -210,6 +221,12 @@ def open_table(path: str, kind: str):
     from datasets import load_dataset
 
     options = _csv_options(path, kind) if kind in ("csv", "tsv") else {}
+    with open_binary(path, decompress=False) as handle:
+        hidden = by_magic(handle.peek(8)[:8])
+    if hidden is not None and Path(path).suffix.lower() not in COMPRESSIONS:
+        # datasets' builders decompress by suffix only (utils/file_utils.py _get_extraction_protocol)
+        suffix = next(k for k, v in COMPRESSIONS.items() if v == hidden)
+        raise UserError(f"{path} is {hidden}-compressed under a .{kind} name; rename it {Path(path).name}{suffix}")
     builder = "parquet" if kind == "parquet" else "csv"
     try:
         return load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **options)
@@ -280,7 +297,7 @@ def content_id(source: DataSource) -> str | None:
     for name in source.files:
         if source.kind == "dir":
             h.update(os.path.relpath(name, source.path).encode() + b"\0")
-        with open_binary(name) as handle:
+        with open_binary(name, decompress=False) as handle:  # the bytes on disk: compressed ones hash faster
             try:
                 for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
                     h.update(block)

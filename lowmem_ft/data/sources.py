@@ -8,6 +8,11 @@ for a directory lists the split's files the way `datasets.load_dataset` does (it
 source of a recipe, so a bad `--data` stops a run with one line before a model or tokenizer is loaded.
 Reading is `lowmem_ft.data.readers`; mixing several sources is `lowmem_ft.data.mix`.
 
+Compressed files (`train.jsonl.gz`, `.bz2`, `.xz`, `.zst`, `.lz4`, or a `.jsonl` whose bytes are compressed) are read
+as they are, decompressed as a stream by `datasets`' own single-file compression filesystems (`xopen` with its
+`gzip://` / `bz2://` / `zstd://` … protocols, datasets 5.2 filesystems/compression.py): the kind is the suffix
+under the compression one, and JSONL errors still name the line of the decompressed text.
+
 A string is a Hub id only if it is not an existing local path and looks like `org/name` (no data-file suffix, and
 `org` is not a local directory): a mistyped local path is reported as missing, not looked up on the Hub.
 """
@@ -24,6 +29,25 @@ from lowmem_ft.data.formats import FORMATS
 from lowmem_ft.errors import ConfigError, UserError
 
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
+# Single-file compressions datasets reads (filesystems/__init__.py COMPRESSION_FILESYSTEMS: suffix → protocol), and
+# their magic numbers (utils/file_utils.py MAGIC_NUMBER_TO_COMPRESSION_PROTOCOL) for a file whose suffix hides them.
+COMPRESSIONS = {
+    ".gz": "gzip",
+    ".gzip": "gzip",
+    ".bz2": "bz2",
+    ".xz": "xz",
+    ".lz4": "lz4",
+    ".zst": "zstd",
+    ".zstd": "zstd",
+}
+MAGIC = {
+    b"\x1f\x8b": "gzip",
+    b"BZh": "bz2",
+    b"\xfd7zXZ\x00": "xz",
+    b"\x04\x22\x4d\x18": "lz4",
+    b"\x28\xb5\x2f\xfd": "zstd",
+}
+CODEC_PACKAGES = {"zstd": "zstandard", "lz4": "lz4"}  # the others are in Python's standard library
 # The fields each format reads (formats.convert); data.columns maps these names onto a data set's own.
 FORMAT_FIELDS = {
     "text": ("text",),
@@ -78,16 +102,58 @@ class DataSource:
         return out
 
 
-def open_binary(path: str | Path):
-    """Open a data file for reading; a file we may not read is a one-line error, not a traceback."""
+def file_kind(path: str | Path) -> str | None:
+    """jsonl, json, parquet, csv or tsv from the file's suffix, under a compression suffix (`x.jsonl.gz`: jsonl)."""
+    name = Path(path)
+    if name.suffix.lower() in COMPRESSIONS:
+        name = Path(name.stem)
+    return FILE_KINDS.get(name.suffix.lower())
+
+
+def compression(path: str | Path, head: bytes = b"") -> str | None:
+    """The datasets protocol that decompresses the file: from its suffix, else from its first bytes `head`."""
+    return COMPRESSIONS.get(Path(path).suffix.lower()) or by_magic(head)
+
+
+def by_magic(head: bytes) -> str | None:
+    """The compression whose magic number starts `head`, or None."""
+    return next((protocol for magic, protocol in MAGIC.items() if head.startswith(magic)), None)
+
+
+def open_binary(path: str | Path, decompress: bool = True):
+    """Open a data file for reading, decompressed (`decompress`) when it is compressed; a file we may not read is a
+    one-line error, not a traceback."""
     try:
-        return open(path, "rb")  # noqa: SIM115 (the caller closes it)
+        handle = open(path, "rb")  # noqa: SIM115 (the caller closes it)
+        protocol = compression(path, handle.peek(8)[:8]) if decompress else None
+    except OSError as exc:
+        raise UserError(f"cannot read data file {path} ({exc.strerror or exc}); check that it is readable") from None
+    if protocol is None:
+        return handle
+    handle.close()
+    return _decompressed(path, protocol)
+
+
+def _decompressed(path: str | Path, protocol: str):
+    """The decompressed bytes of `path` through datasets' compression filesystem for `protocol`."""
+    from datasets.utils.file_utils import xopen
+
+    local = Path(path).resolve()
+    inner = local.stem if local.suffix.lower() in COMPRESSIONS else local.name
+    try:
+        return xopen(f"{protocol}://{inner}::{local}", "rb")
+    except (ImportError, ValueError) as exc:  # fsspec: "Compression type zstd not supported" without its package
+        package = CODEC_PACKAGES.get(protocol, protocol)
+        raise UserError(
+            f"{path} is {protocol}-compressed, and reading it needs the {package} package ({exc}): pip install "
+            f"{package}, or decompress the file"
+        ) from None
     except OSError as exc:
         raise UserError(f"cannot read data file {path} ({exc.strerror or exc}); check that it is readable") from None
 
 
 def looks_like_hub_id(path: str) -> bool:
-    if not _HUB_ID.fullmatch(path) or Path(path).suffix.lower() in FILE_KINDS:
+    if not _HUB_ID.fullmatch(path) or file_kind(path) is not None:
         return False
     return not Path(path.split("/")[0]).is_dir()  # data/train: a missing local folder, not org/name
 
@@ -126,12 +192,15 @@ def resolve_source(
     if local.exists():
         if not local.is_file():
             raise UserError(f"{path} is not a regular file; pass a data file, a directory of them or a Hub id")
-        kind = FILE_KINDS.get(local.suffix.lower())
+        kind = file_kind(local)
         if kind is None:
+            suffix = "".join(local.suffixes[-2:]) if local.suffix.lower() in COMPRESSIONS else local.suffix
             raise UserError(
-                f"{path}: unsupported file type {local.suffix or '(no suffix)'!r}; "
-                f"data files are {', '.join(FILE_KINDS)}"
+                f"{path}: unsupported file type {suffix or '(no suffix)'!r}; data files are {', '.join(FILE_KINDS)} "
+                f"(also compressed: {', '.join(COMPRESSIONS)})"
             )
+        if kind == "parquet" and local.suffix.lower() in COMPRESSIONS:
+            raise UserError(f"{path}: Parquet is compressed inside the file already; decompress it to .parquet")
         _one_split(path, base, split_key, "is one file, which is the whole 'train' split")
         open_binary(local).close()
         return DataSource(kind=kind, files=(str(local),), **base)
@@ -222,7 +291,7 @@ def data_files(path: Path) -> tuple[dict[str, list[str]], list[str]]:
     ignored: list[str] = []
     for split, names in found.items():
         for name in sorted(names):
-            if Path(name).suffix.lower() in FILE_KINDS:
+            if file_kind(name) is not None:
                 by_split.setdefault(str(split), []).append(name)
             else:
                 ignored.append(name)

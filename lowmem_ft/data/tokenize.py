@@ -17,7 +17,10 @@ version, or turn by turn) — less the turns of weight 0 and, in TRL's conversat
 The cache key is a hash of what the source holds (`readers.content_id`: the file bytes, a saved or Hub data set's
 fingerprint), how it is read (kind, split, subset, columns, format), the tokenizer (its serialized
 vocabulary/normalizer/post-processor and chat template) and the options that change tokens or labels, so a second
-run on the same data and tokenizer loads the tokenized dataset from disk instead of tokenizing again. A stream
+run on the same data and tokenizer loads the tokenized dataset from disk instead of tokenizing again. An entry is
+written under a temporary name and renamed when whole, and its meta.json holds a digest of its dataset files, checked
+before they are opened: a file cut short or with changed bytes (a crash, a bad disk) is tokenized again, never read —
+pyarrow memory-maps the file and trusts its offsets, so a damaged one can crash the process or load wrong ids. A stream
 (`data.streaming`) is tokenized lazily as training reads it and is not cached; its first `STREAM_HEAD` samples are
 tokenized up front, for the format and the length profile.
 """
@@ -55,8 +58,8 @@ log = logging.getLogger(__name__)
 # turn cut after its generation prompt; 5: per-turn weight, reasoning and content parts reach the template, TRL's
 # conversational prompt/completion, alpaca system/history and a chat record's system column read; a template's
 # `strftime_now` renders chat.TEMPLATE_DATE, not the day; 6: dropped messages found by probes, so data cached with a
-# tool call dropped unseen is checked again)
-CACHE_VERSION = 6
+# tool call dropped unseen is checked again; 7: entries carry the digest of their files, checked before loading)
+CACHE_VERSION = 7
 BATCH_SIZE = 1000
 STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
 
@@ -298,6 +301,8 @@ def tokenize_source(
         "unused_columns": loaded.unused_columns,
         "split": split,
     }
+    meta["files"] = saved_files(tmp / "dataset")
+    meta["digest"] = files_digest(tmp / "dataset", meta["files"])
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     try:
         tmp.rename(cache_dir)  # atomic: a half-written entry is never read
@@ -315,6 +320,28 @@ def _say_split(source: DataSource, split: int) -> None:
                     "turns differently once later ones follow (e.g. it drops their reasoning)", source.label, split)  # fmt: skip
 
 
+def saved_files(directory: Path) -> list[str]:
+    """The files `save_to_disk` wrote, by name: later maps of the loaded dataset add their own cache-*.arrow files
+    beside them, which are not part of the entry."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def files_digest(directory: Path, names: list[str]) -> str:
+    """sha256 over the named files of a directory (names and bytes, in order): what a cache entry must still hold."""
+    h = hashlib.sha256()
+    for name in names:
+        h.update(name.encode() + b"\0")
+        with (directory / name).open("rb") as handle:
+            for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class DamagedEntry(ValueError):
+    """A cache entry whose files are not the ones written."""
+
+
 def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | None:
     from datasets import load_from_disk
 
@@ -323,6 +350,10 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or not isinstance(meta.get("digest"), str) or not meta.get("files"):
+            raise DamagedEntry("meta.json is not the record written")
+        if files_digest(cache_dir / "dataset", meta["files"]) != meta["digest"]:  # before opening: module docstring
+            raise DamagedEntry("its files changed since they were written")
         ds = load_from_disk(str(cache_dir / "dataset"))
         if first_time("from cache", str(cache_dir)):  # the plan and the run each read it
             log.info("tokenized %s loaded from cache %s", source.label, cache_dir)
@@ -333,8 +364,9 @@ def _from_cache(cache_dir: Path, source: DataSource, tokenizer) -> Tokenized | N
             ds, meta["format"], meta["skipped"], meta["chat_template"], cache_dir, True, source, meta["unused_columns"],
             split_conversations=meta.get("split", 0),
         )  # fmt: skip
-    except (OSError, KeyError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
-        log.warning("ignoring unreadable cache entry %s (%s)", cache_dir, exc)
+    except (OSError, KeyError, TypeError, ValueError) as exc:  # a broken cache entry is rebuilt, not fatal
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("tokenization cache entry %s is damaged (%s); tokenizing again", cache_dir, why)
         shutil.rmtree(cache_dir, ignore_errors=True)
         return None
 

@@ -6,6 +6,7 @@ up with and without checkpointing or offloading (`_activations`).
 
 from __future__ import annotations
 
+from lowmem_ft.memory import dora
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
     CENTRED_NORM_EXTRA_FP32,
@@ -293,6 +294,14 @@ def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[
     else:
         kept = all_layers - first_layer_discount(arch, s) * t
         comps.append(Component("activations, all layers", kept, "forward/backward", "autograd saved tensors"))
+    norms = dora.kept_per_layer(s, lora_linears(arch, s))
+    if norms:  # per layer, not per token: the recomputed layer's with checkpointing, every layer's without
+        comps.append(Component("DoRA weight norms (kept)", norms * (1 if s.gradient_checkpointing else arch.num_layers),
+                               "forward/backward", "peft dora.py: norm, scale, scale − 1; fp32 weight copies"))  # fmt: skip
+        if s.gradient_checkpointing:
+            layer += norms
+        else:
+            kept += norms * arch.num_layers
     if s.attn_implementation == "eager":
         eager = eager_scores_bytes(arch, s) * (1 if s.gradient_checkpointing else arch.num_layers)
         comps.append(Component("eager attention scores (s²)", eager, "forward/backward", "softmax probs kept"))

@@ -92,6 +92,17 @@ HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
 # keeps 3 B/element more per adapted linear input than with a bool mask (PeakMemory, models built with 1 and 2
 # layers, difference = one layer; benchmarks/estimator_cpu.md).
 DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
+# DoRA (peft 0.21 tuners/lora/dora.py DoraLinearLayer.forward, variants.py DoraLinearVariant.forward), per adapted
+# linear, kept for backward: `(mag_norm_scale - 1) * base_result` keeps the base output (c B per output feature and
+# token with dropout 0, where peft passes the base layer's result; fp32 = 4 B with dropout, where it recomputes
+# F.linear on the fp32 dropped input), `mag_norm_scale * lora_result` keeps lora_B's fp32 output (4 B): together
+# (c or 4) + 4 B per output feature and token. Per layer, independent of tokens: the magnitude / weight-norm
+# division keeps the norm, the scale and the scale − 1 (3 fp32 per output feature). Measured with PeakMemory (zoo
+# llama3, fp32, r 16, 7 targets, 2 layers, forward+backward at 512 and 1,024 tokens, DoRA minus LoRA): 10,240 B
+# per token = 2 layers × 8 B × 640 output features, exactly; the fixed part 14,848 B against 2 × 12 × 640 = 15,360
+# predicted (-3 %); dropout 0 and 0.05 gave the same bytes (fp32: base_result is 4 B either way).
+DORA_KEPT_LORA_OUT_BYTES = 4
+DORA_NORM_BYTES_PER_OUT = 3 * 4
 # Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
 # computed once by the model's rotary embedding, saved by every layer's `q * cos`), the loss's int64 shifted targets
 # (8 B) and fp32 log_z and entropy the fused head saves (4 B each). Measured remainder 23-35 B/token beyond RoPE
@@ -274,6 +285,8 @@ SOURCES: dict[str, Source] = {
     "CHUNKED_LABEL_BYTES": Source("measured", _CHUNKED),
     "CHUNKED_POSITION_BYTES": Source("measured", _CHUNKED),
     "HF_LOSS_BYTES_PER_LOGIT": Source("code", "transformers loss/loss_utils.py ForCausalLMLoss"),
+    "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
+    "DORA_NORM_BYTES_PER_OUT": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "DROPOUT_MASK_BYTES": Source("code+measured", "ATen native/Dropout.cpp; benchmarks/estimator_cpu.md"),
     "TOKEN_BOOKKEEPING_BYTES": Source("measured", "PeakMemory, 1-layer model's forward minus one layer"),
     "BATCH_BYTES_PER_TOKEN": Source("code+measured", "trl DataCollatorForLanguageModeling, transformers Trainer "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from lowmem_ft.memory import dora
 from lowmem_ft.memory.activations import (
     ROPE_CAT_FAMILIES,
     _activations,
@@ -209,7 +210,13 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # (`final_norm_forward_bytes`); the head and loss, beside the head's saved tensors. Measured apart with
     # PeakMemory's window read by a forward pre-hook on the final norm (the layers' peak alone), attributed op by op.
     rope = 2 * c * arch.head_dim * t
-    layer_fwd = rope + max(forward_transient_bytes(arch, s), masked_attention_forward_bytes(arch, s))
+    norm_working_set = dora.forward_transient(arch, s, lora_linears(arch, s))  # 0 without DoRA
+    if norm_working_set:
+        comps.append(Component("DoRA weight-norm working set", norm_working_set, "forward/backward",
+                               "peft dora.py get_lora_weight / get_weight_norm, largest adapted linear"))  # fmt: skip
+    layer_fwd = rope + max(forward_transient_bytes(arch, s), masked_attention_forward_bytes(arch, s), norm_working_set)
+    if s.gradient_checkpointing:  # the recompute in backward computes the norms again (dequantizing, under QLoRA)
+        dequant = max(dequant, norm_working_set)
     fwd_peak = kept - head + max(head + loss_fwd + head_out, layer_fwd, rope + final_norm_forward_bytes(arch, s))
     bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from lowmem_ft.memory import dora
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import DROPOUT_MASK_BYTES
 from lowmem_ft.memory.families import family
@@ -36,8 +37,8 @@ def _lora_input_bytes(arch: Architecture, s: Setup, mlp: bool) -> float:
     drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
     lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
     if s.recompute_lora and not (mlp and s.tiled_mlp):
-        return recomputed_lora_input_bytes(arch, s, lins)
-    return sum((4 + drop) * lin.in_features + 4 * s.lora_r for lin in lins)
+        return recomputed_lora_input_bytes(arch, s, lins) + dora.kept_per_token(s, lins)
+    return sum((4 + drop) * lin.in_features + 4 * s.lora_r for lin in lins) + dora.kept_per_token(s, lins)
 
 
 def recomputed_lora_input_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:

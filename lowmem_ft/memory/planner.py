@@ -28,6 +28,7 @@ from lowmem_ft.errors import UserError
 from lowmem_ft.memory import long_context
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, eval_peak_bytes, loss_chunk_tokens, mlp_tile_tokens
+from lowmem_ft.memory.host import host_need_gb, host_over
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
 from lowmem_ft.memory.sharding import (
     OFFLOAD_OPTIMIZERS,
@@ -137,7 +138,28 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.headroom_gb >= 0
+        return self.headroom_gb >= 0 and self.host_fits
+
+    @property
+    def host_need_gb(self) -> float:
+        """Host RAM the plan keeps on the machine: every process's `host_gb` (the `gpus` processes of one node)."""
+        return host_need_gb(self.estimate, self.gpus)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_need_gb <= self.target.host_budget_gb
+
+    def unfit_reason(self) -> str:
+        """Why the plan does not fit (device, host RAM, or both), in words; "" when it fits."""
+        why = []
+        if self.headroom_gb < 0:
+            why.append(
+                f"predicted peak {self.estimate.peak_gb:.2f} GB over the budget of {self.budget_gb:.2f} GB "
+                f"(--vram {self.vram_gb:g} − margin {self.margin_gb:g})"
+            )
+        if not self.host_fits:
+            why.append(host_over(self.estimate, self.target))
+        return "; ".join(why)
 
     @property
     def effective_batch(self) -> int:
@@ -150,12 +172,16 @@ class Plan:
         return sum(c.bytes for c in self.estimate.components if c.phase == "host") / GB
 
     def to_dict(self) -> dict[str, Any]:
-        """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.choosing` adds)."""
+        """What `plan --json` prints and `plan.json` holds (with the model and recipe `lowmem_ft.choosing` adds);
+        `host_fits` where host RAM is a limit, `unfit_reason` where the plan does not fit."""
+        host_limit = self.target.host_ram_gb is not None
         return {
             **self.target.to_dict(),
             "headroom_gb": round(self.headroom_gb, 3),
             "fits": self.fits,
+            **({} if self.fits else {"unfit_reason": self.unfit_reason()}),
             "host_gb": round(self.host_gb, 3),
+            **({"host_need_gb": round(self.host_need_gb, 3), "host_fits": self.host_fits} if host_limit else {}),
             "strategy": self.strategy,
             "offload": self.offload,
             **({"per_device": _share_dict(self.share)} if self.share is not None else {}),
@@ -266,6 +292,10 @@ class _Scored:
     @property
     def peak_gb(self) -> float:
         return self.estimate.peak_gb
+
+    def fits(self, target: Target) -> bool:
+        """Under the device budget, and within the host RAM budget (`host_need_gb`) where that is a limit."""
+        return self.peak_gb <= target.budget_gb and host_need_gb(self.estimate, target.gpus) <= target.host_budget_gb
 
 
 def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:
@@ -379,19 +409,24 @@ def _partial_targets(arch: Architecture, targets: tuple[str, ...], adapted: list
     )
 
 
-def plan(arch: Architecture, request: Request) -> Plan:
+def plan(arch: Architecture, request: Request, hint: bool = True) -> Plan:
     """The fastest setup starting from `request.start` whose predicted peak fits the target's budget.
 
     With several devices the peak is per device, and the strategy stages (`STAGES[request.strategy]`) are tried in
     order: the first stage where some setup fits wins, so DDP is kept whenever the model fits whole on each device.
     `request.offload` None lets the planner offload as a last stage; True/False fixes it. Only when no stage fits
     with the start's savers are the long-context savers added (`_search_order`). Raises UserError with the smallest
-    setup's need and what would fit when nothing does.
+    setup's need and what would fit when nothing does (`hint`: with the longest length that would — a search of its
+    own, which the searches for a length turn off).
+
+    Host RAM is a limit too where the target has one: a setup that fits the device but keeps more in host RAM
+    (offloaded layer inputs, host embeddings, paged or offloaded states) than the host budget does not fit.
     """
     gpus, budget = request.target.gpus, request.target.budget_gb
     request, target_reason, stages = _prepare(arch, request)
     tried: dict[tuple[str, bool], _Scored] = {}  # the smallest setup seen per strategy stage, for the reason line
     last: list[_Scored] = []
+    host_blocked: list[_Scored] = []  # setups that fit the device but not the host RAM
     for strat, off, savers, first in _search_order(arch, request, stages):
         start = _stage_start(request, off, savers, first)
         if not first:
@@ -406,8 +441,9 @@ def plan(arch: Architecture, request: Request) -> Plan:
             continue
         last = scored
         tried[(strat, off)] = min(scored, key=lambda x: x.peak_gb)
-        fitting = [x for x in scored if x.peak_gb <= budget]
+        fitting = [x for x in scored if x.fits(request.target)]
         if not fitting:
+            host_blocked += [x for x in scored if x.peak_gb <= budget]
             continue
         # Offloaded weights and states cross PCIe every step, which dwarfs the other costs: fewest host bytes first.
         fitting.sort(key=lambda x: (x.share.host if off else 0.0, x.cost, x.peak_gb))
@@ -416,6 +452,8 @@ def plan(arch: Architecture, request: Request) -> Plan:
         return _plan_of(arch, request, fitting, strat, off, _tried(tried, stages, (strat, off)), target_reason)
     if not tried:
         raise UserError(f"--strategy {request.strategy}: no configuration of {arch.name or 'the model'} can use it")
+    if host_blocked:
+        raise UserError(_host_refusal(arch, request, host_blocked, hint))
     stage = ""
     if gpus > 1:
         strategies = _tried(tried, stages, None)
@@ -598,7 +636,7 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
         est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
         return est_len.peak_gb <= target.budget_gb
 
-    fits_len = _longest(fits, s.max_seq_len)  # the longest sequence the smallest setup fits
+    fits_len = longest_length(fits, s.max_seq_len)  # the longest sequence the smallest setup fits
     need = est.peak_gb + target.margin_gb
     hint = (
         f"use --seq-len {fits_len} or a smaller model"
@@ -619,6 +657,24 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
         f"{arch.name or 'model'} needs {est.peak_gb:.1f} GB at seq {s.max_seq_len} even with {', '.join(savings)} "
         f"(budget {target.budget_gb:.1f} GB = --vram {target.vram_gb:g} − margin {target.margin_gb:g}){experts}; "
         f"{hint}"
+    )
+
+
+def _host_refusal(arch: Architecture, request: Request, blocked: list[_Scored], hint: bool) -> str:
+    """Nothing fits because of host RAM: the setup that fits the device with the least host RAM, what it keeps
+    there against the host budget, and what would fit — a shorter length (with `hint`) or the RAM it needs."""
+    least = min(blocked, key=lambda x: (host_need_gb(x.estimate, request.target.gpus), x.cost))
+    s, target = least.setup, request.target
+    need = host_need_gb(least.estimate, target.gpus)
+    ram = math.ceil(need + target.host_margin_gb)
+    instead = [f"--host-ram {ram} (a machine with {ram} GB available)"]
+    if hint:
+        shorter = max_seq_len(arch, request, limit=max(SEQ_MULTIPLE, s.max_seq_len - SEQ_MULTIPLE))
+        if shorter:
+            instead.insert(0, f"--seq-len {shorter}")
+    return (
+        f"{arch.name or 'model'} at seq {s.max_seq_len} fits the {target.budget_gb:.1f} GB VRAM budget only if it "
+        f"{host_over(least.estimate, target)}; what fits: {' or '.join(instead)}"
     )
 
 
@@ -645,7 +701,7 @@ def _what_fits_instead(arch: Architecture, request: Request) -> str:
     )
 
 
-def _longest(fits, limit: int) -> int:
+def longest_length(fits, limit: int) -> int:
     """The longest multiple of SEQ_MULTIPLE up to `limit` for which `fits(length)` holds (binary search), else 0."""
     lo, hi, best = 1, limit // SEQ_MULTIPLE, 0
     while lo <= hi:
@@ -666,12 +722,12 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
         if _fits_with_every_saver(arch, at):
             return True
         try:
-            plan(arch, at)
+            plan(arch, at, hint=False)
         except UserError:
             return False
         return True
 
-    return _longest(fits, limit)
+    return longest_length(fits, limit)
 
 
 def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:
@@ -685,6 +741,6 @@ def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:
     for strat, off in stages:
         start = _stage_start(request, off, savers[-1], len(savers) == 1)
         smallest = _smallest(arch, request, start, strat, off)
-        if smallest is not None and _score(arch, request, smallest, strat, off).peak_gb <= request.target.budget_gb:
+        if smallest is not None and _score(arch, request, smallest, strat, off).fits(request.target):
             return True
     return False

@@ -32,6 +32,7 @@ class Setup:
     adapter: Literal["lora", "full"] = "lora"
     lora_r: int = 16
     lora_dropout: float = 0.05
+    use_dora: bool = False  # adapter.use_dora (lowmem_ft.memory.dora)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     optimizer: str = "paged_adamw_8bit"
     gradient_checkpointing: bool = True

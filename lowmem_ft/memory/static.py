@@ -52,6 +52,8 @@ def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
     out = []
     for lin in lora_linears(arch, s):
         out += [(s.lora_r * lin.in_features, 4), (lin.out_features * s.lora_r, 4)] * arch.num_layers
+        if s.use_dora:  # peft dora.py DoraLinearLayer.update_layer: one magnitude per output feature, fp32 (autocast)
+            out += [(lin.out_features, 4)] * arch.num_layers
     return out
 
 

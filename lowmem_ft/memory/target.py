@@ -1,23 +1,35 @@
-"""Where a run must fit: the VRAM of one device, the safety margin kept free under it, and the budget between them.
+"""Where a run must fit: the VRAM of one device, the safety margin kept free under it, and the budget between them;
+and the host RAM the run's processes may keep (the machine's, less a margin), when it is known.
 
-The one idea: `budget_gb = vram_gb − margin_gb` is computed here and nowhere else. The planner fits its predicted
+The one idea: `budget_gb = vram_gb − margin_gb` (and `host_budget_gb = host_ram_gb − host_margin_gb`) is computed
+here and nowhere else. The planner fits its predicted
 peak under the budget, the guard steps down when measured memory crosses it, and every file a run writes
 (`plan.json`, `run.json`, `memory.jsonl`) means the same by `budget_gb`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Target:
-    """A memory target: `vram_gb` per device (the `--vram` figure), `margin_gb` kept free, on `gpus` devices."""
+    """A memory target: `vram_gb` per device (the `--vram` figure), `margin_gb` kept free, on `gpus` devices; and
+    `host_ram_gb` of host RAM (`--host-ram`, else what the machine has available when planning — detected outside
+    the memory model) with `host_margin_gb` kept free for the process itself, or None: host RAM is not a limit."""
 
     vram_gb: float
     margin_gb: float
     gpus: int = 1
+    host_ram_gb: float | None = None
+    host_margin_gb: float = 0.0
+
+    @property
+    def host_budget_gb(self) -> float:
+        """Host RAM the run's processes may keep together (all `gpus` of them: one node): RAM less the margin."""
+        return math.inf if self.host_ram_gb is None else self.host_ram_gb - self.host_margin_gb
 
     @property
     def budget_gb(self) -> float:
@@ -30,6 +42,15 @@ class Target:
             "safety_margin_gb": self.margin_gb,
             "budget_gb": round(self.budget_gb, 3),
             "gpus": self.gpus,
+            **(
+                {}
+                if self.host_ram_gb is None
+                else {
+                    "host_ram_gb": round(self.host_ram_gb, 3),
+                    "host_margin_gb": self.host_margin_gb,
+                    "host_budget_gb": round(self.host_budget_gb, 3),
+                }
+            ),
         }
 
     @classmethod
@@ -37,4 +58,11 @@ class Target:
         """The target a record describes, or None when it has no VRAM figure (a recipe used without --vram)."""
         if data.get("vram_gb") is None:
             return None
-        return cls(float(data["vram_gb"]), float(data.get("safety_margin_gb") or 0.0), int(data.get("gpus") or 1))
+        host = data.get("host_ram_gb")
+        return cls(
+            float(data["vram_gb"]),
+            float(data.get("safety_margin_gb") or 0.0),
+            int(data.get("gpus") or 1),
+            None if host is None else float(host),
+            float(data.get("host_margin_gb") or 0.0),
+        )

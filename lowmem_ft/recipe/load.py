@@ -340,13 +340,15 @@ def _config_error(problems: list[tuple[str, str]]) -> ConfigError:
     return ConfigError([f"{source}: {text}" for source, text in problems], source="recipe")
 
 
-def _command_line_only(data: dict[str, Any], path: Path) -> dict[str, Any]:
+def _command_line_only(data: dict[str, Any], path: Path, granted: bool = False) -> dict[str, Any]:
     """A recipe file without `model.trust_remote_code: true`: running a model's own code is granted only on the
     command line of the command being run. A file may come from anyone — a run directory someone handed you is data —
-    so it cannot grant itself code execution."""
+    so it cannot grant itself code execution. `granted`: the command line grants it (then the file's true is moot,
+    and nothing is said)."""
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("trust_remote_code"), bool):
-        if model["trust_remote_code"] and first_time("trust_remote_code", str(path)):  # train resolves it twice
+        warn = model["trust_remote_code"] and not granted
+        if warn and first_time("trust_remote_code", str(path)):  # train resolves it twice
             log.warning(
                 "%s sets model.trust_remote_code: true, which only the command line can grant; it is off — pass "
                 "--trust-remote-code if you trust the model's code",
@@ -367,11 +369,14 @@ def resolve(
     for the key (e.g. `{"memory.max_seq_len": "--seq-len"}`).
     """
     layers: list[tuple[str, dict[str, Any]]] = []
+    given = (parse_overrides(overrides) if isinstance(overrides, list) else overrides) if overrides else {}
     if recipe is not None:
         path = find_recipe(str(recipe))
-        layers.append((str(path), _command_line_only(_read_yaml(path), path)))
-    if overrides:
-        layers.append(("--set", parse_overrides(overrides) if isinstance(overrides, list) else overrides))
+        model = given.get("model")
+        granted = isinstance(model, dict) and model.get("trust_remote_code") is True  # --trust-remote-code
+        layers.append((str(path), _command_line_only(_read_yaml(path), path, granted)))
+    if given:
+        layers.append(("--set", given))
     return build(layers, origins)
 
 

@@ -155,6 +155,18 @@ class AdapterSection:
     r: int = _f(16, "LoRA rank.", ge=1, planner="lora_r")
     alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).", ge=1)
     dropout: float = _f(0.05, "Dropout on the LoRA input.", ge=0.0, lt=1.0, planner="lora_dropout")
+    use_dora: bool = _f(
+        False,
+        "DoRA: a trainable magnitude per output feature of each adapted linear on top of LoRA (peft's use_dora). "
+        "Costs memory the plan counts: the magnitude vectors, their gradients and states, and each adapted linear's "
+        "weight norm recomputed in every forward (lowmem_ft.memory.dora).",
+        planner="use_dora",
+    )
+    use_rslora: bool = _f(
+        False,
+        "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r (peft's use_rslora), so "
+        "higher ranks keep learning. Scaling only: no memory of its own (peft lora/layer.py update_layer).",
+    )
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",
@@ -185,6 +197,12 @@ class OptimizerSection:
     schedule: Schedule = _f("cosine", "Learning-rate schedule after warmup.")
     warmup_ratio: float = _f(0.03, "Fraction of the optimizer steps spent warming up.", ge=0.0, lt=1.0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).", ge=0.0)
+    loraplus_lr_ratio: float = _f(
+        0.0,
+        "LoRA+: the learning rate of the lora_B matrices is lr × this (peft's create_loraplus_optimizer; 16 is the "
+        "paper's default); 0 = off. The same parameters in other param groups: no memory of its own.",
+        ge=0.0,
+    )
 
 
 @dataclass
@@ -213,6 +231,23 @@ class MemorySection:
         "VRAM kept free below the target, for the allocator and for spikes (budget = VRAM − this).",
         ge=0.0,
         planner="safety_margin_gb",
+    )
+    host_ram_gb: float = _f(
+        0.0,
+        "Host RAM the run may keep in GB (all its processes on one machine); 0 = what this machine has available "
+        "when the run is planned (psutil). Set it to plan for another machine, or to make a plan reproducible. The "
+        "planner counts offloaded layer inputs, host embeddings, paged and offloaded optimizer states against it "
+        "less host_margin_gb, and a plan that needs more does not fit.",
+        ge=0.0,
+        flag=Flag(
+            "--host-ram", "host RAM the plan may use, in GB (default: what this machine has available)", metavar="GB"
+        ),
+    )
+    host_margin_gb: float = _f(
+        4.0,
+        "Host RAM kept free below host_ram_gb for what the plan does not count: the Python process itself (torch, "
+        "the tokenizer, the data), the loader's copy of each checkpoint shard, the OS (host budget = RAM − this).",
+        ge=0.0,
     )
     activation_offloading: bool = _f(
         False,
@@ -369,6 +404,12 @@ class TrainingSection:
     logging_steps: int = _f(10, "Log loss every N optimizer steps.", ge=1)
     save_steps: int = _f(200, "Save a resumable checkpoint every N optimizer steps.", ge=1)
     save_total_limit: int = _f(2, "Checkpoints kept on disk (the newest; 0 keeps every one).", ge=0)
+    rank_timeout_s: int = _f(
+        1800,
+        "Under --gpus: seconds a process waits for the others at a collective before the launch fails (a rank hung "
+        "or gone); transformers' ddp_timeout, whose default this is. Keep it above the longest checkpoint save.",
+        ge=1,
+    )
     eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)
     output_dir: str = _f(
         "runs",

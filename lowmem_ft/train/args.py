@@ -130,6 +130,7 @@ def sft_config(recipe: Recipe, checkpoints: Path, run_name: str, *, report_to: l
         save_strategy="steps",
         save_steps=save_steps(recipe),
         save_total_limit=t.save_total_limit,
+        ddp_timeout=t.rank_timeout_s,  # the process group's timeout: a rank waiting for a hung one fails after it
         eval_strategy="steps" if evaluate else "no",
         eval_steps=t.eval_steps if evaluate else None,
         load_best_model_at_end=evaluate,

@@ -130,7 +130,14 @@ class RunView:
     def _host(self) -> str:
         if self.host_gb is None and self.machine_ram_gb is None:
             return ""
-        ram = f"this machine has {self.machine_ram_gb:.1f} GB" if self.machine_ram_gb is not None else ""
+        t = self.choice.target
+        if t is not None and t.host_ram_gb is not None:  # the planner's host budget: what the plan was fitted under
+            ram = (
+                f"host budget {t.host_budget_gb:.1f} GB ({t.host_ram_gb:.1f} GB available − "
+                f"{t.host_margin_gb:g} GB margin)"
+            )
+        else:
+            ram = f"this machine has {self.machine_ram_gb:.1f} GB" if self.machine_ram_gb is not None else ""
         if self.host_gb is None:
             return f"not planned; {ram}"
         per = " per process" if self.world_size > 1 else ""

@@ -14,7 +14,8 @@ unchanged, into `checkpoints/.staging/checkpoint-N` (a name `^checkpoint-\\d+$` 
   (`Saver.publish`, on the process that writes the run directory), then rotates old checkpoints as transformers would;
 - turns a failed save into one line (`DiskFull`) when the disk is full — by errno, by the writer's message
   (safetensors says "os error 28"), or, for torch's zip writer, which says only "unexpected pos", by the free space
-  left being below what the save needs — after removing the partial staging directory.
+  left being below what the save needs — after removing the partial staging directory. A torch writer's failure
+  with room on the disk again (full for an instant) is one line too, naming both likely causes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -39,6 +41,11 @@ DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28
 # rng_state.pth, scheduler.pt, training_args.bin, adapter_config.json, peft's README.md — under 100 KB each in the
 # tiny test runs (tests/train/test_checkpoints.py lists them); 1 MB covers a long log history.
 SLACK_BYTES = 1_000_000
+# torch's zip writer (caffe2 serialize/inline_container.cc) names no errno when a write fails: "PytorchStreamWriter
+# failed writing file data/0: file write failed", "unexpected pos N vs M". By the time it is looked at, a disk that
+# was full for an instant has room again, so neither errno nor free space says what it was.
+WRITER_TEXT = ("file write failed", "unexpected pos")
+ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\]\s*\.?\s*")
 
 
 class DiskFull(UserError):
@@ -150,7 +157,18 @@ class Saver:
         self._tidy()
         if is_disk_full(exc) or free < self.needed:
             return self.disk_full(f"saving checkpoint-{step}", free)
+        if any(text in str(exc) for text in WRITER_TEXT):
+            return self.write_failed(f"checkpoint-{step}", exc, free)
         return exc
+
+    def write_failed(self, what: str, exc: BaseException, free: int) -> DiskFull:
+        """A write that failed without saying why (torch's writer): one line, with the likely causes."""
+        directory = self.run.checkpoints if self.run.checkpoints.is_dir() else self.run.path
+        said = ENFORCE.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return DiskFull(
+            f"could not write {what} ({said}): a disk full for a moment, or a failing disk; {size(free)} free now in "
+            f"{directory}; {self.run.continuation()}"
+        )
 
     def _tidy(self) -> None:
         with contextlib.suppress(OSError):  # the staging directory, empty now: no leftover to wonder about

@@ -12,11 +12,11 @@ once; after training ended (final save) a first signal is noted and the run fini
 transformers' own `enable_jit_checkpoint` (trainer_jit_checkpoint.py) answers SIGTERM only, after a fixed 3 s
 wait, saves from `on_pre_optimizer_step` and leaves the exit and the run's record to the caller; hence this module.
 
-Several processes (`train --gpus N`): a terminal's Ctrl-C reaches every rank, and torchrun forwards SIGINT/SIGTERM
-to them, but not necessarily within the same step. At each step end the ranks agree (one all-reduce of a flag), so
-all stop after the same step and save one checkpoint together. A terminal's Ctrl-C thus reaches a rank twice in a
-few milliseconds (from the terminal and from torchrun): a second SIGINT aborts only `REPEAT_S` or more after the
-first. torchrun kills ranks still running 30 s after it forwarded a signal (its agent's `shutdown_timeout`): a
+Several processes (`train --gpus N`): the launching `train` passes SIGINT/SIGTERM to accelerate, which runs in a
+session of its own, and torchrun forwards them to the ranks, but not necessarily within the same step. At each step
+end the ranks agree (one all-reduce of a flag), so all stop after the same step and save one checkpoint together.
+A rank started by hand in a terminal's process group may get a Ctrl-C twice in a few milliseconds (from the
+terminal and from torchrun): a second SIGINT aborts only `REPEAT_S` or more after the first. torchrun kills ranks still running 30 s after it forwarded a signal (its agent's `shutdown_timeout`): a
 step and a save longer than that are cut short, and the run resumes from the checkpoint before.
 """
 

@@ -267,20 +267,27 @@ def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resum
 def run(cmd: list[str]) -> int:
     """Run `accelerate launch`; its processes print their own progress.
 
-    A terminal's Ctrl-C reaches the ranks as well as this process: they finish their step, save a checkpoint and
-    exit (`lowmem_ft.train.interrupt`), so this process waits for them instead of ending first; a second Ctrl-C a
-    second later stops waiting. A SIGTERM sent to this process alone is passed on to accelerate.
+    accelerate (torchrun's agent) runs in a session of its own, so a signal reaches it once, from here: a terminal's
+    Ctrl-C or a SIGINT / SIGTERM sent to this process is passed on, and the agent passes it to every rank, which
+    finishes its step, saves a checkpoint and exits (`lowmem_ft.train.interrupt`) while this process waits. A second
+    Ctrl-C a second later stops waiting (the agent gets SIGTERM). Should this process die without a word (kill -9),
+    the kernel sends the agent SIGTERM (`PR_SET_PDEATHSIG`): the ranks stop the same way, not orphaned. A rank that
+    dies or hangs ends the launch too: torchrun stops the others when one exits, and a rank waiting for a hung one
+    fails after training.rank_timeout_s (`settle` says which rank and why).
     """
     env = dict(os.environ)
     # the children import this checkout of lowmem_ft, wherever they start
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    process = subprocess.Popen(cmd, env=env)
+    process = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     first: list[float] = []
 
     def on_sigint(signum, frame):
         if first and time.monotonic() - first[0] >= 1.0:
+            process.send_signal(signal.SIGTERM)
             raise KeyboardInterrupt
+        if not first:
+            process.send_signal(signal.SIGINT)
         first[:] = first or [time.monotonic()]
 
     previous = {
@@ -292,3 +299,77 @@ def run(cmd: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _die_with_parent() -> None:
+    """In the launched child, before it runs: SIGTERM when the launching process dies (Linux prctl)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+def settle(run: RunDir, plan: LaunchPlan, code: int) -> None:
+    """After a launch that did not end well (`code` != 0): record in run.json how it ended — which rank ended it and
+    why, from each rank's own status — and raise it as one line (`Interrupted` for an interrupt).
+
+    A rank that ended with its own error is the cause (the first such, by time); the others then lost it at a
+    collective. A rank that recorded no end was killed (kill -9, the host's OOM killer) — or hung, when another
+    rank timed out waiting for it, and the launch stopped it."""
+    from lowmem_ft.errors import Interrupted
+    from lowmem_ft.rundir import RunStatus
+
+    if code == 0:
+        return
+    statuses = run.rank_statuses(plan.world_size)
+    state, rank, why, signame = how_it_ended(statuses, run.read_recipe().training.rank_timeout_s)
+    kept = run.last_checkpoint()
+    reason = f"{why}; {run.continuation()}"
+    before = statuses[0] or RunStatus("running")
+    run.write_status(
+        before.ended(state, rank=rank, reason=reason, signal=signame, checkpoint=str(kept) if kept else None)
+    )
+    if state == "interrupted":
+        raise Interrupted(reason, getattr(signal, signame or "SIGINT"))
+    raise UserError(reason)
+
+
+def how_it_ended(statuses: dict[int, Any], timeout_s: int) -> tuple[str, int | None, str, str | None]:
+    """(state, the rank that ended the launch, why, the signal of an interrupt) from each rank's last status."""
+    failed = {r: s for r, s in statuses.items() if s is not None and s.state == "failed"}
+    own = {r: s for r, s in failed.items() if "lost the other ranks" not in (s.reason or "")}
+    silent = sorted(r for r, s in statuses.items() if s is None or s.state == "running")
+    if own:
+        rank = min(own, key=lambda r: (own[r].ended_at or "", r))
+        first = (own[rank].reason or "").split("; kept ")[0].split("; no checkpoint kept")[0]
+        during = f" during step {own[rank].step + 1}" if own[rank].step is not None else " before training"
+        return "failed", rank, f"rank {rank} failed{during}: {first}", None
+    if silent:
+        rank = silent[0]
+        if any("Timed out" in (s.reason or "") or "timeout" in (s.reason or "") for s in failed.values()):
+            return (
+                "failed",
+                rank,
+                (
+                    f"rank {rank} stopped responding: the other ranks waited {timeout_s} s for it at a collective "
+                    "(training.rank_timeout_s), then the launch stopped it"
+                ),
+                None,
+            )
+        return "failed", rank, f"rank {rank} ended without a word (killed, or out of host memory)", None
+    interrupted = {r: s for r, s in statuses.items() if s is not None and s.state == "interrupted"}
+    if interrupted:
+        rank = min(interrupted)
+        s = interrupted[rank]
+        return (
+            "interrupted",
+            rank,
+            (s.reason or "interrupted").split("; kept ")[0].split("; no checkpoint")[0],
+            s.signal,
+        )
+    if failed:
+        rank = min(failed)
+        return "failed", rank, (failed[rank].reason or "").split("; kept ")[0], None
+    return "failed", None, "the launch ended before any rank started training", None

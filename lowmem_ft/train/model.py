@@ -278,6 +278,8 @@ def attach_adapter(model, recipe: Recipe):
         r=a.r,
         lora_alpha=a.alpha,
         lora_dropout=a.dropout,
+        use_rslora=a.use_rslora,
+        use_dora=a.use_dora,
         target_modules=targets,
         exclude_modules=exclude,
         task_type="CAUSAL_LM",

@@ -214,10 +214,25 @@ class MemoryMonitor(TrainerCallback):
     def _write(self, record: dict[str, Any]) -> None:
         if not self.write:
             return
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _flush(self) -> None:
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record) + "\n")
+            return
+        try:
+            self._file.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: OSError) -> OSError:
+        """The error of a failed write, naming the memory file (a full disk's ENOSPC from `write` names none)."""
+        return OSError(exc.errno, exc.strerror or str(exc), str(self.path))
 
     def _step(self, phase: str) -> int:
         """The optimizer step a sample belongs to: the one in progress for train phases, the finished one after."""
@@ -248,8 +263,7 @@ class MemoryMonitor(TrainerCallback):
         record["message"] = message
         self.events.append(record)
         self._write(record)
-        if self._file is not None:
-            self._file.flush()
+        self._flush()
         log.log(level, message)
         run = self._wandb_run()
         if run is not None:
@@ -267,8 +281,11 @@ class MemoryMonitor(TrainerCallback):
             handle.remove()
         self._hooks.clear()
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            handle, self._file = self._file, None
+            try:
+                handle.close()
+            except OSError as exc:
+                raise self._failed(exc) from exc
 
     # -- model hooks ----------------------------------------------------------------------------------------------
     def attach(self, model) -> None:
@@ -371,8 +388,7 @@ class MemoryMonitor(TrainerCallback):
         self._check_leak()
         self._log_step(state.global_step)
         self._step_samples = [s for s in self._step_samples if s["step"] > state.global_step]
-        if self._file is not None:
-            self._file.flush()
+        self._flush()
 
     def on_evaluate(self, args, state, control, **kwargs):
         self.sample("eval")
@@ -409,8 +425,7 @@ class MemoryMonitor(TrainerCallback):
             from lowmem_ft.report import summarize
             from lowmem_ft.rundir import RunDir
 
-            if self._file is not None:
-                self._file.flush()
+            self._flush()
             log_ = RunDir(self.path.parent).memory_log(self.rank)
             summary = summarize(log_.start, log_.samples, log_.events)
             for key in ("measured_peak_gb", "peak_phase", "peak_step"):

@@ -1,7 +1,9 @@
 """The processes of one run (`train --gpus N`): how many, waiting for all, and agreeing on a yes/no.
 
 One process (no process group) is a world of one, where each of these is free. Every call is a collective: all
-ranks make it at the same point, or the ones that did wait for the others.
+ranks make it at the same point, or the ones that did wait for the others — until the process group's timeout
+(training.rank_timeout_s), or at once when a rank's process is gone (gloo sees its sockets close): `lost_peer` tells
+those failures from the others.
 """
 
 from __future__ import annotations
@@ -12,6 +14,22 @@ from torch import distributed as dist
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def set_timeout(seconds: float) -> None:
+    """How long a collective waits for the other ranks before it fails (training.rank_timeout_s). transformers passes
+    its ddp_timeout to the process group except on the CPU (TrainingArguments._setup_devices: the use_cpu branch sets
+    no timeout, so gloo waits accelerate's default 30 minutes for a hung rank): set on the group itself, through
+    torch's `_set_pg_timeout` (a private function; where it is missing the group keeps its own)."""
+    if world_size() <= 1:
+        return
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timedelta(seconds=seconds), None)
 
 
 def barrier() -> None:
@@ -33,3 +51,27 @@ def largest(value: int, device: torch.device | str) -> int:
 def any_rank(flag: bool, device: torch.device | str) -> bool:
     """True on every rank when `flag` is true on any."""
     return largest(int(flag), device) > 0
+
+
+# How torch's backends say a collective failed because another rank is gone or hung (gloo: its sockets closed or
+# reset, or the process group's timeout; NCCL: a watchdog timeout, a remote error).
+PEER_TEXT = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",  # gloo: "Timed out waiting 30000ms for recv operation to complete"
+    "collective operation timeout",  # NCCL's watchdog
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+
+
+def lost_peer(exc: BaseException | None) -> bool:
+    """Whether `exc` (or one it came from) is a collective that failed for want of another rank."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError | OSError) and any(text in str(exc) for text in PEER_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -29,6 +29,7 @@ from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
+from lowmem_ft.train.ranks import lost_peer, set_timeout
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class FineTune:
         from lowmem_ft.train.interrupt import StopOnSignal
 
         self.recipe, self.run, self.choice = recipe, run, choice
-        self.is_main = launched_rank() == 0  # the trainer's process_index agrees (`_setup_args`)
+        self.rank, self.world_size = launched_rank(), int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main = self.rank == 0  # the trainer's process_index agrees (`_setup_args`)
         if self.is_main:
             run.lock()
             run.clear_staging()
@@ -174,6 +176,7 @@ class FineTune:
         )
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
+        set_timeout(self.recipe.training.rank_timeout_s)  # a hung rank fails the others after it, CPU ranks too
 
     def _setup_data(self) -> None:
         from lowmem_ft.data.prepare import pack, prepare_datasets
@@ -242,9 +245,11 @@ class FineTune:
         from lowmem_ft.train import progress, tracking
         from lowmem_ft.train.early import ProveEarly
         from lowmem_ft.train.losses import install_loss_head
+        from lowmem_ft.train.totals import RunTotals
         from lowmem_ft.train.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
+        self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
         self.trainer = MemorySafeSFTTrainer(
@@ -256,9 +261,11 @@ class FineTune:
             guard=self.guard,
             monitor=self.monitor,
             run=self.run,
+            loraplus_lr_ratio=self.recipe.optimizer.loraplus_lr_ratio if self.recipe.adapter.kind == "lora" else 0,
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
-            callbacks=[self.guard, self.monitor, self.stop, *self.callbacks],
+            callbacks=[self.guard, self.monitor, self.stop, self.totals, *self.callbacks],
         )
+        self.totals.bind(self.trainer)
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
         # the evaluation's heaviest batch and a trial save after step 1, after the monitor that records their memory
@@ -324,23 +331,26 @@ class FineTune:
     def fit(self):
         import torch
 
-        started = time.time()
+        started, trained = time.time(), False
         try:
             self.output = self.trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint else None)
+            trained = True
         except torch.OutOfMemoryError as exc:  # outside a micro batch (optimizer step, save): no safe step down
             step = self.trainer.state.global_step + 1
             raise self.guard.outside_step(step, exc, self.monitor.reader()) from None
         finally:
+            # what fails here after a failed fit (a full disk fails every write) is not news: the run's end says why
+            said = log.warning if trained else log.debug
             try:
                 self.monitor.close()  # flushes: fails on a full disk, which the run's end then reports
             except OSError as exc:
-                log.warning("memory log %s: %s", self.monitor.path, exc)
+                said("memory log %s: %s", self.monitor.path, exc)
             if self.is_main:
-                self._report()
+                self._report(said)
         self.elapsed = time.time() - started
         return self.output
 
-    def _report(self) -> None:
+    def _report(self, said=log.warning) -> None:
         """The memory report at the end of `fit`, which runs in a `finally` and so must never hide why fit ended:
         nothing when no memory was recorded (fit failed before the first step), and a report that fails is logged."""
         from lowmem_ft.report import write_report
@@ -350,7 +360,7 @@ class FineTune:
         try:
             _, memory_summary = write_report(self.run.path)
         except Exception as exc:  # noqa: BLE001 — raising here would replace the exception fit is ending with
-            log.warning("memory report not written: %s: %s", type(exc).__name__, exc)
+            said("memory report not written: %s: %s", type(exc).__name__, exc)
             return
         print(memory_summary)
 
@@ -412,13 +422,19 @@ class FineTune:
             log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Final metrics: the trainer's, first/last loss, throughput, and with eval data the best evaluation and what
-        was kept."""
-        from lowmem_ft.train import progress
+        """Final metrics of the whole run, across resumes: the mean training loss and time (`totals`), the trainer's
+        rates of the last call, first/last loss, throughput, and with eval data the best evaluation and what was
+        kept."""
+        from lowmem_ft.train import progress, tracking
 
         logged = [h for h in history if "loss" in h]
+        # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
+        whole = self.totals.whole_run(self.output.metrics)
         metrics = {
             **self.output.metrics,
+            "train_loss": whole.mean_loss,
+            "train_loss_steps": whole.steps,
+            "train_runtime": round(whole.seconds, 4),
             "global_step": self.trainer.state.global_step,
             "first_loss": logged[0]["loss"] if logged else None,
             "last_loss": logged[-1]["loss"] if logged else None,
@@ -427,7 +443,7 @@ class FineTune:
             "wall_seconds": round(self.elapsed, 2),
             "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
             "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
-            "wandb_mode": self.tracking.mode,
+            "wandb_mode": tracking.current_mode(self.tracking),  # offline after an unreachable server
         }
         evals = [h for h in history if "eval_loss" in h]
         if evals:
@@ -452,8 +468,13 @@ class FineTune:
         signal handlers, and every ending as one line; the run directory unlocked at the end."""
         self.stop.install()
         if self.is_main:
-            self.status = RunStatus.running()
-            self._record(self.status)
+            self.run.reserve()  # room to record the end on a disk that fills meanwhile
+        # under --gpus every rank records its own status (rank 0 in run.json): the launcher reads them all to say
+        # which rank ended the launch and how (`lowmem_ft.train.launch.settle`)
+        self.status = RunStatus.running()
+        if self.world_size > 1:
+            self.status.rank = self.rank
+        self._record(self.status)
         try:
             yield
         except BaseException as exc:
@@ -465,16 +486,18 @@ class FineTune:
             self._end("completed", step=self.trainer.state.global_step)
         finally:
             self.stop.uninstall()
+            if self.is_main:
+                self.run.release_reserve()
             self.run.unlock()
 
     def _record(self, status: RunStatus) -> None:
         try:
-            self.run.write_status(status)
+            self.run.write_rank_status(self.rank, status)
         except OSError as exc:  # a full disk: the run's end is said on the console all the same
             log.warning("could not record the run's status (%s) in %s: %s", status.state, self.run.info_file, exc)
 
     def _end(self, state: str, **info: Any) -> None:
-        if self.status is None:  # rank 0 records; the other ranks' ends are the same
+        if self.status is None:
             return
         if state != "completed":  # what --resume would continue from
             kept = self.run.last_checkpoint()
@@ -496,11 +519,12 @@ class FineTune:
             return exc
         if not isinstance(exc, DiskFull) and is_disk_full(exc):
             exc = self._disk_full(exc)
+        if self.world_size > 1 and lost_peer(exc):  # another rank died or hung: the launcher names which
+            exc = UserError(f"rank {self.rank} lost the other ranks at a collective ({_first_line(exc)})")
         if isinstance(exc, UserError):
             self._end("failed", step=step, reason=str(exc))
             return exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self._end("failed", step=step, reason=f"{type(exc).__name__}: {first}"[:500])
+        self._end("failed", step=step, reason=f"{type(exc).__name__}: {_first_line(exc)}"[:500])
         return exc
 
     def _disk_full(self, exc: BaseException):
@@ -511,7 +535,22 @@ class FineTune:
         saver = trainer.saver if trainer is not None else Saver(self.run)
         if trainer is not None and not saver.needed:
             saver.needed = saver.expected_bytes(trainer)
-        return saver.disk_full(f"writing {getattr(exc, 'filename', None) or self.run.path}")
+        return saver.disk_full(f"writing {_filename(exc) or self.run.path}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def _filename(exc: BaseException | None) -> str | None:
+    """The file a failed write names, on the exception or one it came from."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "filename", None):
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def train(

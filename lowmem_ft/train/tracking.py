@@ -12,10 +12,13 @@ series per step itself (`lowmem_ft.train.monitor`).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from transformers import TrainerCallback
 
@@ -25,9 +28,14 @@ from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import MemoryLog, RunDir
 
+log = logging.getLogger(__name__)
 # Environment variables this module sets for a run; a value it set for an earlier run in this process is its own to
 # replace (`_setdefault`), one the user set is kept.
 _SET_BY_US: dict[str, str] = {}
+# W&B online: how long to wait for its server's TCP handshake before falling back to offline, and for wandb.init
+# itself (its own default is 90 s, retried; a connection refused took 32 s with 20 s here)
+PROBE_TIMEOUT_S = 5.0
+INIT_TIMEOUT_S = 30.0
 # The memory figure a chart line shows per phase: the peak since the previous sample on CUDA, host RSS without it.
 CHART_PHASES = ("forward", "backward", "optimizer", "eval_forward", "eval", "save")
 
@@ -162,11 +170,35 @@ class RunConfig(TrainerCallback):
         run.define_metric("memory/*", step_metric="train/global_step")
 
 
+def server_problem(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the W&B server at `url` cannot be reached (a TCP connection to it, within `timeout`), or None. Behind a
+    proxy (HTTP(S)_PROXY) a direct connection says nothing: None, and wandb.init finds out itself."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    where = urlparse(url)
+    port = where.port or (443 if where.scheme == "https" else 80)
+    try:
+        socket.create_connection((where.hostname or "", port), timeout=timeout).close()
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
+
+
+def current_mode(tracking: Tracking) -> str:
+    """W&B's mode as the run used it: offline after falling back from an unreachable server (`WandbStart`)."""
+    return _SET_BY_US.get("WANDB_MODE", tracking.mode) if tracking.wandb else tracking.mode
+
+
 class WandbStart(TrainerCallback):
     """Starts the W&B run before transformers' WandbCallback would, which then logs into it (it starts one only when
     there is none): the run's files go to `dir` — wandb reads WANDB_DIR once per process, so a second run in one
     process would otherwise write into the first run's directory — named after the run directory, with the recipe
-    and the plan in its config from the first record."""
+    and the plan in its config from the first record.
+
+    Online without its server (no network, a firewall, the server down), wandb.init retries for its init_timeout
+    (90 s) and raises CommError out of the trainer. Training does not need the tracker: a server found unreachable
+    first (`server_problem`, a few seconds at most), or an online start that fails, falls back to offline W&B in the
+    run directory, said once; `wandb sync` uploads it later."""
 
     def __init__(self, tracking: Tracking, name: str, config: dict[str, Any]):
         self.tracking, self.name, self.config = tracking, name, config
@@ -176,8 +208,33 @@ class WandbStart(TrainerCallback):
 
         if not state.is_world_process_zero or wandb.run is not None:  # a run the caller started is used as it is
             return
+        mode = self.tracking.mode
+        if mode == "online":
+            url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+            why = server_problem(url)
+            if why is not None:
+                mode = self._offline(f"cannot reach {url} ({why})")
+        try:
+            self._init(mode, INIT_TIMEOUT_S if mode == "online" else None)
+        except Exception as exc:  # noqa: BLE001 — wandb's errors (CommError, UsageError, AuthenticationError …)
+            if mode != "online":
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._init(self._offline(f"could not start online ({type(exc).__name__}: {first})"), None)
+
+    def _init(self, mode: str, timeout: float | None) -> None:
+        import wandb
+
+        settings = wandb.Settings(init_timeout=timeout) if timeout is not None else None
         wandb.init(project=os.environ.get("WANDB_PROJECT"), name=self.name, dir=os.environ.get("WANDB_DIR"),
-                   mode=self.tracking.mode, config=self.config)  # fmt: skip
+                   mode=mode, config=self.config, settings=settings)  # fmt: skip
+
+    def _offline(self, why: str) -> str:
+        """Switch this process's W&B to offline (transformers' callback reads WANDB_MODE too) and say so, once."""
+        os.environ["WANDB_MODE"] = _SET_BY_US["WANDB_MODE"] = "offline"
+        where = Path(os.environ.get("WANDB_DIR") or ".") / "wandb"
+        log.warning("W&B: %s; logging offline to %s instead — upload it later with `wandb sync %s`", why, where, where)
+        return "offline"
 
 
 def attach(trainer, tracking: Tracking, run: RunDir, config: dict[str, Any], figures: dict[str, Any]) -> None:

@@ -100,7 +100,10 @@ def add_perplexity(logs: dict[str, float]) -> None:
 class MemorySafeSFTTrainer(SFTTrainer):
     """`SFTTrainer` + `MemoryMonitor` samples at backward end + OOM recovery (see the module docstring)."""
 
-    def __init__(self, *args, guard: MemoryGuard, monitor: MemoryMonitor, run: RunDir, **kwargs):
+    def __init__(
+        self, *args, guard: MemoryGuard, monitor: MemoryMonitor, run: RunDir, loraplus_lr_ratio: float = 0, **kwargs
+    ):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.monitor = monitor
@@ -111,6 +114,23 @@ class MemorySafeSFTTrainer(SFTTrainer):
         self._window_step = -1
         self._grads_dirty = False  # a backward began on gradients not yet accounted for by `_window`
         self._loss_weight = 1.0
+
+    def create_optimizer(self, model=None):
+        """With `optimizer.loraplus_lr_ratio`, peft's LoRA+ optimizer: the Trainer's optimizer class and arguments,
+        with lora_B's learning rate × the ratio (peft/optimizers/loraplus.py); else the Trainer's own."""
+        if not self.loraplus_lr_ratio or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self.optimizer = create_loraplus_optimizer(
+            self.model if model is None else model,
+            cls,
+            loraplus_lr_ratio=self.loraplus_lr_ratio,
+            weight_decay=self.args.weight_decay,
+            **kwargs,
+        )
+        return self.optimizer
 
     def create_model_card(self, *args, **kwargs) -> None:
         """No TRL draft card in checkpoints/ at every save: lowmem-ft writes the run's own model card with the saved

@@ -87,3 +87,46 @@ def test_budget_is_vram_less_margin(capsys):
     assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["budget_gb"] == out["vram_gb"] - out["safety_margin_gb"] == 22.5
+
+
+def test_a_plan_over_the_host_ram_does_not_fit_and_says_what_would(capsys):
+    """100k tokens on Llama-3.1-8B at 24 GB offload 26.3 GB of layer inputs: over --host-ram 16 less the margin."""
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--seq-len", "100000", "--host-ram", "16"]
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    assert record["fits"] is False and "over the 12.0 GB host budget" in record["unfit_reason"]
+    assert err.count("\n") == 1 and "what fits: --seq-len" in err and "--host-ram 31" in err
+    assert main([*argv[:-1], "64", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["fits"] and record["host_fits"] and record["host_ram_gb"] == 64 and record["host_budget_gb"] == 60
+
+
+def test_a_recipe_over_the_host_ram_is_shown_not_fitting(tmp_path, capsys):
+    recipe = tmp_path / "long.yaml"
+    assert main(["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--seq-len", "100000", "--output",
+                 str(recipe)]) == 0  # fmt: skip
+    capsys.readouterr()
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--recipe", str(recipe), "--host-ram", "16"]
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    assert record["fits"] is False and record["host_fits"] is False and record["headroom_gb"] >= 0
+    assert record["unfit_reason"].startswith("keeps 26.3 GB in host RAM") and "does not fit: keeps 26.3 GB" in err
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert "host budget (RAM − margin)" in out and "DOES NOT FIT" in out
+
+
+def test_plan_prices_dora_above_plain_lora(capsys):
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--recipe", "24gb", "--seq-len", "4096"]
+    assert main([*argv, "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--set", "adapter.use_dora=true", "--json"]) == 0
+    dora = json.loads(capsys.readouterr().out)
+    assert dora["recipe"]["adapter"]["use_dora"] is True and dora["setup"]["use_dora"] is True
+    assert dora["predicted_peak_gb"] > lora["predicted_peak_gb"] + 1  # 13.8 → 19.6 GB predicted
+    assert {c["name"] for c in dora["components"]} - {c["name"] for c in lora["components"]} == {
+        "DoRA weight norms (kept)",
+        "DoRA weight-norm working set",
+    }

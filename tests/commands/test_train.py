@@ -121,15 +121,28 @@ def test_lora_weights_changed_and_quantized_base_did_not(qlora_result):
     assert qlora_result.model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16  # no fp32 upcast
 
 
-def test_resume_continues_from_the_last_checkpoint(qlora_run, tmp_path):
-    code = main(["train", "--resume", str(qlora_run), "--no-wandb", "--set", "training.max_steps=10"])
-    assert code == 0
-    run = json.loads((qlora_run / "run.json").read_text())
-    assert run["resumed_from"].endswith("checkpoint-8")
-    metrics = json.loads((qlora_run / "metrics.json").read_text())
-    assert metrics["global_step"] == 10
-    steps = [json.loads(line).get("step") for line in (qlora_run / "log_history.jsonl").read_text().splitlines()]
-    assert 9 in steps and 10 in steps
+def _snapshot(run: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of a run directory (but the lock, which a refused command takes and gives back): its bytes and
+    modification time."""
+    return {
+        str(p.relative_to(run)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "training.max_steps=10"]], ids=["as-is", "more-steps"])
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(qlora_run, capsys, extra):
+    """Issue #24: `--resume` on a finished run trained one step past max_steps (with a constant learning rate it
+    rewrote the finished adapter and said "done: 9 steps" for an 8-step run); more steps are a new run."""
+    before = _snapshot(qlora_run)
+    err = _one_line_error(capsys, main(["train", "--resume", str(qlora_run), "--no-wandb", *extra]))
+    assert err == (
+        f"lowmem-ft train: error: --resume {qlora_run}: the run finished (completed at step 8, weights in "
+        f"{qlora_run / 'adapter'}); nothing to continue — to train further, start a new run from them: "
+        f"lowmem-ft train --adapter {qlora_run / 'adapter'} ..."
+    )
+    assert _snapshot(qlora_run) == before and not capsys.readouterr().out
 
 
 def _one_line_error(capsys, code):
@@ -210,3 +223,34 @@ def test_done_line_says_which_steps_its_losses_are_from():
     assert _loss_line(one) == "loss 7.6474 at step 1, the only logged step (mean over the run 7.6415)"
     assert _loss_line({"first_loss": None, "last_loss": None, "train_loss": 7.5}) == "no loss logged (mean 7.5000)"
     assert _loss_line({"first_loss": 6.2, "last_loss": 5.75}) == "loss 6.2000 → 5.7500"  # an older metrics.json
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "cr\rname", "tab\tname", "nul\x00", "sep\u2028line", "bell\x07"])
+def test_a_run_name_that_would_break_its_recipe_file_is_refused(capsys, tmp_path, tiny_model, chat_data, name):
+    """Issue #24: `--name 'a<newline>b'` was accepted; the run's recipe.yaml (headed by the name in a comment) was
+    then unreadable and `generate`, `merge` and `--resume` all failed on it."""
+    out = tmp_path / "runs"
+    argv = ["train", "--vram", "8", "--model", tiny_model, "--data", chat_data, "--name", name, "--no-wandb",
+            "--set", f"training.output_dir={out}"]  # fmt: skip
+    err = _one_line_error(capsys, main(argv))
+    assert "argument --name" in err and "printable" in err and repr(name) in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_a_gzip_compressed_jsonl_file_trains(tmp_path, tiny_model, capsys):
+    """Issue #24: `--data train.jsonl.gz` was refused ("not UTF-8 (byte 1)" for a .jsonl holding gzip); users keep
+    data that way and datasets reads it. The run trains on the decompressed lines, as on the plain file."""
+    import gzip
+
+    from tests.train.tiny_runs import tiny_sets
+
+    data = tmp_path / "chat.jsonl.gz"
+    data.write_bytes(gzip.compress((Path(__file__).parents[2] / "examples" / "chat.jsonl").read_bytes()))
+    argv = ["train", "--recipe", "8gb", "--name", "gz", "--no-wandb"]
+    for item in tiny_sets(tiny_model, str(data), tmp_path, "training.max_steps=2"):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    run = json.loads((tmp_path / "gz" / "run.json").read_text())
+    assert run["data"]["format"] == "messages" and run["data"]["records"] == 96
+    assert json.loads((tmp_path / "gz" / "metrics.json").read_text())["global_step"] == 2

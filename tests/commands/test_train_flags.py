@@ -133,3 +133,19 @@ def test_debug_after_the_command_shows_the_traceback(console_env, capsys):
     assert main(["plan", "--model", "no/such-model", "--vram", "8"]) == 2
     with pytest.raises(UserError, match="no/such-model"):
         main(["plan", "--model", "no/such-model", "--vram", "8", "--debug"])
+
+
+def test_train_refuses_a_plan_over_the_host_ram_before_loading(tiny_model, chat_data, tmp_path, monkeypatch, capsys):
+    """Host budget 0 (--host-ram 4 less the 4 GB margin) and offloading fixed on: one line, exit 2, nothing loaded."""
+
+    def not_loaded(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("lowmem_ft.train.model.load_model", not_loaded)
+    runs = tmp_path / "runs"
+    argv = ["train", "--model", tiny_model, "--data", chat_data, "--vram", "8", "--host-ram", "4", "--output-dir",
+            str(runs), "--no-wandb", "--set", "memory.activation_offloading=true"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "over the 0.0 GB host budget (--host-ram 4 − margin 4" in err
+    assert "what fits: --host-ram 5" in err and not runs.exists()

@@ -327,3 +327,80 @@ def test_hub_answers_are_one_line(monkeypatch, error, words):
     with pytest.raises(UserError) as info:
         read_records(resolve_source("org/qa"))
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- compressed files (issue #24: a .jsonl.gz was "not UTF-8 (byte 1)", with advice to re-encode) ----------------
+def _compressed(path, data: bytes, how: str):
+    import bz2
+    import gzip
+    import lzma
+
+    path.write_bytes({"gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[how](data))
+    return path
+
+
+LINES = b'{"text": "one"}\n\n{"text": "three"}\n{"text": ""}\n{"text": "five"}\n'
+
+
+@pytest.mark.parametrize(
+    "name,how", [("d.jsonl.gz", "gzip"), ("d.jsonl.bz2", "bz2"), ("d.jsonl.xz", "xz"), ("d.jsonl", "gzip")]
+)
+def test_compressed_jsonl_is_read_with_the_lines_of_the_text_inside(tmp_path, name, how):
+    """By suffix, or a .jsonl whose bytes are gzip (datasets' magic numbers): line numbers are the decompressed
+    text's, blank lines included."""
+    path = _compressed(tmp_path / name, LINES, how)
+    with pytest.raises(UserError, match=rf"{name}:4: field 'text' is empty \(or pass --skip-bad-lines\)"):
+        read(path)
+    data = read(path, skip_bad_lines=True)
+    assert [r["text"] for r in data.records] == ["one", "three", "five"] and data.format == "text"
+
+
+def test_compressed_json_csv_and_directories(tmp_path):
+    rows = [{"text": "a"}, {"text": "b"}]
+    assert len(read(_compressed(tmp_path / "d.json.gz", json.dumps(rows).encode(), "gzip")).records) == 2
+    csv = _compressed(tmp_path / "qa.csv.bz2", b"question,answer\nWhat?,That.\nWho?,Me.\n", "bz2")
+    data = read(csv, columns=QA_COLUMNS)
+    assert data.records[1] == {"prompt": "Who?", "completion": "Me."}
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _compressed(folder / "train.jsonl.gz", LINES, "gzip")
+    assert read(folder, skip_bad_lines=True).skipped == [f"{folder / 'train.jsonl.gz'}:4: field 'text' is empty"]
+
+
+def test_damaged_or_unreadable_compressed_files_are_one_line(tmp_path):
+    whole = _compressed(tmp_path / "whole.jsonl.gz", LINES * 50, "gzip").read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UserError, match=r"cannot read data file .*cut\.jsonl\.gz \(Compressed file ended"):
+        read(tmp_path / "cut.jsonl.gz", skip_bad_lines=True)
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(16))
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match=r"d\.jsonl\.zst is zstd-compressed.*pip install zstandard"):
+            read(tmp_path / "d.jsonl.zst")
+    (tmp_path / "hidden.csv").write_bytes(_compressed(tmp_path / "x.gz", b"text\nhi\n", "gzip").read_bytes())
+    with pytest.raises(
+        UserError, match=r"hidden\.csv is gzip-compressed under a \.csv name; rename it hidden\.csv\.gz"
+    ):
+        read(tmp_path / "hidden.csv")
+    (tmp_path / "t.parquet.gz").write_bytes(b"x")
+    with pytest.raises(UserError, match="Parquet is compressed inside the file already"):
+        read(tmp_path / "t.parquet.gz")
+
+
+def test_the_cache_key_of_a_compressed_file_is_its_bytes(tmp_path):
+    a = _compressed(tmp_path / "a.jsonl.gz", LINES, "gzip")
+    b = _compressed(tmp_path / "b.jsonl.bz2", LINES, "bz2")
+    assert content_id(resolve_source(str(a))) != content_id(resolve_source(str(b)))
+
+
+def test_the_compressions_are_datasets_own():
+    from datasets.utils.file_utils import (
+        MAGIC_NUMBER_TO_COMPRESSION_PROTOCOL,
+        SINGLE_FILE_COMPRESSION_EXTENSION_TO_PROTOCOL,
+    )
+
+    from lowmem_ft.data.sources import COMPRESSIONS, MAGIC
+
+    assert {k.lstrip("."): v for k, v in COMPRESSIONS.items()} == SINGLE_FILE_COMPRESSION_EXTENSION_TO_PROTOCOL
+    assert {k: v for k, v in MAGIC_NUMBER_TO_COMPRESSION_PROTOCOL.items() if v != "zip"} == MAGIC

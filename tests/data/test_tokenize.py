@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 
 import pytest
@@ -164,3 +166,54 @@ def test_split_conversations_are_said_when_loaded_from_the_cache_too(zoo_models,
             result = tk.tokenize_file(data, tokenizer)
         assert result.from_cache is cached and result.split_conversations == 1
         assert "1 conversations trained as one sample per assistant turn" in caplog.text
+
+
+def _arrow(entry):
+    (arrow,) = (entry / "dataset").glob("*.arrow")
+    return arrow
+
+
+def _flip(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) * 3 // 4] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+DAMAGES = {
+    "arrow-truncated": lambda e: os.truncate(_arrow(e), _arrow(e).stat().st_size // 2),
+    "arrow-byte-flipped": lambda e: _flip(_arrow(e)),
+    "arrow-empty": lambda e: _arrow(e).write_bytes(b""),
+    "meta-truncated": lambda e: (e / "meta.json").write_text((e / "meta.json").read_text()[:20]),
+    "meta-a-list": lambda e: (e / "meta.json").write_text("[1, 2]"),
+    "state-missing": lambda e: (e / "dataset" / "state.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_cache_entry_is_rebuilt_not_trusted(tokenizer, tmp_path, caplog, damage):
+    """Issue #24: a cache entry cut short or with changed bytes (a crash, a bad disk) is tokenized again, with one
+    warning, never read as data: an arrow file with flipped bytes used to load as valid token ids."""
+    data = tmp_path / "d.jsonl"
+    shutil.copy(fixture("messages.jsonl"), data)
+    first = tk.tokenize_file(data, tokenizer)
+    entry, want = first.cache_dir, (list(first.dataset["input_ids"]), list(first.dataset["labels"]))
+    del first  # its dataset maps the entry's file: damaged below
+    DAMAGES[damage](entry)
+    with caplog.at_level(logging.WARNING):
+        again = tk.tokenize_file(data, tokenizer)
+    assert not again.from_cache
+    assert (list(again.dataset["input_ids"]), list(again.dataset["labels"])) == want
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.startswith(f"tokenization cache entry {entry} is damaged (") and "tokenizing again" in line
+    assert tk.tokenize_file(data, tokenizer).from_cache  # the rebuilt entry is whole
+
+
+def test_files_a_later_map_adds_beside_an_entry_do_not_damage_it(tokenizer, tmp_path):
+    """datasets writes the cache-*.arrow files of maps over a loaded dataset beside its source files (training's
+    budget and TRL's preparation do): the entry is still whole."""
+    data = tmp_path / "d.jsonl"
+    shutil.copy(fixture("messages.jsonl"), data)
+    first = tk.tokenize_file(data, tokenizer)
+    first.dataset.map(lambda row: {"n": len(row["input_ids"])})  # writes cache-*.arrow into the entry
+    assert list((first.cache_dir / "dataset").glob("cache-*.arrow"))
+    assert tk.tokenize_file(data, tokenizer).from_cache

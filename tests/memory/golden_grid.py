@@ -175,6 +175,11 @@ def estimate_record(est, rounded: bool = False) -> dict[str, Any]:
     }
 
 
+# `Setup` fields added after the grid was recorded, with the value that means "not used": a setup that leaves one
+# there is recorded without it (the grid's setups use none of them), so its old record stays the one to match.
+ADDED_SINCE_RECORDED = {"use_dora": False}
+
+
 def setup_record(arch, fields: dict[str, Any]) -> dict[str, Any]:
     """Every number of the memory model for one setup."""
     from lowmem_ft.memory import estimate as e
@@ -306,8 +311,22 @@ def load() -> dict[str, Any]:
 
 
 def normalized(data: Any) -> Any:
-    """JSON's view of the records (tuples as lists, keys as strings), what the file holds."""
-    return json.loads(json.dumps(data))
+    """JSON's view of the records (tuples as lists, keys as strings), what the file holds; every `setup` record
+    without the fields added since the grid was recorded, where they hold their unused value."""
+    return _without_added(json.loads(json.dumps(data)))
+
+
+def _without_added(data: Any) -> Any:
+    if isinstance(data, list):
+        return [_without_added(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    out = {k: _without_added(v) for k, v in data.items()}
+    if isinstance(out.get("setup"), dict):
+        out["setup"] = {
+            k: v for k, v in out["setup"].items() if not (k in ADDED_SINCE_RECORDED and v == ADDED_SINCE_RECORDED[k])
+        }
+    return out
 
 
 def count_numbers(data: Any) -> int:

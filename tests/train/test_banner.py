@@ -47,6 +47,9 @@ def test_other_methods_devices_and_unplanned_runs_read_alike():
     text = "\n".join(RunView("sft", recipe, over, 1, 2, world_size=4, host_gb=12.5, machine_ram_gb=64).lines())
     assert "7.00 GB budget per device" in text and "OVER the budget" in text
     assert "12.50 GB per process planned in host memory (offloaded parts); this machine has 64.0 GB" in text
+    host_planned = Choice("plan", "8gb", "org/model", Target(8, 1, host_ram_gb=30.0, host_margin_gb=4.0))
+    text = "\n".join(RunView("sft", recipe, host_planned, 1, 2, host_gb=0.0, machine_ram_gb=64).lines())
+    assert "nothing offloaded to host memory; host budget 26.0 GB (30.0 GB available − 4 GB margin)" in text
 
 
 def test_counts_and_savers():

@@ -299,3 +299,103 @@ def test_rotation_orders_checkpoints_by_step_not_mtime(tmp_path, caplog):
         hf_logging.disable_propagation()
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["checkpoint-10", "checkpoint-9"]
     assert not [r for r in caplog.records if "mtime" in r.getMessage()]
+
+
+# ---- a full disk at any write (issue #24): one line, run.json failed with the reason -----------------------------
+class AtStep(TrainerCallback):
+    """Call `fn()` once, at the start of optimizer step `step` (0: at the end of training, before the final save)."""
+
+    def __init__(self, step: int, fn):
+        self.step, self.fn = step, fn
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.fn()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.step == 0:
+            self.fn()
+
+
+class FullAppends:
+    """A memory log's file on a full disk whose last page is full too: every flush fails (a real tmpfs takes the
+    tiny run's ~1 KB per step into the page memory.jsonl already holds, so the patch stands in for a longer log)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.handle.close()
+        self.flush()
+
+
+def test_a_disk_that_fills_while_the_memory_log_is_written(tiny_model, small_disk, baseline, monkeypatch, capsys):
+    """The disk fills during step 2 (for real) and the memory log's flush at the step's end is the write that fails
+    (patched, see FullAppends). The run stops with one line and run.json says failed and why (it stayed `running`:
+    its own write failed too); freed, the run resumes to the uninterrupted adapter."""
+    from lowmem_ft.train.monitor import MemoryMonitor
+
+    ballast, on_train_begin = [], MemoryMonitor.on_train_begin
+
+    def full(monitor):
+        ballast.append(fill(small_disk))
+        monitor._file = FullAppends(monitor._file)
+
+    def watched(self, *args, **kwargs):
+        on_train_begin(self, *args, **kwargs)
+        monitors.append(self)
+
+    monitors: list = []
+    monkeypatch.setattr(MemoryMonitor, "on_train_begin", watched)
+    assert train_cli(tiny_model, small_disk, monkeypatch, AtStep(2, lambda: full(monitors[0]))) == 2
+    run = small_disk / "full"
+    line = the_error(capsys)
+    assert line.startswith(f"disk full while writing {run}/memory.jsonl: ")
+    assert line.endswith(f"kept {run}/checkpoints/checkpoint-1 (step 1); continue with: lowmem-ft train --resume {run}")
+    status = RunDir(run).read_status()
+    assert (status.state, status.reason, status.step) == ("failed", line, 2)  # ended after step 2
+    assert not (run / ".reserve").exists()
+    ballast[0].unlink()
+    monkeypatch.undo()
+    assert resume(run) == 0
+    assert_same_adapter(run, baseline)
+
+
+def test_a_disk_full_at_the_final_save_is_recorded(tiny_model, small_disk, monkeypatch, capsys):
+    ballast = []
+    assert train_cli(tiny_model, small_disk, monkeypatch, AtStep(0, lambda: ballast.append(fill(small_disk)))) == 2
+    run = small_disk / "full"
+    line = the_error(capsys)
+    assert line.startswith("disk full while ") and "kept " in line and "checkpoint-3 (step 3)" in line
+    status = RunDir(run).read_status()
+    assert (status.state, status.reason) == ("failed", line)
+    assert not (run / "adapter").exists()
+
+
+def test_a_write_that_fails_for_an_instant_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """torch's zip writer names no errno ("file write failed", "unexpected pos"); a disk full only for an instant
+    has room again by the time the failure is looked at. It printed a ~45-line traceback; it is one line, and the
+    run is recorded as failed."""
+    save = torch.save
+
+    def failing(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt") and "checkpoint-2" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")  # fmt: skip
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing)
+    assert train_cli(tiny_model, tmp_path, monkeypatch) == 2
+    run = tmp_path / "full"
+    line = the_error(capsys)
+    assert line.startswith("could not write checkpoint-2 (PytorchStreamWriter failed writing file data/0: file write")
+    assert "a disk full for a moment" in line and f"kept {run}/checkpoints/checkpoint-1 (step 1)" in line
+    status = RunDir(run).read_status()
+    assert (status.state, status.reason) == ("failed", line)
+    assert [p.name for p in RunDir(run).checkpoint_dirs()] == ["checkpoint-1"] and not RunDir(run).staging.exists()

@@ -97,6 +97,7 @@ def test_sigterm_finishes_the_step_saves_and_resume_is_exact(tiny_model, tmp_pat
     assert checkpoint_problem(run / "checkpoints" / "checkpoint-2") is None  # saved after step 2, not before it
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["interrupted"] == "SIGTERM" and metrics["stopped_after_step"] == 2 and len(losses(run)) == 2
+    assert metrics["train_loss"] == pytest.approx(sum(losses(run)) / 2, rel=1e-6)
     assert not (run / "adapter").exists() and not RunDir(run).in_use()
 
     monkeypatch.undo()
@@ -104,6 +105,12 @@ def test_sigterm_finishes_the_step_saves_and_resume_is_exact(tiny_model, tmp_pat
     assert RunDir(run).read_status().state == "completed"
     assert losses(run) == losses(baseline)
     assert_same_adapter(run, baseline)
+    # metrics.json describes the whole run, not the resumed steps alone (issue #24: train_loss covered steps 3-4)
+    resumed, whole = (json.loads((r / "metrics.json").read_text()) for r in (run, baseline))
+    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+    assert resumed["train_loss"] == pytest.approx(sum(losses(baseline)) / STEPS, rel=1e-6)
+    assert resumed["train_loss_steps"] == whole["train_loss_steps"] == resumed["global_step"] == STEPS
+    assert resumed["first_loss"] == whole["first_loss"] and resumed["last_loss"] == whole["last_loss"]
 
 
 def test_an_interrupt_in_the_second_epoch_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys):

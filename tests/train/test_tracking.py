@@ -135,3 +135,27 @@ def test_memory_series_per_phase_with_budget_and_prediction():
     assert memory_series(MemoryLog(start=start, samples=cuda)) == {
         "optimizer (peak)": [(1, 4.0)], "budget": [(1, 7.0), (1, 7.0)], "predicted peak": [(1, 5.5), (1, 5.5)]
     }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_wandb_online_without_its_server_falls_back_to_offline_once(tiny_model, tmp_path, monkeypatch, caplog):
+    """Issue #24: W&B online with no route to its server. wandb.init retried for its init_timeout (90 s) and then
+    raised CommError out of the trainer: the run failed with a traceback. It trains, says once what it fell back to,
+    and keeps the offline run in the run directory for `wandb sync`."""
+    import logging
+
+    from tests.train.tiny_runs import tiny_run
+
+    for var in ("WANDB_DIR", "WANDB_MODE", "WANDB_PROJECT"):  # restored after the test
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)  # logged in …
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # … to a server nothing answers for
+    monkeypatch.setattr(tracking, "_SET_BY_US", {})
+    with caplog.at_level(logging.WARNING):
+        result = tiny_run(tiny_model, "examples/chat.jsonl", tmp_path, "wb", "training.max_steps=2",
+                          "logging.report_to=[wandb]", "logging.wandb_mode=online")  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("W&B: cannot reach http://127.0.0.1:9 (")
+    assert "logging offline" in said[0] and f"wandb sync {result.run_dir / 'wandb'}" in said[0]
+    assert result.metrics["global_step"] == 2 and result.metrics["wandb_mode"] == "offline"
+    assert list((result.run_dir / "wandb").glob("offline-run-*"))

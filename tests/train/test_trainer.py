@@ -120,6 +120,14 @@ def test_oom_at_batch_one_with_checkpointing_saves_and_exits(tiny_model, tmp_pat
     (fatal,) = events(run_dir, "oom_fatal")
     assert fatal["before"]["gradient_checkpointing"] is True and "rss_gb" in fatal["memory"]
     assert (run_dir / "memory.png").is_file()
+    from lowmem_ft.rundir import RunDir
+
+    status = RunDir(run_dir).read_status()  # the run's record says the same as the console (issue #24)
+    assert (status.state, status.reason, status.checkpoint) == (
+        "failed",
+        err,
+        str(run_dir / "checkpoints/checkpoint-1"),
+    )
 
 
 def test_eval_oom_lowers_the_eval_batch_not_the_train_batch(tiny_model, tmp_path):
