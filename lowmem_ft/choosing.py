@@ -219,7 +219,15 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     """The planner's request starting from `recipe`: its setup, and the figures the request carries beside it."""
     values = planner_values(recipe)
     beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
-    return Request(setup_from_recipe(recipe), target, **beside, **kw)
+    start = setup_from_recipe(recipe)
+    if recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
+        from lowmem_ft.memory.preference import method_setup
+
+        start = method_setup(recipe.training.method, start)  # type: ignore[arg-type]
+        # the method's trainer computes its own loss (TRL's fused head for DPO, full logits for ORPO / SimPO): the
+        # planner must not swap in the chunked loss, which these runs have not been checked with
+        kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
+    return Request(start, target, **beside, **kw)
 
 
 def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
@@ -236,8 +244,23 @@ def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
         if key.planned is not None:
             name = key.planned.name
             value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
+            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and recipe.training.method != "sft":
+                value = _preference_value(recipe, name, value)
             sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
     return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
+
+
+def _preference_value(recipe: Recipe, name: str, planned: Any) -> Any:
+    """A preference plan's knob back in the recipe's terms: rows → pairs (a pair is two rows; one row holds no
+    pair), and the dropout and loss the method's trainer fixes (`memory.preference.method_setup`) left as given."""
+    if name != "micro_batch_size":
+        return getattr(setup_from_recipe(recipe), name)
+    if planned < 2:
+        raise UserError(
+            f"--method {recipe.training.method}: one pair (2 rows: chosen and rejected) does not fit the budget; "
+            "lower --seq-len, or a larger --vram"
+        )
+    return planned // 2
 
 
 # -- the record of the choice -----------------------------------------------------------------------------------

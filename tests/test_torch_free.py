@@ -23,6 +23,7 @@ TORCH_FREE = [
     "tests/memory/test_layout.py",
     "tests/memory/test_long_context.py",
     "tests/memory/test_planner.py",
+    "tests/memory/test_preference_memory.py",
     "tests/memory/test_sharding.py",
     "tests/recipe/test_load.py",
     "tests/test_imports.py",

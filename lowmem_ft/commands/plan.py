@@ -51,6 +51,7 @@ def add_parser(sub) -> None:
     flags.add_key_flags(
         p, "--trust-remote-code", note="; with --data, the tokenizer's (planning reads config.json and runs no code)"
     )
+    flags.add_key_flags(p, "--method")
     p.set_defaults(func=run)
 
 
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not getattr(args, "printed", False):
             print_plan(choice.plan, recipe)
+        if recipe.training.method != "sft":
+            print_preference(choice.plan, recipe)
         if output is not None and fits:
             print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
     if not fits:  # only a recipe as given (--recipe) can come back over a budget: the planner's plans fit
@@ -156,6 +159,20 @@ def verify(args: argparse.Namespace, recipe, choice, plan_again):
     recipe, choice, _ = verified(recipe, choice, again, say)
     args.printed = True
     return recipe, choice
+
+
+def print_preference(result, r) -> None:
+    """The preference run's rows and reference strategy, with why (`lowmem_ft.memory.preference`)."""
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.preference import plan_lines
+
+    arch = load_architecture(r.model.name_or_path, r.model.trust_remote_code)
+    passes = r.training.epochs if r.training.max_steps <= 0 else 1.0  # max_steps: at least as long as precomputing
+    for line in plan_lines(
+        arch, result.estimate.setup, r.training.method, budget_bytes=result.budget_gb * 1e9,
+        policy_peak_bytes=result.estimate.peak_bytes, passes=passes,
+    ):  # fmt: skip
+        print(f"  {line}")
 
 
 def print_plan(result, r) -> None:

@@ -53,7 +53,9 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete checkpoint"
     )
-    flags.add_key_flags(p, "--eval-data", "--format", "--skip-bad-lines", "--trust-remote-code", "--no-wandb")
+    flags.add_key_flags(
+        p, "--method", "--eval-data", "--format", "--skip-bad-lines", "--trust-remote-code", "--no-wandb"
+    )
 
 
 def _add_launch(p: argparse.ArgumentParser) -> None:
@@ -146,7 +148,16 @@ def _hub_preflight(args: argparse.Namespace):
 
 def _print_done(m: dict, run_dir) -> None:
     speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}{speed}; run directory {run_dir}")
+    print(f"done: {m['global_step']} steps, {_loss_line(m)}{_method_line(m)}{speed}; run directory {run_dir}")
+
+
+def _method_line(m: dict) -> str:
+    """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
+    its last logged step."""
+    got = m.get("method_metrics") or {}
+    shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
+             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
+    return "".join(f", {name} {value:.4g}" for name, value in shown)
 
 
 def _loss_line(m: dict) -> str:

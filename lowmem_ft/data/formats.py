@@ -75,7 +75,7 @@ def detect_format(record: dict[str, Any], key: str = "data") -> str:
             raise BadLine(
                 f"this is unpaired preference (KTO) data: '{tag}' marks each completion good or bad, and SFT would "
                 f"learn the bad ones too; keep the rows where {tag} is true (e.g. datasets' .filter) and train on "
-                "those, or use a KTO trainer"
+                "those, or train it with --method kto"
             )
         if isinstance(record["prompt"], list) or isinstance(record["completion"], list):
             return "chat_prompt_completion"
@@ -92,7 +92,8 @@ def _preference(record: dict[str, Any], key: str) -> str:
     """The one line that says preference data is not SFT data, and how to train on its chosen answers."""
     what = (
         f"this is preference data (keys {sorted(record)}: a chosen and a rejected answer, for DPO / ORPO / reward "
-        "training) and lowmem-ft trains SFT"
+        "training) and lowmem-ft trains SFT unless --method says otherwise: train the pairs with --method dpo (or orpo, "
+        "simpo)"
     )
     if isinstance(record["chosen"], dict):  # LLaMA-Factory's ranking ShareGPT: the conversation, then one turn each
         return f"{what}; to fine-tune on the chosen answers, append each 'chosen' turn to its conversation in the data"
@@ -333,7 +334,8 @@ def _tools(record: dict[str, Any]) -> dict[str, Any]:
 
 def convert(record: dict[str, Any], fmt: str, unread: dict | None = None) -> dict[str, Any]:
     """One raw record in format `fmt` → the TRL record (raises BadLine). Turn keys it does not read are added to
-    `unread` (as `messages[].KEY`), for the reader to report."""
+    `unread` (as `messages[].KEY`), for the reader to report. Preference shapes (`preference`, `kto`) are
+    `lowmem_ft.data.preference`'s."""
     if fmt == "text":
         return {"text": _string(record, "text")}
     if fmt == "prompt_completion":

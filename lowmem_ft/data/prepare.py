@@ -264,4 +264,24 @@ def length_profile(
     data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
     m = recipe.model
     tokenizer = tokenizer or load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
+    if recipe.training.method != "sft":
+        return preference_profile(replace(recipe, data=data), tokenizer)
     return load_training_data(replace(recipe, data=data), tokenizer).profile()
+
+
+def preference_profile(recipe, tokenizer) -> LengthProfile:
+    """The length profile of preference data: each pair's longer row (prompt + the longer answer), tokenized as the
+    run tokenizes it (`lowmem_ft.data.preference`), before any fitting — what max_seq_len is sized from."""
+    from lowmem_ft.data.preference import PairFit, tokenize_pairs
+    from lowmem_ft.data.readers import RecordReader
+
+    fmt = "kto" if recipe.training.method == "kto" else "preference"
+    source = check_source(recipe)[0]
+    records = list(RecordReader(source, recipe.data.skip_bad_lines, fmt=fmt))
+    if not records:
+        raise UserError(f"{source.label}: no usable {fmt} records")
+    ds, _, _ = tokenize_pairs(records, fmt, tokenizer, PairFit(2**30), where=source.label,
+                              skip_bad=recipe.data.skip_bad_lines)  # fmt: skip
+    answers = [k for k in ("chosen_ids", "rejected_ids", "completion_ids") if k in ds.column_names]
+    lengths = [len(row["prompt_ids"]) + max(len(row[k]) for k in answers) for row in ds]
+    return LengthProfile.from_lengths(lengths)

@@ -35,7 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.data import preference
 from lowmem_ft.data.formats import BadLine, LoadedData, convert, detect_format
+from lowmem_ft.data.preference import PREFERENCE_FORMATS
 from lowmem_ft.data.sources import (
     COMPRESSIONS,
     FORMAT_FIELDS,
@@ -356,7 +358,10 @@ class RecordReader:
                 record = rename(row, columns, self.source.key)
                 if self.format is None:
                     self.format = self._detect(record, where)
-                yield convert(record, self.format, self.turn_keys)
+                if self.format in PREFERENCE_FORMATS:  # chosen by training.method, never detected
+                    yield preference.convert(record, self.format, self.turn_keys)
+                else:
+                    yield convert(record, self.format, self.turn_keys)
             except BadLine as exc:
                 if not self.skip_bad_lines:
                     raise UserError(f"{where}: {exc} (or pass --skip-bad-lines)") from None

@@ -56,6 +56,9 @@ FORMAT_FIELDS = {
     "messages": ("messages", "tools", "system"),
     "sharegpt": ("conversations", "tools", "system"),
     "alpaca": ("instruction", "input", "output", "system", "history"),
+    # preference shapes (lowmem_ft.data.preference), chosen by training.method rather than detected
+    "preference": ("prompt", "chosen", "rejected", "system", "tools"),
+    "kto": ("prompt", "completion", "label", "system", "tools"),
 }
 FIELDS = tuple(dict.fromkeys(f for fields in FORMAT_FIELDS.values() for f in fields))
 # alpaca's input and history, a chat record's tool schemas and system prompt may be absent

@@ -250,6 +250,30 @@ MOE_BWD_INDEX_BYTES = 32
 # layers' window; the planner checkpoints real MoE models, whose layers do not fit otherwise).
 MOE_BWD_UP_I_CKPT, MOE_BWD_UP_I = 3, 4
 
+# GRPO (TRL 1.16 GRPOTrainer, lowmem_ft.memory.grpo). Generation on TRL's HF path (`_generate_single_turn` →
+# `generate`), measured with PeakMemory around `generate` on zoo llama3 and qwen2.5 (h 64, i 192, V 2,048 / 2,688,
+# bf16 weights, LoRA fp32 or full), TRL's sampling settings (temperature 1, top_p 1, top_k 0), rows R and prompt P /
+# completion C varied one at a time (devkit/harness/grpo.py; the numbers in benchmarks/grpo_cpu.md):
+# - ids and attention mask, int64, grown by one column per new token: 2 × 8 B per row-token; with the KV cache
+#   (bf16: 256 B per row-token on these models) the decode peak grows by exactly 272 B per row per completion token.
+GRPO_IDS_BYTES_PER_TOKEN = 2 * 8
+# - sampling, per row: the c-byte logits of the last position (logits_to_keep=1) and six fp32 vocabulary-sized
+#   tensors (the fp32 copy, the logits processors' outputs — min_new_tokens' among them —, softmax, multinomial's
+#   working copy): R 8 → 16 adds 53,560 B per row at V 2,048 and 70,200 at V 2,688 beyond KV and ids = 26.1 B per
+#   vocabulary entry = c + 6 × 4. Beside them two fp32 vocabulary vectors not per row (the fixed remainder,
+#   20,964 / 26,716 B at V 2,048 / 2,688, of which ~2.5 kB is the one-token decode step).
+GRPO_SAMPLING_FP32_PER_VOCAB = 6
+GRPO_SAMPLING_FP32_VOCAB_FIXED = 2
+# - the prefill (R × P tokens through the layers, one at a time, no autograd) peaks in a gated MLP: gate and up
+#   outputs, act(gate) and the product (4·c·i; a LoRA gate/up adds its fp32 lora_B output and scaled copy,
+#   `evaluation.eval_mlp_bytes`' 8·i, and peft's fp32 cast of the layer input, 4·h), beside the residual, the
+#   normed input and the attention output (3·c·h) and RoPE's cos/sin (2·c·head_dim). Predicted 1,984 / 3,392 B per
+#   prompt token (full / LoRA) against 2,000 / 3,408 measured (P 48 → 96, 8 rows; both families).
+GRPO_PREFILL_HIDDEN = 3
+# The round's buffered inputs (`_generate_and_score_completions` → `_buffered_inputs`): prompt ids and mask,
+# completion ids and mask, int64, per row-token.
+GRPO_ROUND_BYTES_PER_TOKEN = 4 * 8
+
 
 # -- where each constant comes from ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -263,6 +287,7 @@ _LONG = "devkit/harness/long_context.py (Llama/Qwen2/Mistral shapes), benchmarks
 _LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 setups), tests/memory/test_estimate.py"
 _MOE = "devkit/harness/moe.py (one block and 1- vs 2-layer runs), benchmarks/estimator_moe.md"
 _CHUNKED = "PeakMemory on lowmem_ft/train/losses.py token_log_probs alone, tests/memory/test_estimate_loss.py"
+_GRPO = "PeakMemory around TRL's HF generate (zoo llama3 / qwen2.5), devkit/harness/grpo.py, benchmarks/grpo_cpu.md"
 SOURCES: dict[str, Source] = {
     "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
     "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
@@ -326,4 +351,9 @@ SOURCES: dict[str, Source] = {
     "MOE_BWD_INDEX_BYTES": Source("measured", _MOE),
     "MOE_BWD_UP_I_CKPT": Source("measured", _MOE),
     "MOE_BWD_UP_I": Source("measured", _MOE),
+    "GRPO_IDS_BYTES_PER_TOKEN": Source("code+measured", _GRPO),
+    "GRPO_SAMPLING_FP32_PER_VOCAB": Source("measured", _GRPO),
+    "GRPO_SAMPLING_FP32_VOCAB_FIXED": Source("measured", _GRPO),
+    "GRPO_PREFILL_HIDDEN": Source("code+measured", _GRPO),
+    "GRPO_ROUND_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_and_score_completions"),
 }  # fmt: skip

@@ -30,6 +30,14 @@ WandbMode = Literal["online", "offline", "disabled", "auto"]
 # transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
 Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
+Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+# TRL 1.16 dpo_config.py `loss_type`'s documented values
+DpoLoss = Literal[
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+PromptTruncation = Literal["keep_end", "keep_start", "drop"]
+ReferenceModel = Literal["auto", "adapter_disabled", "copy", "precomputed"]
 # The shortest max_seq_len a recipe may ask for; the planner's lengths are multiples of it (lowmem_ft.memory.planner).
 MIN_SEQ_LEN = 16
 # Every integer a recipe or flag gives is a count, a length, a step or a seed that torch, numpy and the Trainer hold
@@ -389,6 +397,13 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
+    method: Method = _f(
+        "sft",
+        "What is learned: sft (supervised), or preference training: dpo (TRL's DPOTrainer), orpo, simpo (TRL's "
+        "experimental ORPO / CPO trainers) on prompt/chosen/rejected pairs; kto (TRL's KTOTrainer) on unpaired "
+        "prompt/completion/label samples. The preference section holds their settings.",
+        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo, kto", metavar="METHOD"),
+    )
     epochs: float = _f(
         1.0,
         "Passes over the data, fractions allowed (ignored when max_steps > 0).",
@@ -439,6 +454,31 @@ class LoggingSection:
 
 
 @dataclass
+class PreferenceSection:
+    """Settings of the preference methods (training.method dpo, orpo, simpo, kto); ignored by sft."""
+
+    loss_type: DpoLoss = _f("sigmoid", "DPO's loss, as TRL names its variants (sigmoid, ipo, robust, hinge, ...).")
+    beta: float = _f(
+        0.1,
+        "DPO's β (deviation from the reference; IPO's τ), ORPO's odds-ratio weight λ, SimPO's reward scale.",
+        gt=0.0,
+    )
+    label_smoothing: float = _f(0.0, "Robust DPO's flip probability (loss_type robust), EXO's ε.", ge=0.0, lt=0.5)
+    simpo_gamma: float = _f(0.5, "SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma).", ge=0.0)
+    prompt_truncation: PromptTruncation = _f(
+        "keep_end",
+        "A pair longer than memory.max_seq_len, before batching: keep_end / keep_start cut the prompt to "
+        "max_prompt_len (its end or its start), then the answers at their end; drop leaves the pair out (counted).",
+    )
+    max_prompt_len: int = _f(0, "The prompt's share of a pair that does not fit; 0: half of max_seq_len.", ge=0)
+    reference: ReferenceModel = _f(
+        "auto",
+        "DPO's reference: auto (LoRA: the base model with the adapter disabled; full fine-tuning: log-probs "
+        "precomputed in one pass before training), copy (a frozen copy of the model), precomputed.",
+    )
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     adapter: AdapterSection = field(default_factory=AdapterSection)
@@ -447,6 +487,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Recipe)}  # type: ignore[misc]

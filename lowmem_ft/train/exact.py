@@ -60,6 +60,10 @@ class ExactMemory:
     setup: Setup
     eval_batch: int = 1
     ddp: bool = False
+    method: str = "sft"  # training.method: a preference step's reference pass (lowmem_ft.memory.preference)
+    reference: str = "none"  # the reference model a preference run uses (`memory.preference.ReferenceKind`)
+    # objects whose tensors are the run's besides the model's and the optimizer's (a DPO reference copy)
+    extra_roots: list = field(default_factory=list)
     _meter: PeakMemory | None = field(default=None, init=False, repr=False)
     _hooks: list = field(default_factory=list, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -92,11 +96,25 @@ class ExactMemory:
                 arch = Architecture.from_config(config.to_dict(), recipe.model.name_or_path) if config else None
             if arch is None:  # a model the memory model cannot describe: measured, not predicted
                 log.warning("memory: measuring without a prediction (%s)", exc)
+        method = recipe.training.method
         # On the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), so the checkpointed layer
         # inputs a CUDA plan keeps in host memory are live here: predicted as such (the trace found the CPU form of
         # an offloading plan 10 % under its forward: Llama-3.1-8B at 24 GB, 2.2 GB of layer inputs).
         setup = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
-        return cls(arch, setup, eval_batch, ddp=processes > 1)
+        if method == "sft":
+            return cls(arch, setup, eval_batch, ddp=processes > 1)
+        from lowmem_ft.memory.preference import method_setup, reference_kind, rows_per_micro_batch
+
+        # a preference micro batch of B pairs runs 2·B rows (the CPU form speaks rows, as the monitor sees them)
+        reference = reference_kind(method, recipe.adapter.kind, recipe.preference.reference)
+        return cls(
+            arch,
+            method_setup(method, setup),
+            rows_per_micro_batch(method, eval_batch),
+            ddp=processes > 1,
+            method=method,
+            reference=reference,
+        )
 
     # -- the plan's batch -----------------------------------------------------------------------------------------
     def start_fields(self) -> dict[str, Any]:
@@ -104,7 +122,7 @@ class ExactMemory:
         if self.arch is None:
             return {"exact": True, "predicted_cpu_peak_gb": None}
         s = self.setup
-        phases = {p: phase_peak_bytes(self.arch, s, p, ddp=self.ddp) for p in ("forward", "backward", "optimizer step")}
+        phases = {p: self._phase(s, p) for p in ("forward", "backward", "optimizer step")}
         phases["eval"] = phase_peak_bytes(self.arch, replace(s, micro_batch_size=self.eval_batch), "eval")
         return {
             "exact": True,
@@ -123,7 +141,7 @@ class ExactMemory:
         self._optimizer = optimizer
         # The run's own tensors only (not those of an earlier run in the same process); the optimizer's states,
         # not the optimizer object (bitsandbytes' process-wide GlobalOptimManager hangs off it).
-        roots = [model] + ([optimizer.state] if optimizer is not None else [])
+        roots = [model, *self.extra_roots] + ([optimizer.state] if optimizer is not None else [])
         self._meter = PeakMemory(device="cpu", roots=roots)
         self._meter.__enter__()
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
@@ -137,10 +155,16 @@ class ExactMemory:
             self._meter = None
 
     def _before_forward(self, module, args, kwargs) -> None:
+        import torch
+
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         if ids is None:
+            return
+        if module.training and not torch.is_grad_enabled():
+            # a no-grad pass inside a training step (DPO's reference log-probs, TRL disabling checkpointing for it):
+            # the step's batch and setup are the training forward's
             return
         batch = (int(ids.shape[0]), int(ids.shape[1]))
         self._states = self._optimizer is not None and len(self._optimizer.state) > 0
@@ -184,9 +208,20 @@ class ExactMemory:
                 loss_tokens=labelled,
                 gradient_checkpointing=key[-1],
             )
-            b = phase_peak_bytes(self.arch, s, what, grads=grads, states=states, ddp=self.ddp)
+            b = self._phase(s, what, grads=grads, states=states)
             self._cache[key] = round(b / GB, 6)
         return self._cache[key]
+
+    def _phase(self, s: Setup, what: RunPhase, grads: bool = True, states: bool = True) -> float:
+        """The memory model's CPU phase peak: SFT's, or a preference step's with its reference pass."""
+        if self.method == "sft" or what == "eval":
+            return phase_peak_bytes(self.arch, s, what, grads=grads, states=states, ddp=self.ddp)
+        from lowmem_ft.memory import preference
+
+        return preference.phase_peak(
+            self.arch, s, what, method=self.method, reference=self.reference,  # type: ignore[arg-type]
+            grads=grads, states=states, ddp=self.ddp,
+        )  # fmt: skip
 
 
 def labelled_positions(kwargs: dict) -> int | None:

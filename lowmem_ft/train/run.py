@@ -174,6 +174,10 @@ class FineTune:
             report_to=self.tracking.report_to,
             packed=self.batching.packed,
         )
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import method_config
+
+            self.args = method_config(self.args, self.recipe)
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
         set_timeout(self.recipe.training.rank_timeout_s)  # a hung rank fails the others after it, CPU ranks too
@@ -183,7 +187,12 @@ class FineTune:
         from lowmem_ft.train.model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.recipe)
-        self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import prepare_data
+
+            self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
+        else:
+            self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
         self.data_summary["batching"] = self.batching.to_dict()
         if self.batching.packed:  # TRL's own preparation is skipped (`args.sft_config`), its packing with it
             self.train_ds = pack(self.train_ds, self.recipe.memory.max_seq_len)
@@ -252,7 +261,13 @@ class FineTune:
         self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
-        self.trainer = MemorySafeSFTTrainer(
+        trainer_class, extra = MemorySafeSFTTrainer, {}
+        if self.recipe.training.method != "sft":
+            from lowmem_ft.train.preference import trainer_for
+
+            trainer_class, extra = trainer_for(self.recipe)
+        self.trainer = trainer_class(
+            **extra,
             model=self.model,
             args=self.args,
             train_dataset=self.train_ds,
@@ -265,6 +280,9 @@ class FineTune:
             # the guard first: its on_train_begin restores the step-down the monitor's start record then shows
             callbacks=[self.guard, self.monitor, self.stop, self.totals, *self.callbacks],
         )
+        reference = getattr(self.trainer, "ref_model", None)
+        if reference is not None and self.monitor.exact is not None:  # a full fine-tune's DPO reference copy
+            self.monitor.exact.extra_roots.append(reference)
         self.totals.bind(self.trainer)
         config = tracking.run_config(self.recipe, self.choice)
         tracking.attach(self.trainer, self.tracking, self.run, config, figures)
@@ -289,7 +307,7 @@ class FineTune:
         host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
         counts = trainable_summary(self.model)
         view = RunView(
-            "sft", self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
+            self.recipe.training.method, self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
             world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
             run_dir=str(self.run.path),
         )  # fmt: skip
@@ -440,6 +458,12 @@ class FineTune:
             "last_loss": logged[-1]["loss"] if logged else None,
             "first_loss_step": logged[0].get("step") if logged else None,
             "last_loss_step": logged[-1].get("step") if logged else None,
+            # the preference methods' own figures at the last logged step (TRL's names: rewards/margins, ...)
+            "method_metrics": {
+                k: v
+                for k, v in (logged[-1] if logged else {}).items()
+                if k.startswith(("rewards/", "log_odds")) or k == "kl"
+            },
             "wall_seconds": round(self.elapsed, 2),
             "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
             "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost

@@ -422,6 +422,9 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
                         "transformers ships")  # fmt: skip
+    if recipe.training.method != "sft":
+        raise UserError(f"--verify traces supervised fine-tuning steps; training.method={recipe.training.method} is "
+                        "not traced yet (plan without --verify)")  # fmt: skip
     started = time.perf_counter()
     config = config if config is not None else model_config(recipe)
     shadow = Shadow()

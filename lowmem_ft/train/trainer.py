@@ -97,8 +97,9 @@ def add_perplexity(logs: dict[str, float]) -> None:
             logs["eval_perplexity"] = float("inf")
 
 
-class MemorySafeSFTTrainer(SFTTrainer):
-    """`SFTTrainer` + `MemoryMonitor` samples at backward end + OOM recovery (see the module docstring)."""
+class MemorySafe:
+    """`MemoryMonitor` samples at backward end + OOM recovery (see the module docstring), for a TRL trainer:
+    `MemorySafeSFTTrainer` here, the preference trainers in `lowmem_ft.train.preference`."""
 
     def __init__(
         self, *args, guard: MemoryGuard, monitor: MemoryMonitor, run: RunDir, loraplus_lr_ratio: float = 0, **kwargs
@@ -173,7 +174,9 @@ class MemorySafeSFTTrainer(SFTTrainer):
             return result[0] * self._loss_weight, result[1]
         return result * self._loss_weight
 
-    def _run_micro_batch(self, model, inputs, num_items_in_batch, draw: Draw) -> torch.Tensor:
+    def _pieces(self, inputs, num_items_in_batch) -> tuple[list[dict[str, Any]], list[float], tuple]:
+        """The pieces the guard cuts, each piece's share of the micro batch's loss, and where they lie in it
+        (`split.piece_spans`)."""
         parts = self.guard.pieces(inputs)
         if len(parts) > 1 and num_items_in_batch is None:
             shifted = getattr(self, "_loss_shifts_labels", True)
@@ -181,7 +184,10 @@ class MemorySafeSFTTrainer(SFTTrainer):
             weights = [label_count(p, shifted) / total for p in parts]
         else:
             weights = [1.0] * len(parts)
-        dim, full, spans = piece_spans(inputs, parts)
+        return parts, weights, piece_spans(inputs, parts)
+
+    def _run_micro_batch(self, model, inputs, num_items_in_batch, draw: Draw) -> torch.Tensor:
+        parts, weights, (dim, full, spans) = self._pieces(inputs, num_items_in_batch)
         loss = None
         for part, weight, (start, size) in zip(parts, weights, spans, strict=True):
             self._loss_weight = weight
@@ -371,3 +377,7 @@ class MemorySafeSFTTrainer(SFTTrainer):
             free_memory()
             if not self.guard.recover_eval(failure):
                 return {}
+
+
+class MemorySafeSFTTrainer(MemorySafe, SFTTrainer):
+    """`SFTTrainer` with the memory monitor's samples and OOM recovery of `MemorySafe`."""

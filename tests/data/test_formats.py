@@ -336,7 +336,9 @@ def test_preference_data_is_refused_with_the_mapping_that_trains_on_chosen(tmp_p
 
     row, hint, columns, record = PREFERENCE[case]
     path = _write(tmp_path / "d.jsonl", [row])
-    with pytest.raises(UserError, match=r"d\.jsonl:1: this is preference data .* lowmem-ft trains SFT") as info:
+    with pytest.raises(
+        UserError, match=r"d\.jsonl:1: this is preference data .* lowmem-ft trains SFT unless --method .* --method dpo"
+    ) as info:
         load_file(path)
     message = str(info.value)
     assert hint in message and "\n" not in message and message.count(".columns") == 1

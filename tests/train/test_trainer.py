@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from lowmem_ft.errors import Interrupted
+from tests.train.test_interrupt import SendAt
 from tests.train.tiny_runs import FaultInjector, memory_records, once, tiny_run, tiny_sets, tiny_trainer
 
 pytestmark = pytest.mark.slow
@@ -256,14 +259,18 @@ def test_resume_continues_at_the_step_down_saved_in_the_checkpoint(tiny_model, t
     by parsing memory.jsonl."""
     from lowmem_ft.cli import main
 
+    # Step 2 steps down (an injected OOM), then SIGTERM stops the run after it with checkpoint-2: a finished run
+    # is not resumed (it is finished), an interrupted one is.
     injector = FaultInjector(fail=once((2, 4)))
-    first = tiny_run(tiny_model, DATA, tmp_path, "resumed", "training.max_steps=2", "training.save_steps=2",
-                     callbacks=[injector])  # fmt: skip
-    state = json.loads((first.run_dir / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    with pytest.raises(Interrupted):
+        tiny_run(tiny_model, DATA, tmp_path, "resumed", "training.max_steps=3", "training.save_steps=2",
+                 callbacks=[injector, SendAt(2, signal.SIGTERM)])  # fmt: skip
+    run_dir = tmp_path / "resumed"
+    state = json.loads((run_dir / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["MemoryGuard"]["attributes"]["halvings"] == 1
-    (first.run_dir / "memory.jsonl").unlink()  # nothing to parse: the checkpoint alone carries the step-down
-    assert main(["train", "--resume", str(first.run_dir), "--no-wandb", "--set", "training.max_steps=3"]) == 0
-    records = memory_records(first.run_dir)
+    (run_dir / "memory.jsonl").unlink()  # nothing to parse: the checkpoint alone carries the step-down
+    assert main(["train", "--resume", str(run_dir), "--no-wandb"]) == 0
+    records = memory_records(run_dir)
     assert records[0]["event"] == "start" and records[0]["micro_batch"] == 2 and records[0]["pieces"] == 2
     assert {r["micro_batch"] for r in records if r.get("phase") == "forward"} == {2}
     assert not [r for r in records if r.get("event") == "oom_recovered"]

@@ -1,0 +1,254 @@
+"""What preference training adds to a step's memory, and which reference a run uses: pure arithmetic (no torch).
+
+The one idea: a preference step is an SFT step over more rows plus, for DPO and KTO, a reference pass. So the terms
+are the SFT memory model's (`lowmem_ft.memory.estimate`) at the method's rows, and a reference pass on top of what
+the policy's forward keeps:
+
+- rows per micro batch (`rows_per_micro_batch`): DPO, ORPO and SimPO stack the chosen and the rejected rows
+  (TRL 1.16 `DataCollatorForPreference`: `prompt_chosen_ids + prompt_rejected_ids`, one forward of 2·B rows); KTO's
+  forward is its B completions — its KL estimate's B mismatched rows (the completions rotated by one within the
+  batch) run apart, without gradients, before it (`kto_trainer.py` `_compute_kl_logps`), never beside the
+  policy's saved tensors.
+- the policy's forward and backward: `estimate` at those rows, every row padded to the longest of the micro batch
+  (the pairs were fitted to max_seq_len before batching, `lowmem_ft.data.preference`).
+- the reference pass (`reference_pass_bytes`): TRL's `_compute_loss` runs it after the policy's forward, under
+  `torch.no_grad()` and with checkpointing switched off (`disable_gradient_checkpointing`), while the policy's saved
+  activations, its fused head's saved tensors and its per-token log-probabilities are alive. Without autograd nothing
+  outlives its layer: its working set is an evaluation forward's over the same rows (`eval_peak_bytes`' transient:
+  one layer in flight, or the head's forward — never both). So the forward phase peaks at the larger of the
+  policy's own forward peak and (what the policy keeps + the reference pass).
+- the reference weights (`reference_weight_bytes`): none with a LoRA adapter (the base model with the adapter
+  disabled); for a full fine-tune, a frozen copy of the model in its storage dtype (TRL's `create_model_from_path`
+  with the policy's dtype and quantization config), or nothing during training when the reference log-probs are
+  precomputed (one no-grad pass over the data before training: its peak is an evaluation forward's; 2 fp32 numbers
+  per pair kept in the dataset, host RAM).
+- ORPO and SimPO need no reference. TRL 1.16 keeps them in `trl.experimental` (`ORPOTrainer`, `CPOTrainer` with
+  `loss_type="simpo"`), whose `concatenated_forward` materialises the full logits of the 2·B rows and upcasts them
+  (`logits.float()` beside log_softmax): the `hf_full` loss of the SFT model, not the fused head (read from
+  experimental/orpo/orpo_trainer.py and experimental/cpo/cpo_trainer.py; not yet measured).
+
+Measured (the exact CPU count of real runs through `train`, `lowmem_ft.train.exact`): see the module's tests
+(`tests/memory/test_preference_memory.py`) and the numbers in README's "Preference training".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from lowmem_ft.memory.activations import head_saved_bytes
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.calibration import (
+    ALLOCATOR_FRACTION,
+    BATCH_BYTES_PER_TOKEN,
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    HF_LOSS_BYTES_PER_LOGIT,
+)
+from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
+from lowmem_ft.memory.evaluation import eval_peak_bytes
+from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.static import weight_bytes
+
+Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+ReferenceKind = Literal["none", "adapter_disabled", "copy", "precomputed"]
+PAIRED = ("dpo", "orpo", "simpo")
+WITH_REFERENCE = ("dpo", "kto")
+
+
+def rows_per_micro_batch(method: Method, micro_batch: int) -> int:
+    """Rows one forward runs for a micro batch of `micro_batch` pairs (or KTO completions)."""
+    # KTO's KL batch runs apart, without gradients, before the policy's forward: its forward has B rows
+    return micro_batch if method in ("sft", "kto") else 2 * micro_batch
+
+
+def method_setup(method: Method, s: Setup) -> Setup:
+    """The SFT setup of the policy's forward and backward for `method`, `s.micro_batch_size` being pairs: the rows
+    stacked, no dropout (TRL's preference configs default `disable_dropout=True`), and ORPO / SimPO's full logits."""
+    if method == "sft":
+        return s
+    out = replace(s, micro_batch_size=rows_per_micro_batch(method, s.micro_batch_size), lora_dropout=0.0)
+    if method in ("orpo", "simpo"):
+        out = replace(out, loss_impl="hf_full")
+    return out
+
+
+def reference_pass_bytes(arch: Architecture, rows_setup: Setup) -> float:
+    """The reference forward's working set above what is alive before it, for a micro batch of
+    `rows_setup.micro_batch_size` rows: an evaluation forward's transient (`eval_peak_bytes` without its static
+    memory and its batch tensors, which the training step holds already)."""
+    s = replace(rows_setup, gradient_checkpointing=False)
+    train = estimate(arch, s)
+    static = sum(c.bytes for c in train.components if c.phase == "static" and c.name != "gradients")
+    batch = BATCH_BYTES_PER_TOKEN * s.tokens * (2 if s.device == "cpu" else 1)
+    transient = eval_peak_bytes(arch, s, s.micro_batch_size) - static
+    if s.device == "cuda":  # eval_peak_bytes' own overheads: context, workspaces, a fraction of its transient
+        transient = (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
+    return max(0.0, transient - batch)
+
+
+def policy_kept_bytes(arch: Architecture, rows_setup: Setup) -> float:
+    """What the policy's forward keeps for backward when the reference pass starts (above static memory): the
+    forward's peak minus its largest transient is not exposed by `estimate`, so it is bounded from its parts —
+    the head's saved tensors and the per-token log-probabilities (fp32) of every row, plus the layers' saved
+    activations as the backward peak holds them (the backward's peak minus its own gradient buffers and loss)."""
+    est = estimate(arch, rows_setup)
+    by = est.by_name()
+    t = rows_setup.tokens
+    head = head_saved_bytes(arch, rows_setup) * t
+    layers = by.get("activations, all layers", 0.0) + by.get("checkpointed layer inputs", 0.0)
+    layers += by.get("attention masks (s², bool)", 0.0)
+    return layers + head + 4 * t
+
+
+def reference_kind(method: Method, adapter: str, given: str = "auto") -> ReferenceKind:
+    """The reference a run uses: none for SFT, ORPO, SimPO; for DPO (and KTO) `preference.reference`, where auto is
+    the adapter disabled (LoRA) or log-probs precomputed before training (full fine-tuning: `choose_reference`)."""
+    if method not in WITH_REFERENCE:
+        return "none"
+    if adapter == "lora":
+        return "adapter_disabled" if given in ("auto", "adapter_disabled") else given  # type: ignore[return-value]
+    return "precomputed" if given in ("auto", "adapter_disabled") else given  # type: ignore[return-value]
+
+
+def reference_weight_bytes(arch: Architecture, s: Setup, kind: ReferenceKind) -> float:
+    """Device bytes of the reference model itself: a frozen copy of the weights for `copy` (full fine-tuning)."""
+    if kind != "copy":
+        return 0.0
+    linears, rest, _ = weight_bytes(arch, replace(s, adapter="lora", lora_targets=()))
+    return linears + rest
+
+
+def phase_peak(
+    arch: Architecture,
+    s: Setup,
+    phase: str,
+    *,
+    method: Method,
+    reference: ReferenceKind,
+    grads: bool = True,
+    states: bool = True,
+    ddp: bool = False,
+) -> float:
+    """Live tensor bytes at the peak of one phase of a preference run (the CPU form), `s.micro_batch_size` being
+    the rows the forward ran (the monitor sees rows, not pairs): the SFT phase peak at those rows, the reference
+    pass on top of the policy's kept tensors in the forward phase, and a reference copy's weights throughout."""
+    base = phase_peak_bytes(arch, s, phase, grads=grads, states=states, ddp=ddp)  # type: ignore[arg-type]
+    if method in ("orpo", "simpo"):
+        return base + odds_ratio_loss_shift(arch, s, phase, method)
+    ref_weights = reference_weight_bytes(arch, s, reference)
+    if phase != "forward" or reference in ("none", "precomputed"):
+        return base + ref_weights
+    est = estimate(arch, s)
+    by = est.by_name()
+    static = est.phases["static"]
+    static -= 0.0 if grads else by["gradients"]
+    static -= 0.0 if states else sum(b for name, b in by.items() if name.startswith("optimizer states"))
+    with_ref = static + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
+    return max(base, with_ref) + ref_weights
+
+
+def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Method) -> float:
+    """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
+    same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
+    forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
+    loss's forward falls in the backward's window, where `hf_full` counts it already. ORPO adds its NLL over the
+    chosen half (`cross_entropy_loss`: `logits[..., :-1, :].contiguous()` of the chosen rows, c bytes per logit of
+    half the rows). Measured (exact CPU, LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB /
+    backward 79.24 MB, SimPO 31.71 / 72.40 — 16.9 and 14.9 B per logit in the backward beyond the kept tensors,
+    against hf_full's 16."""
+    n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
+    if phase == "forward":
+        return -HF_LOSS_BYTES_PER_LOGIT * n
+    if phase == "backward" and method == "orpo":
+        return DTYPE_BYTES[s.compute_dtype] * n / 2
+    return 0.0
+
+
+@dataclass(frozen=True)
+class ReferenceChoice:
+    """The reference a run uses, what it costs, and why it was chosen."""
+
+    kind: ReferenceKind
+    device_bytes: float  # reference weights on the device during training
+    host_bytes: float  # precomputed log-probs kept with the data
+    extra_passes: float  # no-grad forwards over the data, in units of one pass
+    why: str
+
+
+def choose_reference(
+    arch: Architecture,
+    s: Setup,
+    method: Method,
+    *,
+    pairs: int | None,
+    passes_over_data: float,
+    budget_bytes: float | None,
+    policy_peak_bytes: float,
+) -> ReferenceChoice:
+    """The reference strategy with the least cost that fits: LoRA → the base model with the adapter disabled (no
+    copy); full fine-tuning → a frozen copy (one more forward per step; its weights on the device) or log-probs
+    precomputed in one no-grad pass over the data (no device memory during training, 8 B per pair of host RAM).
+    Both cost one reference forward per pair seen; precomputing does it once per pair, the copy once per epoch, so
+    precomputing is never slower over a full epoch and frees the copy's memory — the copy wins only when training
+    sees less than the data once (max_steps short of an epoch) and it fits."""
+    if method not in WITH_REFERENCE:
+        return ReferenceChoice("none", 0.0, 0.0, 0.0, f"{method} needs no reference model")
+    if s.adapter == "lora":
+        return ReferenceChoice(
+            "adapter_disabled", 0.0, 0.0, 0.0,
+            "LoRA: the reference is the base model with the adapter disabled (no copy, one no-grad forward per step)",
+        )  # fmt: skip
+    copy = reference_weight_bytes(arch, s, "copy")
+    host = 8.0 * (pairs or 0)
+    fits = budget_bytes is None or policy_peak_bytes + copy <= budget_bytes
+    if passes_over_data < 1 and fits:
+        return ReferenceChoice(
+            "copy", copy, 0.0, 0.0,
+            f"full fine-tune over {passes_over_data:.2f} of the data: a frozen copy ({copy / 1e9:.2f} GB) costs fewer "
+            "forwards than precomputing every pair",
+        )  # fmt: skip
+    why = (
+        f"full fine-tune: reference log-probs precomputed in one pass before training (8 B per pair on the host); a "
+        f"frozen copy would add {copy / 1e9:.2f} GB on the device"
+    )
+    if not fits:
+        why += " and not fit"
+    return ReferenceChoice("precomputed", 0.0, host, 1.0, why)
+
+
+def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
+    """The plan's line on the extra rows of a preference micro batch."""
+    rows = rows_per_micro_batch(method, micro_batch)
+    if method == "sft":
+        return f"{rows} rows × {seq_len} tokens"
+    what = "chosen + rejected" if method in PAIRED else "completions + KL batch"
+    return f"{micro_batch} pairs = {rows} rows ({what}) × {seq_len} tokens per forward"
+
+
+def plan_lines(
+    arch: Architecture, s: Setup, method: Method, *, budget_bytes: float, policy_peak_bytes: float, passes: float
+) -> list[str]:
+    """What `plan` says about a preference run (`s` in rows, as the planner planned it): the rows per micro batch,
+    the reference and why, and the reference pass's working set."""
+    pairs = max(1, s.micro_batch_size // 2)
+    lines = [f"method {method}: {describe_rows(method, pairs, s.max_seq_len)}"]
+    ref = choose_reference(
+        arch, s, method, pairs=None, passes_over_data=passes, budget_bytes=budget_bytes,
+        policy_peak_bytes=policy_peak_bytes,
+    )  # fmt: skip
+    lines.append(f"reference: {ref.kind} — {ref.why}")
+    if ref.kind in ("adapter_disabled", "copy"):
+        extra = reference_pass_bytes(arch, s)
+        est = estimate(arch, s)
+        at = est.phases["static"] + policy_kept_bytes(arch, s) + extra + reference_weight_bytes(arch, s, ref.kind)
+        where = (
+            "below the step's peak"
+            if at <= est.model_peak_bytes
+            else f"{(at - est.model_peak_bytes) / 1e9:.2f} GB above the planned peak: lower the micro batch"
+        )
+        lines.append(
+            f"reference pass: {extra / 1e9:.2f} GB of working set after the policy's forward (no gradients, "
+            f"checkpointing off), {where}"
+        )
+    return lines
