@@ -43,6 +43,7 @@ class TrainRequest:
     strategy: Requested = "auto"
     offload: bool = False
     accelerate_args: tuple[str, ...] = ()
+    verify: bool = False  # trace the plan's step at full size before any weight is read (`lowmem_ft.train.verify`)
 
     def __post_init__(self) -> None:
         if self.resume and "adapter.name_or_path" in self.origins:
@@ -104,20 +105,39 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
     return run, recipe, choice.resumed(str(run.recipe_file))
 
 
+def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan) -> tuple[Recipe, Choice]:
+    """--verify: the plan's step traced at full size before any weight is read; over the budget, planned again."""
+    from lowmem_ft.recipe.load import merge
+    from lowmem_ft.train.verify import margin_override, verified
+
+    if request.vram_gb is None or request.gpus * request.nodes > 1:
+        raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")
+    print(f"tracing the training step of the plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
+    again = lambda margin: plan(merge(request.overrides, margin_override(margin)))  # noqa: E731
+    recipe, choice, _ = verified(recipe, choice, again, print)
+    return recipe, choice
+
+
 def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile (its inputs
     checked before the data is read), else the recipe as given (checked, and its length within the model's)."""
     profile = _data_profile(request) if request.vram_gb is not None else None
-    recipe, choice = choose_recipe(
-        vram_gb=request.vram_gb,
-        recipe=request.recipe,
-        overrides=request.overrides,
-        origins=request.origins,
-        profile=profile,
-        gpus=request.gpus * request.nodes,  # the plan is per device; the world size divides the shards
-        strategy=request.strategy,
-        offload=request.offload or None,  # not given: the planner may offload as its last step
-    )
+
+    def plan(overrides: dict) -> tuple[Recipe, Choice]:
+        return choose_recipe(
+            vram_gb=request.vram_gb,
+            recipe=request.recipe,
+            overrides=overrides,
+            origins=request.origins,
+            profile=profile,
+            gpus=request.gpus * request.nodes,  # the plan is per device; the world size divides the shards
+            strategy=request.strategy,
+            offload=request.offload or None,  # not given: the planner may offload as its last step
+        )
+
+    recipe, choice = plan(request.overrides)
+    if request.verify:
+        recipe, choice = _verify(request, recipe, choice, plan)
     if request.vram_gb is None:  # not planned: the recipe's length as given, within the model's positions
         check_inputs(recipe)
         length, model = recipe.memory.max_seq_len, recipe.model.name_or_path

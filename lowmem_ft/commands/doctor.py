@@ -233,8 +233,26 @@ def check_disk(output_dir: str) -> Check:
     return Check("disk", OK, detail)
 
 
+def check_versions() -> Check:
+    """The library versions the memory model was checked against (`lowmem_ft.versions.CHECKED`), and which
+    installed ones differ: a warning, since a difference may change memory (`plan --verify` measures it)."""
+    from lowmem_ft.versions import CHECKED, differences
+
+    checked = ", ".join(f"{name} {version}" for name, version in CHECKED.items())
+    found = differences()
+    if not found:
+        return Check("library versions", OK, f"the memory model's checked set: {checked}")
+    installed = ", ".join(f"{name} {now or 'missing'} (checked {want})" for name, (want, now) in found.items())
+    return Check(
+        "library versions",
+        WARN,
+        f"installed differ from the memory model's checked set: {installed}",
+        "plan --verify traces the step with the installed versions; or install the checked ones: " + checked,
+    )
+
+
 def run_checks(output_dir: str = "runs", require_gpu: bool = False) -> list[Check]:
-    checks = [check_python(), *check_torch(), *check_gpus(require_gpu)]
+    checks = [check_python(), *check_torch(), *check_gpus(require_gpu), check_versions()]
     checks += [check_bnb_4bit(), check_bnb_8bit(), check_attention(), check_wandb(), check_hub()]
     checks.append(check_disk(output_dir))
     return checks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import get_args
 
@@ -41,6 +42,12 @@ def add_parser(sub) -> None:
     flags.add_set(p, "fix one recipe key; the planner does not change it (repeatable)")
     p.add_argument("--output", metavar="FILE.yaml", help="write the resolved recipe here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="trace the chosen plan's training step at full size on the CPU without weights (the installed "
+        "library versions) and print traced against predicted per phase; over the budget, plan again below it",
+    )
     flags.add_key_flags(
         p, "--trust-remote-code", note="; with --data, the tokenizer's (planning reads config.json and runs no code)"
     )
@@ -74,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         start = start_recipe(args.vram, args.recipe, overrides, origins)
         check_source(start)
         profile = length_profile(start)
-    try:
-        recipe, choice = choose_recipe(
+
+    def plan(overrides: dict):
+        return choose_recipe(
             vram_gb=args.vram,
             recipe=args.recipe,
             overrides=overrides,
@@ -85,10 +93,16 @@ def run(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             offload=args.offload,
         )
+
+    try:
+        recipe, choice = plan(overrides)
     except UserError as exc:
         if args.json:  # nothing fits (the device or the host RAM): the JSON says so too, the line goes to stderr
             print(json.dumps({"model": args.model, "fits": False, "unfit_reason": str(exc)}, indent=2))
         raise
+    version_note()
+    if args.verify:
+        recipe, choice = verify(args, recipe, choice, lambda keys: plan(merge(overrides, keys)))
     fits = choice.plan.fits
     if output is not None and fits:
         try:
@@ -98,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(choice.plan_record(recipe), indent=2))
     else:
-        print_plan(choice.plan, recipe)
+        if not getattr(args, "printed", False):
+            print_plan(choice.plan, recipe)
         if recipe.training.method != "sft":
             print_preference(choice.plan, recipe)
         if output is not None and fits:
@@ -111,6 +126,39 @@ def run(args: argparse.Namespace) -> int:
             "choose"
         )
     return 0
+
+
+def version_note() -> None:
+    """One line when the installed libraries are not the ones the memory model was checked against."""
+    from lowmem_ft.versions import differences
+
+    found = differences()
+    if found:
+        names = ", ".join(f"{name} {now or 'missing'} (checked {want})" for name, (want, now) in found.items())
+        print(f"note: the memory model was checked against other library versions: {names}; --verify measures the "
+              "installed ones")  # fmt: skip
+
+
+def verify(args: argparse.Namespace, recipe, choice, plan_again):
+    """--verify: trace the plan (printed first), step down while the trace is over the budget."""
+    from lowmem_ft.train.verify import margin_override, verified
+
+    if args.gpus > 1:
+        raise UserError("--verify traces one device's step; plan with --gpus 1, or drop --verify")
+    if not args.json:
+        print_plan(choice.plan, recipe)
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print  # stdout stays JSON
+    say(f"tracing the training step of this plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
+
+    def again(margin_gb: float):
+        new_recipe, new_choice = plan_again(margin_override(margin_gb))
+        if not args.json:
+            print_plan(new_choice.plan, new_recipe)
+        return new_recipe, new_choice
+
+    recipe, choice, _ = verified(recipe, choice, again, say)
+    args.printed = True
+    return recipe, choice
 
 
 def print_preference(result, r) -> None:

@@ -36,6 +36,12 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="GPU memory to fit in, in GB (e.g. 8, 24, 40); on a bigger card the process is capped at GB",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --vram: trace the plan's training step at full size on the CPU before loading weights (the "
+        "installed library versions; minutes for a 7B model), planning again if it is over the budget",
+    )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
     flags.add_key_flags(p, "--host-ram")
     flags.add_set(p, "override one recipe key; repeatable (e.g. --set training.max_steps=100)")
@@ -98,6 +104,7 @@ def request_of(args: argparse.Namespace):
         strategy=args.strategy,
         offload=args.offload,
         accelerate_args=tuple(args.accelerate_args),
+        verify=args.verify,
     )
 
 

@@ -78,3 +78,15 @@ def test_hub_probe_gives_up_within_its_timeout(monkeypatch):
     check = doctor.check_hub()
     assert time.monotonic() - started < doctor.HUB_TIMEOUT_S + 1
     assert check.status == "warn" and "192.0.2.1 not reachable" in check.detail and "HF_HUB_OFFLINE" in check.fix
+
+
+def test_doctor_names_the_checked_versions_and_warns_when_installed_differ(monkeypatch, capsys):
+    from lowmem_ft import versions
+
+    assert main(["doctor", "--json"]) == 0
+    check = next(c for c in json.loads(capsys.readouterr().out)["checks"] if c["name"] == "library versions")
+    assert check["status"] == "ok" and all(f"{n} {v}" in check["detail"] for n, v in versions.CHECKED.items())
+    monkeypatch.setitem(versions.CHECKED, "transformers", "5.0.0")
+    check = doctor.check_versions()
+    assert check.status == doctor.WARN and "transformers" in check.detail and "(checked 5.0.0)" in check.detail
+    assert "plan --verify" in check.fix
