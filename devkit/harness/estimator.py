@@ -93,27 +93,6 @@ def trainer_batches(vocab: int, rows: int, lengths: list[int], gen=None, device:
         yield ahead.pop(0)
 
 
-def trainer_optimizer(model, args):
-    """The optimizer transformers' `Trainer.create_optimizer` builds for `args.optim`, with its bitsandbytes override:
-    every `nn.Embedding` weight keeps 32-bit states under an 8-bit optimizer (trainer.py), as in a real run."""
-    import torch
-    from transformers import Trainer
-
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    optimizer = cls([q for q in model.parameters() if q.requires_grad], **kwargs)
-    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
-        import bitsandbytes
-
-        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-        # each point starts clean: bitsandbytes keeps overrides process-wide, by parameter position
-        # (index2config), so an earlier point's embedding override would apply to whatever sits there now
-        manager.initialize()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                manager.register_module_override(module, "weight", {"optim_bits": 32})
-    return optimizer
-
-
 def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[int, int]]:
     """Exact live tensor bytes per phase over two optimizer steps (accumulation 1, then 2).
 
@@ -129,7 +108,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)
@@ -213,7 +192,7 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     from trl.trainer.utils import add_fused_lm_head
 
     from lowmem_ft.train.device import cap_process_memory
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     before = _nvml_used()  # other processes, before this one creates its CUDA context

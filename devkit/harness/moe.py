@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devkit.harness.estimator import Point, predict, recipe_for, trainer_batches, trainer_optimizer
+from devkit.harness.estimator import Point, predict, recipe_for, trainer_batches
 from lowmem_ft.memory.arch import Architecture
 
 # Tiny replicas of each supported family's MoE block (transformers 5.24 classes), widths chosen so the experts'
@@ -70,7 +70,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)

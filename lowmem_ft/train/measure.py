@@ -233,3 +233,24 @@ class PeakMemory(TorchDispatchMode):
                         if isinstance(leaf, torch.Tensor):
                             self._track(leaf)
         return out
+
+
+def trainer_optimizer(model, args):
+    """The optimizer transformers' `Trainer.create_optimizer` builds for `args.optim`, with its bitsandbytes override:
+    every `nn.Embedding` weight keeps 32-bit states under an 8-bit optimizer (trainer.py), as in a real run."""
+    import torch
+    from transformers import Trainer
+
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = cls([q for q in model.parameters() if q.requires_grad], **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        # each point starts clean: bitsandbytes keeps overrides process-wide, by parameter position
+        # (index2config), so an earlier point's embedding override would apply to whatever sits there now
+        manager.initialize()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer

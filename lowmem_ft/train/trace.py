@@ -312,22 +312,13 @@ def install_loss(model, recipe: Recipe) -> None:
 def optimizer_for(model, recipe: Recipe):
     """The optimizer transformers' `Trainer.create_optimizer` builds for the recipe, with its bitsandbytes override
     (every `nn.Embedding` keeps 32-bit states under an 8-bit optimizer)."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from lowmem_ft.train.args import OPTIM_NAMES
+    from lowmem_ft.train.measure import trainer_optimizer
 
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[recipe.optimizer.name], use_cpu=True)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    optimizer = cls([q for q in model.parameters() if q.requires_grad], **kwargs)
-    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
-        import bitsandbytes
-
-        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-        manager.initialize()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                manager.register_module_override(module, "weight", {"optim_bits": 32})
-    return optimizer
+    return trainer_optimizer(model, args)
 
 
 def batches(vocab: int, rows: int, lengths: list[int], seed: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
