@@ -109,8 +109,14 @@ def _data(root: Path) -> None:
     (d / "empty-dir").mkdir()
 
 
-def _run_copy(run: Path, dst: Path, checkpoints: bool = False) -> Path:
+def _run_copy(run: Path, dst: Path, checkpoints: bool = False, interrupted: bool = False) -> Path:
+    """A copy of the finished run; `interrupted`: as a run stopped by a signal after its last step looks, which
+    `--resume` continues (a finished run it refuses before reading anything else)."""
     shutil.copytree(run, dst, ignore=None if checkpoints else shutil.ignore_patterns("checkpoints"))
+    if interrupted:
+        info = json.loads((dst / "run.json").read_text())
+        info["status"] = {**info["status"], "state": "interrupted", "signal": "SIGTERM"}
+        (dst / "run.json").write_text(json.dumps(info))
     return dst
 
 
@@ -124,9 +130,9 @@ def _runs(run: Path, root: Path) -> None:
     r = root / "runs"
     (r / "not-a-run").mkdir(parents=True)
     (r / "a-file").write_text("not a run directory\n")
-    (_run_copy(run, r / "recipe-binary") / "recipe.yaml").write_bytes(bytes(range(256)))
+    (_run_copy(run, r / "recipe-binary", interrupted=True) / "recipe.yaml").write_bytes(bytes(range(256)))
     (_run_copy(run, r / "recipe-invalid") / "recipe.yaml").write_text("model: [unclosed\n")
-    with (_run_copy(run, r / "recipe-unknown-key") / "recipe.yaml").open("a") as handle:
+    with (_run_copy(run, r / "recipe-unknown-key", interrupted=True) / "recipe.yaml").open("a") as handle:
         handle.write("surprise:\n  key: 1\n")
     shutil.rmtree(_run_copy(run, r / "unfinished") / "adapter")
     (_run_copy(run, r / "adapter-config-not-json") / "adapter" / "adapter_config.json").write_text("{nope")
@@ -140,17 +146,21 @@ def _runs(run: Path, root: Path) -> None:
     (_run_copy(run, r / "adapter-no-weights") / "adapter" / "adapter_model.safetensors").unlink()
     (_run_copy(run, r / "adapter-empty-weights") / "adapter" / "adapter_model.safetensors").write_bytes(b"")
     _edit_json(
-        _run_copy(run, r / "run-json-bad-choice", checkpoints=True) / "run.json",
+        _run_copy(run, r / "run-json-bad-choice", checkpoints=True, interrupted=True) / "run.json",
         choice={"how": "plan", "vram_gb": "lots"},
     )
-    (_run_copy(run, r / "run-json-inf", checkpoints=True) / "run.json").write_text('{"choice": {"vram_gb": Infinity}}')
+    (_run_copy(run, r / "run-json-inf", checkpoints=True) / "run.json").write_text(
+        '{"choice": {"vram_gb": Infinity}, "status": {"state": "interrupted", "signal": "SIGTERM", "step": 2}}'
+    )
     # checkpoints for --resume
-    shutil.rmtree(_run_copy(run, r / "no-checkpoints", checkpoints=True) / "checkpoints")
+    shutil.rmtree(_run_copy(run, r / "no-checkpoints", checkpoints=True, interrupted=True) / "checkpoints")
     # `--resume` takes the newest complete checkpoint (an earlier one when the newest is damaged, tests/test_rundir.py):
     # with checkpoint-1 gone, the damaged checkpoint-2 is all there is, and the run cannot continue
     for name in ("empty-newest", "truncated-newest", "state-corrupt", "state-no-step", "optimizer-truncated",
                  "no-optimizer", "only-one-corrupt", "optimizer-garbage"):  # fmt: skip
-        shutil.rmtree(_run_copy(run, r / f"ck-{name}", checkpoints=True) / "checkpoints" / "checkpoint-1")
+        shutil.rmtree(
+            _run_copy(run, r / f"ck-{name}", checkpoints=True, interrupted=True) / "checkpoints" / "checkpoint-1"
+        )
     newest = "checkpoints/checkpoint-2"
     for f in (r / "ck-empty-newest" / newest).iterdir():
         f.unlink()
