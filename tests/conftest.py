@@ -55,13 +55,16 @@ def _a_fixed_host_ram(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _forget_bnb_module_overrides():
-    """transformers' Trainer registers every nn.Embedding with bitsandbytes' process-wide `GlobalOptimManager` (32-bit
-    optimizer states for embeddings, trainer.py create_optimizer) and nothing unregisters them, so each in-process
-    training run's embedding would outlive its test and be counted by later exact memory measurements."""
+    """transformers' Trainer (and the measurement harnesses) register every nn.Embedding with bitsandbytes'
+    process-wide `GlobalOptimManager` (32-bit optimizer states for embeddings, trainer.py create_optimizer), and
+    the manager turns them into overrides by parameter id and by parameter position (`pid2config`,
+    `index2config`) that nothing clears: a later test's optimizer whose first parameter sits where an embedding sat
+    got 32-bit states (doctor's 8-bit check failed after the tracer's tests), and each in-process run's embedding
+    would outlive its test and be counted by later exact memory measurements. `initialize()` forgets all of it."""
     yield
     optim = sys.modules.get("bitsandbytes.optim")
     if optim is not None:
-        optim.GlobalOptimManager.get_instance().module_weight_config_triple.clear()
+        optim.GlobalOptimManager.get_instance().initialize()
 
 
 _TEST_DIRS: set = set()  # every test's own tmp_path so far: the other directories under the base are fixtures'
