@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.train.trace_layers import Layers
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +348,14 @@ class Trace:
     marks: dict[str, tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     host_bytes: int = 0  # the input embedding table kept in host memory (memory.embeddings_on_host), not counted
+    depth: Layers | None = None  # traced at two smaller depths and extrapolated (None: traced whole)
+
+    def how(self) -> str:
+        """How the trace was made, for the user: whole, or from which depths."""
+        if self.depth is None:
+            return "traced whole"
+        small, large = self.depth.traced
+        return f"traced at {small} and {large} of {self.depth.total} decoder layers and extrapolated"
 
     @property
     def phases(self) -> dict[str, int]:
@@ -404,11 +413,14 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
     return {mark.label: (mark.peak_bytes, mark.live_bytes) for mark in pm.marks}
 
 
-def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 8) -> Trace:
+def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 8, whole: bool = False) -> Trace:
     """Trace `recipe`'s training step at its full batch (micro_batch_size × max_seq_len) without weights.
 
-    `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only)."""
-    from transformers import set_seed
+    `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only).
+    Unless `whole`, a model with more decoder layers than the trace needs is traced at two smaller depths and
+    extrapolated to its own (`lowmem_ft.train.trace_layers`: exact, as the bytes are affine in the depth)."""
+    from lowmem_ft.train import trace_layers
+    from lowmem_ft.train.model import torch_dtype
 
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
@@ -418,6 +430,23 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
                         "not traced yet (plan without --verify)")  # fmt: skip
     started = time.perf_counter()
     config = config if config is not None else model_config(recipe)
+    depth = None if whole else trace_layers.plan(_model_class(config), config, torch_dtype(recipe.model.compute_dtype))
+    if depth is None:
+        marks, host = _traced(recipe, config, eval_rows, warmup_seq)
+        return Trace(marks, time.perf_counter() - started, host)
+    small, host = _traced(recipe, trace_layers.truncated(config, depth.first), eval_rows, warmup_seq)
+    large, _ = _traced(recipe, trace_layers.truncated(config, depth.first + depth.period), eval_rows, warmup_seq)
+    marks = {
+        label: tuple(depth.extrapolate(a, b) for a, b in zip(small[label], large[label], strict=True))
+        for label in small
+    }
+    return Trace(marks, time.perf_counter() - started, host, depth)
+
+
+def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """One trace of the model `config` describes, as it is: marks (host bytes taken out) and the host bytes."""
+    from transformers import set_seed
+
     shadow = Shadow()
     set_seed(recipe.training.seed)
     model = build(recipe, config, shadow)
@@ -430,7 +459,7 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     _forget(model)
     del model, optimizer
     gc.collect()
-    return Trace(marks, time.perf_counter() - started, host)
+    return marks, host
 
 
 def _host_table_bytes(model) -> int:

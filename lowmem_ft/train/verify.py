@@ -28,6 +28,7 @@ class Verification:
     predicted: dict[str, float]
     seconds: float
     plan_peak: float | None = None  # the plan's (device) peak, bytes
+    how: str = "traced whole"  # or from which depths it was extrapolated (`Trace.how`)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +59,7 @@ class Verification:
                 out.append(f"  {phase:15} traced {t / GB:7.2f} GB  predicted {p / GB:7.2f} GB  ({(p - t) / t:+.1%})")
         out.append(
             f"traced {self.traced_peak / GB:.2f} GB, predicted {self.predicted_peak / GB:.2f} GB ({self.error:+.1%}) "
-            f"— live tensor bytes on the CPU, installed library versions, traced in {self.seconds:.0f} s"
+            f"— live tensor bytes on the CPU, installed library versions; {self.how} in {self.seconds:.0f} s"
         )
         return out
 
@@ -77,7 +78,7 @@ def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = N
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
     predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=rows), "eval")
-    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes)
+    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes, how=result.how())
 
 
 def margin_override(margin_gb: float) -> dict:
