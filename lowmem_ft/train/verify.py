@@ -66,19 +66,25 @@ class Verification:
 
 def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = None) -> Verification:
     """Trace `recipe`'s step (with an evaluation forward at its eval batch) and predict the same phases."""
+    from lowmem_ft.train.args import eval_batch_size
+    from lowmem_ft.train.trace import trace
+
+    result = trace(recipe, eval_rows=eval_batch_size(recipe))
+    return Verification(result.phases, predict(recipe, arch), result.seconds, plan_peak_bytes, how=result.how())
+
+
+def predict(recipe: Recipe, arch: Architecture) -> dict[str, float]:
+    """The memory model's CPU form of the phases `verify` traces (eval at the recipe's eval batch)."""
     from dataclasses import replace
 
     from lowmem_ft.choosing import setup_from_recipe
     from lowmem_ft.train.args import eval_batch_size
-    from lowmem_ft.train.trace import trace
 
-    rows = eval_batch_size(recipe)
-    result = trace(recipe, eval_rows=rows)
     # on the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), in the trace as in a CPU run
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
-    predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=rows), "eval")
-    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes, how=result.how())
+    predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=eval_batch_size(recipe)), "eval")
+    return predicted
 
 
 def margin_override(margin_gb: float) -> dict:
