@@ -47,6 +47,17 @@ class Layers:
     def extrapolate(self, small: int, large: int) -> int:
         return small + (self.total - self.first) // self.period * (large - small)
 
+    def extrapolate_marks(self, small: Segments, large: Segments) -> dict[str, tuple[int, int]]:
+        """label → (peak, live) at `total` layers: each segment's peak extrapolated on its own, then the largest
+        (the moment of a phase's peak can move with depth: a full fine-tune's first backward peaks at the LM
+        head's backward in a shallow model and at its end, every gradient allocated, in a deep one)."""
+        out = {}
+        for label, (segs, live) in small.by_label.items():
+            other, live2 = large.by_label[label]
+            peak = max(self.extrapolate(segs.get(k, 0), other.get(k, 0)) for k in segs.keys() | other.keys())
+            out[label] = (peak, self.extrapolate(live, live2))
+        return out
+
 
 def text_config(config):
     return config.get_text_config()
@@ -142,3 +153,82 @@ def _layer_signatures(cls, config, dtype, count: int) -> list[tuple] | None:
     model.to(dtype)
     found = decoder_layers(model, count)
     return None if found is None else [signature(layer) for layer in found[1]]
+
+
+class Segments:
+    """Each mark window's peak split where the step enters and leaves the decoder stack ("pre", "in", "post"; in
+    backward the stack is entered at the last layer's output gradient and left at the first layer's input
+    gradient). Within one segment the peak is affine in the depth; across segments it need not be, so
+    `Layers.extrapolate_marks` extrapolates segment by segment."""
+
+    def __init__(self, layers: torch.nn.ModuleList | None):
+        self.by_label: dict[str, tuple[dict[str, int], int]] = {}
+        self._window: dict[str, int] = {}
+        self._current, self._pm, self._backward = "pre", None, False
+        self._handles = []
+        if layers is not None and len(layers):
+            self._handles = [
+                layers[0].register_forward_pre_hook(self._first_layer, with_kwargs=True),
+                layers[-1].register_forward_hook(self._last_layer),
+            ]
+
+    def _enter(self, segment: str) -> None:
+        if self._pm is None:
+            return
+        _, peak = self._pm.window()
+        self._window[self._current] = max(self._window.get(self._current, 0), peak)
+        self._current = segment
+
+    def _first_layer(self, module, args, kwargs):
+        if self._backward:  # a checkpointed layer recomputed in backward: not the forward's entry
+            return
+        self._enter("in")
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: self._enter("post"))
+
+    def _last_layer(self, module, args, output):
+        if self._backward:
+            return
+        self._enter("post")
+        hidden = output[0] if isinstance(output, tuple | list) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: self._enter("in"))
+
+    def watch(self, pm, backward: bool):
+        """Context of one forward or backward under `pm`."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def watching():
+            self._pm, self._backward = pm, backward
+            try:
+                yield
+            finally:
+                self._pm, self._backward = None, False
+
+        return watching()
+
+    def mark(self, pm, label: str) -> None:
+        """`pm.mark(label)`, keeping the window's segment peaks (the mark's own peak after the last segment)."""
+        self._pm = pm
+        self._enter("pre")
+        self._pm = None
+        m = pm.mark(label)
+        segs = dict(self._window)
+        segs["end"] = m.peak_bytes
+        self.by_label[label] = (segs, m.live_bytes)
+        self._window, self._current = {}, "pre"
+
+    def marks(self) -> dict[str, tuple[int, int]]:
+        return {label: (max(segs.values()), live) for label, (segs, live) in self.by_label.items()}
+
+    def less(self, host: int) -> Segments:
+        """These figures less `host` bytes (the host embedding table, see `trace._host_table_bytes`)."""
+        for label, (segs, live) in self.by_label.items():
+            self.by_label[label] = ({k: v - host for k, v in segs.items()}, live - host)
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
