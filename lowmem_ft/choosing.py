@@ -80,8 +80,9 @@ def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: d
 
 
 # -- an existing adapter -----------------------------------------------------------------------------------------
-# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
-ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout, target modules, DoRA
+# and init (done already).
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets", "use_dora", "adapter_init"})
 
 
 def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:

@@ -33,6 +33,7 @@ class Setup:
     lora_r: int = 16
     lora_dropout: float = 0.05
     use_dora: bool = False  # adapter.use_dora (lowmem_ft.memory.dora)
+    adapter_init: str = "default"  # adapter.init: pissa / olora decompose each weight at start-up (memory.adapter_init)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     optimizer: str = "paged_adamw_8bit"
     gradient_checkpointing: bool = True
@@ -63,7 +64,7 @@ class Setup:
 class Component:
     name: str
     bytes: float
-    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host"]
+    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host", "start-up"]
     source: str
 
     @property
