@@ -106,7 +106,7 @@ DORA_NORM_BYTES_PER_OUT = 3 * 4
 # A decomposing adapter init (adapter.init pissa / olora; peft 0.21 tuners/lora/layer.py pissa_init, olora_init),
 # per adapted linear: PiSSA's `weight - scaling * lora_B @ lora_A` holds the fp32 out × in product and the out × in
 # result at once (2 copies); OLoRA subtracts the product in place (1, in lowmem_ft.memory.adapter_init). Measured
-# with PeakMemory around peft's get_peft_model on zoo models (tests/memory/test_adapter_init.py).
+# with PeakMemory around peft's get_peft_model on zoo models (tests/train/test_adapter_init.py).
 INIT_PRODUCT_COPIES = 2
 # On CUDA torch's linalg_svd / linalg_qr hand cuSOLVER a column-major clone of the input, which it overwrites
 # (aten/src/ATen/native/BatchLinearAlgebra.cpp); invisible to the CPU count (made inside one kernel). Read from code.
@@ -321,7 +321,7 @@ SOURCES: dict[str, Source] = {
     "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "DORA_NORM_BYTES_PER_OUT": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "INIT_PRODUCT_COPIES": Source("code+measured", "peft tuners/lora/layer.py pissa_init / olora_init; "
-                                  "PeakMemory around get_peft_model, tests/memory/test_adapter_init.py"),
+                                  "PeakMemory around get_peft_model, tests/train/test_adapter_init.py"),
     "INIT_SOLVER_INPUT_COPIES": Source("code", "torch aten/src/ATen/native/BatchLinearAlgebra.cpp linalg_svd / qr"),
     "DROPOUT_MASK_BYTES": Source("code+measured", "ATen native/Dropout.cpp; benchmarks/estimator_cpu.md"),
     "TOKEN_BOOKKEEPING_BYTES": Source("measured", "PeakMemory, 1-layer model's forward minus one layer"),

@@ -90,6 +90,13 @@ class Estimate:
     def peak_gb(self) -> float:
         return self.peak_bytes / GB
 
+    @property
+    def startup_peak_gb(self) -> float | None:
+        """The start-up moment of a decomposing adapter init with the device overheads, or None without one
+        (lowmem_ft.memory.adapter_init): beside the step's peak, which it does not change."""
+        at = self.phases.get("start-up")
+        return None if at is None else (at + self.overhead_bytes) / GB
+
     def by_name(self) -> dict[str, float]:
         return {c.name: c.bytes for c in self.components}
 
@@ -99,6 +106,7 @@ class Estimate:
             "model_peak_gb": round(self.model_peak_bytes / GB, 3),
             "overhead_gb": round(self.overhead_bytes / GB, 3),
             "peak_phase": self.peak_phase,
+            "startup_peak_gb": None if self.startup_peak_gb is None else round(self.startup_peak_gb, 3),
             "components": [
                 {"name": c.name, "gb": round(c.gb, 4), "phase": c.phase, "source": c.source} for c in self.components
             ],
