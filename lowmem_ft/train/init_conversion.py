@@ -90,4 +90,9 @@ def rebuild_residual(model, initial: Path) -> None:
 
 def save_converted(model, directory: Path, initial: Path) -> None:
     """Overwrite the adapter saved in `directory` with its conversion to plain LoRA on the original base."""
-    model.save_pretrained(str(directory), path_initial_model_for_weight_conversion=str(initial))
+    import warnings
+
+    with warnings.catch_warnings():
+        # peft warns, when the conversion loads the initial adapter beside the trained one, to convert: this is it
+        warnings.filterwarnings("ignore", message=r"(PiSSA|OLoRA) changes the base weights")
+        model.save_pretrained(str(directory), path_initial_model_for_weight_conversion=str(initial))
