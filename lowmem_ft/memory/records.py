@@ -106,7 +106,8 @@ class Estimate:
             "model_peak_gb": round(self.model_peak_bytes / GB, 3),
             "overhead_gb": round(self.overhead_bytes / GB, 3),
             "peak_phase": self.peak_phase,
-            "startup_peak_gb": None if self.startup_peak_gb is None else round(self.startup_peak_gb, 3),
+            # adapter.init pissa / olora only (memory.adapter_init)
+            **({} if self.startup_peak_gb is None else {"startup_peak_gb": round(self.startup_peak_gb, 3)}),
             "components": [
                 {"name": c.name, "gb": round(c.gb, 4), "phase": c.phase, "source": c.source} for c in self.components
             ],
