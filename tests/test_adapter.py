@@ -53,8 +53,15 @@ def test_the_weights_name_the_modules_a_pattern_targets(tiny_model, tmp_path):
 
 
 def test_a_dora_adapter_is_priced_as_dora(tiny_model, tmp_path):
-    saved = locate(str(save_adapter(tiny_model, tmp_path / "dora", use_dora=True)))
+    from lowmem_ft.choosing import choose_recipe
+
+    path = save_adapter(tiny_model, tmp_path / "dora", use_dora=True)
+    saved = locate(str(path))
     assert saved.uncounted == () and saved.section()["use_dora"] is True
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides={"adapter": {"name_or_path": str(path)}},
+                                   seq_len=256)  # fmt: skip
+    assert recipe.adapter.use_dora and choice.plan.setup.use_dora
+    assert choice.plan.estimate.by_name()["DoRA weight norms (kept)"] > 0
 
 
 def test_an_adapter_in_its_pissa_form_is_refused_in_one_line(tiny_model, tmp_path):
