@@ -441,6 +441,11 @@ def _init_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         return [(("adapter.init", "adapter.use_dora"),
                  f"'adapter.init' {a.init} with DoRA: peft's conversion to a LoRA adapter on the original base "
                  "drops the magnitude vectors (subtract_mutated_init); turn one of them off")]  # fmt: skip
+    if recipe.training.method in ("dpo", "kto"):  # lowmem_ft.train.preference drops TRL's copy of a new adapter
+        return [(("adapter.init", "training.method"),
+                 f"'adapter.init' {a.init} with {recipe.training.method}: the reference is the base with the adapter "
+                 "disabled, which this init leaves as the residual, not the model; use adapter.init=default, or "
+                 "orpo / simpo (no reference)")]  # fmt: skip
     if a.use_rslora:
         return [(("adapter.init", "adapter.use_rslora"),
                  f"'adapter.init' {a.init} with rsLoRA: the converted adapter's alpha becomes alpha·√2 (peft keeps "

@@ -93,6 +93,7 @@ def test_the_plan_shows_the_start_up_moment_and_keeps_the_step_peak():
     [(("adapter.init=pissa", "model.quantization=nf4"), "nf4 storage cannot hold exactly"),
      (("adapter.init=olora", "model.quantization=none", "adapter.use_dora=true"), "drops the magnitude vectors"),
      (("adapter.init=pissa_niter_4", "model.quantization=none", "adapter.use_rslora=true"), "alpha·√2"),
+     (("adapter.init=pissa", "model.quantization=none", "training.method=dpo"), "the residual, not the model"),
      (("adapter.init=eva",), "needs a pass over the training data"),
      (("adapter.init=pissa_niter_x",), "must be one of default, gaussian, pissa, pissa_niter_N")],
 )  # fmt: skip
