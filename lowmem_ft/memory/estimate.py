@@ -23,6 +23,7 @@ and the devkit import from here):
 - `experts`: the mixture-of-experts blocks' kept tensors and moments.
 - `evaluation`: evaluation forwards (no autograd); generation is `inference`.
 - `overheads`: the CUDA context, workspaces and allocator.
+- `adapter_init`: PiSSA's / OLoRA's decomposition at start-up, a moment of its own beside the step's peak.
 - `families`: what the memory model knows per model family (one record each).
 """
 
