@@ -197,3 +197,17 @@ def test_an_interrupted_pissa_run_resumes_on_the_same_residual_base(pissa_run, l
     assert _losses(run) == _losses(pissa_run.run_dir)  # step 3 trained on the residual base of the first start
     a, b = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (run, pissa_run.run_dir))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "init, peft_value", [("default", True), ("gaussian", "gaussian"), ("pissa_niter_2", "pissa_niter_2")]
+)
+def test_the_init_reaches_peft(init, peft_value, tiny_model):
+    from lowmem_ft.train.model import attach_adapter, load_model
+
+    recipe = resolve("8gb", [f"model.name_or_path={tiny_model}", "model.quantization=none", f"adapter.init={init}"])
+    model = attach_adapter(load_model(recipe), recipe)
+    assert model.peft_config["default"].init_lora_weights == peft_value
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    # default and gaussian (A drawn from a normal instead of kaiming) start as a no-op, B = 0; PiSSA does not
+    assert all(not p.any() for p in lora_b) == (init != "pissa_niter_2")
