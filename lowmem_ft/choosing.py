@@ -80,8 +80,9 @@ def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: d
 
 
 # -- an existing adapter -----------------------------------------------------------------------------------------
-# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
-ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout, target modules, DoRA
+# and init (done already).
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets", "use_dora", "adapter_init"})
 
 
 def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:
@@ -328,7 +329,7 @@ class Choice:
 
 
 # -- the target and the length ----------------------------------------------------------------------------------
-def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
+def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1, nodes: int = 1) -> Target:
     """The memory target of `--vram` for `recipe`: a finite VRAM above the safety margin the recipe keeps free."""
     margin = recipe.memory.safety_margin_gb
     if not math.isfinite(vram_gb):
@@ -340,7 +341,7 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
             f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
             f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
         )
-    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb)
+    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes)
 
 
 def host_ram_gb(recipe: Recipe) -> float:
@@ -432,7 +433,7 @@ def with_host_ram(arch, p: Plan) -> Plan:
     paged_only = all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
     if not parts or (paged_only and p.host_fits):
         return p  # bnb's paged states live on the device until evicted: counted, but no line of their own
-    per = f" ({p.gpus} processes)" if p.gpus > 1 else ""
+    per = f" ({t.node_gpus} processes)" if t.node_gpus > 1 else ""
     budget = f"{t.host_budget_gb:.1f} GB host budget (RAM {t.host_ram_gb:.1f} − margin {t.host_margin_gb:g})"
     if p.host_fits:
         why = f"{p.host_need_gb:.1f} GB{per} ({parts}) of the {budget}"
@@ -454,7 +455,7 @@ def _longest_host_fit(arch, p: Plan) -> int:
     def fits(length: int) -> bool:
         s = replace(p.setup, max_seq_len=length)
         est = per_device_estimate(arch, s, p.gpus, p.strategy, p.offload)[0] if p.gpus > 1 else estimate(arch, s)
-        return host_need_gb(est, p.gpus) <= p.target.host_budget_gb
+        return host_need_gb(est, p.target.node_gpus) <= p.target.host_budget_gb
 
     return longest_length(fits, p.setup.max_seq_len - 1)
 
@@ -508,6 +509,7 @@ def choose_recipe(
     gpus: int = 1,
     strategy: Requested = "auto",
     offload: bool | None = None,
+    nodes: int = 1,
 ) -> tuple[Recipe, Choice]:
     """The recipe a run uses and a record of why: `--recipe` as given (checked against --vram when there is one),
     else planned for `--vram` from the tier recipe.
@@ -515,7 +517,8 @@ def choose_recipe(
     `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
     planner; `origins` names the flag behind an override key, for error messages. `seq_len` (plan --seq-len) fixes
     `memory.max_seq_len`; otherwise, with `profile`, the planner sizes it from the data. With `gpus` > 1 the plan's
-    figures are per device and its `strategy` / `offload` say how the run is sharded.
+    figures are per device and its `strategy` / `offload` say how the run is sharded; `gpus` counts them all, over
+    `nodes` machines (host RAM is per machine).
     """
     if recipe is None and vram_gb is None:
         raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
@@ -530,7 +533,7 @@ def choose_recipe(
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
     from lowmem_ft.memory.arch import load_architecture
 
-    target = target_for(vram_gb, start, gpus)
+    target = target_for(vram_gb, start, gpus, nodes)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
     _check_plannable(arch, start.model.name_or_path, start, target.gpus)
     _check_adapter_fits(arch, start)

@@ -42,6 +42,8 @@ ARCH = load_architecture("Qwen/Qwen2.5-0.5B")  # offline catalog: its loss is re
 def other_value(key: Key):
     """A value of `key` other than its default, of its declared type (not necessarily valid with the others)."""
     tp, default = key.type, key.default
+    if key.path == "adapter.init":  # a pattern (pissa_niter_N), not a Literal
+        return "gaussian"
     if get_origin(tp) is Literal:
         return next(c for c in get_args(tp) if c != default)
     if tp is bool:

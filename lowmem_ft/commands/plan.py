@@ -199,6 +199,9 @@ def print_plan(result, r) -> None:
         table.add_row(c.name, f"{c.gb:.2f}", c.phase)
     table.add_section()
     table.add_row("predicted peak", f"{est.peak_gb:.2f}", f"at the {est.peak_phase}")
+    if (startup := est.startup_peak_gb) is not None:  # adapter.init pissa / olora: a moment before step 1
+        over = " — OVER THE BUDGET" if startup > result.budget_gb else ""
+        table.add_row("start-up peak", f"{startup:.2f}", f"once, at adapter.init; the step's peak is unchanged{over}")
     table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
     table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.headroom_gb >= 0 else "DOES NOT FIT")
     host = [c for c in est.components if c.phase == "host" and c.bytes > 0]

@@ -175,6 +175,16 @@ class AdapterSection:
         "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r (peft's use_rslora), so "
         "higher ranks keep learning. Scaling only: no memory of its own (peft lora/layer.py update_layer).",
     )
+    init: str = _f(
+        "default",
+        "How the adapter starts (peft's init_lora_weights): default (B = 0, the adapter a no-op), gaussian, pissa "
+        "(A and B from the top-r singular vectors of each adapted weight; the base keeps the residual), "
+        "pissa_niter_N (the same by a randomized SVD with N subspace iterations: seconds, not minutes, on 7B), olora "
+        "(A and B from a QR of each weight). pissa and olora need 16-bit weights (model.quantization=none): they "
+        "rewrite the base weights, and the saved adapter is converted to a plain LoRA adapter on the original base "
+        "(rank 2r). The decomposition's one-off start-up peak is in the plan (lowmem_ft.memory.adapter_init).",
+        planner="adapter_init",
+    )
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters; ['all-linear'] targets every linear layer but the output head.",

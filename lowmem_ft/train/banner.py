@@ -112,7 +112,9 @@ class RunView:
         if a.kind == "full":
             return f"none: full fine-tune, {trained}"
         loaded = f", continued from {a.name_or_path}" if a.name_or_path else ""
-        return f"LoRA rank {a.r} (alpha {a.alpha}) on {', '.join(a.target_modules)}: {trained}{loaded}"
+        kind = "DoRA" if a.use_dora else "LoRA"
+        init = f", {a.init} init" if a.init != "default" else ""
+        return f"{kind} rank {a.r} (alpha {a.alpha}{init}) on {', '.join(a.target_modules)}: {trained}{loaded}"
 
     def _memory(self) -> str:
         c = self.choice

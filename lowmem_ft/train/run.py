@@ -202,11 +202,18 @@ class FineTune:
     def _setup_model(self) -> None:
         from transformers import set_seed
 
-        from lowmem_ft.train.model import build_model
+        from lowmem_ft.train import init_conversion
 
         # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
         set_seed(self.recipe.training.seed)
-        self.model = build_model(self.recipe)
+        if init_conversion.rewrites_base(self.recipe) and (self.args.fsdp or self.args.deepspeed):
+            raise UserError(
+                f"adapter.init {self.recipe.adapter.init} rewrites the base weights, which FSDP / DeepSpeed shard "
+                "across devices; train it on one GPU or with DDP, or set adapter.init=default"
+            )
+        self.model = init_conversion.build(
+            self.recipe, self.run.initial_adapter, resuming=self.checkpoint is not None, is_main=self.is_main
+        )
 
     def _setup_memory(self) -> None:
         """The monitor (observes, records; exact live bytes on the CPU) and the guard (decides step-downs)."""
@@ -405,12 +412,15 @@ class FineTune:
     def _save_weights(self) -> None:
         """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
         rank 0 writes the weights and the tokenizer."""
+        from lowmem_ft.train import init_conversion
         from lowmem_ft.train.checkpoints import rename_into_place
         from lowmem_ft.train.ranks import barrier
 
         final = self.run.weights(self.recipe.adapter.kind == "full")
         staged = self.run.staged(final)
         self.trainer.save_model(str(staged))
+        if self.is_main and init_conversion.rewrites_base(self.recipe):  # PiSSA / OLoRA → LoRA on the original base
+            init_conversion.save_converted(self.model, staged, self.run.initial_adapter)
         barrier()
         if self.is_main:
             rename_into_place(staged, final, aside=staged.with_name(f"{staged.name}.replaced"))
