@@ -230,6 +230,21 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     return Request(start, target, **beside, **kw)
 
 
+def grpo_shape(recipe: Recipe, prompt_len: int = 0):
+    """A GRPO recipe's round (`memory.grpo.GrpoShape`): P is the data's longest prompt when known, else
+    grpo.max_prompt_length."""
+    from lowmem_ft.memory.grpo import GrpoShape
+
+    g = recipe.grpo
+    return GrpoShape(
+        prompt_len=prompt_len or g.max_prompt_length or recipe.memory.max_seq_len,
+        completion_len=g.max_completion_length,
+        num_generations=g.num_generations,
+        steps_per_generation=g.steps_per_generation or None,
+        beta=g.beta,
+    )
+
+
 def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
     """The planner's names of the recipe keys the user set (`--set`, flags): the knobs it must not change."""
     given = {f"{section}.{key}" for section, values in overrides.items() if isinstance(values, dict) for key in values}
