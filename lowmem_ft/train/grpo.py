@@ -85,7 +85,7 @@ def prepare_data(recipe, tokenizer) -> tuple[Any, None, dict[str, Any]]:
         raise UserError("--method grpo: evaluation data is not supported yet (evaluating generates too); drop it")
     source = check_source(recipe)[0]
     reader = RecordReader(source, d.skip_bad_lines, fmt="prompts")
-    records = list(reader)
+    records = _templated(list(reader), tokenizer, source.label, reader.skipped, d.skip_bad_lines)
     for line in reader.skipped:
         log_skipped(line)
     kept, fit = fit_prompts(records, tokenizer, g.max_prompt_length, g.prompt_truncation)
@@ -108,6 +108,25 @@ def prepare_data(recipe, tokenizer) -> tuple[Any, None, dict[str, Any]]:
         "prompt_truncation": g.prompt_truncation,
     }
     return Dataset.from_list(kept), None, summary
+
+
+def _templated(records: list, tokenizer, label: str, skipped: list[str], skip_bad: bool) -> list:
+    """The records whose prompts the tokenizer (its chat template) takes, as TRL will tokenize them at every round;
+    a prompt it rejects stops the run here, naming its row, or is skipped and listed."""
+    from lowmem_ft.data.formats import BadLine
+    from lowmem_ft.data.prompts import prompt_ids
+
+    out = []
+    for i, record in enumerate(records, 1):
+        try:
+            prompt_ids(tokenizer, record["prompt"])
+        except BadLine as exc:
+            if not skip_bad:
+                raise UserError(f"{label} record {i}: {exc} (or pass --skip-bad-lines)") from None
+            skipped.append(f"{label} record {i}: {exc}")
+            continue
+        out.append(record)
+    return out
 
 
 def reward_functions(recipe, user: list, columns: list[str]) -> list:
