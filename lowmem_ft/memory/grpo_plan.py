@@ -10,9 +10,10 @@ TRL 1.16's rule that a round holds whole prompt groups (`GRPOConfig.__post_init_
 processes divisible by num_generations). Only when no round fits, and only for what the user did not fix, the
 completion length C is halved (down to `MIN_COMPLETION`), then num_generations G (down to 2); the reasons say so.
 
-The phases' device form: the CPU form `phase_peaks` gives (live tensor bytes) moved by the difference between the
-device and CPU forms of the static state (host-resident paged states, offloading), plus the device overheads of the
-phase's transient (`lowmem_ft.memory.overheads`). A prediction, measured on the CPU only (README, "GRPO").
+The phases' device form: the training phases are the device estimate's own (its attention kernels and offloading
+differ from the CPU's) with GRPO's differences from an SFT step as `phase_peaks` counts them; generation and
+scoring are their CPU form moved by the difference between the device and CPU forms of the static state; the
+largest phase carries the device overheads of its transient (`lowmem_ft.memory.overheads`). A prediction, measured on the CPU only (README, "GRPO").
 """
 
 from __future__ import annotations
@@ -39,10 +40,16 @@ def grpo_estimate(arch: Architecture, s: Setup, g: GrpoShape) -> Estimate:
     """The estimate of a GRPO step on `s.device`: the training micro-step's components, generation's terms, and the
     peak = the largest phase (`phases` holds each)."""
     ts = training_setup(s, g)
-    est = estimate(arch, ts)
+    est, cpu_est = estimate(arch, ts), estimate(arch, cpu_form(ts))
     cpu = phase_peaks(arch, cpu_form(s), g)
-    shift = est.phases["static"] - estimate(arch, cpu_form(ts)).phases["static"]
-    phases = {name: b + shift for name, b in cpu.items()}
+    # the training phases: the device's own forward / backward / step (its attention kernels, offloading) with
+    # GRPO's differences from SFT's (the round held instead of the batch); generation and scoring: their CPU form
+    # moved by the static state's difference (host-resident paged states)
+    shift = est.phases["static"] - cpu_est.phases["static"]
+    phases = {
+        name: est.phases[name] + b - cpu_est.phases[name] if name in est.phases else b + shift
+        for name, b in cpu.items()
+    }
     top = peak_phase(phases)
     overheads = device_overheads(ts, phases[top] - est.phases["static"])
     terms = generation_terms(arch, cpu_form(s), g)
