@@ -64,11 +64,16 @@ def grpo_estimate(arch: Architecture, s: Setup, g: GrpoShape) -> Estimate:
 def phase_lines(est: Estimate) -> list[str]:
     """Each phase's predicted peak on the device, in the order the step runs them, the largest marked."""
     top = peak_phase(est.phases)
-    extra = est.overhead_bytes
+    static = sum(c.bytes for c in est.components if c.phase == "static")
     return [
-        f"{name:<15} {(b + extra) / GB:6.2f} GB" + ("   ← peak" if name == top else "")
+        f"{name:<15} {device_gb(est, b, static):6.2f} GB" + ("   ← peak" if name == top else "")
         for name, b in est.phases.items()
     ]
+
+
+def device_gb(est: Estimate, phase_bytes: float, static: float) -> float:
+    """A phase's peak with the device overheads of its own transient (none on the CPU)."""
+    return (phase_bytes + overhead_bytes(device_overheads(est.setup, phase_bytes - static))) / GB
 
 
 def _rounds(ga: int, fixed: int | None) -> list[int]:
@@ -152,7 +157,8 @@ def _plan_of(base: Plan, s: Setup, g: GrpoShape, est: Estimate, ga: int, stepped
         f"{g.steps_per_generation}: one generate call makes {rows} completions ({rows // g.num_generations} prompts × "
         f"{g.num_generations}); {'no old-policy pass (it divides the accumulation)' if ga % (g.steps_per_generation or ga) == 0 else 'an old-policy scoring pass (misaligned with the accumulation)'}"
     )
-    reasons["phases"] = ", ".join(f"{n} {(b + est.overhead_bytes) / GB:.2f} GB" for n, b in est.phases.items())
+    static = sum(c.bytes for c in est.components if c.phase == "static")
+    reasons["phases"] = ", ".join(f"{n} {device_gb(est, b, static):.2f} GB" for n, b in est.phases.items())
     reasons["phases"] += f"; peak in {est.peak_phase}"
     if stepped:
         reasons["round"] = f"stepped down to fit: {stepped} (set them to fix them)"

@@ -250,6 +250,11 @@ class ExactMemory:
             shape = replace(self.grpo, prompt_len=p, completion_len=c, steps_per_generation=max(1, rows // b))
             s = replace(self.setup, micro_batch_size=b, gradient_checkpointing=self._checkpointing)
             peaks = phase_peaks(self.arch, s, shape, states=states)
+            if self.ddp and what == "optimizer step":  # the trainer's flat all-reduce copy of the gradients
+                from lowmem_ft.memory.grpo import training_setup
+
+                ts = training_setup(s, shape)
+                peaks[what] += phase_peak_bytes(self.arch, ts, what, ddp=True) - phase_peak_bytes(self.arch, ts, what)
             self._cache[key] = round(peaks[what] / GB, 6) if what in peaks else None
         if self._cache[key] is not None:
             out["predicted_peak_live_gb"] = self._cache[key]

@@ -133,4 +133,66 @@ def test_pieces_add_up_to_the_micro_step_for_each_loss(zoo_models, tmp_path, los
     weights = piece_weights(loss_type, pieces, 4)
     total = sum(trainer.compute_loss(model, p) * w for p, w in zip(pieces, weights, strict=True))
     assert total.item() == pytest.approx(whole.item(), rel=1e-4, abs=1e-6)
+    # an OOM while generating has no smaller piece: one line naming what shrinks a round
+    from lowmem_ft.train.grpo import GenerationOutOfMemory
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    trainer._in_micro_step, trainer._step, trainer._generate_single_turn = False, 0, no_memory
+    with pytest.raises(GenerationOutOfMemory, match="generating a round of 4 completions .* grpo.steps_per_generation"):
+        trainer.training_step(model, prompts)
     job.run.unlock()
+
+
+def _reward_file(tmp_path: Path) -> Path:
+    reward = tmp_path / "my_rewards.py"
+    reward.write_text(
+        "def brevity(completions, **kwargs):\n    return [1.0 / (1 + len(str(c))) for c in completions]\n"
+    )
+    return reward
+
+
+@pytest.mark.slow
+def test_grpo_resumes_with_its_reward_named_again(zoo_models, tmp_path, monkeypatch, capsys):
+    """SIGTERM in step 2 saves checkpoint-2; --resume without the --reward-fn the run started with is one line (the
+    run directory never names code to run), with it the run finishes its 3 steps from the checkpoint."""
+    import signal
+
+    from lowmem_ft.train import run as run_module
+    from tests.train.test_interrupt import SendAt
+
+    reward = _reward_file(tmp_path)
+    train = run_module.train
+    monkeypatch.setattr(
+        run_module, "train", lambda *a, **k: train(*a, **{**k, "callbacks": [SendAt(2, signal.SIGTERM)]})
+    )
+    argv = ["train", "--recipe", "8gb", "--method", "grpo", "--model", zoo_models["qwen2.5"], "--data", GSM8K,
+            "--set", "data.columns={prompt: question}", "--reward-fn", f"{reward}:brevity", "--output-dir",
+            str(tmp_path), "--name", "resumed", *TINY_ROUND, "--max-steps", "3", "--set", "training.save_steps=1"]  # fmt: skip
+    assert main(argv) != 0
+    monkeypatch.setattr(run_module, "train", train)
+    run = tmp_path / "resumed"
+    assert (run / "checkpoints" / "checkpoint-2").is_dir()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--no-wandb"]) == 2
+    assert "--reward-fn" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--no-wandb", "--reward-fn", f"{reward}:brevity"]) == 0
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 3
+    assert "rewards/brevity/mean" in [h for h in _records(run, "log_history.jsonl") if "loss" in h][-1]
+
+
+@pytest.mark.slow
+def test_grpo_on_two_cpu_processes(zoo_models, tmp_path, capfd):
+    """`--gpus 2` (two gloo ranks through accelerate launch): the --reward-fn travels on the ranks' command line, both
+    ranks generate and train, each logs its own memory file (the suite checks both)."""
+    reward = _reward_file(tmp_path)
+    argv = ["train", "--recipe", "8gb", "--gpus", "2", "--method", "grpo", "--model", zoo_models["llama3"],
+            "--data", GSM8K, "--set", "data.columns={prompt: question}", "--reward-fn", f"{reward}:brevity",
+            "--output-dir", str(tmp_path), "--name", "ddp", *TINY_ROUND]  # fmt: skip
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    run = tmp_path / "ddp"
+    assert out.count("done: 2 steps") == 1 and "--reward-fn" in json.loads((run / "launch.json").read_text())["command"]
+    for name in ("memory.jsonl", "memory.rank1.jsonl"):
+        assert any(r.get("phase") == "generation" for r in _records(run, name)), name
