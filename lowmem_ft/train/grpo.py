@@ -246,8 +246,3 @@ class MemorySafeGRPOTrainer(MemorySafe, GRPOTrainer):
         sizes = [p["completion_ids"].shape[0] for p in parts]
         spans = [(sum(sizes[:k]), n) for k, n in enumerate(sizes)]
         return parts, piece_weights(self.loss_type, parts, rows), (0, rows, spans)
-
-
-def trainer_for(recipe, user_rewards: list, columns: list[str]) -> tuple[type, dict[str, Any]]:
-    """The GRPO trainer class and its own keyword arguments (the reward functions)."""
-    return MemorySafeGRPOTrainer, {"reward_funcs": reward_functions(recipe, user_rewards, columns)}

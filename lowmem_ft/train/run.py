@@ -202,9 +202,11 @@ class FineTune:
 
         self.tokenizer = load_tokenizer(self.recipe)
         if self.grpo:
-            from lowmem_ft.train.grpo import prepare_data
+            from lowmem_ft.train.grpo import prepare_data, reward_functions
 
             self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
+            # before any weight is read: a missing reward or a column a reward needs is one line now
+            self.rewards = reward_functions(self.recipe, self.reward_fns, self.data_summary["columns"])
         elif self.recipe.training.method != "sft":
             from lowmem_ft.train.preference import prepare_data
 
@@ -286,10 +288,9 @@ class FineTune:
         figures |= self.target.to_dict() if self.target is not None else {}
         trainer_class, extra, shown = MemorySafeSFTTrainer, {}, progress.SFT_SHOWN
         if self.grpo:
-            from lowmem_ft.train.grpo import GRPO_SHOWN
-            from lowmem_ft.train.grpo import trainer_for as grpo_trainer
+            from lowmem_ft.train.grpo import GRPO_SHOWN, MemorySafeGRPOTrainer
 
-            trainer_class, extra = grpo_trainer(self.recipe, self.reward_fns, self.data_summary["columns"])
+            trainer_class, extra = MemorySafeGRPOTrainer, {"reward_funcs": self.rewards}
             shown = GRPO_SHOWN
         elif self.recipe.training.method != "sft":
             from lowmem_ft.train.preference import trainer_for
