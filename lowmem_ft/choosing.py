@@ -346,8 +346,13 @@ class Choice:
         """plan.json and `plan --json`: the model, the full plan, and the recipe it gives."""
         if self.plan is None:
             return None
-        return {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
-                "recipe": to_dict(recipe)}  # fmt: skip
+        out = {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
+               "recipe": to_dict(recipe)}  # fmt: skip
+        if "generation" in self.plan.estimate.phases:  # GRPO: each phase's peak (`memory.grpo_plan`)
+            from lowmem_ft.memory.grpo_plan import phases_gb
+
+            out["phases_gb"] = phases_gb(self.plan.estimate)
+        return out
 
 
 # -- the target and the length ----------------------------------------------------------------------------------

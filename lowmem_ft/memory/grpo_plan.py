@@ -71,6 +71,12 @@ def phase_lines(est: Estimate) -> list[str]:
     ]
 
 
+def phases_gb(est: Estimate) -> dict[str, float]:
+    """Each phase's predicted peak on the device, GB (plan --json, plan.json)."""
+    static = sum(c.bytes for c in est.components if c.phase == "static")
+    return {name: round(device_gb(est, b, static), 3) for name, b in est.phases.items()}
+
+
 def device_gb(est: Estimate, phase_bytes: float, static: float) -> float:
     """A phase's peak with the device overheads of its own transient (none on the CPU)."""
     return (phase_bytes + overhead_bytes(device_overheads(est.setup, phase_bytes - static))) / GB

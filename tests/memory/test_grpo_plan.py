@@ -73,3 +73,14 @@ def test_plan_prints_each_phase_and_the_peak(capsys):
     assert [line.split()[0] for line in lines] == ["generation", "forward", "backward", "optimizer"]
     assert sum("← peak" in line for line in lines) == 1
     assert "steps_per_generation:" in out
+
+
+def test_plan_json_carries_each_phase(capsys):
+    import json
+
+    assert main(["plan", "--vram", "24", "--model", LLAMA, "--method", "grpo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    phases = out["phases_gb"]
+    assert set(phases) >= {"generation", "forward", "backward", "optimizer step"}
+    assert max(phases.values()) == pytest.approx(out["predicted_peak_gb"], abs=2e-3)
+    assert out["peak_phase"] == max(phases, key=phases.get) and out["recipe"]["grpo"]["steps_per_generation"] > 0
