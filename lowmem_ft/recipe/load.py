@@ -305,7 +305,7 @@ def _grpo_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
     """The grpo section's rules: vLLM refused (why, in one line), each reward a built-in's NAME[:WEIGHT] — a recipe
     never names a Python file (`lowmem_ft.train.rewards.parse_builtin`)."""
     from lowmem_ft.errors import UserError
-    from lowmem_ft.train.rewards import parse_builtin
+    from lowmem_ft.recipe.rewards import parse_builtin
 
     g, problems = recipe.grpo, []
     if g.use_vllm:
