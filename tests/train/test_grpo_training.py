@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from lowmem_ft.cli import main
 from lowmem_ft.errors import UserError
@@ -27,12 +28,35 @@ def _records(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
 
 
+class OutOfMemoryOnce(TrainerCallback):
+    """Raises `torch.OutOfMemoryError` before the first training forward of `step` (not generation's or scoring's
+    no-grad forwards)."""
+
+    def __init__(self, step: int):
+        self.step, self.state, self.raised = step, None, 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.state = state
+        model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, args):
+        if module.training and torch.is_grad_enabled() and self.state.global_step + 1 == self.step and not self.raised:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+
+
 @pytest.mark.slow
-def test_grpo_trains_with_a_builtin_reward(zoo_models, tmp_path, capsys):
+def test_grpo_trains_with_a_builtin_reward(zoo_models, tmp_path, capsys, monkeypatch):
     """`train --vram 8 --method grpo` with GSM8K's columns and built-in rewards, no user code: the adapter is saved,
     each reward's mean / std, the completion length and the clip ratio are logged, the monitor marks generation as a
-    phase with its prediction (the suite compares each phase within 8 %), the done line shows the reward trend, and
-    `generate` and `merge` take the run."""
+    phase with its prediction (the suite compares each phase within 8 %, the split micro-step's too), the done line
+    shows the reward trend, and `generate` and `merge` take the run. An OOM in step 2's training forward is
+    recovered by the guard: the micro-step runs in pieces of one completion, the round is not generated again."""
+    from lowmem_ft.train import run as run_module
+
+    oom = OutOfMemoryOnce(step=2)
+    train = run_module.train
+    monkeypatch.setattr(run_module, "train", lambda *a, **k: train(*a, **{**k, "callbacks": [oom]}))
     argv = ["train", "--vram", "8", "--method", "grpo", "--model", zoo_models["llama3"], "--data", GSM8K,
             "--set", "data.columns={prompt: question}", "--set", "grpo.rewards=[numeric_match, format:0.5]",
             "--output-dir", str(tmp_path), "--name", "builtin", *TINY_ROUND]  # fmt: skip
@@ -49,6 +73,11 @@ def test_grpo_trains_with_a_builtin_reward(zoo_models, tmp_path, capsys):
     generation = [r for r in samples if r["phase"] == "generation"]
     assert len(generation) == 2 and all(r.get("predicted_peak_live_gb") for r in generation)
     assert generation[0]["batch"] == [4, generation[0]["batch"][1]]  # b 2 × 2 micro-steps per round
+    assert oom.raised == 1
+    recovered = [r for r in _records(run, "memory.jsonl") if r.get("event") == "oom_recovered"]
+    assert len(recovered) == 1 and recovered[0]["step"] == 2
+    assert {r["micro_batch"] for r in samples if r["phase"] == "forward" and r["step"] == 2} >= {1}
+    assert len([r for r in samples if r["phase"] == "generation" and r["step"] == 2]) == 1  # not generated again
     recipe = json.loads((run / "run.json").read_text())["data"]
     assert recipe["prompt_fit"]["kept"] == 16 and "answer" in recipe["columns"]
     assert main(["generate", str(run), "--prompt", "Tom has 3 apples", "--max-new-tokens", "4"]) == 0
