@@ -221,7 +221,12 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     values = planner_values(recipe)
     beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
     start = setup_from_recipe(recipe)
-    if recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
+    if recipe.training.method == "grpo":  # b completions; TRL's own loss, no dropout (lowmem_ft.memory.grpo)
+        from lowmem_ft.memory.grpo import method_setup as grpo_setup
+
+        start = grpo_setup(start)
+        kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
+    elif recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
         from lowmem_ft.memory.preference import method_setup
 
         start = method_setup(recipe.training.method, start)  # type: ignore[arg-type]
@@ -229,6 +234,21 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
         # planner must not swap in the chunked loss, which these runs have not been checked with
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
     return Request(start, target, **beside, **kw)
+
+
+def grpo_shape(recipe: Recipe, prompt_len: int = 0):
+    """A GRPO recipe's round (`memory.grpo.GrpoShape`): P is the data's longest prompt when known, else
+    grpo.max_prompt_length."""
+    from lowmem_ft.memory.grpo import GrpoShape
+
+    g = recipe.grpo
+    return GrpoShape(
+        prompt_len=prompt_len or g.max_prompt_length or recipe.memory.max_seq_len,
+        completion_len=g.max_completion_length,
+        num_generations=g.num_generations,
+        steps_per_generation=g.steps_per_generation or None,
+        beta=g.beta,
+    )
 
 
 def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
@@ -245,8 +265,11 @@ def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
         if key.planned is not None:
             name = key.planned.name
             value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
-            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and recipe.training.method != "sft":
-                value = _preference_value(recipe, name, value)
+            method = recipe.training.method
+            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and method != "sft":
+                value = (
+                    value if (method, name) == ("grpo", "micro_batch_size") else _preference_value(recipe, name, value)
+                )
             sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
     return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
 
@@ -324,8 +347,13 @@ class Choice:
         """plan.json and `plan --json`: the model, the full plan, and the recipe it gives."""
         if self.plan is None:
             return None
-        return {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
-                "recipe": to_dict(recipe)}  # fmt: skip
+        out = {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
+               "recipe": to_dict(recipe)}  # fmt: skip
+        if "generation" in self.plan.estimate.phases:  # GRPO: each phase's peak (`memory.grpo_plan`)
+            from lowmem_ft.memory.grpo_plan import phases_gb
+
+            out["phases_gb"] = phases_gb(self.plan.estimate)
+        return out
 
 
 # -- the target and the length ----------------------------------------------------------------------------------
@@ -546,6 +574,8 @@ def choose_recipe(
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(arch, _adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    if start.training.method == "grpo":
+        return _choose_grpo(arch, start, target, recipe, overrides, profile, strategy, offload, vram_gb)
     fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
         arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
@@ -553,6 +583,37 @@ def choose_recipe(
     )  # fmt: skip
     planned = with_host_ram(arch, _adapter_reason(planned, start, origins))
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
+
+
+# The grpo keys the GRPO planner may change unless the user set them (`lowmem_ft.memory.grpo_plan`)
+GRPO_KNOBS = ("steps_per_generation", "max_completion_length", "num_generations")
+
+
+def _choose_grpo(arch, start: Recipe, target: Target, recipe: str | None, overrides: dict, profile,
+                 strategy: Requested, offload: bool | None, vram_gb: float) -> tuple[Recipe, Choice]:  # fmt: skip
+    """A GRPO run's recipe for --vram: the round planned phase by phase (`memory.grpo_plan`), P being the data's
+    longest prompt within grpo.max_prompt_length; a recipe as given is checked the same way."""
+    from lowmem_ft.memory.grpo_plan import grpo_estimate, plan_grpo
+
+    g, longest = start.grpo, profile.max if profile is not None else 0
+    prompt_len = min(longest, g.max_prompt_length) if longest and g.max_prompt_length else longest
+    shape = grpo_shape(start, prompt_len)
+    why = f"P {shape.prompt_len} + C {shape.completion_len} tokens: the longest prompt and completion"
+    model = start.model.name_or_path
+    if recipe is not None:
+        request = request_for(start, target, strategy=strategy, offload=offload, length_reason=why)
+        request = replace(request, start=replace(request.start, max_seq_len=shape.prompt_len + shape.completion_len))
+        checked = check(arch, request)
+        checked = replace(checked, estimate=grpo_estimate(arch, checked.setup, shape))
+        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    given = overrides.get("grpo", {}) if isinstance(overrides.get("grpo"), dict) else {}
+    fixed = fixed_knobs(overrides) | {k for k in GRPO_KNOBS if k in given}
+    request = request_for(start, target, fixed=fixed, strategy=strategy, offload=offload, length_reason=why)
+    planned, chosen = plan_grpo(arch, request, shape, fixed)
+    out = apply_plan(start, planned)
+    grpo = replace(out.grpo, steps_per_generation=chosen.steps_per_generation or 0,
+                   max_completion_length=chosen.completion_len, num_generations=chosen.num_generations)  # fmt: skip
+    return replace(out, grpo=grpo), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 
 # What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation

@@ -114,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not getattr(args, "printed", False):
             print_plan(choice.plan, recipe)
-        if recipe.training.method != "sft":
+        if recipe.training.method == "grpo":
+            print_grpo(choice.plan, recipe)
+        elif recipe.training.method != "sft":
             print_preference(choice.plan, recipe)
         if output is not None and fits:
             print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
@@ -159,6 +161,18 @@ def verify(args: argparse.Namespace, recipe, choice, plan_again):
     recipe, choice, _ = verified(recipe, choice, again, say)
     args.printed = True
     return recipe, choice
+
+
+def print_grpo(result, r) -> None:
+    """A GRPO step's phases, each one's predicted peak, the largest marked (`lowmem_ft.memory.grpo_plan`)."""
+    from lowmem_ft.memory.grpo_plan import phase_lines
+
+    g = r.grpo
+    rows = r.memory.micro_batch_size * (g.steps_per_generation or r.memory.gradient_accumulation)
+    print(f"  GRPO phases (a round of {rows} completions, {g.num_generations} per prompt, up to "
+          f"{g.max_completion_length} tokens each):")  # fmt: skip
+    for line in phase_lines(result.estimate):
+        print(f"    {line}")
 
 
 def print_preference(result, r) -> None:

@@ -292,6 +292,7 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                 f"'data.overlap' ({d.overlap}) must be smaller than memory.max_seq_len ({m.max_seq_len})",
             )
         )
+    problems += _grpo_problems(recipe)
     if recipe.training.max_steps == 0 or recipe.training.max_steps < -1:
         problems.append(
             (
@@ -300,6 +301,31 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             )
         )
     return problems
+
+
+def _grpo_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """The grpo section's rules: vLLM refused (why, in one line), each reward a built-in's NAME[:WEIGHT] — a recipe
+    never names a Python file (`lowmem_ft.train.rewards.parse_builtin`)."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.recipe.rewards import parse_builtin
+
+    g, problems = recipe.grpo, []
+    if g.use_vllm:
+        problems.append((("grpo.use_vllm",), VLLM_REFUSED))
+    for entry in g.rewards:
+        try:
+            parse_builtin(entry, "'grpo.rewards'")
+        except UserError as exc:
+            problems.append((("grpo.rewards",), str(exc)))
+    return problems
+
+
+# TRL 1.16 `is_vllm_available` accepts vLLM 0.22-0.31 (trl/import_utils.py), each of which pins transformers below
+# 5.18; the transformers this project pins (5.24) and those cannot be installed together.
+VLLM_REFUSED = (
+    "'grpo.use_vllm' is not supported: TRL 1.16 accepts vLLM 0.22-0.31, which require transformers < 5.18, and "
+    "lowmem-ft pins transformers 5.24; drop it (generation runs on transformers)"
+)
 
 
 def build(layers: list[tuple[str, dict[str, Any]]], origins: dict[str, str] | None = None) -> Recipe:
