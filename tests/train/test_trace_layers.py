@@ -31,6 +31,7 @@ def deepened(config: dict, depth: int) -> dict:
     if "text_config" in config:
         text = config["text_config"] = {**config["text_config"]}
     text["num_hidden_layers"] = depth
+    text.setdefault("pad_token_id", 0)  # as the zoo's tokenizer sets it (Phi-3's default id is beyond a tiny vocab)
     if "layer_types" in text:
         pattern = text["layer_types"]
         text["layer_types"] = [pattern[i % len(pattern)] for i in range(depth)]
