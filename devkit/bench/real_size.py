@@ -138,7 +138,8 @@ NOTES = """
     in-layer peak was traced 1.7 kB/token above it. Cause not found.
 - Open, over-predicted (safe side): the training **backward** +0.6 % / +0.9 % on Llama-3.1-8B (+138 MB at 4 × 2,048,
   +276 MB at 8 × 2,048: 16.8 kB per token) and +1.4 % on Llama-3.1-70B at 80 GB (`plan --verify`, not a tier
-  here: predicted 65.15 GB, traced 64.27): a per-token backward term over-counted, not yet found.
+  here: predicted 65.15 GB, traced 64.27): a per-token backward term over-counted, not yet found. Also over, not
+  yet explained: gemma-3-1b-pt 24 GB forward +1.4 %; Llama-3.1-8B long 8 GB eval +2.0 % (1 × 16,384, tiled MLP).
 - Rows marked stale were traced for a plan the planner no longer chooses (the wider eval batches above); their
   training phases stay in `real_size.json`, and the next run traces them again.
 """
