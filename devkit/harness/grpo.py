@@ -43,6 +43,9 @@ class Case:
     gradient_accumulation: int = 2
     beta: float = 0.0
     gradient_checkpointing: bool = True
+    # optimizer steps: the second is the steady state (the optimizer's states exist in every phase); the first
+    # optimizer step makes its states tensor by tensor, under the estimate's "states alive" envelope
+    steps: int = 2
 
 
 def _recipe(model_dir: Path, case: Case):
@@ -172,7 +175,7 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
             max_completion_length=case.completion_len,
             generation_kwargs={"min_new_tokens": case.completion_len},
             beta=case.beta,
-            max_steps=1,
+            max_steps=case.steps,
             optim=setup_from_recipe(recipe, device="cpu").optimizer,
             learning_rate=1e-4,
             gradient_checkpointing=case.gradient_checkpointing,
@@ -220,7 +223,8 @@ def predict(case: Case, arch: Architecture, setup) -> dict[str, float]:
         steps_per_generation=case.steps_per_generation,
         beta=case.beta,
     )
-    return phase_peaks(arch, setup, shape, states=False)  # one optimizer step: its states are made in it
+    # each phase's peak over the steps: the last step's, whose optimizer states exist (one step: made in it)
+    return phase_peaks(arch, setup, shape, states=case.steps > 1)
 
 
 CASES = (

@@ -58,6 +58,11 @@ TRL_VOCAB_CHUNK = 32768
 # needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
+# The is_top1 share of the forward fold (`before_target`, 1 B per logit): GRPOTrainer installs the head with
+# outputs=("log_probs", "entropy") (grpo_trainer.py `add_fused_lm_head`), so its fold peaks at 3.0 fp32 tiles —
+# measured: TRL's GRPO forward (and its no-grad scoring passes) 1 B per logit under the SFT fold, 241,904 B of
+# 253,952 at 124 × 2,048 logits (devkit/harness/grpo.py, zoo llama3 LoRA).
+CPU_TILE_TOP1_FWD = 0.25
 # memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
 # (no chunk size set) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
 # Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
@@ -300,6 +305,9 @@ SOURCES: dict[str, Source] = {
     "TRL_TOKEN_CHUNK": Source("code", "trl kernels/chunked_logprob.py, trainer/utils.py add_fused_lm_head"),
     "TRL_VOCAB_CHUNK": Source("code+measured", "trl kernels/chunked_logprob.py mm_buf; PeakMemory 512 × 8000 tile"),
     "CPU_TILE_FP32_FWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
+    "CPU_TILE_TOP1_FWD": Source(
+        "code+measured", "trl chunked_logprob.py _forward_tile; devkit/harness/grpo.py forward, benchmarks/grpo_cpu.md"
+    ),
     "CPU_TILE_FP32_BWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
     "CHUNK_FP32_BYTES": Source("code", "lowmem_ft/train/losses.py ChunkedLinearCrossEntropy (64 MiB of logits)"),
     "CHUNK_FWD_BYTES_PER_LOGIT": Source("measured", _CHUNKED),

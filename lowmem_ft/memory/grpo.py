@@ -45,7 +45,12 @@ from lowmem_ft.memory.estimate import DTYPE_BYTES, Setup, estimate, eval_peak_by
 from lowmem_ft.memory.evaluation import eval_mlp_bytes
 from lowmem_ft.memory.inference import human, kv_cache_bytes
 from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
-from lowmem_ft.memory.static import weight_bytes
+from lowmem_ft.memory.static import (
+    _trainable_tensors,
+    optimizer_step_temp,
+    trainer_fp32_states,
+    weight_bytes,
+)
 
 PHASES = ("generation", "scoring", "forward", "backward", "optimizer step")
 
@@ -67,7 +72,9 @@ class GrpoShape:
 
 def training_setup(s: Setup, g: GrpoShape) -> Setup:
     """The SFT setup of a GRPO micro-step: b rows of P + C tokens, the loss on the b·C completion tokens."""
-    return replace(s, max_seq_len=g.prompt_len + g.completion_len, loss_tokens=s.micro_batch_size * g.completion_len)
+    width, loss_tokens = g.prompt_len + g.completion_len, s.micro_batch_size * g.completion_len
+    loss_impl = "trl_fused_logps" if s.loss_impl == "trl_fused" else s.loss_impl
+    return replace(s, max_seq_len=width, loss_tokens=loss_tokens, loss_impl=loss_impl)
 
 
 def grads_alive_at_generation(s: Setup, g: GrpoShape) -> bool:
@@ -85,20 +92,47 @@ def old_policy_pass(s: Setup, g: GrpoShape) -> bool:
     return s.gradient_accumulation % (g.steps_per_generation or s.gradient_accumulation) != 0
 
 
+def _adapter_cast(arch: Architecture, s: Setup) -> tuple[float, float]:
+    """(parameter bytes, step temporaries) a QLoRA adapter gives back under GRPOTrainer: for a quantized model TRL
+    casts every trainable parameter but DoRA's magnitudes to bf16 (grpo_trainer.py `__init__`, after the "ref"
+    adapter is copied, so that copy stays fp32): A and B and their gradients take 2 B per element, not peft's 4
+    (measured: the live bytes after `GRPOTrainer(...)` 38,912 B under the built model's on zoo llama3, r 8 = half
+    its LoRA parameters), and bitsandbytes' CPU kernel then makes the 16-bit parameter's fp32 copy too
+    (`optimizer_step_temp`: one more fp32 copy of the largest tensor)."""
+    if s.adapter != "lora" or s.quantization == "none":
+        return 0.0, 0.0
+    cast: list[tuple[int, int]] = []
+    for x in lora_linears(arch, s):
+        cast += [(s.lora_r * x.in_features, 2), (x.out_features * s.lora_r, 2)] * arch.num_layers
+        cast += [(x.out_features, 4)] * arch.num_layers if s.use_dora else []
+    saved = sum(n * 2 for n, e in cast if e == 2)  # 4 B → 2 B per element of A and B
+    fp32 = trainer_fp32_states(arch, s)
+    temp = optimizer_step_temp(cast, s.optimizer, s.device, fp32)[0]
+    return saved, temp - optimizer_step_temp(_trainable_tensors(arch, s), s.optimizer, s.device, fp32)[0]
+
+
 def _static(arch: Architecture, s: Setup, *, grads: bool, states: bool) -> float:
-    """The static state without SFT's batch term (GRPO holds its round instead), gradients and states as alive."""
+    """The static state without SFT's batch term (GRPO holds its round instead), gradients and states as alive, a
+    QLoRA adapter in bf16 (`_adapter_cast`)."""
     est = estimate(arch, s)
     by = est.by_name()
     static = est.phases["static"] - sum(b for n, b in by.items() if n.startswith("batch"))
     static -= 0.0 if grads else by["gradients"]
     static -= 0.0 if states else sum(b for n, b in by.items() if n.startswith("optimizer states"))
-    return static
+    return static - _adapter_cast(arch, s)[0] * (2 if grads else 1)
 
 
 def reference_copy_bytes(arch: Architecture, s: Setup, g: GrpoShape) -> float:
-    """Full fine-tuning with beta > 0 loads a frozen copy of the model (TRL `create_model_from_path`)."""
-    if g.beta <= 0 or s.adapter != "full":
+    """What beta > 0 keeps for the reference, alive through every phase. Full fine-tuning: a frozen copy of the
+    model (TRL `create_model_from_path`). LoRA: a frozen copy of the adapter — `train` hands TRL a PeftModel, and
+    GRPOTrainer then adds a "ref" adapter with the default one's weights (grpo_trainer.py `__init__`:
+    `model.add_adapter("ref", ...)`, the parameters copied, in their fp32 dtype), the reference pass runs with it
+    (`use_adapter(model, "ref")`). Measured: the live bytes before the first generation grow by exactly the LoRA
+    parameters' bytes with beta 0.04 (77,824 B on zoo llama3, r 8; devkit/harness/grpo.py)."""
+    if g.beta <= 0:
         return 0.0
+    if s.adapter == "lora":
+        return estimate(arch, s).by_name()["LoRA parameters (fp32)"]
     linears, rest, _ = weight_bytes(arch, replace(s, adapter="lora", lora_targets=()))
     return linears + rest
 
@@ -159,6 +193,9 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
         grads = phase != "forward" or s.gradient_accumulation > 1 or grads_alive_at_generation(s, g)
         alive = states or phase == "optimizer step"  # the first step makes the states: they exist at its end
         base = phase_peak_bytes(arch, ts, phase, grads=grads, states=alive)  # type: ignore[arg-type]
+        cast, cast_temp = _adapter_cast(arch, s)
+        base -= cast * (2 if grads or phase != "forward" else 1)
+        base += cast_temp if phase == "optimizer step" else 0.0
         out[phase] = base - no_batch + held + ref
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import Setup, phase_peak_bytes
+from lowmem_ft.memory.estimate import Setup, estimate, phase_peak_bytes
 from lowmem_ft.memory.grpo import (
     GrpoShape,
     generation_terms,
@@ -78,10 +78,13 @@ def test_which_passes_run():
     assert "scoring" in phase_peaks(arch, s, GrpoShape(10, 10, beta=0.04))
 
 
-def test_reference_copy_only_for_full_fine_tuning_with_beta():
+def test_reference_copy_with_beta():
     arch = Architecture.from_config(TINY)
     g = GrpoShape(10, 10, beta=0.04)
-    assert reference_copy_bytes(arch, CPU, g) == 0  # LoRA: the adapter switched off
+    # LoRA: TRL copies the PeftModel's adapter into a frozen "ref" adapter (fp32, even under QLoRA's bf16 cast)
+    lora = estimate(arch, CPU).by_name()["LoRA parameters (fp32)"]
+    assert reference_copy_bytes(arch, CPU, g) == lora == reference_copy_bytes(arch, replace(CPU, quantization="nf4"), g)
+    assert reference_copy_bytes(arch, CPU, GrpoShape(10, 10)) == 0
     full = replace(CPU, adapter="full")
     assert reference_copy_bytes(arch, full, g) > 0
     assert reference_copy_bytes(arch, full, GrpoShape(10, 10)) == 0
