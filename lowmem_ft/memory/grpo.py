@@ -34,7 +34,10 @@ from dataclasses import dataclass, replace
 from lowmem_ft.memory.activations import attention_mask_bytes
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
+    ALLOCATOR_FRACTION,
     BATCH_BYTES_PER_TOKEN,
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
     GRPO_IDS_BYTES_PER_TOKEN,
     GRPO_PREFILL_HIDDEN,
     GRPO_ROUND_BYTES_PER_TOKEN,
@@ -149,7 +152,7 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     (KV cache, ids, sampling) at the last token, and the prefill's one layer over the R·P prompt tokens."""
     c, h, i = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.intermediate_size
     rows, p, width = g.rows(s), g.prompt_len, g.prompt_len + g.completion_len
-    kv = kv_cache_bytes(arch, width - 1, c, rows)  # the last sampled token is never fed back
+    kv = round_kv_bytes(arch, width - 1, c, rows)  # the last sampled token is never fed back
     ids = GRPO_IDS_BYTES_PER_TOKEN * rows * width
     v = arch.vocab_size
     sampling = (c + 4 * GRPO_SAMPLING_FP32_PER_VOCAB) * v * rows + 4 * GRPO_SAMPLING_FP32_VOCAB_FIXED * v
@@ -162,6 +165,16 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     return {"KV cache": kv, "ids and masks": ids, "logits and sampling": sampling, "prefill": prefill}
 
 
+def round_kv_bytes(arch: Architecture, tokens: int, c: int, rows: int) -> float:
+    """The round's KV cache after `tokens` cached tokens: a sliding-window layer keeps at most its window
+    (transformers cache_utils.py `DynamicSlidingWindowLayer.update`: the last window − 1 tokens, a view of the
+    window-token concatenation), every other layer all of them."""
+    sliding = arch.sliding_layers if arch.sliding_window else 0
+    per_layer = kv_cache_bytes(arch, 1, c, rows) / arch.num_layers
+    window = min(tokens, arch.sliding_window or tokens)
+    return per_layer * ((arch.num_layers - sliding) * tokens + sliding * window)
+
+
 def _eval_static(arch: Architecture, s: Setup) -> float:
     """What `eval_peak_bytes` counts beside its transient: static without gradients, and its batch tensors."""
     est = estimate(arch, s)
@@ -170,10 +183,41 @@ def _eval_static(arch: Architecture, s: Setup) -> float:
     return est.phases["static"] - by["gradients"] + batch
 
 
+def _sft_phase(arch: Architecture, s: Setup, phase: str, *, grads: bool, states: bool) -> float:
+    """`estimate.phase_peak_bytes` on either device: live tensor bytes, no device overheads."""
+    if s.device == "cpu":
+        return phase_peak_bytes(arch, s, phase, grads=grads, states=states)  # type: ignore[arg-type]
+    est, by = estimate(arch, s), estimate(arch, s).by_name()
+    absent = 0.0 if states else sum(b for n, b in by.items() if n.startswith("optimizer states"))
+    absent += by["gradients"] if not grads and phase == "forward" else 0.0
+    return est.phases[phase] - absent
+
+
+def _scoring_transient(arch: Architecture, s: Setup, rows: int) -> float:
+    """A no-grad pass's transient above its static state, without device overheads (`eval_peak_bytes` adds them:
+    context + workspaces + ALLOCATOR_FRACTION of the transient, taken back out here)."""
+    transient = eval_peak_bytes(arch, s, rows) - _eval_static(arch, s)
+    if s.device == "cpu":
+        return transient
+    return (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
+
+
+def device_phase_peaks(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, float]:
+    """Each phase's peak on a CUDA device (a prediction: the CPU-checked live bytes, `phase_peaks`, with the
+    device overheads `estimate` adds — CUDA context, cuBLAS workspaces, ALLOCATOR_FRACTION of the phase's
+    transient above the static state), for the planner and the what-fits table."""
+    if s.device != "cuda":
+        raise ValueError("device_phase_peaks is the CUDA form")
+    live = phase_peaks(arch, s, g)
+    static = _static(arch, training_setup(s, g), grads=False, states=True)
+    return {k: v + CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_FRACTION * max(0.0, v - static)
+            for k, v in live.items()}  # fmt: skip
+
+
 def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = True) -> dict[str, float]:
-    """Live tensor bytes at the peak of each phase of a GRPO step (the CPU form, what `PeakMemory` measures), for
-    `s` = the run's SFT setup (micro_batch_size = b completions). `states`: the optimizer states exist yet (not
-    before the first optimizer step)."""
+    """Live tensor bytes at the peak of each phase of a GRPO step (what `PeakMemory` measures on the CPU; no device
+    overheads on CUDA: `device_phase_peaks`), for `s` = the run's SFT setup (micro_batch_size = b completions).
+    `states`: the optimizer states exist yet (not before the first optimizer step)."""
     ts = training_setup(s, g)
     ref = reference_copy_bytes(arch, s, g)
     held = round_bytes(arch, s, g)
@@ -185,14 +229,14 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
     out = {"generation": gen_static + ref + previous_round + max(decode, terms["prefill"])}
     if old_policy_pass(s, g) or g.beta > 0:
         score_s = replace(ts, gradient_checkpointing=False)
-        scoring = eval_peak_bytes(arch, score_s, s.micro_batch_size) - _eval_static(arch, score_s)
+        scoring = _scoring_transient(arch, score_s, s.micro_batch_size)
         out["scoring"] = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states) + ref + held
         out["scoring"] += scoring
     for phase in ("forward", "backward", "optimizer step"):
         # a forward after the first of an optimizer step's micro-steps runs beside the gradients: the phase's peak
         grads = phase != "forward" or s.gradient_accumulation > 1 or grads_alive_at_generation(s, g)
         alive = states or phase == "optimizer step"  # the first step makes the states: they exist at its end
-        base = phase_peak_bytes(arch, ts, phase, grads=grads, states=alive)  # type: ignore[arg-type]
+        base = _sft_phase(arch, ts, phase, grads=grads, states=alive)
         cast, cast_temp = _adapter_cast(arch, s)
         base -= cast * (2 if grads or phase != "forward" else 1)
         base += cast_temp if phase == "optimizer step" else 0.0

@@ -1,0 +1,136 @@
+"""The CPU estimator grid for GRPO: each phase of TRL 1.16's own GRPO step, measured, against `memory.grpo`.
+
+    python -m devkit.bench.grpo_grid                                  # 24 points, ~3 min on 2 shared cores
+    python -m devkit.bench.grpo_grid --quick                          # 6 of them
+    python -m devkit.bench.grpo_grid --out benchmarks/grpo_grid.md    # the committed table
+
+Each point is `devkit.harness.grpo.measure`: a zoo model built through `build_model` (LoRA r 8, QLoRA NF4 or full,
+bf16 weights, paged_adamw_8bit, gradient checkpointing unless said), two optimizer steps of `GRPOTrainer` on the CPU
+(HF generation, every completion exactly C tokens), each phase's exact peak of live tensor bytes (`PeakMemory`)
+against `memory.grpo.phase_peaks` (CPU form). The design is fractional: three families (Llama 3, Qwen2.5, Gemma-2 —
+tied / untied, qkv bias, head_dim ≠ h / heads, softcapping, sliding-window layers), each adapter kind on each family,
+and G (num_generations), C, P, b, steps_per_generation (aligned, two rounds per step, misaligned: the old policy's
+pass) and beta (0, 0.04: the reference pass) varied across them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from devkit.harness.grpo import PHASES, Case, measure, predict
+
+C = Case
+GRID = (
+    C(),
+    C(family="qwen2.5"),
+    C(family="gemma2"),
+    C(adapter="qlora"),
+    C(family="qwen2.5", adapter="qlora", steps_per_generation=1, beta=0.04),
+    C(family="gemma2", adapter="qlora", prompt_len=24, completion_len=16, num_generations=2, micro_batch=2, beta=0.04),
+    C(adapter="full"),
+    C(family="qwen2.5", adapter="full", beta=0.04),
+    C(family="gemma2", adapter="full", prompt_len=8, completion_len=12, steps_per_generation=1, gradient_accumulation=1),
+    C(prompt_len=8, completion_len=12, num_generations=8, micro_batch=8, steps_per_generation=1, gradient_accumulation=1),
+    C(family="qwen2.5", prompt_len=16, completion_len=32, num_generations=2, micro_batch=2, steps_per_generation=4,
+      gradient_accumulation=4),
+    C(family="gemma2", completion_len=24, num_generations=8, beta=0.04),
+    C(prompt_len=64, completion_len=8, steps_per_generation=1, beta=0.04),
+    C(family="qwen2.5", prompt_len=8, completion_len=48, micro_batch=2),
+    C(num_generations=2, micro_batch=2, steps_per_generation=3),  # misaligned: the old policy's pass
+    C(family="qwen2.5", adapter="qlora", micro_batch=2, steps_per_generation=4),  # one round, two optimizer steps
+    C(family="gemma2", prompt_len=40, completion_len=24),  # past the sliding window (16)
+    C(adapter="qlora", prompt_len=16, completion_len=16, num_generations=8, micro_batch=8, beta=0.04),
+    C(family="qwen2.5", adapter="full", num_generations=2, micro_batch=2, gradient_accumulation=1),
+    C(family="gemma2", adapter="qlora", prompt_len=8, completion_len=8, steps_per_generation=1,
+      gradient_accumulation=1),
+    C(adapter="full", prompt_len=24, completion_len=24, num_generations=2, beta=0.04),
+    C(family="qwen2.5", gradient_checkpointing=False, beta=0.04),
+    C(family="gemma2", adapter="full", prompt_len=16, completion_len=16, beta=0.04),
+    C(family="qwen2.5", adapter="qlora", prompt_len=32, completion_len=32, num_generations=8, micro_batch=8,
+      steps_per_generation=1, gradient_accumulation=1, beta=0.04),
+)  # fmt: skip
+QUICK = (0, 4, 7, 11, 14, 17)
+
+
+def describe(case: Case) -> str:
+    ckpt = "" if case.gradient_checkpointing else ", no ckpt"
+    return (
+        f"{case.family} {case.adapter}, P {case.prompt_len}, C {case.completion_len}, G {case.num_generations}, "
+        f"b {case.micro_batch}, spg {case.steps_per_generation}, ga {case.gradient_accumulation}, "
+        f"beta {case.beta:g}{ckpt}"
+    )
+
+
+def run(cases: tuple[Case, ...]) -> tuple[list[str], dict[str, list[float]]]:
+    """The table's rows and each phase's signed errors (predicted − measured) / measured."""
+    rows, errors = [], {p: [] for p in PHASES}
+    for i, case in enumerate(cases, 1):
+        t0 = time.time()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            measured, arch, setup = measure(case)
+        predicted = predict(case, arch, setup)
+        cells = []
+        for phase in PHASES:
+            m, p = measured.get(phase), predicted.get(phase)
+            if m is None or p is None:
+                if (m is None) != (p is None):
+                    raise SystemExit(f"{describe(case)}: phase {phase} measured {m} but predicted {p}")
+                cells.append("–")
+                continue
+            errors[phase].append((p - m) / m)
+            cells.append(f"{m / 1e6:.3f} / {p / 1e6:.3f} ({(p - m) / m:+.2%})")
+        rows.append(f"| {describe(case)} | " + " | ".join(cells) + " |")
+        print(f"[{i}/{len(cases)}] {time.time() - t0:.0f} s  {rows[-1]}", file=sys.stderr, flush=True)
+    return rows, errors
+
+
+def summary(errors: dict[str, list[float]]) -> list[str]:
+    out = ["| phase | points | median abs error | max abs error |", "| --- | --- | --- | --- |"]
+    for phase, errs in errors.items():
+        if errs:
+            a = [abs(e) for e in errs]
+            out.append(f"| {phase} | {len(a)} | {statistics.median(a):.2%} | {max(a):.2%} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m devkit.bench.grpo_grid", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"only points {QUICK}")
+    ap.add_argument("--out", type=Path, help="write the markdown table here too")
+    args = ap.parse_args(argv)
+    cases = tuple(GRID[i] for i in QUICK) if args.quick else GRID
+    t0 = time.time()
+    rows, errors = run(cases)
+    head = "| point | " + " | ".join(PHASES) + " |"
+    lines = [
+        "Cells: measured / predicted MB (error). Phases the step does not run: –.",
+        "",
+        head,
+        "| " + " | ".join(["---"] * (len(PHASES) + 1)) + " |",
+        *rows,
+        "",
+        *summary(errors),
+        "",
+        f"{len(cases)} points in {time.time() - t0:.0f} s.",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        command = "python -m devkit.bench.grpo_grid" + (" --quick" if args.quick else "") + f" --out {args.out}"
+        intro = (__doc__ or "").split("\n\n", 2)[2].strip()
+        args.out.write_text(f"# GRPO: the CPU estimator grid\n\nCommand: `{command}`\n\n{intro}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
