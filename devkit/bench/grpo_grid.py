@@ -2,7 +2,8 @@
 
     python -m devkit.bench.grpo_grid                                  # 24 points, ~3 min on 2 shared cores
     python -m devkit.bench.grpo_grid --quick                          # 6 of them
-    python -m devkit.bench.grpo_grid --out benchmarks/grpo_grid.md    # the committed table
+    python -m devkit.bench.grpo_grid --out benchmarks/grpo_grid.md    # the committed table (+ grpo_grid.json)
+    python -m devkit.bench.grpo_grid --measured benchmarks/grpo_grid.json  # predict again, measure nothing
 
 Each point is `devkit.harness.grpo.measure`: a zoo model built through `build_model` (LoRA r 8, QLoRA NF4 or full,
 bf16 weights, paged_adamw_8bit, gradient checkpointing unless said), two optimizer steps of `GRPOTrainer` on the CPU
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
+import json
 import os
 import statistics
 import sys
@@ -71,14 +74,31 @@ def describe(case: Case) -> str:
     )
 
 
-def run(cases: tuple[Case, ...]) -> tuple[list[str], dict[str, list[float]]]:
-    """The table's rows and each phase's signed errors (predicted − measured) / measured."""
-    rows, errors = [], {p: [] for p in PHASES}
+def measure_all(cases: tuple[Case, ...]) -> list[dict]:
+    """Each point's case, measured phase peaks, architecture config and setup (what predicting again needs)."""
+    out = []
     for i, case in enumerate(cases, 1):
         t0 = time.time()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             measured, arch, setup = measure(case)
-        predicted = predict(case, arch, setup)
+        phases = {p: measured[p] for p in PHASES if p in measured}
+        out.append({"case": dataclasses.asdict(case), "measured": phases, "arch": measured["config"],
+                    "setup": dataclasses.asdict(setup)})  # fmt: skip
+        print(f"[{i}/{len(cases)}] {time.time() - t0:.0f} s  {describe(case)}: {phases}", file=sys.stderr, flush=True)
+    return out
+
+
+def run(points: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
+    """The table's rows and each phase's signed errors (predicted − measured) / measured."""
+    from lowmem_ft.memory.arch import Architecture
+    from lowmem_ft.memory.estimate import Setup
+
+    rows, errors = [], {p: [] for p in PHASES}
+    for point in points:
+        case = Case(**point["case"])
+        measured = point["measured"]
+        setup = Setup(**{k: tuple(v) if isinstance(v, list) else v for k, v in point["setup"].items()})
+        predicted = predict(case, Architecture.from_config(point["arch"]), setup)
         cells = []
         for phase in PHASES:
             m, p = measured.get(phase), predicted.get(phase)
@@ -90,7 +110,6 @@ def run(cases: tuple[Case, ...]) -> tuple[list[str], dict[str, list[float]]]:
             errors[phase].append((p - m) / m)
             cells.append(f"{m / 1e6:.3f} / {p / 1e6:.3f} ({(p - m) / m:+.2%})")
         rows.append(f"| {describe(case)} | " + " | ".join(cells) + " |")
-        print(f"[{i}/{len(cases)}] {time.time() - t0:.0f} s  {rows[-1]}", file=sys.stderr, flush=True)
     return rows, errors
 
 
@@ -106,11 +125,18 @@ def summary(errors: dict[str, list[float]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m devkit.bench.grpo_grid", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only points {QUICK}")
-    ap.add_argument("--out", type=Path, help="write the markdown table here too")
+    ap.add_argument("--out", type=Path, help="write the markdown table here too, the measurements beside (.json)")
+    ap.add_argument("--measured", type=Path, help="predict again for the measurements saved in this file")
     args = ap.parse_args(argv)
     cases = tuple(GRID[i] for i in QUICK) if args.quick else GRID
     t0 = time.time()
-    rows, errors = run(cases)
+    if args.measured:
+        points = json.loads(args.measured.read_text(encoding="utf-8"))
+    else:
+        points = measure_all(cases)
+        if args.out:
+            args.out.with_suffix(".json").write_text(json.dumps(points, indent=1, default=str), encoding="utf-8")
+    rows, errors = run(points)
     head = "| point | " + " | ".join(PHASES) + " |"
     lines = [
         "Cells: measured / predicted MB (error). Phases the step does not run: –.",
@@ -121,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *summary(errors),
         "",
-        f"{len(cases)} points in {time.time() - t0:.0f} s.",
+        f"{len(points)} points" + ("" if args.measured else f", measured in {time.time() - t0:.0f} s") + ".",
     ]
     text = "\n".join(lines)
     print(text)
     if args.out:
         command = "python -m devkit.bench.grpo_grid" + (" --quick" if args.quick else "") + f" --out {args.out}"
+        if args.measured:
+            command += f" --measured {args.measured}"
         intro = (__doc__ or "").split("\n\n", 2)[2].strip()
         args.out.write_text(f"# GRPO: the CPU estimator grid\n\nCommand: `{command}`\n\n{intro}\n\n{text}\n")
     return 0

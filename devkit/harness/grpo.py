@@ -204,9 +204,9 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
             trainer.train()
         peaks["marks"] = [(m.label, m.live_bytes, m.peak_bytes) for m in pm.marks]  # type: ignore[assignment]
         meter.clear()
-        arch = Architecture.from_config(
-            model.config.to_dict() if not hasattr(model, "get_base_model") else model.get_base_model().config.to_dict()
-        )
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.to_dict()
+        peaks["config"] = config  # type: ignore[assignment]
+        arch = Architecture.from_config(config)
         setup = setup_from_recipe(recipe, device="cpu")
         del trainer, model
         gc.collect()

@@ -262,6 +262,11 @@ MOE_BWD_UP_I_CKPT, MOE_BWD_UP_I = 3, 4
 # - ids and attention mask, int64, grown by one column per new token: 2 × 8 B per row-token; with the KV cache
 #   (bf16: 256 B per row-token on these models) the decode peak grows by exactly 272 B per row per completion token.
 GRPO_IDS_BYTES_PER_TOKEN = 2 * 8
+# - TRL's own prompt tensors, alive around the `generate` call (`_generate_single_turn`, HF path): one int64 tensor
+#   per prompt and its `ones_like`, then the left-padded ids and attention mask, int64, per row-token of the
+#   prompts: 4 × 8 B. The prefill runs on the padded ones (no copy); the decode's grown ids and mask are beside them.
+#   (The constants above were fitted around `generate` alone, where these were already alive.)
+GRPO_PROMPT_BYTES_PER_TOKEN = 4 * 8
 # - sampling, per row: the c-byte logits of the last position (logits_to_keep=1) and six fp32 vocabulary-sized
 #   tensors (the fp32 copy, the logits processors' outputs — min_new_tokens' among them —, softmax, multinomial's
 #   working copy): R 8 → 16 adds 53,560 B per row at V 2,048 and 70,200 at V 2,688 beyond KV and ids = 26.1 B per
@@ -360,6 +365,7 @@ SOURCES: dict[str, Source] = {
     "MOE_BWD_UP_I_CKPT": Source("measured", _MOE),
     "MOE_BWD_UP_I": Source("measured", _MOE),
     "GRPO_IDS_BYTES_PER_TOKEN": Source("code+measured", _GRPO),
+    "GRPO_PROMPT_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_single_turn (regular generation path)"),
     "GRPO_SAMPLING_FP32_PER_VOCAB": Source("measured", _GRPO),
     "GRPO_SAMPLING_FP32_VOCAB_FIXED": Source("measured", _GRPO),
     "GRPO_PREFILL_HIDDEN": Source("code+measured", _GRPO),

@@ -40,6 +40,7 @@ from lowmem_ft.memory.calibration import (
     CUDA_CONTEXT_BYTES,
     GRPO_IDS_BYTES_PER_TOKEN,
     GRPO_PREFILL_HIDDEN,
+    GRPO_PROMPT_BYTES_PER_TOKEN,
     GRPO_ROUND_BYTES_PER_TOKEN,
     GRPO_SAMPLING_FP32_PER_VOCAB,
     GRPO_SAMPLING_FP32_VOCAB_FIXED,
@@ -153,7 +154,8 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     c, h, i = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.intermediate_size
     rows, p, width = g.rows(s), g.prompt_len, g.prompt_len + g.completion_len
     kv = round_kv_bytes(arch, width - 1, c, rows)  # the last sampled token is never fed back
-    ids = GRPO_IDS_BYTES_PER_TOKEN * rows * width
+    prompts = GRPO_PROMPT_BYTES_PER_TOKEN * rows * p  # TRL's prompt tensors, alive through `generate`
+    ids = GRPO_IDS_BYTES_PER_TOKEN * rows * width + prompts
     v = arch.vocab_size
     sampling = (c + 4 * GRPO_SAMPLING_FP32_PER_VOCAB) * v * rows + 4 * GRPO_SAMPLING_FP32_VOCAB_FIXED * v
     ps = replace(s, micro_batch_size=rows, max_seq_len=p, gradient_checkpointing=False, lora_dropout=0.0)
@@ -161,7 +163,7 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     per_token = eval_mlp_bytes(arch, ps) + c * i + GRPO_PREFILL_HIDDEN * c * h + 2 * c * arch.head_dim
     per_token += 4 * h if lora_mlp else 0
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
-    prefill = per_token * ps.tokens + dequant + attention_mask_bytes(arch, ps) + GRPO_IDS_BYTES_PER_TOKEN * rows * p
+    prefill = per_token * ps.tokens + dequant + attention_mask_bytes(arch, ps) + prompts  # generate's ids are TRL's
     return {"KV cache": kv, "ids and masks": ids, "logits and sampling": sampling, "prefill": prefill}
 
 

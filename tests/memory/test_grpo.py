@@ -41,7 +41,7 @@ def test_kv_cache_is_the_issues_formula_over_the_rounds_rows():
     terms = generation_terms(arch, s, g)
     rows = 8 * 4  # b × steps_per_generation (TRL's default: gradient_accumulation)
     assert terms["KV cache"] == 2 * 28 * 4 * 128 * 2 * rows * (256 + 512 - 1)
-    assert terms["ids and masks"] == 16 * rows * (256 + 512)
+    assert terms["ids and masks"] == 16 * rows * (256 + 512) + 32 * rows * 256  # generate's ids, TRL's prompts
     assert g.rows(s) == rows and GrpoShape(256, 512, steps_per_generation=1).rows(s) == 8
 
 
