@@ -19,8 +19,10 @@ The one idea: TRL 1.16's `GRPOTrainer` runs four phases one after the other, eac
 - the optimizer step, as for SFT.
 
 Between phases the round's buffered inputs (`_buffered_inputs`: prompt and completion ids and masks, int64, for
-the R rows; the per-token old / reference log-probs, fp32) stay alive; SFT's batch term (its micro batches held for
-accumulation) is replaced by them.
+the R rows; the per-token old / reference log-probs, fp32) stay alive — the previous round's through the next
+round's generation and scoring too, TRL replacing the buffer only once the new round is made; SFT's batch term (its
+micro batches held for accumulation) is replaced by them. Under beta > 0 the reference is kept beside every phase
+(`reference_copy_bytes`); under QLoRA TRL trains the adapter in bf16 (`_adapter_cast`).
 
 Every constant is in `lowmem_ft.memory.calibration` (GRPO_*), with the measurement it comes from. A vLLM generation
 phase (its own memory share, sleep mode) would be one more `GenerationPhase` kind: the phases are a dict, the peak
@@ -227,12 +229,15 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
     terms = generation_terms(arch, s, g)
     gen_static = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states)
     decode = terms["KV cache"] + terms["ids and masks"] + terms["logits and sampling"]
-    previous_round = held if grads_alive_at_generation(s, g) else 0.0
-    out = {"generation": gen_static + ref + previous_round + max(decode, terms["prefill"])}
+    # from the second round on, the previous round's buffer is alive until this one is made (the steady state)
+    out = {"generation": gen_static + ref + held + max(decode, terms["prefill"])}
     if old_policy_pass(s, g) or g.beta > 0:
         score_s = replace(ts, gradient_checkpointing=False)
         scoring = _scoring_transient(arch, score_s, s.micro_batch_size)
-        out["scoring"] = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states) + ref + held
+        # beside the previous round's buffer: this round's ids and masks, and their concatenation the passes read
+        # (`prompt_completion_ids`, `attention_mask`: ids and mask per row-token)
+        current = held + GRPO_IDS_BYTES_PER_TOKEN * g.rows(s) * (g.prompt_len + g.completion_len)
+        out["scoring"] = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states) + ref + held + current
         out["scoring"] += scoring
     for phase in ("forward", "backward", "optimizer step"):
         # a forward after the first of an optimizer step's micro-steps runs beside the gradients: the phase's peak
