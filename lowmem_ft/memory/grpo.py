@@ -47,7 +47,14 @@ from lowmem_ft.memory.calibration import (
     GRPO_SAMPLING_FP32_PER_VOCAB,
     GRPO_SAMPLING_FP32_VOCAB_FIXED,
 )
-from lowmem_ft.memory.estimate import DTYPE_BYTES, Setup, estimate, eval_peak_bytes, phase_peak_bytes
+from lowmem_ft.memory.estimate import (
+    DTYPE_BYTES,
+    Setup,
+    estimate,
+    eval_peak_bytes,
+    layer_moments,
+    phase_peak_bytes,
+)
 from lowmem_ft.memory.evaluation import eval_mlp_bytes
 from lowmem_ft.memory.inference import human, kv_cache_bytes
 from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
@@ -206,6 +213,19 @@ def _scoring_transient(arch: Architecture, s: Setup, rows: int) -> float:
     return (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
 
 
+def first_backward_relief(arch: Architecture, ts: Setup) -> float:
+    """What the backward of an optimizer step's first micro-step peaks below the estimate's backward: it starts with
+    no gradients (the Trainer set them to None at the last step), and when its peak is the loss's backward, at its
+    start, none exists yet — the layers' moment and the end (every gradient made) stay as estimated. Matters with
+    gradient_accumulation 1, where every backward is a first one (measured: grid points at ga 1 over-predicted by
+    exactly the gradients, 771,200 B of 759,228 on a zoo Gemma-2 full fine-tune; devkit/bench/grpo_grid.py)."""
+    est = estimate(arch, ts)
+    c, h = DTYPE_BYTES[ts.compute_dtype], arch.hidden_size
+    end = est.phases["static"] + (2 * c * arch.vocab_size * h if ts.adapter == "full" else 0.0) + c * h * ts.tokens
+    others = max(layer_moments(arch, est)[1], end)
+    return max(0.0, min(est.by_name()["gradients"], est.phases["backward"] - others))
+
+
 def device_phase_peaks(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, float]:
     """Each phase's peak on a CUDA device (a prediction: the CPU-checked live bytes, `phase_peaks`, with the
     device overheads `estimate` adds — CUDA context, cuBLAS workspaces, ALLOCATOR_FRACTION of the phase's
@@ -244,6 +264,8 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
         grads = phase != "forward" or s.gradient_accumulation > 1 or grads_alive_at_generation(s, g)
         alive = states or phase == "optimizer step"  # the first step makes the states: they exist at its end
         base = _sft_phase(arch, ts, phase, grads=grads, states=alive)
+        if phase == "backward" and s.gradient_accumulation == 1:
+            base -= first_backward_relief(arch, ts)
         cast, cast_temp = _adapter_cast(arch, s)
         base -= cast * (2 if grads or phase != "forward" else 1)
         base += cast_temp if phase == "optimizer step" else 0.0
