@@ -187,3 +187,20 @@ def test_the_plans_lines_name_each_phase_and_the_peak():
     assert [line.split()[0] for line in lines] == ["generation", "scoring", "forward", "backward", "optimizer"]
     assert lines[0].endswith("← peak") and sum("← peak" in line for line in lines) == 1
     assert "GB" in lines[0]
+
+
+def test_first_micro_steps_backward_has_no_gradients_at_the_loss():
+    """gradient_accumulation 1: every backward starts with the gradients freed; at the loss's backward (the peak on
+    a large vocabulary) none exists yet."""
+    from lowmem_ft.memory.grpo import first_backward_relief
+
+    arch = Architecture.from_config(TINY)
+    g = GrpoShape(prompt_len=12, completion_len=20, steps_per_generation=1)
+    one, two = replace(CPU, gradient_accumulation=1), replace(CPU, gradient_accumulation=2)
+    gradients = estimate(arch, training_setup(one, g)).by_name()["gradients"]
+    assert first_backward_relief(arch, training_setup(one, g)) == gradients
+    assert phase_peaks(arch, two, g)["backward"] - phase_peaks(arch, one, g)["backward"] == gradients
+    # wide layers on a small vocabulary peak in the layers' backward, beside the gradients made so far: no relief
+    wide = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 8}
+    layers = Architecture.from_config({**TINY, **wide, "vocab_size": 64})
+    assert first_backward_relief(layers, training_setup(one, GrpoShape(512, 512))) == 0
