@@ -47,6 +47,13 @@ class Case:
     # optimizer step makes its states tensor by tensor, under the estimate's "states alive" envelope
     steps: int = 2
 
+    @property
+    def optimizer_steps(self) -> int:
+        """`steps`, or more so that a second round runs (a round covering two optimizer steps needs a third): the
+        second round generates beside the first's buffer and the optimizer's states, the steady state."""
+        second_round = -(-(self.steps_per_generation + 1) // self.gradient_accumulation)
+        return max(self.steps, second_round) if self.steps > 1 else self.steps
+
 
 def _recipe(model_dir: Path, case: Case):
     from lowmem_ft.recipe.load import resolve
@@ -175,7 +182,7 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
             max_completion_length=case.completion_len,
             generation_kwargs={"min_new_tokens": case.completion_len},
             beta=case.beta,
-            max_steps=case.steps,
+            max_steps=case.optimizer_steps,
             optim=setup_from_recipe(recipe, device="cpu").optimizer,
             learning_rate=1e-4,
             gradient_checkpointing=case.gradient_checkpointing,
