@@ -280,6 +280,12 @@ GRPO_SAMPLING_FP32_VOCAB_FIXED = 2
 #   normed input and the attention output (3·c·h) and RoPE's cos/sin (2·c·head_dim). Predicted 1,984 / 3,392 B per
 #   prompt token (full / LoRA) against 2,000 / 3,408 measured (P 48 → 96, 8 rows; both families).
 GRPO_PREFILL_HIDDEN = 3
+# - with eager attention (Gemma-2) the prefill's peak moves to the attention once the prompts are long: one fp32
+#   score tensor (R × heads × P²) beside the layer's other tensors, which hold one c·h per token fewer than the MLP
+#   moment. Measured with PeakMemory on a no-grad forward of zoo Gemma-2 LoRA (8 rows, P 8 / 16 / 32 / 64):
+#   exactly 3,481·R·P + 16·R·P² B at P 32 and 64 (16 = 4 heads × 4 B; 3,481 = the MLP moment's 3,609 − c·h), the
+#   MLP moment below P 16.
+GRPO_EAGER_PREFILL_SCORES = 1
 # The round's buffered inputs (`_generate_and_score_completions` → `_buffered_inputs`): prompt ids and mask over the
 # prompt's tokens, completion ids and mask over the completion's, int64: 2 × 8 B per row-token (the shuffle's
 # permuted copies, split into views, `shuffle_sequence_dict` / `split_tensor_dict`). `_prepare_inputs` replaces the
@@ -371,6 +377,7 @@ SOURCES: dict[str, Source] = {
     "GRPO_PROMPT_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_single_turn (regular generation path)"),
     "GRPO_SAMPLING_FP32_PER_VOCAB": Source("measured", _GRPO),
     "GRPO_SAMPLING_FP32_VOCAB_FIXED": Source("measured", _GRPO),
+    "GRPO_EAGER_PREFILL_SCORES": Source("measured", "PeakMemory, no-grad forward of zoo Gemma-2 LoRA, P 8..64; " + _GRPO),
     "GRPO_PREFILL_HIDDEN": Source("code+measured", _GRPO),
     "GRPO_ROUND_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_and_score_completions"),
 }  # fmt: skip

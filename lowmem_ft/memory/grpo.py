@@ -40,6 +40,7 @@ from lowmem_ft.memory.calibration import (
     BATCH_BYTES_PER_TOKEN,
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
+    GRPO_EAGER_PREFILL_SCORES,
     GRPO_IDS_BYTES_PER_TOKEN,
     GRPO_PREFILL_HIDDEN,
     GRPO_PROMPT_BYTES_PER_TOKEN,
@@ -50,6 +51,7 @@ from lowmem_ft.memory.calibration import (
 from lowmem_ft.memory.estimate import (
     DTYPE_BYTES,
     Setup,
+    effective_setup,
     estimate,
     eval_peak_bytes,
     layer_moments,
@@ -175,7 +177,13 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     bf16_adapter = _adapter_cast(arch, s)[0] > 0
     per_token += (0 if bf16_adapter else 4 * h) - (2 * (4 - c) * i if bf16_adapter else 0) if lora_mlp else 0
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
-    prefill = per_token * ps.tokens + dequant + attention_mask_bytes(arch, ps) + prompts  # generate's ids are TRL's
+    layer = per_token * ps.tokens
+    if (
+        effective_setup(arch, s)[0].attn_implementation == "eager"
+    ):  # the attention moment: its fp32 scores over the R·P² pairs, per head
+        scores = 4 * GRPO_EAGER_PREFILL_SCORES * arch.num_heads * rows * p * p
+        layer = max(layer, (per_token - c * h) * ps.tokens + scores)
+    prefill = layer + dequant + attention_mask_bytes(arch, ps) + prompts  # generate's ids are TRL's
     return {"KV cache": kv, "ids and masks": ids, "logits and sampling": sampling, "prefill": prefill}
 
 
