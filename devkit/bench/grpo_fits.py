@@ -3,7 +3,7 @@ steps_per_generation — predicted by the memory model, not measured on a GPU.
 
     python -m devkit.bench.grpo_fits [--out benchmarks/grpo_fits.md]
 
-Pure arithmetic (`memory.grpo.device_phase_peaks`, no GPU): Llama-3.1-8B from the catalog, LoRA r 16 on every linear
+Pure arithmetic (the planner's device form, `memory.grpo_plan.grpo_estimate`; no GPU): Llama-3.1-8B from the catalog, LoRA r 16 on every linear
 (16-bit weights) or QLoRA (NF4, double quant; TRL casts the adapter to bf16), paged 8-bit AdamW, gradient
 checkpointing, TRL's fused head, beta 0 (TRL's default: no reference pass), prompts of 256 tokens, gradient
 accumulation = steps_per_generation (aligned rounds: no old-policy pass). A setting fits when its largest phase, with
@@ -18,8 +18,9 @@ import argparse
 from pathlib import Path
 
 from lowmem_ft.memory.arch import load_architecture
-from lowmem_ft.memory.estimate import GB, Setup
-from lowmem_ft.memory.grpo import GrpoShape, device_phase_peaks, peak_phase
+from lowmem_ft.memory.estimate import Setup
+from lowmem_ft.memory.grpo import GrpoShape, peak_phase
+from lowmem_ft.memory.grpo_plan import device_gb, grpo_estimate
 
 MODEL = "meta-llama/Llama-3.1-8B"
 MARGIN = {8: 0.75, 24: 1.5, 40: 2.0}
@@ -37,10 +38,12 @@ def best(arch, quant: str, vram: int, g: int, c: int) -> str:
         if (b * spg) % g:
             continue
         s = Setup(quantization=quant, lora_r=16, micro_batch_size=b, gradient_accumulation=spg, device="cuda")
-        peaks = device_phase_peaks(arch, s, GrpoShape(PROMPT, c, num_generations=g, steps_per_generation=spg))
+        est = grpo_estimate(arch, s, GrpoShape(PROMPT, c, num_generations=g, steps_per_generation=spg))
+        static = sum(x.bytes for x in est.components if x.phase == "static")
+        peaks = {name: device_gb(est, b_, static) for name, b_ in est.phases.items()}
         top = peak_phase(peaks)
-        if peaks[top] <= (vram - MARGIN[vram]) * GB:
-            return f"b {b} × spg {spg} ({SHORT[top]} {peaks[top] / GB:.1f})"
+        if peaks[top] <= vram - MARGIN[vram]:
+            return f"b {b} × spg {spg} ({SHORT[top]} {peaks[top]:.1f})"
     return "—"
 
 

@@ -243,21 +243,9 @@ def first_backward_relief(arch: Architecture, ts: Setup) -> float:
     return max(0.0, min(est.by_name()["gradients"], est.phases["backward"] - others))
 
 
-def device_phase_peaks(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, float]:
-    """Each phase's peak on a CUDA device (a prediction: the CPU-checked live bytes, `phase_peaks`, with the
-    device overheads `estimate` adds — CUDA context, cuBLAS workspaces, ALLOCATOR_FRACTION of the phase's
-    transient above the static state), for the planner and the what-fits table."""
-    if s.device != "cuda":
-        raise ValueError("device_phase_peaks is the CUDA form")
-    live = phase_peaks(arch, s, g)
-    static = _static(arch, training_setup(s, g), grads=False, states=True)
-    return {k: v + CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_FRACTION * max(0.0, v - static)
-            for k, v in live.items()}  # fmt: skip
-
-
 def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = True) -> dict[str, float]:
     """Live tensor bytes at the peak of each phase of a GRPO step (what `PeakMemory` measures on the CPU; no device
-    overheads on CUDA: `device_phase_peaks`), for `s` = the run's SFT setup (micro_batch_size = b completions).
+    overheads on CUDA: `grpo_plan.grpo_estimate`), for `s` = the run's SFT setup (micro_batch_size = b completions).
     `states`: the optimizer states exist yet (not before the first optimizer step)."""
     ts = training_setup(s, g)
     ref = reference_copy_bytes(arch, s, g)

@@ -7,11 +7,9 @@ from dataclasses import replace
 import pytest
 
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.calibration import CUDA_CONTEXT_BYTES
 from lowmem_ft.memory.estimate import Setup, estimate, phase_peak_bytes
 from lowmem_ft.memory.grpo import (
     GrpoShape,
-    device_phase_peaks,
     generation_terms,
     grads_alive_at_generation,
     old_policy_pass,
@@ -127,18 +125,6 @@ def test_qlora_adapter_in_bf16_under_grpo():
     sft_gap -= phase_peak_bytes(arch, training_setup(nf4, g), "backward")
     grpo_gap = phase_peaks(arch, plain, g)["backward"] - phase_peaks(arch, nf4, g)["backward"]
     assert grpo_gap - sft_gap == lora  # half the parameters and half the gradients
-
-
-def test_device_form_adds_the_overheads():
-    arch = Architecture.from_config(QWEN_7B)
-    s = replace(CPU, device="cuda", quantization="nf4", compute_dtype="bfloat16")
-    g = GrpoShape(prompt_len=256, completion_len=1024)
-    live, device = phase_peaks(arch, s, g), device_phase_peaks(arch, s, g)
-    assert set(live) == set(device)
-    for phase in live:
-        assert device[phase] - live[phase] >= CUDA_CONTEXT_BYTES
-    with pytest.raises(ValueError):
-        device_phase_peaks(arch, CPU, g)
 
 
 def test_qlora_generation_counts_the_dequantized_weight():
