@@ -171,8 +171,10 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
         recipe = _recipe(model_dir, case)
         model = build_model(recipe)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        rows = case.micro_batch * case.steps_per_generation * case.gradient_accumulation // case.steps_per_generation
-        prompts = _prompts(tokenizer, max(2, rows // case.num_generations) * 2, case.prompt_len)
+        # enough prompts that no epoch ends inside the run (an epoch's end cuts an accumulation short, and a round
+        # shorter than the run would never be followed by a second)
+        micro_steps = case.optimizer_steps * case.gradient_accumulation + 3 * case.steps_per_generation
+        prompts = _prompts(tokenizer, -(-micro_steps * case.micro_batch // case.num_generations), case.prompt_len)
         config = GRPOConfig(
             output_dir=str(Path(tmp) / "out"),
             per_device_train_batch_size=case.micro_batch,
