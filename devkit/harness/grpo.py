@@ -231,6 +231,8 @@ def predict(case: Case, arch: Architecture, setup) -> dict[str, float]:
         num_generations=case.num_generations,
         steps_per_generation=case.steps_per_generation,
         beta=case.beta,
+        frees_spent_round=False,  # TRL's own trainer keeps it until the next round is made
+        adapter_bf16=True,  # and casts a quantized model's adapter to bf16 (lowmem-ft's trainer undoes that)
     )
     # each phase's peak over the steps: the last step's, whose optimizer states exist (one step: made in it)
     return phase_peaks(arch, setup, shape, states=case.steps > 1)

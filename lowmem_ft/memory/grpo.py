@@ -19,8 +19,9 @@ The one idea: TRL 1.16's `GRPOTrainer` runs four phases one after the other, eac
 - the optimizer step, as for SFT.
 
 Between phases the round's buffered inputs (`_buffered_inputs`: prompt and completion ids and masks, int64, for
-the R rows; the per-token old / reference log-probs, fp32) stay alive — the previous round's through the next
-round's generation and scoring too, TRL replacing the buffer only once the new round is made; SFT's batch term (its
+the R rows; the per-token old / reference log-probs, fp32) stay alive — under TRL's own trainer the previous round's
+through the next round's generation and scoring too (it replaces the buffer once the new round is made; lowmem-ft's
+trainer frees it first, `GrpoShape.frees_spent_round`); SFT's batch term (its
 micro batches held for accumulation) is replaced by them. Under beta > 0 the reference is kept beside every phase
 (`reference_copy_bytes`); under QLoRA TRL trains the adapter in bf16 (`_adapter_cast`).
 
@@ -79,6 +80,12 @@ class GrpoShape:
     num_generations: int = 8  # G: completions per prompt
     steps_per_generation: int | None = None  # micro-steps one round covers; None: gradient_accumulation (TRL)
     beta: float = 0.0  # > 0: a reference pass (TRL's default is 0)
+    # lowmem-ft's trainer drops the spent round before it generates the next (train/grpo.py); TRL's own keeps it
+    # until the new one is made, beside the next generation and scoring (devkit/harness/grpo.py measures that)
+    frees_spent_round: bool = True
+    # TRL's own GRPOTrainer casts a quantized model's adapter to bf16 (`_adapter_cast`); lowmem-ft undoes that and
+    # trains it in fp32 (train/run.py `_keep_adapters_fp32`); devkit/harness/grpo.py runs TRL's as it is
+    adapter_bf16: bool = False
 
     def rows(self, s: Setup) -> int:
         """R: completions one generation round makes (TRL's generation_batch_size)."""
@@ -113,14 +120,14 @@ def old_policy_pass(s: Setup, g: GrpoShape) -> bool:
     return s.gradient_accumulation % (g.steps_per_generation or s.gradient_accumulation) != 0
 
 
-def _adapter_cast(arch: Architecture, s: Setup) -> tuple[float, float]:
+def _adapter_cast(arch: Architecture, s: Setup, g: GrpoShape) -> tuple[float, float]:
     """(parameter bytes, step temporaries) a QLoRA adapter gives back under GRPOTrainer: for a quantized model TRL
     casts every trainable parameter but DoRA's magnitudes to bf16 (grpo_trainer.py `__init__`, after the "ref"
     adapter is copied, so that copy stays fp32): A and B and their gradients take 2 B per element, not peft's 4
     (measured: the live bytes after `GRPOTrainer(...)` 38,912 B under the built model's on zoo llama3, r 8 = half
     its LoRA parameters), and bitsandbytes' CPU kernel then makes the 16-bit parameter's fp32 copy too
     (`optimizer_step_temp`: one more fp32 copy of the largest tensor)."""
-    if s.adapter != "lora" or s.quantization == "none":
+    if s.adapter != "lora" or s.quantization == "none" or not g.adapter_bf16:
         return 0.0, 0.0
     cast: list[tuple[int, int]] = []
     for x in lora_linears(arch, s):
@@ -132,15 +139,15 @@ def _adapter_cast(arch: Architecture, s: Setup) -> tuple[float, float]:
     return saved, temp - optimizer_step_temp(_trainable_tensors(arch, s), s.optimizer, s.device, fp32)[0]
 
 
-def _static(arch: Architecture, s: Setup, *, grads: bool, states: bool) -> float:
-    """The static state without SFT's batch term (GRPO holds its round instead), gradients and states as alive, a
-    QLoRA adapter in bf16 (`_adapter_cast`)."""
+def _static(arch: Architecture, s: Setup, *, grads: bool, states: bool, cast: float = 0.0) -> float:
+    """The static state without SFT's batch term (GRPO holds its round instead), gradients and states as alive;
+    `cast`: the bytes a bf16 adapter gives back per copy (`_adapter_cast`)."""
     est = estimate(arch, s)
     by = est.by_name()
     static = est.phases["static"] - sum(b for n, b in by.items() if n.startswith("batch"))
     static -= 0.0 if grads else by["gradients"]
     static -= 0.0 if states else sum(b for n, b in by.items() if n.startswith("optimizer states"))
-    return static - _adapter_cast(arch, s)[0] * (2 if grads else 1)
+    return static - cast * (2 if grads else 1)
 
 
 def reference_copy_bytes(arch: Architecture, s: Setup, g: GrpoShape) -> float:
@@ -180,7 +187,7 @@ def generation_terms(arch: Architecture, s: Setup, g: GrpoShape) -> dict[str, fl
     per_token = eval_mlp_bytes(arch, ps) + c * i + GRPO_PREFILL_HIDDEN * c * h + 2 * c * arch.head_dim
     # peft's fp32 cast of the layer input (4·h); under QLoRA TRL's bf16 adapter needs no cast, and lora_B's output and
     # its scaled copy are c-byte, not fp32 (measured: 1,024 B per prompt token less at h 64, i 192 = 4·i + 4·h)
-    bf16_adapter = _adapter_cast(arch, s)[0] > 0
+    bf16_adapter = _adapter_cast(arch, s, g)[0] > 0
     per_token += (0 if bf16_adapter else 4 * h) - (2 * (4 - c) * i if bf16_adapter else 0) if lora_mlp else 0
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
     layer = per_token * ps.tokens
@@ -252,17 +259,22 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
     held = round_bytes(arch, s, g)
     no_batch = sum(b for n, b in estimate(arch, ts).by_name().items() if n.startswith("batch"))
     terms = generation_terms(arch, s, g)
-    gen_static = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states)
+    gen_static = _static(
+        arch, ts, grads=grads_alive_at_generation(s, g), states=states, cast=_adapter_cast(arch, s, g)[0]
+    )
     decode = terms["KV cache"] + terms["ids and masks"] + terms["logits and sampling"]
-    # from the second round on, the previous round's buffer is alive until this one is made (the steady state)
-    out = {"generation": gen_static + ref + held + max(decode, terms["prefill"])}
+    previous = 0.0 if g.frees_spent_round else held  # the spent round, from the second round on
+    out = {"generation": gen_static + ref + previous + max(decode, terms["prefill"])}
     if old_policy_pass(s, g) or g.beta > 0:
         score_s = replace(ts, gradient_checkpointing=False)
         scoring = _scoring_transient(arch, score_s, s.micro_batch_size)
         # beside the previous round's buffer: this round's ids and masks, and their concatenation the passes read
         # (`prompt_completion_ids`, `attention_mask`: ids and mask per row-token)
         current = held + GRPO_IDS_BYTES_PER_TOKEN * g.rows(s) * (g.prompt_len + g.completion_len)
-        out["scoring"] = _static(arch, ts, grads=grads_alive_at_generation(s, g), states=states) + ref + held + current
+        scoring_static = _static(
+            arch, ts, grads=grads_alive_at_generation(s, g), states=states, cast=_adapter_cast(arch, s, g)[0]
+        )
+        out["scoring"] = scoring_static + ref + previous + current
         out["scoring"] += scoring
     for phase in ("forward", "backward", "optimizer step"):
         # a forward after the first of an optimizer step's micro-steps runs beside the gradients: the phase's peak
@@ -271,7 +283,7 @@ def phase_peaks(arch: Architecture, s: Setup, g: GrpoShape, *, states: bool = Tr
         base = _sft_phase(arch, ts, phase, grads=grads, states=alive)
         if phase == "backward" and s.gradient_accumulation == 1:
             base -= first_backward_relief(arch, ts)
-        cast, cast_temp = _adapter_cast(arch, s)
+        cast, cast_temp = _adapter_cast(arch, s, g)
         base -= cast * (2 if grads or phase != "forward" else 1)
         base += cast_temp if phase == "optimizer step" else 0.0
         out[phase] = base - no_batch + held + ref

@@ -120,6 +120,8 @@ def test_qlora_adapter_in_bf16_under_grpo():
     arch = Architecture.from_config(TINY)
     g = GrpoShape(10, 10)
     nf4, plain = replace(CPU, quantization="nf4"), CPU
+    assert phase_peaks(arch, nf4, g) == phase_peaks(arch, nf4, replace(g, adapter_bf16=False))  # lowmem-ft: fp32
+    g = replace(g, adapter_bf16=True)  # TRL's own trainer
     lora = estimate(arch, nf4).by_name()["LoRA parameters (fp32)"]
     sft_gap = phase_peak_bytes(arch, training_setup(plain, g), "backward")
     sft_gap -= phase_peak_bytes(arch, training_setup(nf4, g), "backward")
@@ -130,7 +132,7 @@ def test_qlora_adapter_in_bf16_under_grpo():
 def test_qlora_generation_counts_the_dequantized_weight():
     arch = Architecture.from_config(QWEN_7B)
     s = replace(CPU, adapter="lora", quantization="nf4", compute_dtype="bfloat16")
-    g = GrpoShape(prompt_len=512, completion_len=16)
+    g = GrpoShape(prompt_len=512, completion_len=16, adapter_bf16=True)
     largest = max(x.in_features * x.out_features for x in arch.linears)
     qlora, plain = generation_terms(arch, s, g)["prefill"], generation_terms(arch, replace(s, quantization="none"), g)
     # and TRL's bf16 adapter: no fp32 cast of the layer input, lora_B's output and its scaled copy 2 B, not 4
