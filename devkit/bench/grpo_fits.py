@@ -4,7 +4,7 @@ steps_per_generation — predicted by the memory model, not measured on a GPU.
     python -m devkit.bench.grpo_fits [--out benchmarks/grpo_fits.md]
 
 Pure arithmetic (the planner's device form, `memory.grpo_plan.grpo_estimate`; no GPU): Llama-3.1-8B from the catalog, LoRA r 16 on every linear
-(16-bit weights) or QLoRA (NF4, double quant; TRL casts the adapter to bf16), paged 8-bit AdamW, gradient
+(16-bit weights) or QLoRA (NF4, double quant; the adapter in fp32, as lowmem-ft trains it), paged 8-bit AdamW, gradient
 checkpointing, TRL's fused head, beta 0 (TRL's default: no reference pass), prompts of 256 tokens, gradient
 accumulation = steps_per_generation (aligned rounds: no old-policy pass). A setting fits when its largest phase, with
 the CUDA overheads, stays under VRAM − the tier's safety margin (0.75 / 1.5 / 2 GB, the tier recipes'). Each cell is
