@@ -248,7 +248,7 @@ def head_saved_bytes(arch: Architecture, s: Setup, eval_only: bool = False) -> f
     # TRL's fused head and the chunked loss both keep a c-byte copy of the hidden states they project (reshape /
     # `hidden[mask]`); the full-logits loss keeps lm_head's input itself, the final norm's output. The chunked loss's
     # copy and per-label tensors are per labelled position: spread here over every position (× their fraction).
-    loss_input = c * h if s.loss_impl == "trl_fused" else 0
+    loss_input = c * h if s.loss_impl in ("trl_fused", "trl_fused_logps") else 0
     if s.loss_impl == "chunked":
         labelled = s.tokens if s.loss_tokens is None else min(s.loss_tokens, s.tokens)
         loss_input = (c * h + CHUNKED_LABEL_BYTES) * labelled / max(1, s.tokens) + CHUNKED_POSITION_BYTES
