@@ -184,6 +184,19 @@ FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
 # 2,304 / 3,200 / 1,664 (LoRA recompute), each +8.
 # Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
 FWD_TOKEN_STATS_BYTES = 2 * 4
+# Eager attention's forward moments with checkpointing (the layer's forward runs without keeping anything, like an
+# evaluation's). Read in transformers' modeling_gemma2.py (the other families' eager decoder layers are the same):
+# `softmax(attn_weights, dtype=float32).to(query.dtype)` holds the c-byte masked scores, their fp32 upcast and the
+# fp32 output at once (EAGER_SOFTMAX_FP32 fp32 copies per score; an fp32 input is its own upcast), beside q, k and v
+# repeated to every head, k and v themselves and the layer's normed input; and the decoder layer's
+# `hidden_states, _ = self.self_attn(...)` keeps the c-byte probabilities (`_`) alive until the layer returns, so
+# they sit beside the MLP's LoRA moment too. Traced at full size (`lowmem_ft.train.trace`, gemma-2-9b cut to one
+# layer, its 24 GB plan: LoRA+NF4, bf16, checkpointing; the peak located by stack): at 4 x 2,048 the peak is the
+# softmax — 2 x 1,073.7 MB fp32 + 536.9 MB bf16 scores, 3 x 67.1 MB (q, k and v repeated) + 4 x 33.6 (k, v, ...)
+# + 2 x 58.7 (layer input, normed input) — and at 4 x 1,024 it is the MLP's LoRA moment with the 134.2 MB of
+# bf16 probabilities beside it (1,091.7 MB above static traced, 1,086 predicted).
+EAGER_SOFTMAX_FP32 = 2
+EAGER_SOFTMAX_BESIDE_Q, EAGER_SOFTMAX_BESIDE_KV = 4, 2  # c-byte tensors per token, q- and kv-sized
 # Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and
 # composite in fp32: `(x - mean).pow(2)` keeps its fp32 input and `(x - mean) * rsqrt(...)` a second fp32 x − mean of
 # its own, one fp32 copy per element more than an RMSNorm, whose pow and mul share the upcast. Measured with
