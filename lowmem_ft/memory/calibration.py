@@ -328,6 +328,10 @@ _LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 set
 _MOE = "devkit/harness/moe.py (one block and 1- vs 2-layer runs), benchmarks/estimator_moe.md"
 _CHUNKED = "PeakMemory on lowmem_ft/train/losses.py token_log_probs alone, tests/memory/test_estimate_loss.py"
 _GRPO = "PeakMemory around TRL's HF generate (zoo llama3 / qwen2.5), devkit/harness/grpo.py, benchmarks/grpo_cpu.md"
+_EAGER_FWD = (
+    "transformers modeling_gemma2.py eager_attention_forward, Gemma2DecoderLayer; traced at full size "
+    "(lowmem_ft.train.trace, gemma-2-9b cut to one layer, peak located by stack)"
+)
 SOURCES: dict[str, Source] = {
     "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
     "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
@@ -378,6 +382,9 @@ SOURCES: dict[str, Source] = {
     "FWD_BESIDE_NO_CKPT": Source("measured", _LAYERS),
     "FWD_BESIDE_NO_CKPT_TILED_NORMS": Source("measured", _LAYERS),
     "FWD_TOKEN_STATS_BYTES": Source("measured", _LAYERS),
+    "EAGER_SOFTMAX_FP32": Source("code+measured", _EAGER_FWD),
+    "EAGER_SOFTMAX_BESIDE_Q": Source("code+measured", _EAGER_FWD),
+    "EAGER_SOFTMAX_BESIDE_KV": Source("code+measured", _EAGER_FWD),
     "CENTRED_NORM_EXTRA_FP32": Source("code+measured", "transformers modeling_cohere.py CohereLayerNorm; "
                                       "python -m devkit.bench.estimator --blocks, benchmarks/estimator_blocks.md"),
     "XIELU_KEPT_C": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),
