@@ -127,11 +127,15 @@ NOTES = """
   predicted against 18.46 traced. The planner now chooses wider eval batches (8 rows there), at −0.6 %.
 - **Eager attention in evaluation** (gemma-2-9b: its 16 × 2,048 eval batch holds 10.7 GB of softmax scores in
   flight, traced): not counted at all before; now counted (`eval_layer_bytes`).
+- **Eager attention in a checkpointed forward** (gemma-2-9b 24 GB: −7.2 %, −882 MB at 4 × 2,048; under-predicted):
+  the layer's forward keeps nothing under checkpointing, so eager attention's softmax holds the c-byte scores, their
+  fp32 upcast and fp32 output (10 B per score at bf16) beside q and k/v repeated, and the decoder layer's
+  `hidden_states, _ = self.self_attn(...)` holds the c-byte probabilities through the MLP. Traced on gemma-2-9b cut
+  to one layer and located by stack (the softmax at 4 × 2,048, the MLP's LoRA moment with 134 MB of probabilities
+  at 4 × 1,024). Fixed in `lowmem_ft/memory/transients.py` (`attention_forward_bytes`, `forward_transient_bytes`):
+  forward 11.34 → 12.23 GB predicted against 12.22 traced (+0.06 %). Longer sequences on Gemma-2 now plan shorter
+  (24 GB at batch 1: 10,032 → 9,168 tokens), as the forward softmax grows with s².
 - Open, under-predicted (unsafe side, not fixed yet):
-  - gemma-2-9b 24 GB, the training **forward** −7.2 % (−882 MB at 4 × 2,048, checkpointed, eager attention):
-    ~3.3 B per attention score (4 × 16 × 2,048²) beyond the model; likely the eager softmax's scores in flight
-    inside each checkpointed layer's forward (c-byte input, fp32 upcast and output, as in evaluation), which the
-    forward moment does not count.
   - **eval at wide eval batches**: −7.6 kB per eval token on Llama-3.1-8B (−125 MB at 8 rows, −498 MB at 32 rows:
     −0.6 %, −1.6 %) and −1.3 kB on Qwen2.5-0.5B (−43 MB at 16 rows, −1.3 %): about one c·h tensor per token more
     than `eval_layer_bytes` counts once the layer (not the loss head) is the eval peak; at 4 rows the 8B's
