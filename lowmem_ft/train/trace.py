@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -79,10 +80,6 @@ def _long_indices(indices: list) -> list:
         else:
             out.append(index)
     return out
-
-
-# phase labels of `trace`, in order (the yardstick's, `devkit.harness.estimator.measure`, plus "eval")
-STEPS = ((1, 1), (2, 1), (2, 2))
 
 
 def _storage_bytes(out: Any) -> int:
@@ -371,7 +368,7 @@ class Trace:
 def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0) -> dict:
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
     `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live)."""
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step
 
     m = recipe.memory
     trainable = [q for q in model.parameters() if q.requires_grad]
@@ -380,18 +377,9 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
     model.train()
     with PeakMemory(device="cpu", roots=[model, optimizer.state]) as pm:
         pm.mark("static")
-        for (step, micro), (ids, mask, labels) in zip(STEPS, batches(vocab, m.micro_batch_size, lengths), strict=True):
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
-            pm.mark(f"forward {step}.{micro}")
-            loss.backward()
-            del out, loss
-            pm.mark(f"backward {step}.{micro}")
-            if micro == step:
-                torch.nn.utils.clip_grad_norm_(trainable, recipe.optimizer.max_grad_norm or 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                pm.mark(f"optimizer {step}")
+        forward = partial(fused_head_loss, model)
+        measured_step(pm, batches(vocab, m.micro_batch_size, lengths), forward, optimizer, trainable,
+                      recipe.optimizer.max_grad_norm or 1.0)  # fmt: skip
         if eval_rows:
             model.eval()
             ids, mask, labels = next(batches(vocab, eval_rows, [m.max_seq_len]))
