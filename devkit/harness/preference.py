@@ -29,7 +29,8 @@ from typing import Any
 from devkit.harness.estimator import TABLE_PHASES, phase_measurements
 
 # words of the zoo tokenizers' training corpus: each is one or two tokens for every family
-WORDS = "the cat sat on a mat and then ran to sun moon star tree river water fire earth sky blue green red".split()
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "to", "sun", "moon", "star", "tree", "river",
+         "water", "fire", "earth", "sky", "blue", "green", "red")  # fmt: skip
 
 
 @dataclass

@@ -47,7 +47,8 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
-from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.records import DTYPE_BYTES, Component, Estimate, Setup
 from lowmem_ft.memory.static import weight_bytes
 
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
@@ -148,6 +149,46 @@ def phase_peak(
     return max(base, with_ref) + ref_weights
 
 
+def method_estimate(arch: Architecture, est: Estimate, method: Method, given: str = "auto") -> Estimate:
+    """The estimate of a preference step (`est`: the SFT estimate of the policy's rows, any device): a reference
+    copy's weights in every phase, DPO / KTO's reference pass after the policy's forward (the forward peaks at the
+    larger of the two), ORPO's copy of the chosen logits in the backward — each a component the plan shows — and the
+    device overheads of the new transient. What the planner's search scores (`planner._estimate`), so a plan that
+    fits includes them; the CPU monitor's phase peaks (`phase_peak`) are the same terms."""
+    s = est.setup
+    if method == "sft":
+        return est
+    kind = reference_kind(method, s.adapter, given)
+    comps = [c for c in est.components if c.phase != "overhead"]
+    phases = dict(est.phases)
+    ref_weights = reference_weight_bytes(arch, s, kind)
+    if ref_weights:
+        comps.append(Component("reference model (frozen copy)", ref_weights, "static", "TRL create_model_from_path"))
+    if kind in ("adapter_disabled", "copy"):
+        at = phases["static"] + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
+        if at > phases["forward"]:
+            comps.append(Component("reference pass (no grad, after the policy's forward)", at - phases["forward"],
+                                   "forward", "TRL DPOTrainer._compute_loss"))  # fmt: skip
+            phases["forward"] = at
+    if method == "orpo":
+        extra = odds_ratio_loss_shift(arch, s, "backward", method)
+        comps.append(Component("ORPO's NLL: chosen logits copied", extra, "backward", "experimental/orpo"))
+        phases["backward"] += extra
+    phases = {k: v + ref_weights for k, v in phases.items()}
+    static = phases["static"]
+    transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
+    peak_phase = max(("forward", "backward", "optimizer step"), key=lambda k: phases[k])
+    overheads = device_overheads(s, transient)  # none on the CPU
+    return replace(
+        est,
+        components=comps + overheads,
+        model_peak_bytes=static + transient,
+        overhead_bytes=overhead_bytes(overheads),
+        peak_phase=peak_phase if peak_phase == "optimizer step" else "forward/backward",
+        phases=phases,
+    )
+
+
 def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Method) -> float:
     """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
     same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
@@ -181,40 +222,50 @@ def choose_reference(
     s: Setup,
     method: Method,
     *,
-    pairs: int | None,
-    passes_over_data: float,
-    budget_bytes: float | None,
-    policy_peak_bytes: float,
+    given: str = "auto",
+    pairs: int | None = None,
+    budget_bytes: float | None = None,
+    policy_peak_bytes: float = 0.0,
 ) -> ReferenceChoice:
-    """The reference strategy with the least cost that fits: LoRA → the base model with the adapter disabled (no
-    copy); full fine-tuning → a frozen copy (one more forward per step; its weights on the device) or log-probs
-    precomputed in one no-grad pass over the data (no device memory during training, 8 B per pair of host RAM).
-    Both cost one reference forward per pair seen; precomputing does it once per pair, the copy once per epoch, so
-    precomputing is never slower over a full epoch and frees the copy's memory — the copy wins only when training
-    sees less than the data once (max_steps short of an epoch) and it fits."""
-    if method not in WITH_REFERENCE:
+    """The reference a run uses (`reference_kind`, the one `train` builds), what it costs, and why: LoRA → the base
+    model with the adapter disabled (no copy); full fine-tuning → log-probs precomputed in one no-grad pass over the
+    data (no device memory during training, 8 B per pair of host RAM), or a frozen copy when
+    `preference.reference=copy` (its weights on the device, one more forward per step). Both cost one reference
+    forward per pair seen; precomputing does it once per pair, so auto precomputes: never slower over an epoch, and
+    the copy's memory stays free."""
+    kind = reference_kind(method, s.adapter, given)
+    if kind == "none":
         return ReferenceChoice("none", 0.0, 0.0, 0.0, f"{method} needs no reference model")
-    if s.adapter == "lora":
+    if kind == "adapter_disabled":
         return ReferenceChoice(
             "adapter_disabled", 0.0, 0.0, 0.0,
             "LoRA: the reference is the base model with the adapter disabled (no copy, one no-grad forward per step)",
         )  # fmt: skip
     copy = reference_weight_bytes(arch, s, "copy")
-    host = 8.0 * (pairs or 0)
-    fits = budget_bytes is None or policy_peak_bytes + copy <= budget_bytes
-    if passes_over_data < 1 and fits:
+    if kind == "copy":
         return ReferenceChoice(
             "copy", copy, 0.0, 0.0,
-            f"full fine-tune over {passes_over_data:.2f} of the data: a frozen copy ({copy / 1e9:.2f} GB) costs fewer "
-            "forwards than precomputing every pair",
+            f"a frozen copy of the model ({copy / 1e9:.2f} GB on the device, counted in the plan), as "
+            "preference.reference=copy asks",
         )  # fmt: skip
+    why = "preference.reference=precomputed" if given == "precomputed" else "full fine-tune (auto)"
     why = (
-        f"full fine-tune: reference log-probs precomputed in one pass before training (8 B per pair on the host); a "
-        f"frozen copy would add {copy / 1e9:.2f} GB on the device"
+        f"{why}: reference log-probs precomputed in one pass before training (8 B per pair on the host); a frozen "
+        f"copy would add {copy / 1e9:.2f} GB on the device"
     )
-    if not fits:
+    if budget_bytes is not None and policy_peak_bytes + copy > budget_bytes:
         why += " and not fit"
-    return ReferenceChoice("precomputed", 0.0, host, 1.0, why)
+    return ReferenceChoice("precomputed", 0.0, 8.0 * (pairs or 0), 1.0, why)
+
+
+def lowered_length_reason(method: Method, fit: int, asked: int) -> str:
+    """The plan's line for a length the planner lowered because one micro batch of the method did not fit."""
+    one = "one pair (2 rows: chosen and rejected)" if method in PAIRED else "one completion"
+    extra = " with the reference pass" if method in WITH_REFERENCE else ""
+    return (
+        f"{fit} tokens: the longest at which {one}{extra} fits; the recipe's {asked} does not (each pair is fitted "
+        "to it before batching: the prompt cut first, then the answers; --seq-len fixes it)"
+    )
 
 
 def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
@@ -222,33 +273,24 @@ def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
     rows = rows_per_micro_batch(method, micro_batch)
     if method == "sft":
         return f"{rows} rows × {seq_len} tokens"
-    what = "chosen + rejected" if method in PAIRED else "completions + KL batch"
-    return f"{micro_batch} pairs = {rows} rows ({what}) × {seq_len} tokens per forward"
+    if method == "kto":  # its KL batch (the completions rotated by one) runs apart, without gradients, before it
+        return f"{rows} completions × {seq_len} tokens per forward, after a no-grad forward of their KL batch"
+    return f"{micro_batch} pairs = {rows} rows (chosen + rejected) × {seq_len} tokens per forward"
 
 
 def plan_lines(
-    arch: Architecture, s: Setup, method: Method, *, budget_bytes: float, policy_peak_bytes: float, passes: float
+    arch: Architecture, s: Setup, method: Method, *, given: str = "auto", budget_bytes: float, policy_peak_bytes: float
 ) -> list[str]:
     """What `plan` says about a preference run (`s` in rows, as the planner planned it): the rows per micro batch,
-    the reference and why, and the reference pass's working set."""
-    pairs = max(1, s.micro_batch_size // 2)
+    the reference and why, and the reference pass's working set — part of the planned peak (`method_estimate`)."""
+    pairs = max(1, s.micro_batch_size // 2) if method in PAIRED else s.micro_batch_size
     lines = [f"method {method}: {describe_rows(method, pairs, s.max_seq_len)}"]
-    ref = choose_reference(
-        arch, s, method, pairs=None, passes_over_data=passes, budget_bytes=budget_bytes,
-        policy_peak_bytes=policy_peak_bytes,
-    )  # fmt: skip
+    ref = choose_reference(arch, s, method, given=given, budget_bytes=budget_bytes,
+                           policy_peak_bytes=policy_peak_bytes)  # fmt: skip
     lines.append(f"reference: {ref.kind} — {ref.why}")
     if ref.kind in ("adapter_disabled", "copy"):
-        extra = reference_pass_bytes(arch, s)
-        est = estimate(arch, s)
-        at = est.phases["static"] + policy_kept_bytes(arch, s) + extra + reference_weight_bytes(arch, s, ref.kind)
-        where = (
-            "below the step's peak"
-            if at <= est.model_peak_bytes
-            else f"{(at - est.model_peak_bytes) / 1e9:.2f} GB above the planned peak: lower the micro batch"
-        )
         lines.append(
-            f"reference pass: {extra / 1e9:.2f} GB of working set after the policy's forward (no gradients, "
-            f"checkpointing off), {where}"
+            f"reference pass: {reference_pass_bytes(arch, s) / 1e9:.2f} GB of working set after the policy's forward "
+            "(no gradients, checkpointing off), included in the planned peak"
         )
     return lines

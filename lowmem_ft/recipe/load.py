@@ -134,7 +134,6 @@ def method_defaults(
     return data
 
 
-
 def merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge two recipe dicts; `high` wins, mappings merge key by key, lists replace."""
     out = dict(low)
@@ -490,7 +489,7 @@ def field_help() -> dict[str, str]:
 
 
 def tier_method_defaults() -> dict[str, dict[str, Any]]:
-    """"section.key" → {method (or method/adapter kind) → value} of the `methods:` block every tier inherits
+    """ "section.key" → {method (or method/adapter kind) → value} of the `methods:` block every tier inherits
     (the shipped base recipe's)."""
     path = shipped_recipes().get("base")
     if path is None:
