@@ -69,7 +69,8 @@ def write_family(name: str, out: Path, seed: int = 0) -> Path:
 
     family = zoo.FAMILIES[name]
     tokenizer = zoo.build_tokenizer(family)
-    config = zoo.config_for(replace(family, config=zoo.estimator_config(name)), tokenizer)
+    shape = {k: v for k, v in zoo.estimator_config(name).items() if k != "pad_token_id"}  # the tokenizer's pad
+    config = zoo.config_for(replace(family, config=shape), tokenizer)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)

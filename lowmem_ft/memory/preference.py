@@ -170,10 +170,12 @@ def method_estimate(arch: Architecture, est: Estimate, method: Method, given: st
             comps.append(Component("reference pass (no grad, after the policy's forward)", at - phases["forward"],
                                    "forward", "TRL DPOTrainer._compute_loss"))  # fmt: skip
             phases["forward"] = at
-    if method == "orpo":
+    if method in ("orpo", "simpo"):  # their loss runs outside the forward, ORPO's NLL copies the chosen logits
+        phases["forward"] += odds_ratio_loss_shift(arch, s, "forward", method)
         extra = odds_ratio_loss_shift(arch, s, "backward", method)
-        comps.append(Component("ORPO's NLL: chosen logits copied", extra, "backward", "experimental/orpo"))
-        phases["backward"] += extra
+        if extra:
+            comps.append(Component("ORPO's NLL: chosen logits copied", extra, "backward", "experimental/orpo"))
+            phases["backward"] += extra
     phases = {k: v + ref_weights for k, v in phases.items()}
     static = phases["static"]
     transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static

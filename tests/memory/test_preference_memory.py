@@ -106,3 +106,19 @@ def test_the_planner_keeps_whole_pairs_and_lowers_the_length_when_one_pair_does_
     with pytest.raises(UserError, match="--seq-len"):  # a length the user fixed is not lowered
         choose_recipe(vram_gb=8, recipe=None, seq_len=4096,
                       overrides={**model, "training": {"method": "orpo"}})  # fmt: skip
+
+
+def test_the_planners_and_the_monitors_forms_agree_on_the_cpu():
+    """The planner's estimate (`method_estimate`) and the CPU monitor's phase peaks (`phase_peak`, what the grid in
+    benchmarks/estimator_preference.md measures) are the same terms."""
+    a = arch()
+    for method, adapter, reference in [("dpo", "lora", "auto"), ("dpo", "full", "copy"), ("orpo", "lora", "auto"),
+                                       ("simpo", "lora", "auto"), ("kto", "full", "precomputed")]:  # fmt: skip
+        s = Setup(device="cpu", adapter=adapter, quantization="none" if adapter == "full" else "nf4",
+                  micro_batch_size=2, max_seq_len=512, gradient_checkpointing=method != "kto")  # fmt: skip
+        rows = method_setup(method, s)
+        planned = method_estimate(a, estimate(a, rows), method, reference)
+        kind = reference_kind(method, adapter, reference)
+        for phase in ("static", "forward", "backward", "optimizer step"):
+            monitored = phase_peak(a, rows, phase, method=method, reference=kind)
+            assert planned.phases[phase] == pytest.approx(monitored, rel=1e-9), (method, adapter, phase)
