@@ -256,12 +256,15 @@ def _preference_value(recipe: Recipe, name: str, planned: Any) -> Any:
     pair), and the dropout and loss the method's trainer fixes (`memory.preference.method_setup`) left as given."""
     if name != "micro_batch_size":
         return getattr(setup_from_recipe(recipe), name)
-    if planned < 2:
+    from lowmem_ft.memory.preference import rows_per_micro_batch
+
+    per = rows_per_micro_batch(recipe.training.method, 1)  # type: ignore[arg-type]
+    if planned < per:  # the planner searches whole pairs: only a micro batch the user fixed gets here
         raise UserError(
             f"--method {recipe.training.method}: one pair (2 rows: chosen and rejected) does not fit the budget; "
             "lower --seq-len, or a larger --vram"
         )
-    return planned // 2
+    return planned // per
 
 
 # -- the record of the choice -----------------------------------------------------------------------------------

@@ -277,7 +277,8 @@ def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
         return f"{rows} rows × {seq_len} tokens"
     if method == "kto":  # its KL batch (the completions rotated by one) runs apart, without gradients, before it
         return f"{rows} completions × {seq_len} tokens per forward, after a no-grad forward of their KL batch"
-    return f"{micro_batch} pairs = {rows} rows (chosen + rejected) × {seq_len} tokens per forward"
+    pairs = f"{micro_batch} pair{'s' if micro_batch != 1 else ''}"
+    return f"{pairs} = {rows} rows (chosen + rejected) × {seq_len} tokens per forward"
 
 
 def plan_lines(

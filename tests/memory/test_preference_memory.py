@@ -103,6 +103,8 @@ def test_the_planner_keeps_whole_pairs_and_lowers_the_length_when_one_pair_does_
     recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides={**model, "training": {"method": "dpo"}})
     assert "reference pass (no grad, after the policy's forward)" in choice.plan.estimate.by_name()
     assert choice.plan.estimate.peak_gb <= choice.plan.budget_gb
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides={**model, "training": {"method": "kto"}})
+    assert recipe.memory.micro_batch_size == choice.plan.setup.micro_batch_size  # KTO's rows are its completions
     with pytest.raises(UserError, match="--seq-len"):  # a length the user fixed is not lowered
         choose_recipe(vram_gb=8, recipe=None, seq_len=4096,
                       overrides={**model, "training": {"method": "orpo"}})  # fmt: skip
