@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from devkit.harness.estimator import TABLE_PHASES, phase_cells, phase_measurements
+from devkit.harness.estimator import TABLE_PHASES, phase_cells
 from devkit.harness.preference import PrefPoint, run_points
 
 # (family, method, adapter, checkpointing, loss_type, reference, optimizer); 2 pairs × 96 tokens each
@@ -67,7 +67,7 @@ def row(p: PrefPoint) -> str:
         f"| {p.family} | {p.method}{'/' + p.loss_type if p.method == 'dpo' else ''} | {p.adapter} | "
         f"{p.reference if p.adapter == 'full' and p.method in ('dpo', 'kto') else ''} | "
         f"{'on' if p.checkpointing else 'off'} | {p.optimizer} | {p.batch[0]} × {p.batch[1]} | "
-        f"{phase_cells(phase_measurements(p), p.predicted_phases, digits=2)} | "
+        f"{phase_cells(p.measured(), p.predicted_phases, digits=2)} | "
         + " | ".join(f"{errors[k]:+.1%}" for k in TABLE_PHASES)
         + f" | {worst:+.1%} |"
     )

@@ -26,8 +26,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from devkit.harness.estimator import TABLE_PHASES, phase_measurements
+from devkit.harness.estimator import TABLE_PHASES
 
+MODEL_FORWARD = "model forward"  # the mark at the end of each forward of the trained module, as the monitor samples
 # words of the zoo tokenizers' training corpus: each is one or two tokens for every family
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "to", "sun", "moon", "star", "tree", "river",
          "water", "fire", "earth", "sky", "blue", "green", "red")  # fmt: skip
@@ -45,7 +46,7 @@ class PrefPoint:
     reference: str = "auto"  # DPO/KTO full fine-tuning: copy | precomputed
     optimizer: str = "adamw_torch"
     batch: tuple[int, int] = (0, 0)  # rows × tokens the policy's forward ran in micro-step 2.2
-    phases: dict[str, tuple[int, int]] = field(default_factory=dict)  # label → (peak, live at its end), measured
+    marks: list[tuple[str, int, int]] = field(default_factory=list)  # (label, peak since the last, live), in order
     predicted_phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -54,9 +55,25 @@ class PrefPoint:
         ref = f" ref {self.reference}" if self.adapter == "full" and self.method in ("dpo", "kto") else ""
         return f"{self.family} {what} {self.adapter}{ref} ckpt {'on' if self.checkpointing else 'off'}"
 
+    def measured(self) -> dict[str, int]:
+        """The steady-state step's phase peaks (micro-step 2.2, step 2), in the windows a run's monitor samples
+        (`lowmem_ft.train.monitor`): "forward" ends with each forward of the model — the policy's, and the no-grad
+        ones of the same module inside the step (DPO's reference with the adapter disabled, KTO's KL batch) —
+        "backward" runs from the last of them through the loss and its backward (ORPO / SimPO's loss, computed
+        outside the forward, falls there), "optimizer step" is the step. Static: live after micro-step 2.1."""
+        labels = [label for label, _, _ in self.marks]
+        start, end = labels.index("backward 2.1"), labels.index("forward 2.2")
+        peak = {label: peak for label, peak, _ in self.marks}
+        return {
+            "static": self.marks[start][2],
+            "forward": max(p for label, p, _ in self.marks[start + 1 : end] if label == MODEL_FORWARD),
+            "backward": max(peak["forward 2.2"], peak["backward 2.2"]),
+            "optimizer step": peak["optimizer 2"],
+        }
+
     def errors(self) -> dict[str, float]:
         """Per phase of the steady-state step: (predicted − measured) / measured."""
-        measured = phase_measurements(self)
+        measured = self.measured()
         return {k: (self.predicted_phases[k] - measured[k]) / measured[k] for k in TABLE_PHASES}
 
 
@@ -130,7 +147,7 @@ def _collated(trainer, rows: list[list[dict[str, Any]]]):
 
 
 def measure(model_dir: Path, p: PrefPoint, work: Path) -> PrefPoint:
-    """Run point `p` (see the module docstring); fills `p.batch`, `p.phases` and `p.predicted_phases`."""
+    """Run point `p` (see the module docstring); fills `p.batch`, `p.marks` and `p.predicted_phases`."""
     import bitsandbytes
     import torch
 
@@ -157,20 +174,22 @@ def measure(model_dir: Path, p: PrefPoint, work: Path) -> PrefPoint:
         if module.training and torch.is_grad_enabled() and ids is not None:
             shapes.append((int(ids.shape[0]), int(ids.shape[1])))
 
-    hook = model.register_forward_pre_hook(policy_forward, with_kwargs=True)
     model.train()
     reference = getattr(trainer, "ref_model", None)
     roots = [model, optimizer.state] + ([reference] if reference is not None else [])
+    hooks = [model.register_forward_pre_hook(policy_forward, with_kwargs=True)]
     try:
         with PeakMemory(device="cpu", roots=roots) as pm:
+            # the monitor's forward sample (MemoryMonitor.attach): the end of every training forward of the module
+            hooks.append(model.register_forward_hook(partial(_mark_forward, pm)))
             pm.mark("static")
             batches = _collated(trainer, [full if s == (2, 2) else short for s in STEPS])
             forward = partial(_loss, trainer, model)
             measured_step(pm, batches, forward, optimizer, trainable, recipe.optimizer.max_grad_norm or 1.0)
-            p.phases = {m.label: (m.peak_bytes, m.live_bytes) for m in pm.marks}
-            p.phases["peak"] = (pm.peak_bytes, pm.live_bytes)
+            p.marks = [(m.label, m.peak_bytes, m.live_bytes) for m in pm.marks]
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         job.run.unlock()
     p.batch = shapes[-1]
     exact = job.monitor.exact
@@ -178,6 +197,11 @@ def measure(model_dir: Path, p: PrefPoint, work: Path) -> PrefPoint:
     del job, trainer, model, optimizer, trainable, reference, roots, pm
     gc.collect()
     return p
+
+
+def _mark_forward(pm, module, *_) -> None:
+    if module.training:
+        pm.mark(MODEL_FORWARD)
 
 
 def _loss(trainer, model, batch):

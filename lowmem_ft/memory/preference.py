@@ -44,6 +44,8 @@ from lowmem_ft.memory.calibration import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
     HF_LOSS_BYTES_PER_LOGIT,
+    ODDS_RATIO_16BIT_LOGIT_COPIES,
+    ORPO_NLL_COPIES,
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
@@ -172,10 +174,10 @@ def method_estimate(arch: Architecture, est: Estimate, method: Method, given: st
             phases["forward"] = at
     if method in ("orpo", "simpo"):  # their loss runs outside the forward, ORPO's NLL copies the chosen logits
         phases["forward"] += odds_ratio_loss_shift(arch, s, "forward", method)
-        extra = odds_ratio_loss_shift(arch, s, "backward", method)
-        if extra:
-            comps.append(Component("ORPO's NLL: chosen logits copied", extra, "backward", "experimental/orpo"))
-            phases["backward"] += extra
+        shift = odds_ratio_loss_shift(arch, s, "backward", method)
+        phases["backward"] += shift
+        if shift > 0:
+            comps.append(Component("ORPO's NLL: chosen logits copied", shift, "backward", "experimental/orpo"))
     phases = {k: v + ref_weights for k, v in phases.items()}
     static = phases["static"]
     transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
@@ -195,17 +197,23 @@ def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Meth
     """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
     same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
     forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
-    loss's forward falls in the backward's window, where `hf_full` counts it already. ORPO adds its NLL over the
-    chosen half (`cross_entropy_loss`: `logits[..., :-1, :].contiguous()` of the chosen rows, c bytes per logit of
-    half the rows). Measured (exact CPU, LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB /
-    backward 79.24 MB, SimPO 31.71 / 72.40 — 16.9 and 14.9 B per logit in the backward beyond the kept tensors,
-    against hf_full's 16."""
+    loss's forward falls in the backward's window, where `hf_full` counts it already — for fp32 logits; 16-bit
+    logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead of c + 12 bytes
+    (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES). Measured (exact CPU,
+    LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB / backward 79.24 MB, SimPO 31.71 / 72.40 —
+    16.9 and 14.9 B per logit in the backward beyond the kept tensors, against hf_full's 16; bf16: the grid in
+    benchmarks/estimator_preference.md."""
     n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
+    c = DTYPE_BYTES[s.compute_dtype]
     if phase == "forward":
         return -HF_LOSS_BYTES_PER_LOGIT * n
-    if phase == "backward" and method == "orpo":
-        return DTYPE_BYTES[s.compute_dtype] * n / 2
-    return 0.0
+    if phase != "backward":
+        return 0.0
+    wide = s.compute_dtype == "float32"
+    shift = 0.0 if wide else (ODDS_RATIO_16BIT_LOGIT_COPIES * c - (c + HF_LOSS_BYTES_PER_LOGIT)) * n
+    if method == "orpo":
+        shift += ORPO_NLL_COPIES["float32" if wide else "16bit"] * c * n
+    return shift
 
 
 @dataclass(frozen=True)
