@@ -96,6 +96,11 @@ HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
 # freed first). Measured: benchmarks/estimator_preference.md (devkit/harness/preference.py, bf16 zoo models at the
 # grid's width; SimPO Qwen2.5 LoRA 4 rows × 96: the backward 37.64 MB measured, 78.5 MB with hf_full's count).
 ODDS_RATIO_16BIT_LOGIT_COPIES = 2
+# Final-logit softcapping (Gemma-2: modeling_gemma2.py `logits / cap`, `tanh`, `* cap`) on the full logits a model
+# returns: tanh's output (c bytes per logit) is saved for its backward while the graph lives, one more c-byte copy
+# in the forward and the backward windows. Measured: Gemma-2 ORPO full / SimPO QLoRA in the preference grid were
+# 15 / 19 % over the model's forward before it (2.1 B per logit, c = 2).
+SOFTCAP_LOGIT_COPIES = 1
 ORPO_NLL_COPIES = {"16bit": 1.0, "float32": 0.5}
 # ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
 # mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
@@ -323,6 +328,8 @@ SOURCES: dict[str, Source] = {
     "HF_LOSS_BYTES_PER_LOGIT": Source("code", "transformers loss/loss_utils.py ForCausalLMLoss"),
     "ODDS_RATIO_16BIT_LOGIT_COPIES": Source("code+measured", "trl utils.py selective_log_softmax; "
                                             "benchmarks/estimator_preference.md"),
+    "SOFTCAP_LOGIT_COPIES": Source("code+measured", "transformers modeling_gemma2.py Gemma2ForCausalLM.forward; "
+                                   "benchmarks/estimator_preference.md"),
     "ORPO_NLL_COPIES": Source("code+measured", "trl experimental/orpo concatenated_forward; "
                               "benchmarks/estimator_preference.md"),
     "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),

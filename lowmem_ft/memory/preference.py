@@ -23,12 +23,16 @@ the policy's forward keeps:
   precomputed (one no-grad pass over the data before training: its peak is an evaluation forward's; 2 fp32 numbers
   per pair kept in the dataset, host RAM).
 - ORPO and SimPO need no reference. TRL 1.16 keeps them in `trl.experimental` (`ORPOTrainer`, `CPOTrainer` with
-  `loss_type="simpo"`), whose `concatenated_forward` materialises the full logits of the 2·B rows and upcasts them
-  (`logits.float()` beside log_softmax): the `hf_full` loss of the SFT model, not the fused head (read from
-  experimental/orpo/orpo_trainer.py and experimental/cpo/cpo_trainer.py; not yet measured).
+  `loss_type="simpo"`), whose `concatenated_forward` materialises the full logits of the 2·B rows: the `hf_full`
+  loss of the SFT model, not the fused head, with the loss's own working set in the backward window
+  (`odds_ratio_loss_shift`: TRL's `selective_log_softmax`, and ORPO's NLL over the chosen half).
+- the planner scores `method_estimate` (these terms as components of the estimate, on any device); a CPU run's
+  monitor compares with `phase_peak` (the same terms per phase).
 
-Measured (the exact CPU count of real runs through `train`, `lowmem_ft.train.exact`): see the module's tests
-(`tests/memory/test_preference_memory.py`) and the numbers in README's "Preference training".
+Measured: the exact CPU count of TRL's own steps per method, loss type, adapter, reference and checkpointing on
+Llama-3, Qwen2.5, Gemma-2, Phi-3 and Mistral (`python -m devkit.bench.estimator_preference`,
+benchmarks/estimator_preference.md), and of real runs through `train` (`lowmem_ft.train.exact`, README's
+"Preference training").
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from lowmem_ft.memory.calibration import (
     HF_LOSS_BYTES_PER_LOGIT,
     ODDS_RATIO_16BIT_LOGIT_COPIES,
     ORPO_NLL_COPIES,
+    SOFTCAP_LOGIT_COPIES,
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
@@ -199,21 +204,23 @@ def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Meth
     forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
     loss's forward falls in the backward's window, where `hf_full` counts it already — for fp32 logits; 16-bit
     logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead of c + 12 bytes
-    (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES). Measured (exact CPU,
+    (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES); Gemma-2's final-logit
+    softcapping keeps tanh's output (SOFTCAP_LOGIT_COPIES). Measured (exact CPU,
     LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB / backward 79.24 MB, SimPO 31.71 / 72.40 —
     16.9 and 14.9 B per logit in the backward beyond the kept tensors, against hf_full's 16; bf16: the grid in
     benchmarks/estimator_preference.md."""
     n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
     c = DTYPE_BYTES[s.compute_dtype]
+    softcap = SOFTCAP_LOGIT_COPIES * c * n if arch.final_logit_softcapping else 0.0  # tanh's saved output
     if phase == "forward":
-        return -HF_LOSS_BYTES_PER_LOGIT * n
+        return softcap - HF_LOSS_BYTES_PER_LOGIT * n
     if phase != "backward":
         return 0.0
     wide = s.compute_dtype == "float32"
     shift = 0.0 if wide else (ODDS_RATIO_16BIT_LOGIT_COPIES * c - (c + HF_LOSS_BYTES_PER_LOGIT)) * n
     if method == "orpo":
         shift += ORPO_NLL_COPIES["float32" if wide else "16bit"] * c * n
-    return shift
+    return shift + softcap
 
 
 @dataclass(frozen=True)
