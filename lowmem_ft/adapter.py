@@ -58,12 +58,14 @@ class SavedAdapter:
     dropout: float
     target_modules: tuple[str, ...]
     matrices: tuple[LoraMatrix, ...] = ()
-    uncounted: tuple[str, ...] = ()  # what it trains that the memory model does not count (DoRA, modules_to_save…)
+    uncounted: tuple[str, ...] = ()  # what it trains that the memory model does not count (modules_to_save…)
+    use_dora: bool = False  # DoRA magnitude vectors: priced like adapter.use_dora
 
     def section(self) -> dict[str, Any]:
-        """The recipe's adapter keys this adapter fixes."""
+        """The recipe's adapter keys this adapter fixes (it is initialised already: adapter.init is default)."""
         return {"kind": "lora", "r": self.r, "alpha": self.alpha, "dropout": self.dropout,
-                "target_modules": list(self.target_modules)}  # fmt: skip
+                "target_modules": list(self.target_modules), "use_dora": self.use_dora,
+                "init": "default"}  # fmt: skip
 
     def same_base(self, model: str) -> bool:
         """Whether `model` names the base peft recorded: the same string, directory or model name (any case)."""
@@ -190,8 +192,6 @@ def _targets(config: dict[str, Any], matrices: tuple[LoraMatrix, ...], name: str
 
 def _uncounted(config: dict[str, Any], matrices: tuple[LoraMatrix, ...]) -> tuple[str, ...]:
     notes = []
-    if config.get("use_dora"):
-        notes.append("DoRA magnitude vectors")
     if config.get("modules_to_save"):
         notes.append(f"full copies of {', '.join(config['modules_to_save'])} (modules_to_save)")
     if config.get("rank_pattern") or len({m.r for m in matrices}) > 1:
@@ -216,6 +216,12 @@ def locate(name: str) -> SavedAdapter:
         raise UserError(f"--adapter {name} is a {config.get('peft_type')} adapter; lowmem-ft continues LoRA adapters")
     if not (path / WEIGHTS).is_file() and not (path / "adapter_model.bin").is_file():
         raise UserError(f"--adapter {name}: {path} has {CONFIG} but no weights ({WEIGHTS})")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init == "olora" or init.startswith(("pissa", "corda", "lora_ga")):
+        raise UserError(
+            f"--adapter {name} is in its {init} form (a checkpoint of an adapter.init={init} run): it applies to the "
+            "residual base only; continue that run with --resume, or pass its adapter/ (converted to plain LoRA)"
+        )
     matrices = _matrices(path)
     return SavedAdapter(
         source=name,
@@ -227,4 +233,5 @@ def locate(name: str) -> SavedAdapter:
         target_modules=_targets(config, matrices, name),
         matrices=matrices,
         uncounted=_uncounted(config, matrices),
+        use_dora=bool(config.get("use_dora")),
     )

@@ -80,8 +80,9 @@ def start_recipe(vram_gb: float, recipe: str | None, overrides: dict, origins: d
 
 
 # -- an existing adapter -----------------------------------------------------------------------------------------
-# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout and target modules.
-ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets"})
+# The planner's names of the knobs an adapter loaded from disk fixes: its kind, rank, dropout, target modules, DoRA
+# and init (done already).
+ADAPTER_KNOBS = frozenset({"adapter", "lora_r", "lora_dropout", "lora_targets", "use_dora", "adapter_init"})
 
 
 def with_saved_adapter(recipe: Recipe, overrides: dict, origins: dict[str, str] | None = None) -> Recipe:
@@ -220,7 +221,12 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     values = planner_values(recipe)
     beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
     start = setup_from_recipe(recipe)
-    if recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
+    if recipe.training.method == "grpo":  # b completions; TRL's own loss, no dropout (lowmem_ft.memory.grpo)
+        from lowmem_ft.memory.grpo import method_setup as grpo_setup
+
+        start = grpo_setup(start)
+        kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
+    elif recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
         from lowmem_ft.memory.preference import method_setup
 
         start = method_setup(recipe.training.method, start)  # type: ignore[arg-type]
@@ -229,6 +235,21 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
         kw |= {"method": recipe.training.method, "reference": recipe.preference.reference}
     return Request(start, target, **beside, **kw)
+
+
+def grpo_shape(recipe: Recipe, prompt_len: int = 0):
+    """A GRPO recipe's round (`memory.grpo.GrpoShape`): P is the data's longest prompt when known, else
+    grpo.max_prompt_length."""
+    from lowmem_ft.memory.grpo import GrpoShape
+
+    g = recipe.grpo
+    return GrpoShape(
+        prompt_len=prompt_len or g.max_prompt_length or recipe.memory.max_seq_len,
+        completion_len=g.max_completion_length,
+        num_generations=g.num_generations,
+        steps_per_generation=g.steps_per_generation or None,
+        beta=g.beta,
+    )
 
 
 def fixed_knobs(overrides: dict[str, Any]) -> frozenset[str]:
@@ -245,8 +266,11 @@ def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
         if key.planned is not None:
             name = key.planned.name
             value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
-            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and recipe.training.method != "sft":
-                value = _preference_value(recipe, name, value)
+            method = recipe.training.method
+            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and method != "sft":
+                value = (
+                    value if (method, name) == ("grpo", "micro_batch_size") else _preference_value(recipe, name, value)
+                )
             sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
     return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
 
@@ -327,12 +351,17 @@ class Choice:
         """plan.json and `plan --json`: the model, the full plan, and the recipe it gives."""
         if self.plan is None:
             return None
-        return {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
-                "recipe": to_dict(recipe)}  # fmt: skip
+        out = {"model": self.model, "how": self.how, "from": self.recipe, **self.plan.to_dict(),
+               "recipe": to_dict(recipe)}  # fmt: skip
+        if "generation" in self.plan.estimate.phases:  # GRPO: each phase's peak (`memory.grpo_plan`)
+            from lowmem_ft.memory.grpo_plan import phases_gb
+
+            out["phases_gb"] = phases_gb(self.plan.estimate)
+        return out
 
 
 # -- the target and the length ----------------------------------------------------------------------------------
-def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
+def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1, nodes: int = 1) -> Target:
     """The memory target of `--vram` for `recipe`: a finite VRAM above the safety margin the recipe keeps free."""
     margin = recipe.memory.safety_margin_gb
     if not math.isfinite(vram_gb):
@@ -344,7 +373,7 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1) -> Target:
             f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
             f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
         )
-    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb)
+    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes)
 
 
 def host_ram_gb(recipe: Recipe) -> float:
@@ -436,7 +465,7 @@ def with_host_ram(arch, p: Plan) -> Plan:
     paged_only = all(c.name.startswith("paged") for c in p.estimate.components if c.phase == "host" and c.bytes > 0)
     if not parts or (paged_only and p.host_fits):
         return p  # bnb's paged states live on the device until evicted: counted, but no line of their own
-    per = f" ({p.gpus} processes)" if p.gpus > 1 else ""
+    per = f" ({t.node_gpus} processes)" if t.node_gpus > 1 else ""
     budget = f"{t.host_budget_gb:.1f} GB host budget (RAM {t.host_ram_gb:.1f} − margin {t.host_margin_gb:g})"
     if p.host_fits:
         why = f"{p.host_need_gb:.1f} GB{per} ({parts}) of the {budget}"
@@ -458,7 +487,7 @@ def _longest_host_fit(arch, p: Plan) -> int:
     def fits(length: int) -> bool:
         s = replace(p.setup, max_seq_len=length)
         est = per_device_estimate(arch, s, p.gpus, p.strategy, p.offload)[0] if p.gpus > 1 else estimate(arch, s)
-        return host_need_gb(est, p.gpus) <= p.target.host_budget_gb
+        return host_need_gb(est, p.target.node_gpus) <= p.target.host_budget_gb
 
     return longest_length(fits, p.setup.max_seq_len - 1)
 
@@ -518,6 +547,7 @@ def choose_recipe(
     gpus: int = 1,
     strategy: Requested = "auto",
     offload: bool | None = None,
+    nodes: int = 1,
 ) -> tuple[Recipe, Choice]:
     """The recipe a run uses and a record of why: `--recipe` as given (checked against --vram when there is one),
     else planned for `--vram` from the tier recipe.
@@ -525,7 +555,8 @@ def choose_recipe(
     `overrides` (from `--set` and flags such as `--model`) always win over the file and are never changed by the
     planner; `origins` names the flag behind an override key, for error messages. `seq_len` (plan --seq-len) fixes
     `memory.max_seq_len`; otherwise, with `profile`, the planner sizes it from the data. With `gpus` > 1 the plan's
-    figures are per device and its `strategy` / `offload` say how the run is sharded.
+    figures are per device and its `strategy` / `offload` say how the run is sharded; `gpus` counts them all, over
+    `nodes` machines (host RAM is per machine).
     """
     if recipe is None and vram_gb is None:
         raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
@@ -540,7 +571,7 @@ def choose_recipe(
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
     from lowmem_ft.memory.arch import load_architecture
 
-    target = target_for(vram_gb, start, gpus)
+    target = target_for(vram_gb, start, gpus, nodes)
     arch = load_architecture(start.model.name_or_path, start.model.trust_remote_code)
     _check_plannable(arch, start.model.name_or_path, start, target.gpus)
     _check_adapter_fits(arch, start)
@@ -553,6 +584,8 @@ def choose_recipe(
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(arch, _adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    if start.training.method == "grpo":
+        return _choose_grpo(arch, start, target, recipe, overrides, profile, strategy, offload, vram_gb)
     fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(
         arch, start, target, fixed, seq_len=seq_len, profile=profile, strategy=strategy, offload=offload,
@@ -560,6 +593,37 @@ def choose_recipe(
     )  # fmt: skip
     planned = with_host_ram(arch, _adapter_reason(planned, start, origins))
     return apply_plan(start, planned), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
+
+
+# The grpo keys the GRPO planner may change unless the user set them (`lowmem_ft.memory.grpo_plan`)
+GRPO_KNOBS = ("steps_per_generation", "max_completion_length", "num_generations")
+
+
+def _choose_grpo(arch, start: Recipe, target: Target, recipe: str | None, overrides: dict, profile,
+                 strategy: Requested, offload: bool | None, vram_gb: float) -> tuple[Recipe, Choice]:  # fmt: skip
+    """A GRPO run's recipe for --vram: the round planned phase by phase (`memory.grpo_plan`), P being the data's
+    longest prompt within grpo.max_prompt_length; a recipe as given is checked the same way."""
+    from lowmem_ft.memory.grpo_plan import grpo_estimate, plan_grpo
+
+    g, longest = start.grpo, profile.max if profile is not None else 0
+    prompt_len = min(longest, g.max_prompt_length) if longest and g.max_prompt_length else longest
+    shape = grpo_shape(start, prompt_len)
+    why = f"P {shape.prompt_len} + C {shape.completion_len} tokens: the longest prompt and completion"
+    model = start.model.name_or_path
+    if recipe is not None:
+        request = request_for(start, target, strategy=strategy, offload=offload, length_reason=why)
+        request = replace(request, start=replace(request.start, max_seq_len=shape.prompt_len + shape.completion_len))
+        checked = check(arch, request)
+        checked = replace(checked, estimate=grpo_estimate(arch, checked.setup, shape))
+        return start, Choice.of_plan("recipe", str(recipe), model, checked)
+    given = overrides.get("grpo", {}) if isinstance(overrides.get("grpo"), dict) else {}
+    fixed = fixed_knobs(overrides) | {k for k in GRPO_KNOBS if k in given}
+    request = request_for(start, target, fixed=fixed, strategy=strategy, offload=offload, length_reason=why)
+    planned, chosen = plan_grpo(arch, request, shape, fixed)
+    out = apply_plan(start, planned)
+    grpo = replace(out.grpo, steps_per_generation=chosen.steps_per_generation or 0,
+                   max_completion_length=chosen.completion_len, num_generations=chosen.num_generations)  # fmt: skip
+    return replace(out, grpo=grpo), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
 
 
 # What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation

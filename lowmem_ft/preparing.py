@@ -131,6 +131,7 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
             origins=request.origins,
             profile=profile,
             gpus=request.gpus * request.nodes,  # the plan is per device; the world size divides the shards
+            nodes=request.nodes,  # ... and each node's host RAM holds its own --gpus processes
             strategy=request.strategy,
             offload=request.offload or None,  # not given: the planner may offload as its last step
         )

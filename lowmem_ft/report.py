@@ -267,6 +267,17 @@ def _draw_exact(ax, header: dict[str, Any], xs: list[float], samples: list[dict[
     return rss
 
 
+# GRPO's phases beside the training micro-steps (lowmem_ft.train.grpo): marked on the curve where they occur
+MARKED_PHASES = {"generation": ("^", "tab:green"), "scoring": ("s", "tab:purple")}
+
+
+def _mark_phases(ax, xs: list[float], samples: list[dict[str, Any]], key: str) -> None:
+    for phase, (marker, color) in MARKED_PHASES.items():
+        points = [(x, s[key]) for x, s in zip(xs, samples, strict=True) if s["phase"] == phase and key in s]
+        if points:
+            ax.scatter(*zip(*points, strict=True), marker=marker, color=color, zorder=3, label=phase)
+
+
 def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dict[str, Any]], title: str = ""):
     """The memory curve over optimizer steps with budget line, margin band, predicted peak and OOM events; on the
     CPU, the exact measurement against the prediction."""
@@ -282,6 +293,7 @@ def plot(header: dict[str, Any], samples: list[dict[str, Any]], events: list[dic
     second = _draw_exact(ax, header, xs, samples) if exact else None
     if not exact:
         _draw_device(ax, header, xs, samples)
+    _mark_phases(ax, xs, samples, "peak_live_gb" if exact else "peak_gb")
     oom_label = {"oom_recovered": "OOM recovered", "oom_fatal": "OOM (stopped)", "margin_action": "margin action"}
     shown: set[str] = set()
     for e in events:

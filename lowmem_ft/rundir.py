@@ -403,6 +403,12 @@ class RunDir:
         """adapter/ (LoRA adapter + tokenizer), or model/ for a full fine-tune."""
         return self.path / ("model" if full else "adapter")
 
+    @property
+    def initial_adapter(self) -> Path:
+        """initial_adapter/: a PiSSA / OLoRA adapter as initialised, before step 1 (lowmem_ft.train.init_conversion):
+        what the saved adapter is converted against, and what a resumed run rebuilds its residual base from."""
+        return self.path / "initial_adapter"
+
     def staged(self, path: Path) -> Path:
         """Where `path` (a directory of the run, e.g. adapter/) is written before it is renamed into place."""
         return path.with_name(f".{path.name}.partial")

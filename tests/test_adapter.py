@@ -28,7 +28,8 @@ def test_the_adapter_decides_its_shape(adapter, tiny_model):
     assert saved.target_modules == ("q_proj", "v_proj")
     assert saved.base == tiny_model
     assert saved.section() == {"kind": "lora", "r": 4, "alpha": 8, "dropout": 0.0,
-                               "target_modules": ["q_proj", "v_proj"]}  # fmt: skip
+                               "target_modules": ["q_proj", "v_proj"], "use_dora": False,
+                               "init": "default"}  # fmt: skip
     c = _config(tiny_model)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     shapes = {(m.layer, m.name): (m.r, m.in_features, m.out_features) for m in saved.matrices}
@@ -51,9 +52,24 @@ def test_the_weights_name_the_modules_a_pattern_targets(tiny_model, tmp_path):
     assert saved.target_modules == ("k_proj", "o_proj")
 
 
-def test_what_the_memory_model_does_not_count_is_named(tiny_model, tmp_path):
-    saved = locate(str(save_adapter(tiny_model, tmp_path / "dora", use_dora=True)))
-    assert saved.uncounted == ("DoRA magnitude vectors",)
+def test_a_dora_adapter_is_priced_as_dora(tiny_model, tmp_path):
+    from lowmem_ft.choosing import choose_recipe
+
+    path = save_adapter(tiny_model, tmp_path / "dora", use_dora=True)
+    saved = locate(str(path))
+    assert saved.uncounted == () and saved.section()["use_dora"] is True
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides={"adapter": {"name_or_path": str(path)}},
+                                   seq_len=256)  # fmt: skip
+    assert recipe.adapter.use_dora and choice.plan.setup.use_dora
+    assert choice.plan.estimate.by_name()["DoRA weight norms (kept)"] > 0
+
+
+def test_an_adapter_in_its_pissa_form_is_refused_in_one_line(tiny_model, tmp_path):
+    path = save_adapter(tiny_model, tmp_path / "pissa")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(config | {"init_lora_weights": "pissa_niter_4"}))
+    with pytest.raises(UserError, match="residual base only; continue that run with --resume"):
+        locate(str(path))
 
 
 def test_a_misfit_is_found_from_the_header_alone(tmp_path):

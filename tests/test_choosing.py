@@ -459,3 +459,14 @@ def test_a_mixture_is_planned_on_one_device_only():
         choose_recipe(
             vram_gb=80, recipe=None, gpus=2, overrides={"model": {"name_or_path": "allenai/OLMoE-1B-7B-0924"}}
         )
+
+
+def test_host_ram_counts_the_processes_of_one_node():
+    """--gpus 4 --nodes 2: eight processes, four on each machine's RAM (the plan's host need is one machine's)."""
+    overrides = with_host_ram(LLAMA8, 512)
+    _, one = choose_recipe(vram_gb=24, recipe=None, overrides=overrides, seq_len=65_536, gpus=4)
+    _, two = choose_recipe(vram_gb=24, recipe=None, overrides=overrides, seq_len=65_536, gpus=8, nodes=2)
+    assert two.plan.target.node_gpus == 4 and one.plan.target.node_gpus == 4
+    per_process = two.plan.estimate.components
+    assert two.plan.host_need_gb == pytest.approx(4 * sum(c.gb for c in per_process if c.phase == "host"))
+    assert two.plan.host_need_gb > 0

@@ -23,7 +23,7 @@ from lowmem_ft.choosing import (
 from lowmem_ft.cli import build_parser
 from lowmem_ft.commands.flags import FLAG_KEYS
 from lowmem_ft.commands.train import request_of
-from lowmem_ft.errors import ConfigError
+from lowmem_ft.errors import ConfigError, UserError
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.estimate import Setup
 from lowmem_ft.memory.planner import check
@@ -42,6 +42,8 @@ ARCH = load_architecture("Qwen/Qwen2.5-0.5B")  # offline catalog: its loss is re
 def other_value(key: Key):
     """A value of `key` other than its default, of its declared type (not necessarily valid with the others)."""
     tp, default = key.type, key.default
+    if key.path == "adapter.init":  # a pattern (pissa_niter_N), not a Literal
+        return "gaussian"
     if get_origin(tp) is Literal:
         return next(c for c in get_args(tp) if c != default)
     if tp is bool:
@@ -54,6 +56,8 @@ def other_value(key: Key):
         (inner,) = get_args(tp)
         if get_origin(inner) is dict:  # data.mix
             return [{"path": "a.jsonl", "weight": 2}]
+        if key.path == "grpo.rewards":  # reward names: a built-in's (lowmem_ft.recipe.rewards)
+            return ["exact_match:2"]
         return [next(c for c in get_args(inner) if c not in default)] if get_origin(inner) is Literal else ["q_proj"]
     if get_origin(tp) is dict:
         return {"prompt": "question"}
@@ -102,6 +106,10 @@ def test_every_key_is_set_on_the_command_line_and_reaches_the_planner_when_it_fe
     if key.path == "adapter.kind":  # full fine-tuning trains 16-bit weights
         argv += ["--set", "model.quantization=none"]
     request = request_of(_train(*argv))
+    if key.path == "grpo.use_vllm":  # declared so that asking for it is refused in one line saying why
+        with pytest.raises(UserError, match="vLLM 0.22-0.31, which require transformers < 5.18"):
+            resolve(None, request.overrides, request.origins)
+        return
     recipe = resolve(None, request.overrides, request.origins)
     assert key.of(recipe) == value != key.default
     others = [k for k in KEYS.values() if k is not key and k.path != "model.quantization"]

@@ -114,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not getattr(args, "printed", False):
             print_plan(choice.plan, recipe)
-        if recipe.training.method != "sft":
+        if recipe.training.method == "grpo":
+            print_grpo(choice.plan, recipe)
+        elif recipe.training.method != "sft":
             print_preference(choice.plan, recipe)
         if output is not None and fits:
             print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
@@ -161,6 +163,18 @@ def verify(args: argparse.Namespace, recipe, choice, plan_again):
     return recipe, choice
 
 
+def print_grpo(result, r) -> None:
+    """A GRPO step's phases, each one's predicted peak, the largest marked (`lowmem_ft.memory.grpo_plan`)."""
+    from lowmem_ft.memory.grpo_plan import phase_lines
+
+    g = r.grpo
+    rows = r.memory.micro_batch_size * (g.steps_per_generation or r.memory.gradient_accumulation)
+    print(f"  GRPO phases (a round of {rows} completions, {g.num_generations} per prompt, up to "
+          f"{g.max_completion_length} tokens each):")  # fmt: skip
+    for line in phase_lines(result.estimate):
+        print(f"    {line}")
+
+
 def print_preference(result, r) -> None:
     """The preference run's rows and reference strategy, with why (`lowmem_ft.memory.preference`)."""
     from lowmem_ft.memory.arch import load_architecture
@@ -198,6 +212,9 @@ def print_plan(result, r) -> None:
         table.add_row(c.name, f"{c.gb:.2f}", c.phase)
     table.add_section()
     table.add_row("predicted peak", f"{est.peak_gb:.2f}", f"at the {est.peak_phase}")
+    if (startup := est.startup_peak_gb) is not None:  # adapter.init pissa / olora: a moment before step 1
+        over = " — OVER THE BUDGET" if startup > result.budget_gb else ""
+        table.add_row("start-up peak", f"{startup:.2f}", f"once, at adapter.init; the step's peak is unchanged{over}")
     table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
     table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.headroom_gb >= 0 else "DOES NOT FIT")
     host = [c for c in est.components if c.phase == "host" and c.bytes > 0]

@@ -7,6 +7,7 @@ import argparse
 from typing import get_args
 
 from lowmem_ft.commands import flags
+from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
 
 
@@ -55,6 +56,15 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
     )
     flags.add_key_flags(
         p, "--method", "--eval-data", "--format", "--skip-bad-lines", "--trust-remote-code", "--no-wandb"
+    )
+    p.add_argument(
+        "--reward-fn",
+        dest="reward_fns",
+        action="append",
+        default=[],
+        metavar="PATH.py:NAME[:WEIGHT]",
+        help="--method grpo: a reward function of yours, NAME in the Python file PATH.py, with an optional weight; "
+        "repeatable. Named here only (never in a recipe): the file's code runs in this process",
     )
 
 
@@ -116,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
         os.environ["WANDB_MODE"] = "disabled"
+    rewards = _reward_fns(args.reward_fns)
     if args.run_dir:  # one process of a launched run
         ready = prepare_launched(args.run_dir, args.trust_remote_code)
-        result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed)
+        result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed, reward_fns=rewards)
         if result.is_main:
             _print_done(result.metrics, ready.run.path)
         return 0
@@ -126,16 +137,29 @@ def run(args: argparse.Namespace) -> int:
     # an upload that cannot happen fails now, before any data or model work, not after training
     hub_repo = _hub_preflight(args)
     ready = prepare(request)
+    if rewards and ready.recipe.training.method != "grpo":
+        ready.run.unlock()
+        raise UserError(f"--reward-fn is for --method grpo; this run's method is {ready.recipe.training.method}")
     if ready.launch is not None:
-        _launch(ready)
+        _launch(ready, tuple(args.reward_fns))
     else:
-        result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed)
+        result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed, reward_fns=rewards)
         _print_done(result.metrics, result.run_dir)
     if hub_repo is not None:  # once, from this process, after every rank finished
         from lowmem_ft.hub import push_run
 
         print(f"pushed to {push_run(ready.run, hub_repo)}")
     return 0
+
+
+def _reward_fns(entries: list[str]) -> list:
+    """`--reward-fn` entries, parsed and their files imported now: a typo fails before any model is loaded."""
+    from lowmem_ft.train.rewards import load_user_function, parse_reward_fn
+
+    specs = [parse_reward_fn(entry) for entry in entries]
+    for spec in specs:
+        load_user_function(spec)
+    return specs
 
 
 def _hub_preflight(args: argparse.Namespace):
@@ -153,8 +177,11 @@ def _print_done(m: dict, run_dir) -> None:
 
 def _method_line(m: dict) -> str:
     """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
-    its last logged step."""
+    its last logged step; a GRPO run's mean reward at its first and last logged steps."""
     got = m.get("method_metrics") or {}
+    trend = m.get("reward_trend")
+    if trend:
+        return f", reward {trend[0]:.4g} → {trend[1]:.4g}" + (f", KL {got['kl']:.4g}" if "kl" in got else "")
     shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
              ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
     return "".join(f", {name} {value:.4g}" for name, value in shown)
@@ -177,7 +204,7 @@ def _loss_line(m: dict) -> str:
     )
 
 
-def _launch(ready) -> None:
+def _launch(ready, reward_fns: tuple[str, ...] = ()) -> None:
     """--gpus N: write the run directory's launch files, print the relaunch command, run accelerate (rank 0 prints
     the "done" line); the run directory stays locked while the ranks, its children, run."""
     import shlex
@@ -185,7 +212,7 @@ def _launch(ready) -> None:
     from lowmem_ft.train import launch
 
     plan, run_dir = ready.launch, ready.run
-    cmd = launch.prepare(run_dir, ready.recipe, plan, ready.choice, ready.resumed)
+    cmd = launch.prepare(run_dir, ready.recipe, plan, ready.choice, ready.resumed, reward_fns)
     where = "CPU processes (gloo)" if plan.cpu else "GPUs"
     print(f"{plan.strategy} on {plan.world_size} {where}: {plan.reason}")
     print(f"relaunch by hand: {shlex.join(cmd)}")

@@ -264,9 +264,24 @@ def length_profile(
     data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
     m = recipe.model
     tokenizer = tokenizer or load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
+    if recipe.training.method == "grpo":
+        return prompt_profile(replace(recipe, data=data), tokenizer)
     if recipe.training.method != "sft":
         return preference_profile(replace(recipe, data=data), tokenizer)
     return load_training_data(replace(recipe, data=data), tokenizer).profile()
+
+
+def prompt_profile(recipe, tokenizer) -> LengthProfile:
+    """The length profile of GRPO's prompts, tokenized as TRL tokenizes them (`lowmem_ft.data.prompts`), before
+    grpo.max_prompt_length cuts any: the planner's P is the longest within that limit."""
+    from lowmem_ft.data.prompts import prompt_ids
+    from lowmem_ft.data.readers import RecordReader
+
+    source = check_source(recipe)[0]
+    records = list(RecordReader(source, recipe.data.skip_bad_lines, fmt="prompts"))
+    if not records:
+        raise UserError(f"{source.label}: no usable prompts")
+    return LengthProfile.from_lengths([len(prompt_ids(tokenizer, r["prompt"])) for r in records])
 
 
 def preference_profile(recipe, tokenizer) -> LengthProfile:

@@ -61,7 +61,12 @@ def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     """A prompt's token ids as TRL 1.16 makes them (`GRPOTrainer._tokenize_prompts`)."""
     if isinstance(prompt, str):
         return list(tokenizer(text=prompt)["input_ids"])
-    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    from jinja2 import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except TemplateError as exc:  # raise_exception(...) in the template: Gemma 2 takes no system turn
+        raise BadLine(f"the chat template rejects the prompt ({exc})") from None
     return list(out["input_ids"])
 
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lowmem_ft.data import preference
+from lowmem_ft.data import preference, prompts
 from lowmem_ft.data.formats import BadLine, LoadedData, convert, detect_format
 from lowmem_ft.data.preference import PREFERENCE_FORMATS
 from lowmem_ft.data.sources import (
@@ -360,6 +360,8 @@ class RecordReader:
                     self.format = self._detect(record, where)
                 if self.format in PREFERENCE_FORMATS:  # chosen by training.method, never detected
                     yield preference.convert(record, self.format, self.turn_keys)
+                elif self.format == "prompts":  # GRPO's prompts (training.method grpo), every other column kept
+                    yield prompts.convert(record)
                 else:
                     yield convert(record, self.format, self.turn_keys)
             except BadLine as exc:

@@ -119,6 +119,14 @@ DROPOUT_MASK_BYTES = {"cuda": 1, "cpu": 4}
 # predicted (-3 %); dropout 0 and 0.05 gave the same bytes (fp32: base_result is 4 B either way).
 DORA_KEPT_LORA_OUT_BYTES = 4
 DORA_NORM_BYTES_PER_OUT = 3 * 4
+# A decomposing adapter init (adapter.init pissa / olora; peft 0.21 tuners/lora/layer.py pissa_init, olora_init),
+# per adapted linear: PiSSA's `weight - scaling * lora_B @ lora_A` holds the fp32 out × in product and the out × in
+# result at once (2 copies); OLoRA subtracts the product in place (1, in lowmem_ft.memory.adapter_init). Measured
+# with PeakMemory around peft's get_peft_model on zoo models (tests/train/test_adapter_init.py).
+INIT_PRODUCT_COPIES = 2
+# On CUDA torch's linalg_svd / linalg_qr hand cuSOLVER a column-major clone of the input, which it overwrites
+# (aten/src/ATen/native/BatchLinearAlgebra.cpp); invisible to the CPU count (made inside one kernel). Read from code.
+INIT_SOLVER_INPUT_COPIES = 1
 # Per-token tensors alive through forward and backward besides the layers: RoPE cos and sin (c × head_dim each,
 # computed once by the model's rotary embedding, saved by every layer's `q * cos`), the loss's int64 shifted targets
 # (8 B) and fp32 log_z and entropy the fused head saves (4 B each). Measured remainder 23-35 B/token beyond RoPE
@@ -334,6 +342,9 @@ SOURCES: dict[str, Source] = {
                               "benchmarks/estimator_preference.md"),
     "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "DORA_NORM_BYTES_PER_OUT": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
+    "INIT_PRODUCT_COPIES": Source("code+measured", "peft tuners/lora/layer.py pissa_init / olora_init; "
+                                  "PeakMemory around get_peft_model, tests/train/test_adapter_init.py"),
+    "INIT_SOLVER_INPUT_COPIES": Source("code", "torch aten/src/ATen/native/BatchLinearAlgebra.cpp linalg_svd / qr"),
     "DROPOUT_MASK_BYTES": Source("code+measured", "ATen native/Dropout.cpp; benchmarks/estimator_cpu.md"),
     "TOKEN_BOOKKEEPING_BYTES": Source("measured", "PeakMemory, 1-layer model's forward minus one layer"),
     "BATCH_BYTES_PER_TOKEN": Source("code+measured", "trl DataCollatorForLanguageModeling, transformers Trainer "

@@ -23,6 +23,7 @@ and the devkit import from here):
 - `experts`: the mixture-of-experts blocks' kept tensors and moments.
 - `evaluation`: evaluation forwards (no autograd); generation is `inference`.
 - `overheads`: the CUDA context, workspaces and allocator.
+- `adapter_init`: PiSSA's / OLoRA's decomposition at start-up, a moment of its own beside the step's peak.
 - `families`: what the memory model knows per model family (one record each).
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lowmem_ft.memory import dora
+from lowmem_ft.memory import adapter_init, dora
 from lowmem_ft.memory.activations import (
     ROPE_CAT_FAMILIES,
     _activations,
@@ -240,6 +241,11 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     phase = "forward/backward" if fwd_bwd >= step_temp else "optimizer step"
     phases = {"static": static, "forward": static + fwd_peak, "backward": static + bwd_peak}
     phases["optimizer step"] = static + step_temp
+    # PiSSA / OLoRA: a moment of its own, once before step 1, beside the step's peak (which it does not change)
+    if init := adapter_init.startup_component(arch, s):
+        comps.append(init)
+        w_lin, w_rest, _ = weight_bytes(arch, s)  # at start-up the whole model is on the device (savers come later)
+        phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, sum(n for n, _ in trainable), s, init)
     overheads = device_overheads(s, max(fwd_bwd, step_temp))
     comps += overheads
     return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases)

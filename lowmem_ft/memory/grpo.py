@@ -65,6 +65,12 @@ class GrpoShape:
         return s.micro_batch_size * (self.steps_per_generation or s.gradient_accumulation)
 
 
+def method_setup(s: Setup) -> Setup:
+    """The SFT setup of a GRPO run's policy: no dropout (lowmem-ft sets TRL's `disable_dropout`: the scoring and
+    training passes must see the same weights) and TRL's own loss (`_get_per_token_logps_and_entropies`)."""
+    return replace(s, lora_dropout=0.0, loss_impl="trl_fused")
+
+
 def training_setup(s: Setup, g: GrpoShape) -> Setup:
     """The SFT setup of a GRPO micro-step: b rows of P + C tokens, the loss on the b·C completion tokens."""
     return replace(s, max_seq_len=g.prompt_len + g.completion_len, loss_tokens=s.micro_batch_size * g.completion_len)

@@ -2,7 +2,8 @@
 host budget (pure arithmetic; the machine's RAM is detected outside the memory model, `lowmem_ft.choosing`).
 
 The one idea: the estimate's "host" components (offloaded layer inputs, input embeddings on the host, paged optimizer
-states, offloaded model states) are per process; the processes of one node share its RAM, so they add up.
+states, offloaded model states) are per process; the processes of one node share its RAM, so they add up (the
+target's `node_gpus`: a run over several nodes counts the processes of one).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ def host_need_gb(est: Estimate, gpus: int = 1) -> float:
 def host_over(est: Estimate, target: Target) -> str:
     """The words of a host-RAM need over the target's host budget: how much, of what, against which RAM."""
     parts = ", ".join(f"{c.name} {c.gb:.2f}" for c in est.components if c.phase == "host" and c.bytes > 0)
-    per = f" (× {target.gpus} processes)" if target.gpus > 1 else ""
+    per = f" (× {target.node_gpus} processes)" if target.node_gpus > 1 else ""
     return (
-        f"keeps {host_need_gb(est, target.gpus):.1f} GB in host RAM ({parts}){per}, over the "
+        f"keeps {host_need_gb(est, target.node_gpus):.1f} GB in host RAM ({parts}){per}, over the "
         f"{target.host_budget_gb:.1f} GB host budget (--host-ram {target.host_ram_gb:g} − margin "
         f"{target.host_margin_gb:g}, memory.host_margin_gb)"
     )

@@ -146,8 +146,8 @@ class Plan:
 
     @property
     def host_need_gb(self) -> float:
-        """Host RAM the plan keeps on the machine: every process's `host_gb` (the `gpus` processes of one node)."""
-        return host_need_gb(self.estimate, self.gpus)
+        """Host RAM the plan keeps on one machine: the `host_gb` of each of its processes (`Target.node_gpus`)."""
+        return host_need_gb(self.estimate, self.target.node_gpus)
 
     @property
     def host_fits(self) -> bool:
@@ -302,7 +302,9 @@ class _Scored:
 
     def fits(self, target: Target) -> bool:
         """Under the device budget, and within the host RAM budget (`host_need_gb`) where that is a limit."""
-        return self.peak_gb <= target.budget_gb and host_need_gb(self.estimate, target.gpus) <= target.host_budget_gb
+        return (
+            self.peak_gb <= target.budget_gb and host_need_gb(self.estimate, target.node_gpus) <= target.host_budget_gb
+        )
 
 
 def _estimate(arch: Architecture, request: Request, s: Setup, strat: str, off: bool):
@@ -610,9 +612,9 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
 def _host_refusal(arch: Architecture, request: Request, blocked: list[_Scored], hint: bool) -> str:
     """Nothing fits because of host RAM: the setup that fits the device with the least host RAM, what it keeps
     there against the host budget, and what would fit — a shorter length (with `hint`) or the RAM it needs."""
-    least = min(blocked, key=lambda x: (host_need_gb(x.estimate, request.target.gpus), x.cost))
+    least = min(blocked, key=lambda x: (host_need_gb(x.estimate, request.target.node_gpus), x.cost))
     s, target = least.setup, request.target
-    need = host_need_gb(least.estimate, target.gpus)
+    need = host_need_gb(least.estimate, target.node_gpus)
     ram = math.ceil(need + target.host_margin_gb)
     instead = [f"--host-ram {ram} (a machine with {ram} GB available)"]
     if hint:

@@ -33,6 +33,7 @@ class Setup:
     lora_r: int = 16
     lora_dropout: float = 0.05
     use_dora: bool = False  # adapter.use_dora (lowmem_ft.memory.dora)
+    adapter_init: str = "default"  # adapter.init: pissa / olora decompose each weight at start-up (memory.adapter_init)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     optimizer: str = "paged_adamw_8bit"
     gradient_checkpointing: bool = True
@@ -63,7 +64,7 @@ class Setup:
 class Component:
     name: str
     bytes: float
-    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host"]
+    phase: Literal["static", "forward/backward", "optimizer step", "overhead", "host", "start-up"]
     source: str
 
     @property
@@ -89,6 +90,13 @@ class Estimate:
     def peak_gb(self) -> float:
         return self.peak_bytes / GB
 
+    @property
+    def startup_peak_gb(self) -> float | None:
+        """The start-up moment of a decomposing adapter init with the device overheads, or None without one
+        (lowmem_ft.memory.adapter_init): beside the step's peak, which it does not change."""
+        at = self.phases.get("start-up")
+        return None if at is None else (at + self.overhead_bytes) / GB
+
     def by_name(self) -> dict[str, float]:
         return {c.name: c.bytes for c in self.components}
 
@@ -98,6 +106,8 @@ class Estimate:
             "model_peak_gb": round(self.model_peak_bytes / GB, 3),
             "overhead_gb": round(self.overhead_bytes / GB, 3),
             "peak_phase": self.peak_phase,
+            # adapter.init pissa / olora only (memory.adapter_init)
+            **({} if self.startup_peak_gb is None else {"startup_peak_gb": round(self.startup_peak_gb, 3)}),
             "components": [
                 {"name": c.name, "gb": round(c.gb, 4), "phase": c.phase, "source": c.source} for c in self.components
             ],

@@ -18,17 +18,24 @@ from typing import Any
 class Target:
     """A memory target: `vram_gb` per device (the `--vram` figure), `margin_gb` kept free, on `gpus` devices; and
     `host_ram_gb` of host RAM (`--host-ram`, else what the machine has available when planning — detected outside
-    the memory model) with `host_margin_gb` kept free for the process itself, or None: host RAM is not a limit."""
+    the memory model) with `host_margin_gb` kept free for the process itself, or None: host RAM is not a limit.
+    `gpus` counts every device of the run, over its `nodes` machines; each machine's RAM holds its own share."""
 
     vram_gb: float
     margin_gb: float
     gpus: int = 1
     host_ram_gb: float | None = None
     host_margin_gb: float = 0.0
+    nodes: int = 1
+
+    @property
+    def node_gpus(self) -> int:
+        """The processes (one per device) that share one machine's host RAM: `gpus` over the `nodes`."""
+        return max(1, self.gpus // self.nodes)
 
     @property
     def host_budget_gb(self) -> float:
-        """Host RAM the run's processes may keep together (all `gpus` of them: one node): RAM less the margin."""
+        """Host RAM the processes of one machine may keep together (`node_gpus` of them): RAM less the margin."""
         return math.inf if self.host_ram_gb is None else self.host_ram_gb - self.host_margin_gb
 
     @property
@@ -42,6 +49,7 @@ class Target:
             "safety_margin_gb": self.margin_gb,
             "budget_gb": round(self.budget_gb, 3),
             "gpus": self.gpus,
+            **({"nodes": self.nodes} if self.nodes > 1 else {}),
             **(
                 {}
                 if self.host_ram_gb is None
@@ -65,4 +73,5 @@ class Target:
             int(data.get("gpus") or 1),
             None if host is None else float(host),
             float(data.get("host_margin_gb") or 0.0),
+            int(data.get("nodes") or 1),
         )

@@ -11,6 +11,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import asdict, fields
@@ -324,6 +325,7 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                 "drop one of them",
             )
         )
+    problems += _init_problems(recipe)
     trackers = recipe.logging.report_to
     if "none" in trackers and len(trackers) > 1:
         problems.append(
@@ -339,6 +341,7 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                 f"'data.overlap' ({d.overlap}) must be smaller than memory.max_seq_len ({m.max_seq_len})",
             )
         )
+    problems += _grpo_problems(recipe)
     if recipe.training.max_steps == 0 or recipe.training.max_steps < -1:
         problems.append(
             (
@@ -347,6 +350,31 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             )
         )
     return problems
+
+
+def _grpo_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """The grpo section's rules: vLLM refused (why, in one line), each reward a built-in's NAME[:WEIGHT] — a recipe
+    never names a Python file (`lowmem_ft.train.rewards.parse_builtin`)."""
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.recipe.rewards import parse_builtin
+
+    g, problems = recipe.grpo, []
+    if g.use_vllm:
+        problems.append((("grpo.use_vllm",), VLLM_REFUSED))
+    for entry in g.rewards:
+        try:
+            parse_builtin(entry, "'grpo.rewards'")
+        except UserError as exc:
+            problems.append((("grpo.rewards",), str(exc)))
+    return problems
+
+
+# TRL 1.16 `is_vllm_available` accepts vLLM 0.22-0.31 (trl/import_utils.py), each of which pins transformers below
+# 5.18; the transformers this project pins (5.24) and those cannot be installed together.
+VLLM_REFUSED = (
+    "'grpo.use_vllm' is not supported: TRL 1.16 accepts vLLM 0.22-0.31, which require transformers < 5.18, and "
+    "lowmem-ft pins transformers 5.24; drop it (generation runs on transformers)"
+)
 
 
 def build(layers: list[tuple[str, dict[str, Any]]], origins: dict[str, str] | None = None) -> Recipe:
@@ -501,3 +529,50 @@ def tier_method_defaults() -> dict[str, dict[str, Any]]:
             for key, value in values.items():
                 out.setdefault(f"{section}.{key}", {})[name] = value
     return out
+
+
+# peft 0.21's init_lora_weights values lowmem-ft does not offer, and why (tuners/lora/config.py, layer.py)
+_INIT_REFUSED = {
+    "eva": "needs a pass over the training data to collect activations (peft's initialize_lora_eva_weights)",
+    "corda": "needs a calibration pass over data first (peft's preprocess_corda)",
+    "lora_ga": "needs gradients from a pass over data first (peft's preprocess_loraga)",
+    "loftq": "quantizes the base weights itself (peft's loftq_config), which the plan does not describe",
+    "mica": "freezes lora_B and trains lora_A only, which the plan does not describe",
+    "orthogonal": "is not offered",
+}
+
+
+def _init_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """adapter.init: one of the values lowmem-ft offers, on an adapter and a base it can work with."""
+    a, key = recipe.adapter, ("adapter.init",)
+    offered = "default, gaussian, pissa, pissa_niter_N (N ≥ 0), olora"
+    if a.init in _INIT_REFUSED:
+        return [(key, f"'adapter.init' {a.init} {_INIT_REFUSED[a.init]}; use one of {offered}")]
+    if not re.fullmatch(r"default|gaussian|pissa|pissa_niter_\d+|olora", a.init):
+        return [(key, f"'adapter.init' must be one of {offered}, got {a.init!r}")]
+    if a.init == "default":
+        return []
+    if a.kind == "full":
+        return [(("adapter.init", "adapter.kind"), f"'adapter.init' {a.init} starts a LoRA adapter, but "
+                 "adapter.kind is full; set adapter.init=default")]  # fmt: skip
+    if a.init == "gaussian":
+        return []
+    if recipe.model.quantization != "none":
+        return [(("adapter.init", "model.quantization"),
+                 f"'adapter.init' {a.init} rewrites the base weights with its residual, which "
+                 f"{recipe.model.quantization} storage cannot hold exactly (peft refuses PiSSA on bitsandbytes "
+                 "weights); set model.quantization=none, or adapter.init=default")]  # fmt: skip
+    if a.use_dora:
+        return [(("adapter.init", "adapter.use_dora"),
+                 f"'adapter.init' {a.init} with DoRA: peft's conversion to a LoRA adapter on the original base "
+                 "drops the magnitude vectors (subtract_mutated_init); turn one of them off")]  # fmt: skip
+    if recipe.training.method in ("dpo", "kto"):  # lowmem_ft.train.preference drops TRL's copy of a new adapter
+        return [(("adapter.init", "training.method"),
+                 f"'adapter.init' {a.init} with {recipe.training.method}: the reference is the base with the adapter "
+                 "disabled, which this init leaves as the residual, not the model; use adapter.init=default, or "
+                 "orpo / simpo (no reference)")]  # fmt: skip
+    if a.use_rslora:
+        return [(("adapter.init", "adapter.use_rslora"),
+                 f"'adapter.init' {a.init} with rsLoRA: the converted adapter's alpha becomes alpha·√2 (peft keeps "
+                 "the scaling at rank 2r), not an integer lowmem-ft can continue; turn one of them off")]  # fmt: skip
+    return []

@@ -30,7 +30,9 @@ WandbMode = Literal["online", "offline", "disabled", "auto"]
 # transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
 Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
-Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+Method = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+# TRL 1.16 grpo_config.py `loss_type`'s supported values
+GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 # TRL 1.16 dpo_config.py `loss_type`'s documented values
 DpoLoss = Literal[
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -174,6 +176,16 @@ class AdapterSection:
         False,
         "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r (peft's use_rslora), so "
         "higher ranks keep learning. Scaling only: no memory of its own (peft lora/layer.py update_layer).",
+    )
+    init: str = _f(
+        "default",
+        "How the adapter starts (peft's init_lora_weights): default (B = 0, the adapter a no-op), gaussian, pissa "
+        "(A and B from the top-r singular vectors of each adapted weight; the base keeps the residual), "
+        "pissa_niter_N (the same by a randomized SVD with N subspace iterations: seconds, not minutes, on 7B), olora "
+        "(A and B from a QR of each weight). pissa and olora need 16-bit weights (model.quantization=none): they "
+        "rewrite the base weights, and the saved adapter is converted to a plain LoRA adapter on the original base "
+        "(rank 2r). The decomposition's one-off start-up peak is in the plan (lowmem_ft.memory.adapter_init).",
+        planner="adapter_init",
     )
     target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -403,8 +415,10 @@ class TrainingSection:
         "sft",
         "What is learned: sft (supervised), or preference training: dpo (TRL's DPOTrainer), orpo, simpo (TRL's "
         "experimental ORPO / CPO trainers) on prompt/chosen/rejected pairs; kto (TRL's KTOTrainer) on unpaired "
-        "prompt/completion/label samples. The preference section holds their settings.",
-        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo, kto", metavar="METHOD"),
+        "prompt/completion/label samples. The preference section holds their settings. grpo: online RL on TRL's "
+        "GRPOTrainer (completions generated per prompt, scored by reward functions); the grpo section holds its "
+        "settings.",
+        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo, kto, grpo", metavar="METHOD"),
     )
     epochs: float = _f(
         1.0,
@@ -481,6 +495,72 @@ class PreferenceSection:
 
 
 @dataclass
+class GrpoSection:
+    """Settings of GRPO (training.method grpo, TRL's GRPOTrainer on its transformers generation path); ignored by
+    the other methods. memory.micro_batch_size counts completions (b) for GRPO."""
+
+    num_generations: int = _f(
+        4,
+        "Completions generated per prompt (G); the advantages compare a prompt's G completions. With --vram the "
+        "planner may lower it when a round does not fit, unless you set it.",
+        ge=2,
+        lt=INT_LIMIT,
+    )
+    max_completion_length: int = _f(
+        256,
+        "Longest completion in tokens (C), TRL's max_completion_length. With --vram the planner may lower it when a "
+        "round does not fit, unless you set it.",
+        ge=1,
+        lt=INT_LIMIT,
+    )
+    max_prompt_length: int = _f(
+        256,
+        "Longest prompt in tokens (P) after the chat template; longer prompts are cut or left out by "
+        "prompt_truncation and counted (TRL 1.16 never truncates a prompt, and generation's memory grows with the "
+        "longest); 0: no limit (the data's longest).",
+        ge=0,
+        lt=INT_LIMIT,
+    )
+    prompt_truncation: PromptTruncation = _f(
+        "keep_end",
+        "A prompt longer than max_prompt_length: keep_end / keep_start cut a text prompt to its last / first tokens "
+        "(a conversation loses its oldest turns), drop leaves the row out.",
+    )
+    steps_per_generation: int = _f(
+        0,
+        "Micro-steps one generation round covers: a round generates micro_batch_size × steps_per_generation "
+        "completions in one call. 0: gradient_accumulation (TRL's default; with --vram the planner chooses).",
+        ge=0,
+        lt=INT_LIMIT,
+    )
+    beta: float = _f(
+        0.0,
+        "KL coefficient; above 0 a reference pass is added (LoRA: the adapter switched off; full fine-tuning: a "
+        "second copy of the weights). TRL's default is 0.",
+        ge=0.0,
+    )
+    loss_type: GrpoLoss = _f("dapo", "TRL's GRPO loss aggregation (dapo, grpo, dr_grpo, bnpo, cispo, sapo, ...).")
+    epsilon: float = _f(0.2, "Clipping range of the probability ratio (TRL's epsilon).", gt=0.0)
+    temperature: float = _f(1.0, "Sampling temperature of the generated completions.", gt=0.0)
+    top_p: float = _f(
+        1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p.", gt=0.0, le=1.0
+    )
+    rewards: list[str] = _f(
+        [],
+        "Built-in reward functions as NAME[:WEIGHT]: exact_match, numeric_match (against answer_column), format "
+        "(format_regex), length_penalty. Your own function from a file is named on the command line only "
+        "(--reward-fn path.py:name[:weight]), never in a recipe.",
+    )
+    answer_column: str = _f("answer", "The data column exact_match and numeric_match compare with.")
+    format_regex: str = _f(r"####\s*\S+", "The pattern the format reward searches each completion for.")
+    use_vllm: bool = _f(
+        False,
+        "Generate with vLLM: refused — TRL 1.16 accepts vLLM 0.22-0.31, which require transformers < 5.18, and "
+        "lowmem-ft pins transformers 5.24; generation runs on transformers.",
+    )
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     adapter: AdapterSection = field(default_factory=AdapterSection)
@@ -490,6 +570,7 @@ class Recipe:
     training: TrainingSection = field(default_factory=TrainingSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Recipe)}  # type: ignore[misc]

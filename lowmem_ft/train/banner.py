@@ -86,7 +86,11 @@ class RunView:
             f"  weights  {weights_text(r)}",
             f"  adapter  {self._adapter()}",
             f"  batch    {mem.micro_batch_size} micro × {mem.gradient_accumulation} accumulation × {devices} = "
-            f"{effective} sequences per step, ≤ {mem.max_seq_len} tokens each{steps}",
+            + (
+                self._round(effective) + steps
+                if self.method == "grpo"
+                else f"{effective} sequences per step, ≤ {mem.max_seq_len} tokens each{steps}"
+            ),  # fmt: skip
             f"  savers   {', '.join(savers_on(r)) or 'none'}",
             f"  memory   {self._memory()}",
         ]
@@ -96,6 +100,15 @@ class RunView:
         out.append(f"  run      {self.run_dir}")
         out.extend(f"  tracker  {t}" for t in self.trackers)
         return out
+
+    def _round(self, effective: int) -> str:
+        """GRPO's batch: completions per step, and the round one generate call makes."""
+        g, mem = self.recipe.grpo, self.recipe.memory
+        rows = mem.micro_batch_size * (g.steps_per_generation or mem.gradient_accumulation) * self.world_size
+        return (
+            f"{effective} completions per step; a round generates {rows} ({rows // g.num_generations} prompts × "
+            f"{g.num_generations}), up to {g.max_completion_length} tokens each"
+        )
 
     def _how(self) -> str:
         c = self.choice
@@ -112,7 +125,9 @@ class RunView:
         if a.kind == "full":
             return f"none: full fine-tune, {trained}"
         loaded = f", continued from {a.name_or_path}" if a.name_or_path else ""
-        return f"LoRA rank {a.r} (alpha {a.alpha}) on {', '.join(a.target_modules)}: {trained}{loaded}"
+        kind = "DoRA" if a.use_dora else "LoRA"
+        init = f", {a.init} init" if a.init != "default" else ""
+        return f"{kind} rank {a.r} (alpha {a.alpha}{init}) on {', '.join(a.target_modules)}: {trained}{loaded}"
 
     def _memory(self) -> str:
         c = self.choice

@@ -43,6 +43,14 @@ PREDICTED: dict[str, RunPhase] = {
     "optimizer": "optimizer step",
     "eval_forward": "eval",
 }
+# ... and a GRPO run's: its generation and scoring phases too (`lowmem_ft.memory.grpo.phase_peaks`)
+GRPO_PHASES: dict[str, str] = {
+    "generation": "generation",
+    "scoring": "scoring",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer step",
+}
 
 
 @dataclass
@@ -64,6 +72,8 @@ class ExactMemory:
     reference: str = "none"  # the reference model a preference run uses (`memory.preference.ReferenceKind`)
     # objects whose tensors are the run's besides the model's and the optimizer's (a DPO reference copy)
     extra_roots: list = field(default_factory=list)
+    grpo: Any = None  # a GRPO run's round (`memory.grpo.GrpoShape`, P = the data's longest prompt); None otherwise
+    paused: bool = False  # inside GRPO's generation and scoring: their forwards are not training forwards
     _meter: PeakMemory | None = field(default=None, init=False, repr=False)
     _hooks: list = field(default_factory=list, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -80,9 +90,10 @@ class ExactMemory:
         self._trainable: list = []
         self._optimizer = None
         self._base = None
+        self._round: tuple[int, int, int] | None = None  # GRPO: rows, prompt width, completion width that ran
 
     @classmethod
-    def for_recipe(cls, recipe, eval_batch: int, processes: int = 1, config=None) -> ExactMemory:
+    def for_recipe(cls, recipe, eval_batch: int, processes: int = 1, config=None, prompt_len: int = 0) -> ExactMemory:
         """The CPU form of `recipe`'s setup, with the architecture the planner reads (config.json), else that of the
         loaded model's `config` (a Hub model read from the cache while offline)."""
         from lowmem_ft.choosing import setup_from_recipe
@@ -103,6 +114,12 @@ class ExactMemory:
         setup = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
         if method == "sft":
             return cls(arch, setup, eval_batch, ddp=processes > 1)
+        if method == "grpo":
+            from lowmem_ft.choosing import grpo_shape
+            from lowmem_ft.memory.grpo import method_setup
+
+            shape = grpo_shape(recipe, prompt_len)
+            return cls(arch, method_setup(setup), eval_batch, ddp=processes > 1, method=method, grpo=shape)
         from lowmem_ft.memory.preference import method_setup, reference_kind, rows_per_micro_batch
 
         # a preference micro batch of B pairs runs 2·B rows (the CPU form speaks rows, as the monitor sees them)
@@ -122,6 +139,16 @@ class ExactMemory:
         if self.arch is None:
             return {"exact": True, "predicted_cpu_peak_gb": None}
         s = self.setup
+        if self.grpo is not None:
+            from lowmem_ft.memory.grpo import phase_peaks
+
+            peaks = phase_peaks(self.arch, s, self.grpo)
+            return {
+                "exact": True,
+                "predicted_cpu_peak_gb": round(max(peaks.values()) / GB, 6),
+                "predicted_cpu_phases_gb": {p: round(b / GB, 6) for p, b in peaks.items()},
+                "predicted_cpu_batch": [s.micro_batch_size, self.grpo.prompt_len + self.grpo.completion_len],
+            }
         phases = {p: self._phase(s, p) for p in ("forward", "backward", "optimizer step")}
         phases["eval"] = phase_peak_bytes(self.arch, replace(s, micro_batch_size=self.eval_batch), "eval")
         return {
@@ -157,6 +184,8 @@ class ExactMemory:
     def _before_forward(self, module, args, kwargs) -> None:
         import torch
 
+        if self.paused:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -184,6 +213,8 @@ class ExactMemory:
             return {}
         live, peak = self._meter.window()
         out: dict[str, Any] = {"live_gb": round(live / GB, 6), "peak_live_gb": round(peak / GB, 6)}
+        if self.grpo is not None:
+            return out | self._grpo_read(phase)
         what = PREDICTED.get(phase)
         batch = self._eval if what == "eval" else self._train
         if what is None or batch is None:
@@ -192,6 +223,41 @@ class ExactMemory:
             out["batch"] = list(batch)
         if self.arch is not None:
             out["predicted_peak_live_gb"] = self._predict(what, batch)
+        return out
+
+    # -- GRPO ---------------------------------------------------------------------------------------------------
+    def round_shape(self, rows: int, prompt_len: int, completion_len: int) -> None:
+        """The round just generated: its rows and the widths its tensors are padded to (`lowmem_ft.train.grpo`)."""
+        self._round = (rows, prompt_len, completion_len)
+
+    def _grpo_read(self, phase: str) -> dict[str, Any]:
+        """A GRPO sample's batch and prediction: `memory.grpo.phase_peaks` for the round that ran, the training
+        micro-step's rows as they ran (a guard's piece keeps the round's rows)."""
+        what = GRPO_PHASES.get(phase)
+        if what is None or self._round is None:
+            return {}
+        rows, p, c = self._round
+        b = self._train[0] if self._train is not None and what in ("forward", "backward") else None
+        out: dict[str, Any] = {"batch": [b or rows, p + c]} if what != "optimizer step" else {}
+        if self.arch is None:
+            return out
+        b = b or self.setup.micro_batch_size
+        states = self._optimizer is not None and len(self._optimizer.state) > 0
+        key = ("grpo", what, b, rows, p, c, states, self._checkpointing)
+        if key not in self._cache:
+            from lowmem_ft.memory.grpo import phase_peaks
+
+            shape = replace(self.grpo, prompt_len=p, completion_len=c, steps_per_generation=max(1, rows // b))
+            s = replace(self.setup, micro_batch_size=b, gradient_checkpointing=self._checkpointing)
+            peaks = phase_peaks(self.arch, s, shape, states=states)
+            if self.ddp and what == "optimizer step":  # the trainer's flat all-reduce copy of the gradients
+                from lowmem_ft.memory.grpo import training_setup
+
+                ts = training_setup(s, shape)
+                peaks[what] += phase_peak_bytes(self.arch, ts, what, ddp=True) - phase_peak_bytes(self.arch, ts, what)
+            self._cache[key] = round(peaks[what] / GB, 6) if what in peaks else None
+        if self._cache[key] is not None:
+            out["predicted_peak_live_gb"] = self._cache[key]
         return out
 
     def _predict(self, what: RunPhase, batch: tuple[int, int]) -> float:

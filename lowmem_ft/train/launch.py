@@ -231,9 +231,11 @@ def launcher() -> list[str]:
     return [str(script), "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def launch_command(run: RunDir, plan: LaunchPlan, trust_remote_code: bool = False) -> list[str]:
-    """The ranks' command line. --trust-remote-code travels here, never through the run directory's recipe.yaml,
-    which cannot grant it (`lowmem_ft.recipe.load`)."""
+def launch_command(
+    run: RunDir, plan: LaunchPlan, trust_remote_code: bool = False, reward_fns: tuple[str, ...] = ()
+) -> list[str]:
+    """The ranks' command line. --trust-remote-code and GRPO's --reward-fn travel here, never through the run
+    directory's recipe.yaml, which cannot grant running code (`lowmem_ft.recipe.load`)."""
     return [
         *launcher(),
         "--config_file",
@@ -245,10 +247,13 @@ def launch_command(run: RunDir, plan: LaunchPlan, trust_remote_code: bool = Fals
         "--run-dir",
         str(run.path),
         *(["--trust-remote-code"] if trust_remote_code else []),
+        *(arg for entry in reward_fns for arg in ("--reward-fn", entry)),
     ]
 
 
-def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resume: bool) -> list[str]:
+def prepare(
+    run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resume: bool, reward_fns: tuple[str, ...] = ()
+) -> list[str]:
     """Write recipe.yaml, accelerate.yaml and launch.json into the run directory; return the launch command."""
     layer_cls = layer_class(recipe) if plan.strategy == "fsdp" else None
     config = accelerate_config(recipe, plan, layer_cls)
@@ -258,7 +263,7 @@ def prepare(run: RunDir, recipe: Recipe, plan: LaunchPlan, choice: Choice, resum
         + (" (CPU, gloo)" if plan.cpu else "")
         + "\n"
     )
-    cmd = launch_command(run, plan, recipe.model.trust_remote_code)
+    cmd = launch_command(run, plan, recipe.model.trust_remote_code, reward_fns)
     info = {"plan": plan.to_dict(), "choice": choice.to_dict(), "resume": resume, "command": shlex.join(cmd)}
     run.write_launch(header + yaml.safe_dump(config, sort_keys=False), info)
     return cmd

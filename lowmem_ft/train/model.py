@@ -280,6 +280,7 @@ def attach_adapter(model, recipe: Recipe):
         lora_dropout=a.dropout,
         use_rslora=a.use_rslora,
         use_dora=a.use_dora,
+        init_lora_weights=True if a.init == "default" else a.init,  # peft's True: B = 0
         target_modules=targets,
         exclude_modules=exclude,
         task_type="CAUSAL_LM",

@@ -30,6 +30,7 @@ one observation of its own: allocated memory growing step after step at one phas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 GB = 1e9  # decimal, like lowmem_ft.memory.estimate.GB
 LEAK_STEPS = 8  # consecutive optimizer steps of growth at one phase before a leak is suspected
 LEAK_MIN_GB = 0.064  # ... and at least this much growth: below it, allocator noise (block rounding)
-TRAIN_PHASES = ("forward", "backward", "optimizer")
+# GRPO's generation and scoring phases belong to the optimizer step in progress too (lowmem_ft.train.grpo)
+TRAIN_PHASES = ("forward", "backward", "optimizer", "generation", "scoring")
 
 
 class MemoryReader:
@@ -201,6 +203,23 @@ class MemoryMonitor(TrainerCallback):
         self._watchers: list[Callable[[dict[str, Any]], None]] = []
         self.events: list[dict[str, Any]] = []
         self._hooks: list = []
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self, exact: bool = True):
+        """No per-forward samples inside: GRPO's generation and scoring passes are marked as phases of their own
+        (a full model's `generate` runs its forward once per token), its training forward after its loss.
+        `exact`: the exact count ignores the forwards inside too (they are not training forwards)."""
+        was, self._paused = self._paused, True
+        counted = self.exact.paused if self.exact is not None else False
+        if self.exact is not None and exact:
+            self.exact.paused = True
+        try:
+            yield
+        finally:
+            self._paused = was
+            if self.exact is not None:
+                self.exact.paused = counted
 
     def watch(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Call `fn(record)` with every sample, after it is recorded."""
@@ -292,6 +311,8 @@ class MemoryMonitor(TrainerCallback):
         """Sample at the end of every forward (train micro batches and eval batches alike)."""
 
         def after_forward(module, args, output):
+            if self._paused:
+                return
             self.sample("forward" if module.training else "eval_forward")
 
         self._hooks.append(model.register_forward_hook(after_forward))

@@ -36,6 +36,11 @@ from typing import Any
 
 from lowmem_ft.errors import UserError
 
+# the entries' parsing lives with the recipe (which names rewards without importing them); re-exported here
+from lowmem_ft.recipe.rewards import RewardSpec as RewardSpec
+from lowmem_ft.recipe.rewards import parse_builtin as parse_builtin
+from lowmem_ft.recipe.rewards import parse_reward_fn as parse_reward_fn
+
 # What TRL passes besides the data columns (grpo_trainer.py `_calculate_rewards`): never a data column.
 TRL_ARGUMENTS = frozenset(
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
@@ -55,19 +60,6 @@ class RewardOptions:
     format_regex: str = DEFAULT_FORMAT  # `format`'s pattern, searched anywhere in the completion
     max_completion_length: int = 256  # `length_penalty`'s L_max: TRL's max_completion_length
     length_cache: int = 0  # `length_penalty`'s soft band L_cache; 0: a quarter of max_completion_length
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """One reward as the user named it: a built-in's name, or a file and a function in it; and its weight."""
-
-    name: str
-    weight: float = 1.0
-    path: str | None = None  # a user's file (command line only)
-
-    @property
-    def label(self) -> str:
-        return f"{self.path}:{self.name}" if self.path else self.name
 
 
 def completion_text(completion: Any) -> str:
@@ -168,48 +160,6 @@ BUILTINS: dict[str, Callable[[RewardOptions], Callable]] = {
     "format": lambda o: FormatReward(o.format_regex),
     "length_penalty": _length_penalty,
 }
-
-
-def _weight(text: str, where: str) -> float:
-    try:
-        weight = float(text)
-    except ValueError:
-        raise UserError(f"{where}: weight {text!r} is not a number") from None
-    if not math.isfinite(weight):
-        raise UserError(f"{where}: weight {text!r} is not a finite number")
-    return weight
-
-
-def parse_builtin(entry: str, where: str = "training.grpo.rewards") -> RewardSpec:
-    """`NAME[:WEIGHT]` of a built-in (a recipe's entry or `--reward`); an entry naming a file is refused."""
-    name, _, weight = entry.strip().partition(":")
-    if name.endswith(".py") or "/" in name or "\\" in name or weight.partition(":")[0].endswith(".py"):
-        raise UserError(
-            f"{where}: {entry!r} names a Python file; a reward function from a file is named on the command line "
-            "only (--reward-fn path.py:name), so that no recipe or run directory can make a run execute code"
-        )
-    if name not in BUILTINS:
-        raise UserError(f"{where}: unknown reward {name!r}; the built-in rewards are {', '.join(BUILTINS)}")
-    return RewardSpec(name, _weight(weight, where) if weight else 1.0)
-
-
-def parse_reward_fn(entry: str) -> RewardSpec:
-    """`path.py:name[:weight]` of `--reward-fn`."""
-    where = f"--reward-fn {entry}"
-    head, weight = entry, 1.0
-    rest, _, last = entry.rpartition(":")
-    if rest and ":" in rest and not last.endswith(".py"):
-        try:
-            weight, head = float(last), rest
-        except ValueError:
-            if not last.isidentifier():
-                raise UserError(f"{where}: weight {last!r} is not a number") from None
-    path, _, name = head.rpartition(":")
-    if not path or not name or not name.isidentifier():
-        raise UserError(f"{where}: expected PATH.py:FUNCTION[:WEIGHT], e.g. rewards.py:correct:2.0")
-    if not math.isfinite(weight):
-        raise UserError(f"{where}: weight is not a finite number")
-    return RewardSpec(name, weight, path)
 
 
 def load_user_function(spec: RewardSpec) -> Callable:

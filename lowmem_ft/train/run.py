@@ -95,17 +95,26 @@ class FineTune:
 
     `resume`: continue from the run's newest complete checkpoint (`--resume`, or a relaunch of `train --gpus` ranks).
     `callbacks`: extra trainer callbacks (tests inject faults this way).
+    `reward_fns`: a GRPO run's reward functions from files, as the command line named them (never the recipe's).
 
     The process that writes the run directory (rank 0) locks it first (`RunDir.lock`; a run on it already is a
     one-line error) and removes what an interrupted save left.
     """
 
     def __init__(
-        self, recipe: Recipe, run: RunDir, choice: Choice, *, resume: bool = False, callbacks: list | None = None
+        self,
+        recipe: Recipe,
+        run: RunDir,
+        choice: Choice,
+        *,
+        resume: bool = False,
+        callbacks: list | None = None,
+        reward_fns: list | None = None,
     ):
         from lowmem_ft.train.interrupt import StopOnSignal
 
         self.recipe, self.run, self.choice = recipe, run, choice
+        self.reward_fns = list(reward_fns or [])  # GRPO: the command line's --reward-fn (`rewards.RewardSpec`)
         self.rank, self.world_size = launched_rank(), int(os.environ.get("WORLD_SIZE", "1"))
         self.is_main = self.rank == 0  # the trainer's process_index agrees (`_setup_args`)
         if self.is_main:
@@ -164,9 +173,10 @@ class FineTune:
         self.tracking = tracking.configure(self.recipe, self.run.path)
 
     def _setup_args(self) -> None:
-        from lowmem_ft.train.args import batching, sft_config
+        from lowmem_ft.train.args import Batching, batching, sft_config
 
-        self.batching = batching(self.recipe)
+        self.grpo = self.recipe.training.method == "grpo"
+        self.batching = batching(self.recipe) if not self.grpo else Batching(False)
         self.args = sft_config(
             self.recipe,
             self.run.checkpoints,
@@ -174,7 +184,11 @@ class FineTune:
             trackers=self.tracking.active,
             packed=self.batching.packed,
         )
-        if self.recipe.training.method != "sft":
+        if self.grpo:
+            from lowmem_ft.train.grpo import grpo_config
+
+            self.args = grpo_config(self.args, self.recipe)
+        elif self.recipe.training.method != "sft":
             from lowmem_ft.train.preference import method_config
 
             self.args = method_config(self.args, self.recipe)
@@ -187,7 +201,13 @@ class FineTune:
         from lowmem_ft.train.model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.recipe)
-        if self.recipe.training.method != "sft":
+        if self.grpo:
+            from lowmem_ft.train.grpo import prepare_data, reward_functions
+
+            self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
+            # before any weight is read: a missing reward or a column a reward needs is one line now
+            self.rewards = reward_functions(self.recipe, self.reward_fns, self.data_summary["columns"])
+        elif self.recipe.training.method != "sft":
             from lowmem_ft.train.preference import prepare_data
 
             self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
@@ -202,11 +222,18 @@ class FineTune:
     def _setup_model(self) -> None:
         from transformers import set_seed
 
-        from lowmem_ft.train.model import build_model
+        from lowmem_ft.train import init_conversion
 
         # Seed before the build: adapter initialisation draws from the global RNG, and the Trainer seeds only later.
         set_seed(self.recipe.training.seed)
-        self.model = build_model(self.recipe)
+        if init_conversion.rewrites_base(self.recipe) and (self.args.fsdp or self.args.deepspeed):
+            raise UserError(
+                f"adapter.init {self.recipe.adapter.init} rewrites the base weights, which FSDP / DeepSpeed shard "
+                "across devices; train it on one GPU or with DDP, or set adapter.init=default"
+            )
+        self.model = init_conversion.build(
+            self.recipe, self.run.initial_adapter, resuming=self.checkpoint is not None, is_main=self.is_main
+        )
 
     def _setup_memory(self) -> None:
         """The monitor (observes, records; exact live bytes on the CPU) and the guard (decides step-downs)."""
@@ -223,10 +250,15 @@ class FineTune:
                          self.resume_step)  # fmt: skip
         # On the CPU the monitor counts live tensor bytes exactly and compares them with the memory model's CPU form
         # of this run's setup (the plan's figure, in run.json, is the CUDA one) — with or without --vram.
+        longest = self.data_summary.get("prompt_fit", {}).get("longest", 0)  # GRPO: the plan's P
         exact = (
             ExactMemory.for_recipe(
-                self.recipe, eval_batch_size(self.recipe), self.args.world_size, config=self.model.config
-            )
+                self.recipe,
+                eval_batch_size(self.recipe),
+                self.args.world_size,
+                config=self.model.config,
+                prompt_len=longest,
+            )  # fmt: skip
             if self.args.device.type == "cpu"
             else None
         )
@@ -261,8 +293,13 @@ class FineTune:
         self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
-        trainer_class, extra = MemorySafeSFTTrainer, {}
-        if self.recipe.training.method != "sft":
+        trainer_class, extra, shown = MemorySafeSFTTrainer, {}, progress.SFT_SHOWN
+        if self.grpo:
+            from lowmem_ft.train.grpo import GRPO_SHOWN, MemorySafeGRPOTrainer
+
+            trainer_class, extra = MemorySafeGRPOTrainer, {"reward_funcs": self.rewards}
+            shown = GRPO_SHOWN
+        elif self.recipe.training.method != "sft":
             from lowmem_ft.train.preference import trainer_for
 
             trainer_class, extra = trainer_for(self.recipe)
@@ -291,9 +328,9 @@ class FineTune:
         self.trainer.add_callback(self.early)
         # the banner after the trackers' callbacks (W&B's run exists when it prints), before the bar starts drawing
         self.trainer.add_callback(self._banner())
-        progress.install(self.trainer, self.monitor, self.target)
+        progress.install(self.trainer, self.monitor, self.target, shown)
         _keep_adapters_fp32(self.trainer.model, self.recipe)
-        if m.chunked_loss:
+        if m.chunked_loss and not self.grpo:  # GRPO's loss is TRL's own (`memory.grpo.method_setup`)
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
             install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
@@ -405,12 +442,15 @@ class FineTune:
     def _save_weights(self) -> None:
         """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
         rank 0 writes the weights and the tokenizer."""
+        from lowmem_ft.train import init_conversion
         from lowmem_ft.train.checkpoints import rename_into_place
         from lowmem_ft.train.ranks import barrier
 
         final = self.run.weights(self.recipe.adapter.kind == "full")
         staged = self.run.staged(final)
         self.trainer.save_model(str(staged))
+        if self.is_main and init_conversion.rewrites_base(self.recipe):  # PiSSA / OLoRA → LoRA on the original base
+            init_conversion.save_converted(self.model, staged, self.run.initial_adapter)
         barrier()
         if self.is_main:
             rename_into_place(staged, final, aside=staged.with_name(f"{staged.name}.replaced"))
@@ -462,8 +502,11 @@ class FineTune:
             "method_metrics": {
                 k: v
                 for k, v in (logged[-1] if logged else {}).items()
-                if k.startswith(("rewards/", "log_odds")) or k == "kl"
+                if k.startswith(("rewards/", "log_odds", "completions/mean_length", "clip_ratio/region"))
+                or k in ("kl", "reward", "reward_std")
             },
+            # GRPO: the mean reward at the first and the last logged step (the done line's trend)
+            "reward_trend": [logged[0]["reward"], logged[-1]["reward"]] if logged and "reward" in logged[0] else None,
             "wall_seconds": round(self.elapsed, 2),
             "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
             "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
@@ -584,10 +627,12 @@ def train(
     choice: Choice | None = None,
     resume: bool = False,
     callbacks: list | None = None,
+    reward_fns: list | None = None,
 ) -> RunResult:
     """Fine-tune per `recipe` into the run directory `run` (already created): build, fit, finalize."""
     run = run if isinstance(run, RunDir) else RunDir(run)
-    job = FineTune(recipe, run, choice or Choice("recipe", "given"), resume=resume, callbacks=callbacks)
+    job = FineTune(recipe, run, choice or Choice("recipe", "given"), resume=resume, callbacks=callbacks,
+                   reward_fns=reward_fns)  # fmt: skip
     with job.recorded():
         job.build()
         job.fit()

@@ -116,6 +116,10 @@ def configure(recipe: Recipe, run_dir: Path) -> Tracking:
         os.environ["WANDB_MODE"] = _SET_BY_US["WANDB_MODE"] = tracking.mode
         _setdefault("WANDB_PROJECT", recipe.logging.wandb_project)
         _setdefault("WANDB_DIR", str(Path(run_dir).resolve()))
+        # W&B's quiet setting drops its version header and the ~30-line history and summary it prints when the run
+        # finishes (wandb sdk/wandb_run.py `_footer_history_summary_info`); all of it is still logged, and the banner
+        # says where the run lives. WANDB_QUIET=false in the environment brings the summary back.
+        _setdefault("WANDB_QUIET", "true")
     return tracking
 
 

@@ -130,3 +130,18 @@ def test_plan_prices_dora_above_plain_lora(capsys):
         "DoRA weight norms (kept)",
         "DoRA weight-norm working set",
     }
+
+
+def test_plan_shows_pissa_start_up_beside_an_unchanged_step_peak(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # the table's rows whole
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--seq-len", "2048",
+            "--set", "model.quantization=none", "--set", "memory.micro_batch_size=1", "--recipe", "24gb"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--set", "adapter.init=pissa", "--json"]) == 0
+    pissa = json.loads(capsys.readouterr().out)
+    assert pissa["predicted_peak_gb"] == lora["predicted_peak_gb"] and "startup_peak_gb" not in lora
+    assert 16 < pissa["startup_peak_gb"] < pissa["predicted_peak_gb"]  # the bf16 model + one gate_proj's SVD
+    assert main([*argv, "--set", "adapter.init=pissa"]) == 0
+    out = capsys.readouterr().out
+    assert "pissa init: SVD of gate_proj (once)" in out and "start-up peak" in out

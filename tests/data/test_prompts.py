@@ -16,7 +16,7 @@ GSM8K_ROW = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2.5", "gemma2", "mistral"])
+@pytest.fixture(scope="module", params=zoo.NAMES)  # every zoo family's tokenizer and chat template
 def tokenizer(request):
     return zoo.build_tokenizer(zoo.FAMILIES[request.param])
 

@@ -177,7 +177,7 @@ def estimate_record(est, rounded: bool = False) -> dict[str, Any]:
 
 # `Setup` fields added after the grid was recorded, with the value that means "not used": a setup that leaves one
 # there is recorded without it (the grid's setups use none of them), so its old record stays the one to match.
-ADDED_SINCE_RECORDED = {"use_dora": False}
+ADDED_SINCE_RECORDED = {"use_dora": False, "adapter_init": "default"}
 
 
 def setup_record(arch, fields: dict[str, Any]) -> dict[str, Any]:

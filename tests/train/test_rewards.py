@@ -242,3 +242,11 @@ def test_a_raising_reward_stops_trl_with_one_line(grpo_trainer, user_file):
     t.reward_funcs, t.reward_processing_classes, t.reward_func_names = [bad], [None], ["raises"]
     with pytest.raises(RewardFailed, match="raised ZeroDivisionError"):
         t._calculate_rewards([{"prompt": "q", "answer": "1"}], ["q"], ["#### 1"], [[1]])
+
+
+def test_the_recipe_knows_every_builtin_by_name():
+    """The recipe layer checks reward names without importing them (`lowmem_ft.recipe.rewards`)."""
+    from lowmem_ft.recipe.rewards import BUILTIN_REWARDS
+    from lowmem_ft.train.rewards import BUILTINS
+
+    assert tuple(BUILTINS) == BUILTIN_REWARDS

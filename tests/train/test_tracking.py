@@ -159,3 +159,15 @@ def test_wandb_online_without_its_server_falls_back_to_offline_once(tiny_model, 
     assert "logging offline" in said[0] and f"wandb sync {result.run_dir / 'wandb'}" in said[0]
     assert result.metrics["global_step"] == 2 and result.metrics["wandb_mode"] == "offline"
     assert list((result.run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_wandb_is_quiet_at_the_end_of_a_run_unless_asked(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.delenv("WANDB_QUIET", raising=False)
+    monkeypatch.setattr(tracking, "_SET_BY_US", {})
+    tracking.configure(resolve("8gb", ["logging.wandb_mode=offline"]), tmp_path)
+    assert os.environ["WANDB_QUIET"] == "true"  # no history / summary footer (everything is still logged)
+    monkeypatch.setenv("WANDB_QUIET", "false")
+    tracking.configure(resolve("8gb", ["logging.wandb_mode=offline"]), tmp_path)
+    assert os.environ["WANDB_QUIET"] == "false"  # the user's word wins
