@@ -519,7 +519,8 @@ def plan_setup(
     except UserError:
         # a length the user did not fix is lowered until the step fits: the data's p99, or for a preference run
         # (one pair is 2 rows, with the reference pass) the recipe's own length too
-        lowerable = from_data or (recipe.training.method != "sft" and "max_seq_len" not in fixed and not seq_len)
+        pairs = recipe.training.method in ("dpo", "orpo", "simpo", "kto")
+        lowerable = from_data or (pairs and "max_seq_len" not in fixed and not seq_len)
         fit = max_seq_len(arch, request, limit=length) if lowerable else 0
         if not fit:
             raise
