@@ -101,6 +101,11 @@ ODDS_RATIO_16BIT_LOGIT_COPIES = 2
 # in the forward and the backward windows. Measured: Gemma-2 ORPO full / SimPO QLoRA in the preference grid were
 # 15 / 19 % over the model's forward before it (2.1 B per logit, c = 2).
 SOFTCAP_LOGIT_COPIES = 1
+# TRL's fused LM head computes the outputs its trainer asks for: SFTTrainer's and DPOTrainer's include `is_top1`
+# (a bool tile per fold on the CPU, 1 B per tile element: 0.25 of CPU_TILE_FP32_FWD's fp32 copies), KTOTrainer's
+# do not (kto_trainer.py: log_probs, entropy, mean_logits). Measured: the four KTO points of
+# benchmarks/estimator_preference.md were 0.7-4.5 % over the forward before it (0.23-0.28 fp32 tile copies).
+IS_TOP1_TILE_BYTES = 1
 ORPO_NLL_COPIES = {"16bit": 1.0, "float32": 0.5}
 # ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
 # mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
@@ -338,6 +343,8 @@ SOURCES: dict[str, Source] = {
                                             "benchmarks/estimator_preference.md"),
     "SOFTCAP_LOGIT_COPIES": Source("code+measured", "transformers modeling_gemma2.py Gemma2ForCausalLM.forward; "
                                    "benchmarks/estimator_preference.md"),
+    "IS_TOP1_TILE_BYTES": Source("code+measured", "trl utils.py add_fused_lm_head outputs; kto_trainer.py; "
+                                 "benchmarks/estimator_preference.md"),
     "ORPO_NLL_COPIES": Source("code+measured", "trl experimental/orpo concatenated_forward; "
                               "benchmarks/estimator_preference.md"),
     "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),

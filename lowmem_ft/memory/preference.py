@@ -48,9 +48,12 @@ from lowmem_ft.memory.calibration import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
     HF_LOSS_BYTES_PER_LOGIT,
+    IS_TOP1_TILE_BYTES,
     ODDS_RATIO_16BIT_LOGIT_COPIES,
     ORPO_NLL_COPIES,
     SOFTCAP_LOGIT_COPIES,
+    TRL_TOKEN_CHUNK,
+    TRL_VOCAB_CHUNK,
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
@@ -145,15 +148,26 @@ def phase_peak(
     if method in ("orpo", "simpo"):
         return base + odds_ratio_loss_shift(arch, s, phase, method)
     ref_weights = reference_weight_bytes(arch, s, reference)
-    if phase != "forward" or reference in ("none", "precomputed"):
+    if phase != "forward":
         return base + ref_weights
+    if reference in ("none", "precomputed"):
+        return base + ref_weights - head_outputs_shift(arch, s, method)
     est = estimate(arch, s)
     by = est.by_name()
     static = est.phases["static"]
     static -= 0.0 if grads else by["gradients"]
     static -= 0.0 if states else sum(b for name, b in by.items() if name.startswith("optimizer states"))
     with_ref = static + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
-    return max(base, with_ref) + ref_weights
+    return max(base, with_ref) + ref_weights - head_outputs_shift(arch, s, method)
+
+
+def head_outputs_shift(arch: Architecture, s: Setup, method: Method) -> float:
+    """What the forward holds less when the trainer's fused LM head computes no `is_top1` (KTO's: its bool tile per
+    fold on the CPU, IS_TOP1_TILE_BYTES); 0 for the other methods and on CUDA (Triton folds in registers)."""
+    if method != "kto" or s.device != "cpu" or s.loss_impl != "trl_fused":
+        return 0.0
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    return IS_TOP1_TILE_BYTES * min(n, TRL_TOKEN_CHUNK) * min(arch.vocab_size, TRL_VOCAB_CHUNK)
 
 
 def method_estimate(arch: Architecture, est: Estimate, method: Method, given: str = "auto") -> Estimate:
@@ -177,6 +191,7 @@ def method_estimate(arch: Architecture, est: Estimate, method: Method, given: st
             comps.append(Component("reference pass (no grad, after the policy's forward)", at - phases["forward"],
                                    "forward", "TRL DPOTrainer._compute_loss"))  # fmt: skip
             phases["forward"] = at
+    phases["forward"] -= head_outputs_shift(arch, s, method)
     if method in ("orpo", "simpo"):  # their loss runs outside the forward, ORPO's NLL copies the chosen logits
         phases["forward"] += odds_ratio_loss_shift(arch, s, "forward", method)
         shift = odds_ratio_loss_shift(arch, s, "backward", method)
