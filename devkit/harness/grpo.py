@@ -43,6 +43,16 @@ class Case:
     gradient_accumulation: int = 2
     beta: float = 0.0
     gradient_checkpointing: bool = True
+    # optimizer steps: the second is the steady state (the optimizer's states exist in every phase); the first
+    # optimizer step makes its states tensor by tensor, under the estimate's "states alive" envelope
+    steps: int = 2
+
+    @property
+    def optimizer_steps(self) -> int:
+        """`steps`, or more so that a second round runs (a round covering two optimizer steps needs a third): the
+        second round generates beside the first's buffer and the optimizer's states, the steady state."""
+        second_round = -(-(self.steps_per_generation + 1) // self.gradient_accumulation)
+        return max(self.steps, second_round) if self.steps > 1 else self.steps
 
 
 def _recipe(model_dir: Path, case: Case):
@@ -161,8 +171,10 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
         recipe = _recipe(model_dir, case)
         model = build_model(recipe)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        rows = case.micro_batch * case.steps_per_generation * case.gradient_accumulation // case.steps_per_generation
-        prompts = _prompts(tokenizer, max(2, rows // case.num_generations) * 2, case.prompt_len)
+        # enough prompts that no epoch ends inside the run (an epoch's end cuts an accumulation short, and a round
+        # shorter than the run would never be followed by a second)
+        micro_steps = case.optimizer_steps * case.gradient_accumulation + 3 * case.steps_per_generation
+        prompts = _prompts(tokenizer, -(-micro_steps * case.micro_batch // case.num_generations), case.prompt_len)
         config = GRPOConfig(
             output_dir=str(Path(tmp) / "out"),
             per_device_train_batch_size=case.micro_batch,
@@ -172,7 +184,7 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
             max_completion_length=case.completion_len,
             generation_kwargs={"min_new_tokens": case.completion_len},
             beta=case.beta,
-            max_steps=1,
+            max_steps=case.optimizer_steps,
             optim=setup_from_recipe(recipe, device="cpu").optimizer,
             learning_rate=1e-4,
             gradient_checkpointing=case.gradient_checkpointing,
@@ -201,9 +213,9 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
             trainer.train()
         peaks["marks"] = [(m.label, m.live_bytes, m.peak_bytes) for m in pm.marks]  # type: ignore[assignment]
         meter.clear()
-        arch = Architecture.from_config(
-            model.config.to_dict() if not hasattr(model, "get_base_model") else model.get_base_model().config.to_dict()
-        )
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.to_dict()
+        peaks["config"] = config  # type: ignore[assignment]
+        arch = Architecture.from_config(config)
         setup = setup_from_recipe(recipe, device="cpu")
         del trainer, model
         gc.collect()
@@ -219,8 +231,11 @@ def predict(case: Case, arch: Architecture, setup) -> dict[str, float]:
         num_generations=case.num_generations,
         steps_per_generation=case.steps_per_generation,
         beta=case.beta,
+        frees_spent_round=False,  # TRL's own trainer keeps it until the next round is made
+        adapter_bf16=True,  # and casts a quantized model's adapter to bf16 (lowmem-ft's trainer undoes that)
     )
-    return phase_peaks(arch, setup, shape, states=False)  # one optimizer step: its states are made in it
+    # each phase's peak over the steps: the last step's, whose optimizer states exist (one step: made in it)
+    return phase_peaks(arch, setup, shape, states=case.steps > 1)
 
 
 CASES = (

@@ -41,7 +41,7 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="with --vram: trace the plan's training step at full size on the CPU before loading weights (the "
-        "installed library versions; minutes for a 7B model), planning again if it is over the budget",
+        "installed library versions; about a minute of CPU time at any depth), planning again if it is over the budget",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="shipped recipe name or YAML file")
     flags.add_key_flags(p, "--host-ram")

@@ -58,6 +58,11 @@ TRL_VOCAB_CHUNK = 32768
 # needs no upcast: only mm_buf and the fp32 gradient accumulators remain (read from the code, not measured here).
 CPU_TILE_FP32_FWD = 3.25
 CPU_TILE_FP32_BWD = 7.25
+# The is_top1 share of the forward fold (`before_target`, 1 B per logit): GRPOTrainer installs the head with
+# outputs=("log_probs", "entropy") (grpo_trainer.py `add_fused_lm_head`), so its fold peaks at 3.0 fp32 tiles —
+# measured: TRL's GRPO forward (and its no-grad scoring passes) 1 B per logit under the SFT fold, 241,904 B of
+# 253,952 at 124 × 2,048 logits (devkit/harness/grpo.py, zoo llama3 LoRA).
+CPU_TILE_TOP1_FWD = 0.25
 # memory.chunked_loss (lowmem_ft/train/losses.py ChunkedLinearCrossEntropy): a chunk of k tokens; by default
 # (no chunk size set) 64 MiB of fp32 logits, i.e. 64 MiB / (4·V) tokens (110 at a 152k vocabulary).
 # Working sets per logit of the chunk, measured with PeakMemory on the function alone (n 2000, h 64, V 8000, k 500;
@@ -286,6 +291,11 @@ MOE_BWD_UP_I_CKPT, MOE_BWD_UP_I = 3, 4
 # - ids and attention mask, int64, grown by one column per new token: 2 × 8 B per row-token; with the KV cache
 #   (bf16: 256 B per row-token on these models) the decode peak grows by exactly 272 B per row per completion token.
 GRPO_IDS_BYTES_PER_TOKEN = 2 * 8
+# - TRL's own prompt tensors, alive around the `generate` call (`_generate_single_turn`, HF path): one int64 tensor
+#   per prompt and its `ones_like`, then the left-padded ids and attention mask, int64, per row-token of the
+#   prompts: 4 × 8 B. The prefill runs on the padded ones (no copy); the decode's grown ids and mask are beside them.
+#   (The constants above were fitted around `generate` alone, where these were already alive.)
+GRPO_PROMPT_BYTES_PER_TOKEN = 4 * 8
 # - sampling, per row: the c-byte logits of the last position (logits_to_keep=1) and six fp32 vocabulary-sized
 #   tensors (the fp32 copy, the logits processors' outputs — min_new_tokens' among them —, softmax, multinomial's
 #   working copy): R 8 → 16 adds 53,560 B per row at V 2,048 and 70,200 at V 2,688 beyond KV and ids = 26.1 B per
@@ -299,9 +309,18 @@ GRPO_SAMPLING_FP32_VOCAB_FIXED = 2
 #   normed input and the attention output (3·c·h) and RoPE's cos/sin (2·c·head_dim). Predicted 1,984 / 3,392 B per
 #   prompt token (full / LoRA) against 2,000 / 3,408 measured (P 48 → 96, 8 rows; both families).
 GRPO_PREFILL_HIDDEN = 3
-# The round's buffered inputs (`_generate_and_score_completions` → `_buffered_inputs`): prompt ids and mask,
-# completion ids and mask, int64, per row-token.
-GRPO_ROUND_BYTES_PER_TOKEN = 4 * 8
+# - with eager attention (Gemma-2) the prefill's peak moves to the attention once the prompts are long: one fp32
+#   score tensor (R × heads × P²) beside the layer's other tensors, which hold one c·h per token fewer than the MLP
+#   moment. Measured with PeakMemory on a no-grad forward of zoo Gemma-2 LoRA (8 rows, P 8 / 16 / 32 / 64):
+#   exactly 3,481·R·P + 16·R·P² B at P 32 and 64 (16 = 4 heads × 4 B; 3,481 = the MLP moment's 3,609 − c·h), the
+#   MLP moment below P 16.
+GRPO_EAGER_PREFILL_SCORES = 1
+# The round's buffered inputs (`_generate_and_score_completions` → `_buffered_inputs`): prompt ids and mask over the
+# prompt's tokens, completion ids and mask over the completion's, int64: 2 × 8 B per row-token (the shuffle's
+# permuted copies, split into views, `shuffle_sequence_dict` / `split_tensor_dict`). `_prepare_inputs` replaces the
+# buffer only once the next round is made, so the previous round's is alive through the next generation and scoring
+# (measured: the second round's generation 4,136 B above the first's on zoo llama3, R 8 × 32 tokens + advantages).
+GRPO_ROUND_BYTES_PER_TOKEN = 2 * 8
 
 
 # -- where each constant comes from ---------------------------------------------------------------------------------
@@ -329,6 +348,9 @@ SOURCES: dict[str, Source] = {
     "TRL_TOKEN_CHUNK": Source("code", "trl kernels/chunked_logprob.py, trainer/utils.py add_fused_lm_head"),
     "TRL_VOCAB_CHUNK": Source("code+measured", "trl kernels/chunked_logprob.py mm_buf; PeakMemory 512 × 8000 tile"),
     "CPU_TILE_FP32_FWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
+    "CPU_TILE_TOP1_FWD": Source(
+        "code+measured", "trl chunked_logprob.py _forward_tile; devkit/harness/grpo.py forward, benchmarks/grpo_cpu.md"
+    ),
     "CPU_TILE_FP32_BWD": Source("measured", "PeakMemory trace of trl ChunkedLogProbFunction (N 512, V 8000, bf16)"),
     "CHUNK_FP32_BYTES": Source("code", "lowmem_ft/train/losses.py ChunkedLinearCrossEntropy (64 MiB of logits)"),
     "CHUNK_FWD_BYTES_PER_LOGIT": Source("measured", _CHUNKED),
@@ -392,8 +414,10 @@ SOURCES: dict[str, Source] = {
     "MOE_BWD_UP_I_CKPT": Source("measured", _MOE),
     "MOE_BWD_UP_I": Source("measured", _MOE),
     "GRPO_IDS_BYTES_PER_TOKEN": Source("code+measured", _GRPO),
+    "GRPO_PROMPT_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_single_turn (regular generation path)"),
     "GRPO_SAMPLING_FP32_PER_VOCAB": Source("measured", _GRPO),
     "GRPO_SAMPLING_FP32_VOCAB_FIXED": Source("measured", _GRPO),
+    "GRPO_EAGER_PREFILL_SCORES": Source("measured", "PeakMemory, no-grad forward of zoo Gemma-2 LoRA, P 8..64; " + _GRPO),
     "GRPO_PREFILL_HIDDEN": Source("code+measured", _GRPO),
     "GRPO_ROUND_BYTES_PER_TOKEN": Source("code", "trl grpo_trainer.py _generate_and_score_completions"),
 }  # fmt: skip

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowmem_ft.memory.activations import attention_mask_bytes, head_saved_bytes, layer_activation_bytes
+from lowmem_ft.memory.activations import attention_mask_bytes, head_saved_bytes
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.calibration import (
-    BATCH_BYTES_PER_TOKEN,
-)
+from lowmem_ft.memory.calibration import BATCH_BYTES_PER_TOKEN, GRPO_PREFILL_HIDDEN
 from lowmem_ft.memory.experts import moe_eval_bytes
 from lowmem_ft.memory.linears import lora_linears
 from lowmem_ft.memory.loss import loss_bytes
@@ -18,6 +16,9 @@ from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup, effective_setup
 from lowmem_ft.memory.savers import TILED_MLP
 from lowmem_ft.memory.static import _static_components
+
+MLP_INPUT_LINEARS = {"gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "w1", "w3"}  # fed by the MLP's norm
+OUTPUT_LINEARS = {"o_proj", "dense", "out_proj", "c_proj", "wo"}  # the attention's output projection
 
 
 def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
@@ -39,6 +40,39 @@ def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
     if arch.mlp == "gated":
         return (2 * c + 8) * i if "up_proj" in adapted else 3 * c * i
     return (c + 8) * i if adapted & {"up_proj", "fc1", "c_fc"} else 2 * c * i
+
+
+def eval_layer_bytes(arch: Architecture, s: Setup) -> float:
+    """One decoder layer's tensors in flight without autograd, at the larger of its two moments (bytes, for
+    `s.tokens` tokens). Traced at full size (`lowmem_ft.train.trace`, the eval forward of Llama-3.1-8B's and
+    gemma-2-9b's 24 GB plans, the peak located by stack): the training layer's saved tensors, the bound used before,
+    over-predicted the Llama-3.1-8B eval by 0.86 GB (+3.0 %) and counted no eager scores at all (gemma-2-9b's eval
+    at 16 × 2,048 has 10.7 GB of them in flight).
+
+    MLP: its tensors in flight (`eval_mlp_bytes`, one tile's tokens when tiled) and, with LoRA on its input linears,
+    peft's fp32 cast of the normed input (4·h), beside the layer input, the residual and the normed input (3·c·h)
+    and RoPE's cos/sin: 213,504 B/token predicted, 213,504 + ~1.7 kB of ids and masks traced (Llama-3.1-8B). The
+    same moment as GRPO's prefill (calibration.GRPO_PREFILL_HIDDEN). Attention: the output projection (the layer
+    input, the normed input, the attention output and its contiguous copy, the base result; with LoRA the fp32 cast
+    of its input and lora_B's fp32 output and scaled copy) — 96,256 of 96,386 B/token traced — or, with eager
+    attention, the softmax: its c-byte input, fp32 upcast and fp32 output per score (10 B at bf16, 8 at fp32: no
+    upcast) beside q, the
+    scaled q, k and v repeated to every head and the unrepeated k and v (gemma-2-9b: 10.74 GB of scores and 55.3
+    of 55.4 kB/token traced)."""
+    c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
+    cast = 4 * h if not arch.moe and adapted & MLP_INPUT_LINEARS else 0
+    hidden = GRPO_PREFILL_HIDDEN * c * h + 2 * c * arch.head_dim
+    mlp = (eval_mlp_bytes(arch, s) + cast) * TILED_MLP.eval_tokens(arch, s) + hidden * t
+    o_proj = 2 * c * h + 2 * c * q + c * h + 2 * c * kv + (4 * q + 8 * h if adapted & OUTPUT_LINEARS else 0)
+    attention = o_proj * t
+    if s.attn_implementation == "eager":
+        # softmax(..., dtype=float32) upcasts a bf16 input (a copy) beside its fp32 output; an fp32 input is its own
+        per_score = c + 4 + (4 if c < 4 else 0)
+        scores = per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+        attention = max(attention, scores + (2 * c * h + 4 * c * q + 2 * c * kv) * t)
+    return max(mlp, attention)
 
 
 def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
@@ -67,11 +101,11 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
     # Without autograd nothing outlives its layer: the peak is one layer's tensors in flight (beside the dequantized
-    # weight), or later the loss's forward beside the final norm and loss input — never both (measured with the
-    # exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them over-predicted by up to 25 %).
-    # A tiled MLP's tiles run one after another: one tile's MLP tensors at a time.
-    mlp = eval_mlp_bytes(arch, es) * TILED_MLP.eval_tokens(arch, es)
-    layer = max(layer_activation_bytes(arch, es) * t, mlp) + 2 * c * arch.hidden_size * t
-    transient = max(layer + dequant, head_saved_bytes(arch, es) * t + loss_fwd) + attention_mask_bytes(arch, es)
+    # weight), or later the loss's forward beside the final norm's output and the loss input — never both
+    # (measured with the exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them
+    # over-predicted by up to 25 %).
+    layer = eval_layer_bytes(arch, es)
+    head = (c * arch.hidden_size + head_saved_bytes(arch, es, eval_only=True)) * t
+    transient = max(layer + dequant, head + loss_fwd) + attention_mask_bytes(arch, es)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
     return static + transient + overhead_bytes(device_overheads(s, transient))

@@ -14,6 +14,7 @@ from lowmem_ft.memory.calibration import (
     CHUNK_FWD_BYTES_PER_LOGIT_SOFTCAP_FP32,
     CPU_TILE_FP32_BWD,
     CPU_TILE_FP32_FWD,
+    CPU_TILE_TOP1_FWD,
     HF_LOSS_BYTES_PER_LOGIT,
     TRL_TOKEN_CHUNK,
     TRL_VOCAB_CHUNK,
@@ -98,7 +99,7 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     # on return, the c-byte casts of the accumulators (`grad_hidden.to(hidden.dtype)`, `grad_weight.to(...)`)
     tail = c * n * h + (c * v * h if trained_head else 0)
     if s.device == "cpu":
-        fwd = mm_buf + 4 * CPU_TILE_FP32_FWD * tile
+        fwd = mm_buf + 4 * (CPU_TILE_FP32_FWD - (CPU_TILE_TOP1_FWD if s.loss_impl == "trl_fused_logps" else 0)) * tile
         addmm = 4 * tile + 4 * cols * h + (4 * rows * h if trained_head else 0)
         # final-logit softcapping keeps tanh's fp32 output `t` beside y and z through the fold (_backward_tile)
         tiles_bwd = CPU_TILE_FP32_BWD + (1 if arch.final_logit_softcapping else 0)

@@ -15,7 +15,8 @@ GB = 1e9  # lowmem-ft speaks decimal GB, as `--vram 24` does
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-LossImpl = Literal["trl_fused", "hf_full", "chunked"]
+# "trl_fused_logps": TRL's fused head asked for log-probs and entropy only (GRPOTrainer), not SFTTrainer's is_top1
+LossImpl = Literal["trl_fused", "trl_fused_logps", "hf_full", "chunked"]
 
 
 Device = Literal["cuda", "cpu"]

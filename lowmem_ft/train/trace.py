@@ -25,6 +25,10 @@ read (`.item()`, `.tolist()`: bitsandbytes' code maps, the optimizer's step) and
 and neither runs `train`'s build path. Here the accounting is the CPU measurement's own, so trace and measurement
 differ only where execution does.
 
+Depth: a model with more decoder layers than needed is traced at two small depths (e.g. 2 and 3 of 32 layers) and
+extrapolated to its own, exactly, as every byte count is affine in the number of repeating layers
+(`lowmem_ft.train.trace_layers`); `Trace.how()` says which depths were traced.
+
 bitsandbytes: its operators have fake kernels (`bitsandbytes/_ops.py`), so quantizing, dequantizing and the 8-bit
 optimizer's update run under fake tensors; its parameter classes (`Params4bit`, `Int8Params`) cannot hold a fake
 tensor (`Tensor._make_subclass` refuses a tensor that is already a FakeTensor). So a quantized layer's weight is
@@ -42,7 +46,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -52,6 +55,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.train.trace_layers import Layers
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,10 @@ def _long_indices(indices: list) -> list:
         else:
             out.append(index)
     return out
+
+
+# phase labels of `trace`, in order (the yardstick's, `devkit.harness.estimator.measure`, plus "eval")
+STEPS = ((1, 1), (2, 1), (2, 2))
 
 
 def _storage_bytes(out: Any) -> int:
@@ -344,6 +352,14 @@ class Trace:
     marks: dict[str, tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     host_bytes: int = 0  # the input embedding table kept in host memory (memory.embeddings_on_host), not counted
+    depth: Layers | None = None  # traced at two smaller depths and extrapolated (None: traced whole)
+
+    def how(self) -> str:
+        """How the trace was made, for the user: whole, or from which depths."""
+        if self.depth is None:
+            return "traced whole"
+        small, large = self.depth.traced
+        return f"traced at {small} and {large} of {self.depth.total} decoder layers and extrapolated"
 
     @property
     def phases(self) -> dict[str, int]:
@@ -365,10 +381,13 @@ class Trace:
         return max(peak for label, (peak, _) in self.marks.items() if label != "eval")
 
 
-def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0) -> dict:
+def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None) -> dict:
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
-    `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live)."""
-    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step
+    `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live).
+    `segments` (`trace_layers.Segments`): also each mark's peak before, inside and after the decoder stack."""
+    from contextlib import nullcontext
+
+    from lowmem_ft.train.measure import PeakMemory
 
     m = recipe.memory
     trainable = [q for q in model.parameters() if q.requires_grad]
@@ -376,27 +395,43 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
     lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in STEPS]
     model.train()
     with PeakMemory(device="cpu", roots=[model, optimizer.state]) as pm:
-        pm.mark("static")
-        forward = partial(fused_head_loss, model)
-        measured_step(pm, batches(vocab, m.micro_batch_size, lengths), forward, optimizer, trainable,
-                      recipe.optimizer.max_grad_norm or 1.0)  # fmt: skip
+        mark = pm.mark if segments is None else lambda label: segments.mark(pm, label)
+        watch = (lambda backward: nullcontext()) if segments is None else lambda backward: segments.watch(pm, backward)
+        mark("static")
+        for (step, micro), (ids, mask, labels) in zip(STEPS, batches(vocab, m.micro_batch_size, lengths), strict=True):
+            with watch(False):
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
+            mark(f"forward {step}.{micro}")
+            with watch(True):
+                loss.backward()
+            del out, loss
+            mark(f"backward {step}.{micro}")
+            if micro == step:
+                torch.nn.utils.clip_grad_norm_(trainable, recipe.optimizer.max_grad_norm or 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                mark(f"optimizer {step}")
         if eval_rows:
             model.eval()
             ids, mask, labels = next(batches(vocab, eval_rows, [m.max_seq_len]))
-            with torch.no_grad():  # SFTTrainer.prediction_step → compute_loss: the same fused head as training
+            with torch.no_grad(), watch(False):  # SFTTrainer.prediction_step → compute_loss: the fused head too
                 out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
                 loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
                 del out, loss
-            pm.mark("eval")
+            mark("eval")
             model.train()
     return {mark.label: (mark.peak_bytes, mark.live_bytes) for mark in pm.marks}
 
 
-def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 8) -> Trace:
+def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 8, whole: bool = False) -> Trace:
     """Trace `recipe`'s training step at its full batch (micro_batch_size × max_seq_len) without weights.
 
-    `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only)."""
-    from transformers import set_seed
+    `config`: the model's transformers config (default: read from `recipe.model.name_or_path`, config.json only).
+    Unless `whole`, a model with more decoder layers than the trace needs is traced at two smaller depths and
+    extrapolated to its own (`lowmem_ft.train.trace_layers`: exact, as the bytes are affine in the depth)."""
+    from lowmem_ft.train import trace_layers
+    from lowmem_ft.train.model import torch_dtype
 
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
@@ -406,19 +441,38 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
                         "not traced yet (plan without --verify)")  # fmt: skip
     started = time.perf_counter()
     config = config if config is not None else model_config(recipe)
+    depth = None if whole else trace_layers.plan(_model_class(config), config, torch_dtype(recipe.model.compute_dtype))
+    if depth is None:
+        segments, host = _traced(recipe, config, eval_rows, warmup_seq)
+        return Trace(segments.marks(), time.perf_counter() - started, host)
+    small, host = _traced(recipe, trace_layers.truncated(config, depth.first), eval_rows, warmup_seq)
+    large, _ = _traced(recipe, trace_layers.truncated(config, depth.first + depth.period), eval_rows, warmup_seq)
+    return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, host, depth)
+
+
+def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int):
+    """One trace of the model `config` describes, as it is: `trace_layers.Segments` (each mark's peak before,
+    inside and after the decoder stack, host bytes taken out) and the host bytes."""
+    from transformers import set_seed
+
+    from lowmem_ft.train.trace_layers import Segments, decoder_layers
+
     shadow = Shadow()
     set_seed(recipe.training.seed)
     model = build(recipe, config, shadow)
+    text = config.get_text_config()
+    found = decoder_layers(model, text.num_hidden_layers)
+    segments = Segments(found[1] if found else None)
     with shadow:
         install_loss(model, recipe)
         optimizer = optimizer_for(model, recipe)
-        marks = run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows)
+        run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments)
     host = _host_table_bytes(model) if recipe.memory.embeddings_on_host else 0
-    marks = {label: (peak - host, live - host) for label, (peak, live) in marks.items()}
+    segments.remove()
     _forget(model)
     del model, optimizer
     gc.collect()
-    return Trace(marks, time.perf_counter() - started, host)
+    return segments.less(host), host
 
 
 def _host_table_bytes(model) -> int:

@@ -28,6 +28,7 @@ class Verification:
     predicted: dict[str, float]
     seconds: float
     plan_peak: float | None = None  # the plan's (device) peak, bytes
+    how: str = "traced whole"  # or from which depths it was extrapolated (`Trace.how`)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,26 +59,32 @@ class Verification:
                 out.append(f"  {phase:15} traced {t / GB:7.2f} GB  predicted {p / GB:7.2f} GB  ({(p - t) / t:+.1%})")
         out.append(
             f"traced {self.traced_peak / GB:.2f} GB, predicted {self.predicted_peak / GB:.2f} GB ({self.error:+.1%}) "
-            f"— live tensor bytes on the CPU, installed library versions, traced in {self.seconds:.0f} s"
+            f"— live tensor bytes on the CPU, installed library versions; {self.how} in {self.seconds:.0f} s"
         )
         return out
 
 
 def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = None) -> Verification:
     """Trace `recipe`'s step (with an evaluation forward at its eval batch) and predict the same phases."""
+    from lowmem_ft.train.args import eval_batch_size
+    from lowmem_ft.train.trace import trace
+
+    result = trace(recipe, eval_rows=eval_batch_size(recipe))
+    return Verification(result.phases, predict(recipe, arch), result.seconds, plan_peak_bytes, how=result.how())
+
+
+def predict(recipe: Recipe, arch: Architecture) -> dict[str, float]:
+    """The memory model's CPU form of the phases `verify` traces (eval at the recipe's eval batch)."""
     from dataclasses import replace
 
     from lowmem_ft.choosing import setup_from_recipe
     from lowmem_ft.train.args import eval_batch_size
-    from lowmem_ft.train.trace import trace
 
-    rows = eval_batch_size(recipe)
-    result = trace(recipe, eval_rows=rows)
     # on the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), in the trace as in a CPU run
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
-    predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=rows), "eval")
-    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes)
+    predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=eval_batch_size(recipe)), "eval")
+    return predicted
 
 
 def margin_override(margin_gb: float) -> dict:

@@ -86,8 +86,8 @@ def test_bitsandbytes_cpu_step_copies(elem, min_numel, copies):
 
 
 def test_eval_peak_is_the_layer_or_the_loss_not_their_sum():
-    """The tiny vocabulary's loss dominates: the eval peak is the loss's forward beside the final norm's output,
-    not the loss plus a layer's tensors (what the model summed before real runs were measured)."""
+    """The tiny vocabulary's loss dominates: the eval peak is the loss's forward beside the final norm's output and
+    the loss input, not the loss plus a layer's tensors (what the model summed before real runs were measured)."""
     from lowmem_ft.memory.estimate import BATCH_BYTES_PER_TOKEN, attention_mask_bytes, head_saved_bytes, loss_bytes
 
     s = replace(CPU, lora_dropout=0.0)
@@ -96,7 +96,10 @@ def test_eval_peak_is_the_layer_or_the_loss_not_their_sum():
     batch = BATCH_BYTES_PER_TOKEN * s.tokens * 2  # the eval batch and the loader's next one
     mask = attention_mask_bytes(TINY, s)  # a padded batch: its bool mask, b × s × s
     assert mask == 4 * s.max_seq_len**2
-    assert eval_peak_bytes(TINY, s, 4) == static + head_saved_bytes(TINY, s) * s.tokens + loss_fwd + batch + mask
+    c = 4  # float32
+    assert head_saved_bytes(TINY, s, eval_only=True) == c * TINY.hidden_size  # TRL's fused head: its c-byte copy
+    head = 2 * c * TINY.hidden_size * s.tokens  # the final norm's output and that copy
+    assert eval_peak_bytes(TINY, s, 4) == static + head + loss_fwd + batch + mask
 
 
 def test_eval_mlp_in_flight_as_measured():
