@@ -233,6 +233,7 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
         # the method's trainer computes its own loss (TRL's fused head for DPO, full logits for ORPO / SimPO): the
         # planner must not swap in the chunked loss, which these runs have not been checked with
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
+        kw |= {"method": recipe.training.method, "reference": recipe.preference.reference}
     return Request(start, target, **beside, **kw)
 
 
@@ -279,12 +280,15 @@ def _preference_value(recipe: Recipe, name: str, planned: Any) -> Any:
     pair), and the dropout and loss the method's trainer fixes (`memory.preference.method_setup`) left as given."""
     if name != "micro_batch_size":
         return getattr(setup_from_recipe(recipe), name)
-    if planned < 2:
+    from lowmem_ft.memory.preference import rows_per_micro_batch
+
+    per = rows_per_micro_batch(recipe.training.method, 1)  # type: ignore[arg-type]
+    if planned < per:  # the planner searches whole pairs: only a micro batch the user fixed gets here
         raise UserError(
             f"--method {recipe.training.method}: one pair (2 rows: chosen and rejected) does not fit the budget; "
             "lower --seq-len, or a larger --vram"
         )
-    return planned // 2
+    return planned // per
 
 
 # -- the record of the choice -----------------------------------------------------------------------------------
@@ -513,16 +517,23 @@ def plan_setup(
     try:
         return plan(arch, request)
     except UserError:
-        if not from_data:
-            raise
-        fit = max_seq_len(arch, request, limit=length)
+        # a length the user did not fix is lowered until the step fits: the data's p99, or for a preference run
+        # (one pair is 2 rows, with the reference pass) the recipe's own length too
+        pairs = recipe.training.method in ("dpo", "orpo", "simpo", "kto")
+        lowerable = from_data or (pairs and "max_seq_len" not in fixed and not seq_len)
+        fit = max_seq_len(arch, request, limit=length) if lowerable else 0
         if not fit:
             raise
-    samples, tokens = profile.over(fit)
-    why = (
-        f"{fit} tokens: the longest that fits (p99 {profile.p99} does not); {samples} samples longer, {tokens} "
-        f"tokens beyond it (data.truncate={recipe.data.truncate})"
-    )
+    if from_data:
+        samples, tokens = profile.over(fit)
+        why = (
+            f"{fit} tokens: the longest that fits (p99 {profile.p99} does not); {samples} samples longer, {tokens} "
+            f"tokens beyond it (data.truncate={recipe.data.truncate})"
+        )
+    else:
+        from lowmem_ft.memory.preference import lowered_length_reason
+
+        why = lowered_length_reason(recipe.training.method, fit, length)  # type: ignore[arg-type]
     return plan(arch, replace(request, start=replace(request.start, max_seq_len=fit), length_reason=why))
 
 

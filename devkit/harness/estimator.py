@@ -15,6 +15,7 @@ import json
 import statistics
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
+    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)
@@ -126,22 +127,9 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     # optimizer kernels are Python, and PeakMemory counts their temporaries (measure.python_cpu_kernels)
     with PeakMemory(roots=[model, optimizer.state]) as pm:
         pm.mark("static")
-        steps = ((1, 1), (2, 1), (2, 2))
-        lengths = [p.seq if (step, micro) == (2, 2) else warmup_seq for step, micro in steps]
-        for (step, micro), (ids, mask, labels) in zip(
-            steps, trainer_batches(vocab, p.batch, lengths, gen), strict=True
-        ):
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
-            pm.mark(f"forward {step}.{micro}")
-            loss.backward()
-            del out, loss
-            pm.mark(f"backward {step}.{micro}")
-            if micro == step:  # step 1: accumulation 1; step 2: accumulation 2
-                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                pm.mark(f"optimizer {step}")
+        lengths = [p.seq if s == (2, 2) else warmup_seq for s in STEPS]
+        batches = trainer_batches(vocab, p.batch, lengths, gen)
+        measured_step(pm, batches, partial(fused_head_loss, model), optimizer, trainable)
         phases = {m.label: (m.peak_bytes, m.live_bytes) for m in pm.marks}
         phases["peak"] = (pm.peak_bytes, pm.live_bytes)
     del model, base, optimizer, trainable, pm

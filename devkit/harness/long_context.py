@@ -14,6 +14,7 @@ import gc
 import json
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from devkit.harness.estimator import trainer_batches, write_model  # noqa: F401 (write_model: this module's API too)
@@ -110,7 +111,7 @@ def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tup
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)
@@ -126,22 +127,9 @@ def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tup
     gen = torch.Generator().manual_seed(1)
     with PeakMemory() as pm:  # bitsandbytes' Python CPU optimizer kernels run under its mode (python_cpu_kernels)
         pm.mark("static")
-        steps = ((1, 1), (2, 1), (2, 2))
-        lengths = [p.seq if (step, micro) == (2, 2) else warmup_seq for step, micro in steps]
-        for (step, micro), (ids, mask, labels) in zip(
-            steps, trainer_batches(vocab, p.batch, lengths, gen), strict=True
-        ):
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
-            pm.mark(f"forward {step}.{micro}")
-            loss.backward()
-            del out, loss
-            pm.mark(f"backward {step}.{micro}")
-            if micro == step:
-                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                pm.mark(f"optimizer {step}")
+        lengths = [p.seq if s == (2, 2) else warmup_seq for s in STEPS]
+        batches = trainer_batches(vocab, p.batch, lengths, gen)
+        measured_step(pm, batches, partial(fused_head_loss, model), optimizer, trainable)
         # With host embeddings the table lives in host memory; on this CPU-only yardstick host and device are one
         # memory, so the table's bytes (alive throughout, nothing else on the host) are taken out of every figure.
         host = _host_table_bytes(model) if p.host_embeddings else 0

@@ -181,10 +181,9 @@ def print_preference(result, r) -> None:
     from lowmem_ft.memory.preference import plan_lines
 
     arch = load_architecture(r.model.name_or_path, r.model.trust_remote_code)
-    passes = r.training.epochs if r.training.max_steps <= 0 else 1.0  # max_steps: at least as long as precomputing
     for line in plan_lines(
-        arch, result.estimate.setup, r.training.method, budget_bytes=result.budget_gb * 1e9,
-        policy_peak_bytes=result.estimate.peak_bytes, passes=passes,
+        arch, result.estimate.setup, r.training.method, given=r.preference.reference,
+        budget_bytes=result.budget_gb * 1e9, policy_peak_bytes=result.estimate.peak_bytes,
     ):  # fmt: skip
         print(f"  {line}")
 

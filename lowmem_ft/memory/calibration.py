@@ -91,6 +91,27 @@ CHUNKED_LABEL_BYTES, CHUNKED_POSITION_BYTES = 8 + 4, 2
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT = 4 + 4 + 4  # plus the c-byte logits themselves
+# TRL's experimental ORPO / CPO (SimPO) loss, outside the model's forward, on 16-bit logits: `selective_log_softmax`
+# (trl/trainer/utils.py) takes its row-by-row path for bf16/fp16 — each row's log_softmax (c bytes) is saved, and the
+# backward frees them row by row while the logits' gradient fills — so the backward window holds ~2 c-byte copies of
+# the logits, not ForCausalLMLoss's fp32 upcasts (c + 12). fp32 logits take its logsumexp path, which the
+# hf_full count matches (16.9 / 14.9 B per logit measured, c = 4). ORPO's NLL over the chosen half
+# (`cross_entropy_loss`: a contiguous copy and its log_softmax, c bytes each per chosen logit) adds ORPO_NLL_COPIES
+# c-byte copies per logit of the whole batch: 1 with 16-bit logits (both alive at the peak), 0.5 in fp32 (the copy is
+# freed first). Measured: benchmarks/estimator_preference.md (devkit/harness/preference.py, bf16 zoo models at the
+# grid's width; SimPO Qwen2.5 LoRA 4 rows × 96: the backward 37.64 MB measured, 78.5 MB with hf_full's count).
+ODDS_RATIO_16BIT_LOGIT_COPIES = 2
+# Final-logit softcapping (Gemma-2: modeling_gemma2.py `logits / cap`, `tanh`, `* cap`) on the full logits a model
+# returns: tanh's output (c bytes per logit) is saved for its backward while the graph lives, one more c-byte copy
+# in the forward and the backward windows. Measured: Gemma-2 ORPO full / SimPO QLoRA in the preference grid were
+# 15 / 19 % over the model's forward before it (2.1 B per logit, c = 2).
+SOFTCAP_LOGIT_COPIES = 1
+# TRL's fused LM head computes the outputs its trainer asks for: SFTTrainer's and DPOTrainer's include `is_top1`
+# (a bool tile per fold on the CPU, 1 B per tile element: 0.25 of CPU_TILE_FP32_FWD's fp32 copies), KTOTrainer's
+# do not (kto_trainer.py: log_probs, entropy, mean_logits). Measured: the four KTO points of
+# benchmarks/estimator_preference.md were 0.7-4.5 % over the forward before it (0.23-0.28 fp32 tile copies).
+IS_TOP1_TILE_BYTES = 1
+ORPO_NLL_COPIES = {"16bit": 1.0, "float32": 0.5}
 # ATen native/Dropout.cpp `is_fused_kernel_acceptable`: CUDA/XPU inputs take `native_dropout`, which saves a bool
 # mask (1 B); other devices (the CPU) take the composite `_dropout_impl` (empty_like(input).bernoulli_() * input),
 # which saves a noise tensor in the input's dtype — fp32 for peft's LoRA input. Measured on the CPU: a LoRA layer
@@ -357,6 +378,14 @@ SOURCES: dict[str, Source] = {
     "CHUNKED_LABEL_BYTES": Source("measured", _CHUNKED),
     "CHUNKED_POSITION_BYTES": Source("measured", _CHUNKED),
     "HF_LOSS_BYTES_PER_LOGIT": Source("code", "transformers loss/loss_utils.py ForCausalLMLoss"),
+    "ODDS_RATIO_16BIT_LOGIT_COPIES": Source("code+measured", "trl utils.py selective_log_softmax; "
+                                            "benchmarks/estimator_preference.md"),
+    "SOFTCAP_LOGIT_COPIES": Source("code+measured", "transformers modeling_gemma2.py Gemma2ForCausalLM.forward; "
+                                   "benchmarks/estimator_preference.md"),
+    "IS_TOP1_TILE_BYTES": Source("code+measured", "trl utils.py add_fused_lm_head outputs; kto_trainer.py; "
+                                 "benchmarks/estimator_preference.md"),
+    "ORPO_NLL_COPIES": Source("code+measured", "trl experimental/orpo concatenated_forward; "
+                              "benchmarks/estimator_preference.md"),
     "DORA_KEPT_LORA_OUT_BYTES": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "DORA_NORM_BYTES_PER_OUT": Source("code+measured", "peft tuners/lora/dora.py forward; PeakMemory zoo llama3"),
     "INIT_PRODUCT_COPIES": Source("code+measured", "peft tuners/lora/layer.py pissa_init / olora_init; "

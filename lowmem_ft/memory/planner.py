@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.memory import long_context
+from lowmem_ft.memory import long_context, preference
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import GB, Estimate, Setup, estimate, loss_chunk_tokens, mlp_tile_tokens
+from lowmem_ft.memory.estimate import GB, Estimate, Setup, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.host import host_need_gb, host_over
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
 from lowmem_ft.memory.reasons import choose_eval_batch, knob_reasons
@@ -97,6 +97,8 @@ class Request:
     strategy: Requested = "auto"
     offload: bool | None = None
     length_reason: str = ""
+    method: str = "sft"  # training.method: a preference step's terms (`memory.preference.method_estimate`)
+    reference: str = "auto"  # preference.reference
 
     @property
     def effective_batch(self) -> int:
@@ -214,10 +216,12 @@ def check(arch: Architecture, request: Request) -> Plan:
         changeable=frozenset(),
     )
     if target.gpus == 1:
-        return Plan(s, estimate(arch, s), target, reasons={"recipe": "as given"}, **common)
+        return Plan(
+            s, _estimate(arch, request, s, "single", False)[0], target, reasons={"recipe": "as given"}, **common
+        )
     tried = []
     for strat, off in _stages(request.strategy, bool(request.offload), s.optimizer, s.quantization):
-        est, share = per_device_estimate(arch, s, target.gpus, strat, off)
+        est, share = _estimate(arch, request, s, strat, off)
         tried.append((strat, off, est, share))
         if est.peak_gb <= target.budget_gb:
             break
@@ -234,9 +238,10 @@ def _refuse_chunked_loss(arch: Architecture, s: Setup) -> None:
         raise UserError(arch.chunked_loss_refusal)
 
 
-def _options(start: Setup, fixed: frozenset[str], arch: Architecture) -> dict[str, list[Any]]:
+def _options(start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1) -> dict[str, list[Any]]:
     """Values to try per knob; a knob the user fixed keeps its value. The chunked loss is tried only where it
-    reproduces the model's own loss (`Architecture.chunked_loss_exact`)."""
+    reproduces the model's own loss (`Architecture.chunked_loss_exact`). Micro batches are multiples of `step` rows
+    (2: whole pairs, `memory.preference.rows_per_micro_batch`)."""
     b0 = start.micro_batch_size
     options: dict[str, list[Any]] = {
         "quantization": ["none"]
@@ -246,13 +251,13 @@ def _options(start: Setup, fixed: frozenset[str], arch: Architecture) -> dict[st
         "gradient_checkpointing": [False, True],
         "activation_offloading": [False, True],
         "loss_impl": ["trl_fused", "chunked"] if arch.chunked_loss_exact else ["trl_fused"],
-        "micro_batch_size": sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1)}),
+        "micro_batch_size": sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1) and b % step == 0}),
     }
     return {key: [getattr(start, key)] if key in fixed else values for key, values in options.items()}
 
 
-def _candidates(start: Setup, fixed: frozenset[str], arch: Architecture) -> list[Setup]:
-    options = _options(start, fixed, arch)
+def _candidates(start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1) -> list[Setup]:
+    options = _options(start, fixed, arch, step)
     out = []
     for values in itertools.product(*options.values()):
         knobs = dict(zip(options, values, strict=True))
@@ -302,10 +307,15 @@ class _Scored:
         )
 
 
+def _estimate(arch: Architecture, request: Request, s: Setup, strat: str, off: bool):
+    """One device's estimate of `s`, with the request's preference method's own terms (reference pass and copy)."""
+    est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
+    return preference.method_estimate(arch, est, request.method, request.reference), share  # type: ignore[arg-type]
+
+
 def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:
     s = replace(s, gradient_accumulation=_accumulation(request, s.micro_batch_size))
-    est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
-    return _Scored(_cost(s), s, est, share)
+    return _Scored(_cost(s), s, *_estimate(arch, request, s, strat, off))
 
 
 def _runnable(s: Setup, strat: str, off: bool) -> bool:
@@ -319,7 +329,7 @@ def _runnable(s: Setup, strat: str, off: bool) -> bool:
 def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
     return [
         _score(arch, request, s, strat, off)
-        for s in _candidates(start, request.fixed, arch)
+        for s in _candidates(start, request.fixed, arch, preference.rows_per_micro_batch(request.method, 1))
         if _runnable(s, strat, off)
     ]
 
@@ -343,7 +353,7 @@ def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, of
     the smaller loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
     none runs. A saver stage whose smallest setup does not fit is skipped after this one estimate: each of these
     values lowers the predicted peak on its own, so no other setup of the stage would fit."""
-    options = _options(start, request.fixed, arch)
+    options = _options(start, request.fixed, arch, preference.rows_per_micro_batch(request.method, 1))
 
     def least(key: str, order: tuple[Any, ...]) -> Any:
         return next((value for value in order if value in options[key]), options[key][0])
@@ -573,8 +583,7 @@ def _nothing_fits(arch: Architecture, request: Request, scored: list[_Scored]) -
                                       (long_context.tiled(s), f"tiles of {mlp_tile_tokens(arch, s)} tokens")) if on]  # fmt: skip
 
     def fits(length: int) -> bool:
-        est_len, _ = per_device_estimate(arch, replace(s, max_seq_len=length), target.gpus, strat, off)
-        return est_len.peak_gb <= target.budget_gb
+        return _estimate(arch, request, replace(s, max_seq_len=length), strat, off)[0].peak_gb <= target.budget_gb
 
     fits_len = longest_length(fits, s.max_seq_len)  # the longest sequence the smallest setup fits
     need = est.peak_gb + target.margin_gb

@@ -23,12 +23,16 @@ the policy's forward keeps:
   precomputed (one no-grad pass over the data before training: its peak is an evaluation forward's; 2 fp32 numbers
   per pair kept in the dataset, host RAM).
 - ORPO and SimPO need no reference. TRL 1.16 keeps them in `trl.experimental` (`ORPOTrainer`, `CPOTrainer` with
-  `loss_type="simpo"`), whose `concatenated_forward` materialises the full logits of the 2·B rows and upcasts them
-  (`logits.float()` beside log_softmax): the `hf_full` loss of the SFT model, not the fused head (read from
-  experimental/orpo/orpo_trainer.py and experimental/cpo/cpo_trainer.py; not yet measured).
+  `loss_type="simpo"`), whose `concatenated_forward` materialises the full logits of the 2·B rows: the `hf_full`
+  loss of the SFT model, not the fused head, with the loss's own working set in the backward window
+  (`odds_ratio_loss_shift`: TRL's `selective_log_softmax`, and ORPO's NLL over the chosen half).
+- the planner scores `method_estimate` (these terms as components of the estimate, on any device); a CPU run's
+  monitor compares with `phase_peak` (the same terms per phase).
 
-Measured (the exact CPU count of real runs through `train`, `lowmem_ft.train.exact`): see the module's tests
-(`tests/memory/test_preference_memory.py`) and the numbers in README's "Preference training".
+Measured: the exact CPU count of TRL's own steps per method, loss type, adapter, reference and checkpointing on
+Llama-3, Qwen2.5, Gemma-2, Phi-3 and Mistral (`python -m devkit.bench.estimator_preference`,
+benchmarks/estimator_preference.md), and of real runs through `train` (`lowmem_ft.train.exact`, README's
+"Preference training").
 """
 
 from __future__ import annotations
@@ -44,10 +48,17 @@ from lowmem_ft.memory.calibration import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
     HF_LOSS_BYTES_PER_LOGIT,
+    IS_TOP1_TILE_BYTES,
+    ODDS_RATIO_16BIT_LOGIT_COPIES,
+    ORPO_NLL_COPIES,
+    SOFTCAP_LOGIT_COPIES,
+    TRL_TOKEN_CHUNK,
+    TRL_VOCAB_CHUNK,
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
-from lowmem_ft.memory.records import DTYPE_BYTES, Setup
+from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.records import DTYPE_BYTES, Component, Estimate, Setup
 from lowmem_ft.memory.static import weight_bytes
 
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
@@ -137,32 +148,94 @@ def phase_peak(
     if method in ("orpo", "simpo"):
         return base + odds_ratio_loss_shift(arch, s, phase, method)
     ref_weights = reference_weight_bytes(arch, s, reference)
-    if phase != "forward" or reference in ("none", "precomputed"):
+    if phase != "forward":
         return base + ref_weights
+    if reference in ("none", "precomputed"):
+        return base + ref_weights - head_outputs_shift(arch, s, method)
     est = estimate(arch, s)
     by = est.by_name()
     static = est.phases["static"]
     static -= 0.0 if grads else by["gradients"]
     static -= 0.0 if states else sum(b for name, b in by.items() if name.startswith("optimizer states"))
     with_ref = static + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
-    return max(base, with_ref) + ref_weights
+    return max(base, with_ref) + ref_weights - head_outputs_shift(arch, s, method)
+
+
+def head_outputs_shift(arch: Architecture, s: Setup, method: Method) -> float:
+    """What the forward holds less when the trainer's fused LM head computes no `is_top1` (KTO's: its bool tile per
+    fold on the CPU, IS_TOP1_TILE_BYTES); 0 for the other methods and on CUDA (Triton folds in registers)."""
+    if method != "kto" or s.device != "cpu" or s.loss_impl != "trl_fused":
+        return 0.0
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    return IS_TOP1_TILE_BYTES * min(n, TRL_TOKEN_CHUNK) * min(arch.vocab_size, TRL_VOCAB_CHUNK)
+
+
+def method_estimate(arch: Architecture, est: Estimate, method: Method, given: str = "auto") -> Estimate:
+    """The estimate of a preference step (`est`: the SFT estimate of the policy's rows, any device): a reference
+    copy's weights in every phase, DPO / KTO's reference pass after the policy's forward (the forward peaks at the
+    larger of the two), ORPO's copy of the chosen logits in the backward — each a component the plan shows — and the
+    device overheads of the new transient. What the planner's search scores (`planner._estimate`), so a plan that
+    fits includes them; the CPU monitor's phase peaks (`phase_peak`) are the same terms."""
+    s = est.setup
+    if method == "sft":
+        return est
+    kind = reference_kind(method, s.adapter, given)
+    comps = [c for c in est.components if c.phase != "overhead"]
+    phases = dict(est.phases)
+    ref_weights = reference_weight_bytes(arch, s, kind)
+    if ref_weights:
+        comps.append(Component("reference model (frozen copy)", ref_weights, "static", "TRL create_model_from_path"))
+    if kind in ("adapter_disabled", "copy"):
+        at = phases["static"] + policy_kept_bytes(arch, s) + reference_pass_bytes(arch, s)
+        if at > phases["forward"]:
+            comps.append(Component("reference pass (no grad, after the policy's forward)", at - phases["forward"],
+                                   "forward", "TRL DPOTrainer._compute_loss"))  # fmt: skip
+            phases["forward"] = at
+    phases["forward"] -= head_outputs_shift(arch, s, method)
+    if method in ("orpo", "simpo"):  # their loss runs outside the forward, ORPO's NLL copies the chosen logits
+        phases["forward"] += odds_ratio_loss_shift(arch, s, "forward", method)
+        shift = odds_ratio_loss_shift(arch, s, "backward", method)
+        phases["backward"] += shift
+        if shift > 0:
+            comps.append(Component("ORPO's NLL: chosen logits copied", shift, "backward", "experimental/orpo"))
+    phases = {k: v + ref_weights for k, v in phases.items()}
+    static = phases["static"]
+    transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
+    peak_phase = max(("forward", "backward", "optimizer step"), key=lambda k: phases[k])
+    overheads = device_overheads(s, transient)  # none on the CPU
+    return replace(
+        est,
+        components=comps + overheads,
+        model_peak_bytes=static + transient,
+        overhead_bytes=overhead_bytes(overheads),
+        peak_phase=peak_phase if peak_phase == "optimizer step" else "forward/backward",
+        phases=phases,
+    )
 
 
 def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Method) -> float:
     """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
     same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
     forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
-    loss's forward falls in the backward's window, where `hf_full` counts it already. ORPO adds its NLL over the
-    chosen half (`cross_entropy_loss`: `logits[..., :-1, :].contiguous()` of the chosen rows, c bytes per logit of
-    half the rows). Measured (exact CPU, LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB /
-    backward 79.24 MB, SimPO 31.71 / 72.40 — 16.9 and 14.9 B per logit in the backward beyond the kept tensors,
-    against hf_full's 16."""
+    loss's forward falls in the backward's window, where `hf_full` counts it already — for fp32 logits; 16-bit
+    logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead of c + 12 bytes
+    (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES); Gemma-2's final-logit
+    softcapping keeps tanh's output (SOFTCAP_LOGIT_COPIES). Measured (exact CPU,
+    LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB / backward 79.24 MB, SimPO 31.71 / 72.40 —
+    16.9 and 14.9 B per logit in the backward beyond the kept tensors, against hf_full's 16; bf16: the grid in
+    benchmarks/estimator_preference.md."""
     n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
+    c = DTYPE_BYTES[s.compute_dtype]
+    softcap = SOFTCAP_LOGIT_COPIES * c * n if arch.final_logit_softcapping else 0.0  # tanh's saved output
     if phase == "forward":
-        return -HF_LOSS_BYTES_PER_LOGIT * n
-    if phase == "backward" and method == "orpo":
-        return DTYPE_BYTES[s.compute_dtype] * n / 2
-    return 0.0
+        return softcap - HF_LOSS_BYTES_PER_LOGIT * n
+    if phase != "backward":
+        return 0.0
+    wide = s.compute_dtype == "float32"
+    shift = 0.0 if wide else (ODDS_RATIO_16BIT_LOGIT_COPIES * c - (c + HF_LOSS_BYTES_PER_LOGIT)) * n
+    if method == "orpo":
+        shift += ORPO_NLL_COPIES["float32" if wide else "16bit"] * c * n
+    return shift + softcap
 
 
 @dataclass(frozen=True)
@@ -181,40 +254,50 @@ def choose_reference(
     s: Setup,
     method: Method,
     *,
-    pairs: int | None,
-    passes_over_data: float,
-    budget_bytes: float | None,
-    policy_peak_bytes: float,
+    given: str = "auto",
+    pairs: int | None = None,
+    budget_bytes: float | None = None,
+    policy_peak_bytes: float = 0.0,
 ) -> ReferenceChoice:
-    """The reference strategy with the least cost that fits: LoRA → the base model with the adapter disabled (no
-    copy); full fine-tuning → a frozen copy (one more forward per step; its weights on the device) or log-probs
-    precomputed in one no-grad pass over the data (no device memory during training, 8 B per pair of host RAM).
-    Both cost one reference forward per pair seen; precomputing does it once per pair, the copy once per epoch, so
-    precomputing is never slower over a full epoch and frees the copy's memory — the copy wins only when training
-    sees less than the data once (max_steps short of an epoch) and it fits."""
-    if method not in WITH_REFERENCE:
+    """The reference a run uses (`reference_kind`, the one `train` builds), what it costs, and why: LoRA → the base
+    model with the adapter disabled (no copy); full fine-tuning → log-probs precomputed in one no-grad pass over the
+    data (no device memory during training, 8 B per pair of host RAM), or a frozen copy when
+    `preference.reference=copy` (its weights on the device, one more forward per step). Both cost one reference
+    forward per pair seen; precomputing does it once per pair, so auto precomputes: never slower over an epoch, and
+    the copy's memory stays free."""
+    kind = reference_kind(method, s.adapter, given)
+    if kind == "none":
         return ReferenceChoice("none", 0.0, 0.0, 0.0, f"{method} needs no reference model")
-    if s.adapter == "lora":
+    if kind == "adapter_disabled":
         return ReferenceChoice(
             "adapter_disabled", 0.0, 0.0, 0.0,
             "LoRA: the reference is the base model with the adapter disabled (no copy, one no-grad forward per step)",
         )  # fmt: skip
     copy = reference_weight_bytes(arch, s, "copy")
-    host = 8.0 * (pairs or 0)
-    fits = budget_bytes is None or policy_peak_bytes + copy <= budget_bytes
-    if passes_over_data < 1 and fits:
+    if kind == "copy":
         return ReferenceChoice(
             "copy", copy, 0.0, 0.0,
-            f"full fine-tune over {passes_over_data:.2f} of the data: a frozen copy ({copy / 1e9:.2f} GB) costs fewer "
-            "forwards than precomputing every pair",
+            f"a frozen copy of the model ({copy / 1e9:.2f} GB on the device, counted in the plan), as "
+            "preference.reference=copy asks",
         )  # fmt: skip
+    why = "preference.reference=precomputed" if given == "precomputed" else "full fine-tune (auto)"
     why = (
-        f"full fine-tune: reference log-probs precomputed in one pass before training (8 B per pair on the host); a "
-        f"frozen copy would add {copy / 1e9:.2f} GB on the device"
+        f"{why}: reference log-probs precomputed in one pass before training (8 B per pair on the host); a frozen "
+        f"copy would add {copy / 1e9:.2f} GB on the device"
     )
-    if not fits:
+    if budget_bytes is not None and policy_peak_bytes + copy > budget_bytes:
         why += " and not fit"
-    return ReferenceChoice("precomputed", 0.0, host, 1.0, why)
+    return ReferenceChoice("precomputed", 0.0, 8.0 * (pairs or 0), 1.0, why)
+
+
+def lowered_length_reason(method: Method, fit: int, asked: int) -> str:
+    """The plan's line for a length the planner lowered because one micro batch of the method did not fit."""
+    one = "one pair (2 rows: chosen and rejected)" if method in PAIRED else "one completion"
+    extra = " with the reference pass" if method in WITH_REFERENCE else ""
+    return (
+        f"{fit} tokens: the longest at which {one}{extra} fits; the recipe's {asked} does not (each pair is fitted "
+        "to it before batching: the prompt cut first, then the answers; --seq-len fixes it)"
+    )
 
 
 def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
@@ -222,33 +305,25 @@ def describe_rows(method: Method, micro_batch: int, seq_len: int) -> str:
     rows = rows_per_micro_batch(method, micro_batch)
     if method == "sft":
         return f"{rows} rows × {seq_len} tokens"
-    what = "chosen + rejected" if method in PAIRED else "completions + KL batch"
-    return f"{micro_batch} pairs = {rows} rows ({what}) × {seq_len} tokens per forward"
+    if method == "kto":  # its KL batch (the completions rotated by one) runs apart, without gradients, before it
+        return f"{rows} completions × {seq_len} tokens per forward, after a no-grad forward of their KL batch"
+    pairs = f"{micro_batch} pair{'s' if micro_batch != 1 else ''}"
+    return f"{pairs} = {rows} rows (chosen + rejected) × {seq_len} tokens per forward"
 
 
 def plan_lines(
-    arch: Architecture, s: Setup, method: Method, *, budget_bytes: float, policy_peak_bytes: float, passes: float
+    arch: Architecture, s: Setup, method: Method, *, given: str = "auto", budget_bytes: float, policy_peak_bytes: float
 ) -> list[str]:
     """What `plan` says about a preference run (`s` in rows, as the planner planned it): the rows per micro batch,
-    the reference and why, and the reference pass's working set."""
-    pairs = max(1, s.micro_batch_size // 2)
+    the reference and why, and the reference pass's working set — part of the planned peak (`method_estimate`)."""
+    pairs = max(1, s.micro_batch_size // 2) if method in PAIRED else s.micro_batch_size
     lines = [f"method {method}: {describe_rows(method, pairs, s.max_seq_len)}"]
-    ref = choose_reference(
-        arch, s, method, pairs=None, passes_over_data=passes, budget_bytes=budget_bytes,
-        policy_peak_bytes=policy_peak_bytes,
-    )  # fmt: skip
+    ref = choose_reference(arch, s, method, given=given, budget_bytes=budget_bytes,
+                           policy_peak_bytes=policy_peak_bytes)  # fmt: skip
     lines.append(f"reference: {ref.kind} — {ref.why}")
     if ref.kind in ("adapter_disabled", "copy"):
-        extra = reference_pass_bytes(arch, s)
-        est = estimate(arch, s)
-        at = est.phases["static"] + policy_kept_bytes(arch, s) + extra + reference_weight_bytes(arch, s, ref.kind)
-        where = (
-            "below the step's peak"
-            if at <= est.model_peak_bytes
-            else f"{(at - est.model_peak_bytes) / 1e9:.2f} GB above the planned peak: lower the micro batch"
-        )
         lines.append(
-            f"reference pass: {extra / 1e9:.2f} GB of working set after the policy's forward (no gradients, "
-            f"checkpointing off), {where}"
+            f"reference pass: {reference_pass_bytes(arch, s) / 1e9:.2f} GB of working set after the policy's forward "
+            "(no gradients, checkpointing off), included in the planned peak"
         )
     return lines

@@ -31,7 +31,12 @@ def knob_reasons(
     """One line per knob, the long-context savers' (`savers`) after the chunked loss's."""
     start, fixed = request.start, request.fixed
 
+    method = getattr(request, "method", "sft")
+
     def why(key: str, text: str) -> str:
+        if key == "loss_impl" and method != "sft":  # fixed by request_for, not by the user
+            state = "on" if s.loss_impl == "chunked" else "off"
+            return f"{state}, as the recipe has it: --method {method}'s loss is its TRL trainer's (not planned)"
         return "set by you (--set)" if key in fixed else text
 
     if s.adapter == "full":

@@ -22,7 +22,7 @@ import yaml
 
 from lowmem_ft.console import first_time
 from lowmem_ft.errors import ConfigError, UserError
-from lowmem_ft.recipe.schema import INT_LIMIT, KEYS, SECTIONS, Recipe, in_range, span
+from lowmem_ft.recipe.schema import INT_LIMIT, KEYS, SECTIONS, AdapterKind, Method, Recipe, in_range, span
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,14 @@ def find_recipe(name_or_path: str) -> Path:
     raise UserError(f"recipe '{name_or_path}' is neither a file nor a shipped recipe{suggestion}")
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a recipe file, merging the files it names in `base:` (a name or a path relative to it) beneath it."""
+def _read_yaml(
+    path: Path, seen: tuple[Path, ...] = (), run: tuple[str, str] | None = None, applied: dict | None = None
+) -> dict[str, Any]:
+    """Read a recipe file, merging the files it names in `base:` (a name or a path relative to it) beneath it.
+
+    `run` = (training.method, adapter.kind) of the run: each file's own `methods:` defaults for them are laid over
+    that file's keys (`method_defaults`, which records them in `applied`) before a file above it is merged; None:
+    `methods:` blocks are checked and left out."""
     path = path.resolve()
     if path in seen:
         raise UserError(f"{path}: `base:` inheritance loops back to {path.name}")
@@ -80,10 +86,53 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
+    data = method_defaults(data, path, run, applied if applied is not None else {})
     if base is None:
         return data
     base_path = path.parent / base if (path.parent / base).is_file() else find_recipe(str(base))
-    return merge(_read_yaml(base_path, (*seen, path)), data)
+    return merge(_read_yaml(base_path, (*seen, path), run, applied), data)
+
+
+def method_blocks(data: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
+    """A recipe file's `methods:` mapping, checked: each name a training.method (`dpo`) or a method with an adapter
+    kind (`dpo/full`), each block a mapping of sections that sets neither training.method nor adapter.kind."""
+    blocks = data.get("methods") or {}
+    methods, kinds = get_args(Method), get_args(AdapterKind)
+    if not isinstance(blocks, dict):
+        raise UserError(f"{path}: 'methods' maps a training.method to its defaults, got {type(blocks).__name__}")
+    for name, block in blocks.items():
+        method, _, kind = str(name).partition("/")
+        if method not in methods or (kind and kind not in kinds):
+            raise UserError(
+                f"{path}: methods.{name}: expected a training.method ({', '.join(methods)}), optionally with an "
+                f"adapter kind ({'/'.join(kinds)}), e.g. dpo/full"
+            )
+        if not isinstance(block, dict) or not all(isinstance(v, dict) for v in block.values()):
+            raise UserError(f"{path}: methods.{name} must be a mapping of sections, like the recipe itself")
+        if "method" in block.get("training", {}) or "kind" in block.get("adapter", {}):
+            raise UserError(f"{path}: methods.{name} cannot set training.method or adapter.kind: it is chosen by them")
+    return blocks
+
+
+def method_defaults(
+    data: dict[str, Any], path: Path, run: tuple[str, str] | None, applied: dict[str, tuple[Any, str]]
+) -> dict[str, Any]:
+    """A file's keys with its per-method defaults laid over them: `methods.<method>`, then `methods.<method>/<kind>`
+    (e.g. DPO's learning rate, and a lower one for a full fine-tune). A file above this one, and the command line,
+    still win: a user's explicit value always does (`resolve` says which defaults they replaced). `applied`:
+    "section.key" → (value, where) of each default laid."""
+    blocks = method_blocks(data, path)
+    data = {k: v for k, v in data.items() if k != "methods"}
+    if run is None:
+        return data
+    method, kind = run
+    for name in (method, f"{method}/{kind}"):
+        if name in blocks:
+            data = merge(data, blocks[name])
+            for section, values in blocks[name].items():
+                for key, value in values.items():
+                    applied[f"{section}.{key}"] = (value, f"{path.name} methods.{name}")
+    return data
 
 
 def merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
@@ -398,14 +447,45 @@ def resolve(
     """
     layers: list[tuple[str, dict[str, Any]]] = []
     given = (parse_overrides(overrides) if isinstance(overrides, list) else overrides) if overrides else {}
+    applied: dict[str, tuple[Any, str]] = {}  # the per-method defaults laid, for what is said about them
     if recipe is not None:
         path = find_recipe(str(recipe))
         model = given.get("model")
         granted = isinstance(model, dict) and model.get("trust_remote_code") is True  # --trust-remote-code
-        layers.append((str(path), _command_line_only(_read_yaml(path), path, granted)))
+        data = _read_yaml(path, run=_run_of(_read_yaml(path), given), applied=applied)
+        layers.append((str(path), _command_line_only(data, path, granted)))
     if given:
         layers.append(("--set", given))
-    return build(layers, origins)
+    built = build(layers, origins)
+    _say_replaced_defaults(built, applied, given, origins or {})
+    return built
+
+
+def _run_of(data: dict[str, Any], given: dict[str, Any]) -> tuple[str, str]:
+    """(training.method, adapter.kind) as the command line, else the recipe file, else the schema says."""
+
+    def pick(section: str, key: str) -> str:
+        for layer in (given, data):
+            values = layer.get(section)
+            if isinstance(values, dict) and key in values:
+                return str(values[key])
+        return str(KEYS[f"{section}.{key}"].default)
+
+    return pick("training", "method"), pick("adapter", "kind")
+
+
+def _say_replaced_defaults(
+    recipe: Recipe, applied: dict[str, tuple[Any, str]], given: dict[str, Any], origins: dict[str, str]
+) -> None:
+    """Each per-method default a user's value replaced, said once (nothing replaced silently)."""
+    for path, (default, where) in applied.items():
+        value = KEYS[path].of(recipe) if path in KEYS else default
+        if value == default:
+            continue
+        section, _, key = path.partition(".")
+        by = origins.get(path, "--set") if key in (given.get(section) or {}) else "the recipe"
+        if first_time("method default", path, str(value)):
+            log.info("%s=%s from %s replaces the %s default %s", path, value, by, where, default)
 
 
 def to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -419,7 +499,9 @@ def dump(recipe: Recipe, header: str | None = None) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """`section.key` → its documentation, from the schema (`recipes keys`): help, default, range and flag."""
+    """`section.key` → its documentation, from the schema (`recipes keys`): help, default, range and flag, and the
+    tier recipes' per-method defaults."""
+    per_method = tier_method_defaults()
     out = {}
     for path, key in KEYS.items():
         bounds = key.bounds
@@ -428,7 +510,24 @@ def field_help() -> dict[str, str]:
         if key.flag is not None:
             to = f" to {key.flag.switch}" if key.flag.switch not in (None, True) else ""
             flag = f"; {key.flag.name} sets it{to}"
-        out[path] = f"{key.help} (default: {key.default!r}{where}{flag})"
+        per = per_method.get(path)
+        methods = "; per method in the tier recipes: " + ", ".join(f"{m} {v!r}" for m, v in per.items()) if per else ""
+        out[path] = f"{key.help} (default: {key.default!r}{where}{flag}{methods})"
+    return out
+
+
+def tier_method_defaults() -> dict[str, dict[str, Any]]:
+    """ "section.key" → {method (or method/adapter kind) → value} of the `methods:` block every tier inherits
+    (the shipped base recipe's)."""
+    path = shipped_recipes().get("base")
+    if path is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    for name, block in method_blocks(raw, path).items():
+        for section, values in block.items():
+            for key, value in values.items():
+                out.setdefault(f"{section}.{key}", {})[name] = value
     return out
 
 

@@ -278,6 +278,12 @@ class ExactMemory:
             self._cache[key] = round(b / GB, 6)
         return self._cache[key]
 
+    def phase_bytes(self, phase: RunPhase | str, batch: tuple[int, int]) -> float:
+        """The CPU peak of `phase` ("static" too) in the steady state (gradients and optimizer states alive) for a
+        forward of `batch` = (rows, tokens): what the preference accuracy grid compares with (devkit/harness)."""
+        rows, tokens = batch
+        return self._phase(replace(self.setup, micro_batch_size=rows, max_seq_len=tokens), phase)  # type: ignore[arg-type]
+
     def _phase(self, s: Setup, what: RunPhase, grads: bool = True, states: bool = True) -> float:
         """The memory model's CPU phase peak: SFT's, or a preference step's with its reference pass."""
         if self.method == "sft" or what == "eval":

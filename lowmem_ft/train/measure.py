@@ -254,3 +254,43 @@ def trainer_optimizer(model, args):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
+
+
+# (optimizer step, micro-step): step 1 with accumulation 1, step 2 with accumulation 2 — so in micro-step 2.2 the
+# optimizer states and the accumulated gradients exist beside the activations, as in a steady-state step
+STEPS = ((1, 1), (2, 1), (2, 2))
+
+
+def measured_step(
+    pm: PeakMemory,
+    batches: Iterable[Any],
+    forward: Callable[[Any], tuple[torch.Tensor, Any]],
+    optimizer,
+    trainable: list[torch.Tensor],
+    max_grad_norm: float = 1.0,
+) -> None:
+    """The two optimizer steps of `STEPS` under `pm`, marked as the memory model's phases: "forward n.k" (after
+    `forward(batch)`), "backward n.k" (after the loss's backward), "optimizer n" (clip + step + zero_grad).
+
+    `batches`: one per micro-step. `forward(batch)` → (the loss, what the step holds until its backward ends: the
+    model's outputs). The one step loop of the accuracy harnesses, the tracer and the preference grid: each gives
+    its own batches and loss (SFTTrainer's fused-head loss, or a TRL preference trainer's `compute_loss`)."""
+    for (step, micro), batch in zip(STEPS, batches, strict=True):
+        loss, held = forward(batch)
+        pm.mark(f"forward {step}.{micro}")
+        loss.backward()
+        del loss, held
+        pm.mark(f"backward {step}.{micro}")
+        if micro == step:  # step 1: accumulation 1; step 2: accumulation 2
+            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            pm.mark(f"optimizer {step}")
+
+
+def fused_head_loss(model, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """SFTTrainer's loss on a `(input_ids, attention_mask, labels)` batch, through TRL's fused LM head
+    (`trl.trainer.utils.add_fused_lm_head` installed): the mean negative log-probability of the labelled tokens."""
+    ids, mask, labels = batch
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return -out.log_probs.sum() / out.label_mask.sum().clamp(min=1), out  # SFTTrainer.compute_loss

@@ -19,6 +19,8 @@ def test_keys_documents_every_key(capsys):
     assert main(["recipes", "keys"]) == 0
     out = capsys.readouterr().out
     assert "memory.micro_batch_size:" in out and "optimizer.name:" in out
+    lr = next(line for line in out.splitlines() if line.startswith("optimizer.lr:"))
+    assert "per method in the tier recipes: dpo 5e-06, dpo/full 1e-06" in lr
 
 
 def test_show_unknown_recipe_is_one_line_exit_2(capsys):

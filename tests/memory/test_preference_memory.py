@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
-from lowmem_ft.memory.estimate import Setup, phase_peak_bytes
+from lowmem_ft.memory.estimate import Setup, estimate, phase_peak_bytes
 from lowmem_ft.memory.preference import (
     choose_reference,
+    method_estimate,
     method_setup,
     phase_peak,
+    reference_kind,
     reference_pass_bytes,
     reference_weight_bytes,
     rows_per_micro_batch,
@@ -49,17 +54,74 @@ def test_reference_pass_adds_to_the_forward_only_and_a_copy_adds_its_weights():
     )
 
 
-def test_reference_choice():
+def test_reference_choice_is_the_one_the_run_builds():
     a = arch()
     lora = Setup()
-    assert choose_reference(a, lora, "dpo", pairs=1000, passes_over_data=1, budget_bytes=None,
-                            policy_peak_bytes=0).kind == "adapter_disabled"  # fmt: skip
-    assert choose_reference(a, lora, "simpo", pairs=1000, passes_over_data=1, budget_bytes=None,
-                            policy_peak_bytes=0).kind == "none"  # fmt: skip
+    assert choose_reference(a, lora, "dpo", pairs=1000).kind == "adapter_disabled"
+    assert choose_reference(a, lora, "simpo", pairs=1000).kind == "none"
     full = Setup(adapter="full", quantization="none")
-    epoch = choose_reference(a, full, "dpo", pairs=1000, passes_over_data=2, budget_bytes=None, policy_peak_bytes=0)
-    assert epoch.kind == "precomputed" and epoch.host_bytes == 8000
-    short = choose_reference(a, full, "dpo", pairs=1000, passes_over_data=0.1, budget_bytes=80e9, policy_peak_bytes=1e9)
-    assert short.kind == "copy"
-    tight = choose_reference(a, full, "dpo", pairs=1000, passes_over_data=0.1, budget_bytes=10e9, policy_peak_bytes=1e9)
+    auto = choose_reference(a, full, "dpo", pairs=1000)
+    assert auto.kind == reference_kind("dpo", "full", "auto") == "precomputed" and auto.host_bytes == 8000
+    copy = choose_reference(a, full, "dpo", given="copy", pairs=1000)
+    assert copy.kind == "copy" and copy.device_bytes == reference_weight_bytes(a, full, "copy")
+    tight = choose_reference(a, full, "dpo", pairs=1000, budget_bytes=10e9, policy_peak_bytes=1e9)
     assert tight.kind == "precomputed" and "not fit" in tight.why
+
+
+def test_the_planners_estimate_holds_the_reference_pass_copy_and_orpo_logits():
+    """`method_estimate` (what the planner scores) adds DPO's reference pass to the forward, a frozen copy to every
+    phase, ORPO's chosen-logits copy to the backward — on the device too, with the overheads of the new transient."""
+    a = arch()
+    rows = method_setup("dpo", Setup(micro_batch_size=2, max_seq_len=2048, gradient_checkpointing=True))
+    sft = estimate(a, rows)
+    dpo = method_estimate(a, sft, "dpo")
+    assert "reference pass (no grad, after the policy's forward)" in dpo.by_name()
+    assert dpo.phases["forward"] > sft.phases["forward"] and dpo.phases["backward"] == sft.phases["backward"]
+    assert dpo.peak_bytes >= sft.peak_bytes
+    full = replace(rows, adapter="full", quantization="none")
+    copy = method_estimate(a, estimate(a, full), "dpo", "copy")
+    assert copy.phases["static"] == estimate(a, full).phases["static"] + reference_weight_bytes(a, full, "copy")
+    pre = method_estimate(a, estimate(a, full), "dpo", "auto")  # precomputed: nothing on the device
+    assert pre.model_peak_bytes == estimate(a, full).model_peak_bytes
+    orpo_rows = method_setup("orpo", Setup(micro_batch_size=1, max_seq_len=1024))
+    orpo = method_estimate(a, estimate(a, orpo_rows), "orpo")  # 16-bit logits: TRL's row-by-row log_softmax
+    assert orpo.phases["backward"] < estimate(a, orpo_rows).phases["backward"]
+    wide = replace(orpo_rows, compute_dtype="float32")  # fp32 logits: hf_full's count and ORPO's NLL copy
+    assert method_estimate(a, estimate(a, wide), "orpo").phases["backward"] > estimate(a, wide).phases["backward"]
+    assert method_estimate(a, sft, "sft") is sft
+
+
+def test_the_planner_keeps_whole_pairs_and_lowers_the_length_when_one_pair_does_not_fit():
+    """DPO on Gemma-2-9B at 8 GB (a 256k vocabulary; the reference pass after the policy's forward): the tier's 512
+    tokens do not fit one pair, so the plan lowers the length and says why; every plan is of whole pairs and its
+    peak includes the reference pass."""
+    from lowmem_ft.choosing import choose_recipe
+    from lowmem_ft.memory.preference import lowered_length_reason
+
+    gemma = {"model": {"name_or_path": "google/gemma-2-9b"}, "training": {"method": "dpo"}}
+    recipe, choice = choose_recipe(vram_gb=8, recipe=None, overrides=gemma)
+    p = choice.plan
+    assert recipe.memory.max_seq_len < 512 and p.setup.micro_batch_size % 2 == 0 and p.fits
+    assert p.reasons["max_seq_len"] == lowered_length_reason("dpo", recipe.memory.max_seq_len, 512)
+    assert "reference pass (no grad, after the policy's forward)" in p.estimate.by_name()
+    model = {"model": {"name_or_path": "meta-llama/Llama-3.1-8B"}}
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides={**model, "training": {"method": "kto"}})
+    assert recipe.memory.micro_batch_size == choice.plan.setup.micro_batch_size  # KTO's rows are its completions
+    with pytest.raises(UserError, match="--seq-len"):  # a length the user fixed is not lowered
+        choose_recipe(vram_gb=8, recipe=None, seq_len=4096, overrides=gemma)
+
+
+def test_the_planners_and_the_monitors_forms_agree_on_the_cpu():
+    """The planner's estimate (`method_estimate`) and the CPU monitor's phase peaks (`phase_peak`, what the grid in
+    benchmarks/estimator_preference.md measures) are the same terms."""
+    a = arch()
+    for method, adapter, reference in [("dpo", "lora", "auto"), ("dpo", "full", "copy"), ("orpo", "lora", "auto"),
+                                       ("simpo", "lora", "auto"), ("kto", "full", "precomputed")]:  # fmt: skip
+        s = Setup(device="cpu", adapter=adapter, quantization="none" if adapter == "full" else "nf4",
+                  micro_batch_size=2, max_seq_len=512, gradient_checkpointing=method != "kto")  # fmt: skip
+        rows = method_setup(method, s)
+        planned = method_estimate(a, estimate(a, rows), method, reference)
+        kind = reference_kind(method, adapter, reference)
+        for phase in ("static", "forward", "backward", "optimizer step"):
+            monitored = phase_peak(a, rows, phase, method=method, reference=kind)
+            assert planned.phases[phase] == pytest.approx(monitored, rel=1e-9), (method, adapter, phase)

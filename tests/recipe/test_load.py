@@ -134,3 +134,42 @@ def test_an_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", read_text)
     with pytest.raises(UserError, match=r"secret.yaml: cannot read the recipe \(Permission denied\)"):
         resolve(path)
+
+
+def test_tier_recipes_carry_per_method_defaults_and_a_users_value_wins(tmp_path, caplog):
+    """A run's method picks its defaults from the tier (DPO's lower learning rate, SimPO's β and γ, a full fine-tune's
+    lower rate still); a value given on the command line or in the user's own file wins, and the run says which
+    default it replaced."""
+    import logging
+
+    sft, dpo = resolve("24gb"), resolve("24gb", ["training.method=dpo"])
+    assert sft.optimizer.lr == 2e-4 and dpo.optimizer.lr == 5e-6 and dpo.preference.beta == 0.1
+    full = resolve("40gb", ["training.method=dpo", "adapter.kind=full"])
+    assert full.optimizer.lr == 1e-6  # methods.dpo/full over methods.dpo
+    simpo = resolve("8gb", ["training.method=simpo"])
+    assert (simpo.preference.beta, simpo.preference.simpo_gamma) == (2.0, 1.0)
+    with caplog.at_level(logging.INFO, logger="lowmem_ft.recipe.load"):
+        given = resolve("24gb", ["training.method=dpo", "optimizer.lr=1e-5"], {"optimizer.lr": "--lr"})
+    assert given.optimizer.lr == 1e-5
+    assert "optimizer.lr=1e-05 from --lr replaces the base.yaml methods.dpo default 5e-06" in caplog.text
+    mine = tmp_path / "mine.yaml"  # the user's file sets the rate: it wins over the tier's method default
+    mine.write_text("base: 24gb\ntraining:\n  method: orpo\noptimizer:\n  lr: 3.0e-5\n")
+    assert resolve(mine).optimizer.lr == 3e-5 and resolve(mine).preference.beta == 0.1
+    own = tmp_path / "own.yaml"  # and its own methods block wins over its own keys for that method
+    own.write_text("base: 24gb\noptimizer:\n  lr: 1.0e-4\nmethods:\n  kto:\n    optimizer: {lr: 2.0e-6}\n")
+    assert resolve(own).optimizer.lr == 1e-4 and resolve(own, ["training.method=kto"]).optimizer.lr == 2e-6
+
+
+def test_a_wrong_methods_block_is_one_line(tmp_path):
+    for block, message in [
+        ("methods:\n  dpx: {optimizer: {lr: 1.0e-6}}\n", "methods.dpx: expected a training.method"),
+        ("methods:\n  dpo: {training: {method: kto}}\n", "cannot set training.method"),
+        ("methods:\n  dpo/qlora: {optimizer: {lr: 1.0e-6}}\n", "optionally with an adapter kind"),
+    ]:
+        path = tmp_path / "bad.yaml"
+        path.write_text("base: 24gb\n" + block)
+        with pytest.raises(UserError, match=message):
+            resolve(path, ["training.method=dpo"])
+    path.write_text("base: 24gb\nmethods:\n  dpo: {optimizer: {lrr: 1.0e-6}}\n")
+    with pytest.raises(ConfigError, match="did you mean 'optimizer.lr'"):
+        resolve(path, ["training.method=dpo"])
