@@ -127,15 +127,21 @@ NOTES = """
   predicted against 18.46 traced. The planner now chooses wider eval batches (8 rows there), at −0.6 %.
 - **Eager attention in evaluation** (gemma-2-9b: its 16 × 2,048 eval batch holds 10.7 GB of softmax scores in
   flight, traced): not counted at all before; now counted (`eval_layer_bytes`).
+- **Eager attention in a checkpointed forward** (gemma-2-9b 24 GB: −7.2 %, −882 MB at 4 × 2,048; under-predicted):
+  the layer's forward keeps nothing under checkpointing, so eager attention's softmax holds the c-byte scores, their
+  fp32 upcast and fp32 output (10 B per score at bf16) beside q and k/v repeated, and the decoder layer's
+  `hidden_states, _ = self.self_attn(...)` holds the c-byte probabilities through the MLP. Traced on gemma-2-9b cut
+  to one layer and located by stack (the softmax at 4 × 2,048, the MLP's LoRA moment with 134 MB of probabilities
+  at 4 × 1,024). Fixed in `lowmem_ft/memory/transients.py` (`attention_forward_bytes`, `forward_transient_bytes`):
+  forward 11.34 → 12.23 GB predicted against 12.22 traced (+0.06 %). Longer sequences on Gemma-2 now plan shorter
+  (24 GB at batch 1: 10,032 → 9,168 tokens), as the forward softmax grows with s².
+- **Eval at wide eval batches** (Llama-3.1-8B −0.6 % / −1.6 % at 8 / 32 rows, Qwen2.5-0.5B −1.3 %; under-predicted):
+  past the first layer the model's forward still holds `inputs_embeds`, one c·h tensor per token beside the MLP
+  moment (traced on the 8B cut to 1, 2 and 3 layers at 32 × 2,048: 3, 4 and 4 c·h tensors, located by stack). Fixed
+  in `eval_layer_bytes`: 8B 40 GB eval 31.20 GB traced, 30.70 → 31.24 predicted (+0.12 %); 24 GB +0.05 %;
+  Qwen2.5-0.5B +0.47 % / +0.45 %.
 - Open, under-predicted (unsafe side, not fixed yet):
-  - gemma-2-9b 24 GB, the training **forward** −7.2 % (−882 MB at 4 × 2,048, checkpointed, eager attention):
-    ~3.3 B per attention score (4 × 16 × 2,048²) beyond the model; likely the eager softmax's scores in flight
-    inside each checkpointed layer's forward (c-byte input, fp32 upcast and output, as in evaluation), which the
-    forward moment does not count.
-  - **eval at wide eval batches**: −7.6 kB per eval token on Llama-3.1-8B (−125 MB at 8 rows, −498 MB at 32 rows:
-    −0.6 %, −1.6 %) and −1.3 kB on Qwen2.5-0.5B (−43 MB at 16 rows, −1.3 %): about one c·h tensor per token more
-    than `eval_layer_bytes` counts once the layer (not the loss head) is the eval peak; at 4 rows the 8B's
-    in-layer peak was traced 1.7 kB/token above it. Cause not found.
+  - gemma-2-9b 24 GB eval −0.67 % (−129 MB at 16 × 2,048, the eager softmax moment): not located yet.
 - Open, over-predicted (safe side): the training **backward** +0.6 % / +0.9 % on Llama-3.1-8B (+138 MB at 4 × 2,048,
   +276 MB at 8 × 2,048: 16.8 kB per token) and +1.4 % on Llama-3.1-70B at 80 GB (`plan --verify`, not a tier
   here: predicted 65.15 GB, traced 64.27): a per-token backward term over-counted, not yet found. Also over, not

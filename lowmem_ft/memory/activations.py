@@ -13,6 +13,9 @@ from lowmem_ft.memory.calibration import (
     CHUNKED_LABEL_BYTES,
     CHUNKED_POSITION_BYTES,
     DROPOUT_MASK_BYTES,
+    EAGER_SOFTMAX_BESIDE_KV,
+    EAGER_SOFTMAX_BESIDE_Q,
+    EAGER_SOFTMAX_FP32,
     TOKEN_BOOKKEEPING_BYTES,
     XIELU_KEPT_BOOL,
     XIELU_KEPT_C,
@@ -265,6 +268,28 @@ def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     c = DTYPE_BYTES[s.compute_dtype]
     per_score = 4 + c + (c if arch.attn_logit_softcapping else 0)
     return per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+
+
+def _scores(arch: Architecture, s: Setup) -> int:
+    """b · heads · s²: the attention scores of one layer."""
+    return arch.num_heads * s.micro_batch_size * s.max_seq_len**2
+
+
+def eager_softmax_bytes(arch: Architecture, s: Setup) -> float:
+    """Eager attention's softmax moment when nothing is kept (evaluation, a checkpointed layer's forward), beyond
+    the layer's input: the c-byte scores, their fp32 upcast (none when c is 4) and fp32 output, beside the normed
+    input, q and k/v repeated to every head and unrepeated (calibration.EAGER_SOFTMAX_*)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    per_score = c + 4 * (EAGER_SOFTMAX_FP32 if c < 4 else EAGER_SOFTMAX_FP32 - 1)
+    beside = c * (arch.hidden_size + EAGER_SOFTMAX_BESIDE_Q * q + EAGER_SOFTMAX_BESIDE_KV * kv)
+    return per_score * _scores(arch, s) + beside * s.tokens
+
+
+def eager_probs_bytes(arch: Architecture, s: Setup) -> float:
+    """The c-byte attention probabilities an eager decoder layer holds until it returns (`hidden_states, _ =
+    self.self_attn(...)`): beside its MLP's forward moment when nothing is kept (calibration.EAGER_SOFTMAX_*)."""
+    return DTYPE_BYTES[s.compute_dtype] * _scores(arch, s) if s.attn_implementation == "eager" else 0.0
 
 
 def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:

@@ -205,6 +205,19 @@ FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
 # 2,304 / 3,200 / 1,664 (LoRA recompute), each +8.
 # Two fp32 per-token statistics in flight at every layer moment (the RMSNorm's mean and rsqrt): the +8 B/token above.
 FWD_TOKEN_STATS_BYTES = 2 * 4
+# Eager attention's forward moments with checkpointing (the layer's forward runs without keeping anything, like an
+# evaluation's). Read in transformers' modeling_gemma2.py (the other families' eager decoder layers are the same):
+# `softmax(attn_weights, dtype=float32).to(query.dtype)` holds the c-byte masked scores, their fp32 upcast and the
+# fp32 output at once (EAGER_SOFTMAX_FP32 fp32 copies per score; an fp32 input is its own upcast), beside q, k and v
+# repeated to every head, k and v themselves and the layer's normed input; and the decoder layer's
+# `hidden_states, _ = self.self_attn(...)` keeps the c-byte probabilities (`_`) alive until the layer returns, so
+# they sit beside the MLP's LoRA moment too. Traced at full size (`lowmem_ft.train.trace`, gemma-2-9b cut to one
+# layer, its 24 GB plan: LoRA+NF4, bf16, checkpointing; the peak located by stack): at 4 x 2,048 the peak is the
+# softmax — 2 x 1,073.7 MB fp32 + 536.9 MB bf16 scores, 3 x 67.1 MB (q, k and v repeated) + 4 x 33.6 (k, v, ...)
+# + 2 x 58.7 (layer input, normed input) — and at 4 x 1,024 it is the MLP's LoRA moment with the 134.2 MB of
+# bf16 probabilities beside it (1,091.7 MB above static traced, 1,086 predicted).
+EAGER_SOFTMAX_FP32 = 2
+EAGER_SOFTMAX_BESIDE_Q, EAGER_SOFTMAX_BESIDE_KV = 4, 2  # c-byte tensors per token, q- and kv-sized
 # Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and
 # composite in fp32: `(x - mean).pow(2)` keeps its fp32 input and `(x - mean) * rsqrt(...)` a second fp32 x − mean of
 # its own, one fp32 copy per element more than an RMSNorm, whose pow and mul share the upcast. Measured with
@@ -336,6 +349,10 @@ _LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 set
 _MOE = "devkit/harness/moe.py (one block and 1- vs 2-layer runs), benchmarks/estimator_moe.md"
 _CHUNKED = "PeakMemory on lowmem_ft/train/losses.py token_log_probs alone, tests/memory/test_estimate_loss.py"
 _GRPO = "PeakMemory around TRL's HF generate (zoo llama3 / qwen2.5), devkit/harness/grpo.py, benchmarks/grpo_cpu.md"
+_EAGER_FWD = (
+    "transformers modeling_gemma2.py eager_attention_forward, Gemma2DecoderLayer; traced at full size "
+    "(lowmem_ft.train.trace, gemma-2-9b cut to one layer, peak located by stack)"
+)
 SOURCES: dict[str, Source] = {
     "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
     "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
@@ -394,6 +411,9 @@ SOURCES: dict[str, Source] = {
     "FWD_BESIDE_NO_CKPT": Source("measured", _LAYERS),
     "FWD_BESIDE_NO_CKPT_TILED_NORMS": Source("measured", _LAYERS),
     "FWD_TOKEN_STATS_BYTES": Source("measured", _LAYERS),
+    "EAGER_SOFTMAX_FP32": Source("code+measured", _EAGER_FWD),
+    "EAGER_SOFTMAX_BESIDE_Q": Source("code+measured", _EAGER_FWD),
+    "EAGER_SOFTMAX_BESIDE_KV": Source("code+measured", _EAGER_FWD),
     "CENTRED_NORM_EXTRA_FP32": Source("code+measured", "transformers modeling_cohere.py CohereLayerNorm; "
                                       "python -m devkit.bench.estimator --blocks, benchmarks/estimator_blocks.md"),
     "XIELU_KEPT_C": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),

@@ -105,6 +105,7 @@ from lowmem_ft.memory.static import (
     weight_bytes,
 )
 from lowmem_ft.memory.transients import (
+    attention_forward_bytes,
     backward_transient_bytes,
     final_norm_forward_bytes,
     forward_transient_bytes,
@@ -149,6 +150,7 @@ __all__ = [
     "eval_peak_bytes",
     "final_norm_forward_bytes",
     "first_layer_discount",
+    "attention_forward_bytes",
     "forward_transient_bytes",
     "head_saved_bytes",
     "is_mlp_linear",
@@ -216,7 +218,7 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     if norm_working_set:
         comps.append(Component("DoRA weight-norm working set", norm_working_set, "forward/backward",
                                "peft dora.py get_lora_weight / get_weight_norm, largest adapted linear"))  # fmt: skip
-    layer_fwd = rope + max(forward_transient_bytes(arch, s), masked_attention_forward_bytes(arch, s), norm_working_set)
+    layer_fwd = rope + max(forward_transient_bytes(arch, s), attention_forward_bytes(arch, s), norm_working_set)
     if s.gradient_checkpointing:  # the recompute in backward computes the norms again (dequantizing, under QLoRA)
         dequant = max(dequant, norm_working_set)
     fwd_peak = kept - head + max(head + loss_fwd + head_out, layer_fwd, rope + final_norm_forward_bytes(arch, s))
@@ -296,7 +298,7 @@ def layer_moments(arch: Architecture, est: Estimate) -> tuple[float, float]:
     kept, layer = _activations(arch, arch_s, [])
     head = head_saved_bytes(arch, arch_s) * t
     rope = 2 * c * arch.head_dim * t
-    layer_fwd = rope + max(forward_transient_bytes(arch, arch_s), masked_attention_forward_bytes(arch, arch_s))
+    layer_fwd = rope + max(forward_transient_bytes(arch, arch_s), attention_forward_bytes(arch, arch_s))
     grads, _ = backward_transient_bytes(arch, arch_s)
     dequant = (
         c * max(lin.in_features * lin.out_features for lin in arch.linears) if arch_s.quantization != "none" else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowmem_ft.memory.activations import attention_mask_bytes, head_saved_bytes
+from lowmem_ft.memory.activations import attention_mask_bytes, eager_probs_bytes, eager_softmax_bytes, head_saved_bytes
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import BATCH_BYTES_PER_TOKEN, GRPO_PREFILL_HIDDEN
 from lowmem_ft.memory.experts import moe_eval_bytes
@@ -63,15 +63,16 @@ def eval_layer_bytes(arch: Architecture, s: Setup) -> float:
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
     cast = 4 * h if not arch.moe and adapted & MLP_INPUT_LINEARS else 0
-    hidden = GRPO_PREFILL_HIDDEN * c * h + 2 * c * arch.head_dim
-    mlp = (eval_mlp_bytes(arch, s) + cast) * TILED_MLP.eval_tokens(arch, s) + hidden * t
+    # past the first layer the model's forward still holds `inputs_embeds` (modeling_llama.py LlamaModel.forward):
+    # traced on Llama-3.1-8B cut to 1, 2 and 3 layers at 32 x 2,048, the MLP moment holds 3, 4 and 4 c·h tensors
+    embeds = 1 if arch.num_layers > 1 else 0
+    hidden = (GRPO_PREFILL_HIDDEN + embeds) * c * h + 2 * c * arch.head_dim
+    # an eager layer holds its probabilities until it returns (`activations.eager_probs_bytes`)
+    mlp = (eval_mlp_bytes(arch, s) + cast) * TILED_MLP.eval_tokens(arch, s) + hidden * t + eager_probs_bytes(arch, s)
     o_proj = 2 * c * h + 2 * c * q + c * h + 2 * c * kv + (4 * q + 8 * h if adapted & OUTPUT_LINEARS else 0)
     attention = o_proj * t
-    if s.attn_implementation == "eager":
-        # softmax(..., dtype=float32) upcasts a bf16 input (a copy) beside its fp32 output; an fp32 input is its own
-        per_score = c + 4 + (4 if c < 4 else 0)
-        scores = per_score * arch.num_heads * s.micro_batch_size * s.max_seq_len**2
-        attention = max(attention, scores + (2 * c * h + 4 * c * q + 2 * c * kv) * t)
+    if s.attn_implementation == "eager":  # the softmax, beside the layer's input
+        attention = max(attention, eager_softmax_bytes(arch, s) + c * h * t)
     return max(mlp, attention)
 
 

@@ -5,7 +5,12 @@ layer's gradients; the long-context savers' moments are theirs (`lowmem_ft.memor
 
 from __future__ import annotations
 
-from lowmem_ft.memory.activations import masked_layers, mlp_activation_bytes
+from lowmem_ft.memory.activations import (
+    eager_probs_bytes,
+    eager_softmax_bytes,
+    masked_layers,
+    mlp_activation_bytes,
+)
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
     DROPOUT_MASK_BYTES,
@@ -38,11 +43,13 @@ def forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     measured at the layers' own peak): peft's fp32 copies around the adapted linear with the widest input, beside
     the hidden-sized tensors in flight; the savers' moments are theirs (`savers.TiledMLP.forward`,
     `savers.RecomputeLora.forward`, `savers.TiledNorms.forward_beside`). RoPE's cos/sin, which also exist while the
-    layers run, are the caller's (`_forward_backward`)."""
+    layers run, are the caller's (`_forward_backward`). Under checkpointing an eager layer's probabilities are held
+    beside them (`activations.eager_probs_bytes`); without, they are among the kept tensors."""
+    probs = eager_probs_bytes(arch, s) if s.gradient_checkpointing else 0.0
     if arch.moe:  # the experts' moment, or the attention's (whose LoRA copies are measured as for dense blocks)
         moments = max(moe_forward_transient_bytes(arch, s), _dense_forward_transient_bytes(arch, s))
-        return moments + unused_sliding_mask_bytes(arch, s)
-    return _dense_forward_transient_bytes(arch, s)
+        return moments + unused_sliding_mask_bytes(arch, s) + probs
+    return _dense_forward_transient_bytes(arch, s) + probs
 
 
 def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
@@ -65,6 +72,16 @@ def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
         wide_out = wide.out_features if wide else 0
         transient = ((c + FWD_TRANSIENT_NO_CKPT) * wide_in + (c + FWD_OUTPUT_FP32) * wide_out + beside * c * h) * t
     return TILED_MLP.forward(arch, s, lins, transient, wide_in) + FWD_TOKEN_STATS_BYTES * t
+
+
+def attention_forward_bytes(arch: Architecture, s: Setup) -> float:
+    """Under checkpointing, the attention's own moment beyond the kept tensors, when it has one above the linears':
+    a masked layer's SDPA (`masked_attention_forward_bytes`) or eager attention's softmax
+    (`activations.eager_softmax_bytes`; the layer's input is among the kept). 0 otherwise."""
+    if not s.gradient_checkpointing:
+        return 0.0
+    eager = eager_softmax_bytes(arch, s) + FWD_TOKEN_STATS_BYTES * s.tokens if s.attn_implementation == "eager" else 0
+    return max(masked_attention_forward_bytes(arch, s), eager)
 
 
 def masked_attention_forward_bytes(arch: Architecture, s: Setup) -> float:
