@@ -165,6 +165,7 @@ def test_wandb_is_quiet_at_the_end_of_a_run_unless_asked(tmp_path, monkeypatch):
     import os
 
     monkeypatch.delenv("WANDB_QUIET", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # `train --no-wandb` earlier in this process set it to disabled
     monkeypatch.setattr(tracking, "_SET_BY_US", {})
     tracking.configure(resolve("8gb", ["logging.wandb_mode=offline"]), tmp_path)
     assert os.environ["WANDB_QUIET"] == "true"  # no history / summary footer (everything is still logged)
