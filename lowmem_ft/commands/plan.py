@@ -138,7 +138,7 @@ def version_note() -> None:
     if found:
         names = ", ".join(f"{name} {now or 'missing'} (checked {want})" for name, (want, now) in found.items())
         print(f"note: the memory model was checked against other library versions: {names}; --verify measures the "
-              "installed ones")  # fmt: skip
+              "installed ones", file=sys.stderr)  # fmt: skip
 
 
 def verify(args: argparse.Namespace, recipe, choice, plan_again):

@@ -134,6 +134,15 @@ def attention(recipe: Recipe, config) -> str:
     return used
 
 
+# transformers 5.25 turns Hub kernels on by default (`from_pretrained(use_kernels=None)` → True where the `kernels`
+# package is installed, and 5.25 requires it) and kernelizes again on every `train()` / `eval()`, which puts each
+# kernel layer's class forward back and drops the per-module forwards the memory savers install (measured: tiled
+# norms silently off: a long-context CPU point measured 46 % over its prediction). The kernels also download code from the Hub and
+# change which tensors a layer keeps. The memory model is of the torch implementations, so every load says False
+# (5.24 and earlier default to it). Read in transformers 5.25.0 modeling_utils.py (from_pretrained, train).
+HUB_KERNELS_OFF = {"use_kernels": False}
+
+
 def load_model(recipe: Recipe, device: str | None = None):
     """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
     from safetensors import SafetensorError
@@ -146,6 +155,7 @@ def load_model(recipe: Recipe, device: str | None = None):
         attn_implementation=attention(recipe, config),
         trust_remote_code=m.trust_remote_code,
         device_map=device_map(device),
+        **HUB_KERNELS_OFF,
     )
     bnb = quantization_config(recipe)
     if bnb is not None:

@@ -245,7 +245,7 @@ def build(recipe: Recipe, config, shadow: Shadow):
     """`lowmem_ft.train.model.build_model` without weights: the base from `config` with fake weights in the
     recipe's storage, then the same preparation, adapters and memory savers."""
     from lowmem_ft.train.context_savers import apply_memory_savers
-    from lowmem_ft.train.model import attach_adapter, attention, prepare_for_training, torch_dtype
+    from lowmem_ft.train.model import HUB_KERNELS_OFF, attach_adapter, attention, prepare_for_training, torch_dtype
 
     if recipe.adapter.name_or_path:
         raise UserError("cannot trace a run that continues a saved adapter (--adapter); trace without it")
@@ -264,7 +264,12 @@ def build(recipe: Recipe, config, shadow: Shadow):
     try:
         with shadow:
             model = cls.from_pretrained(
-                None, config=config, state_dict=state, dtype=dtype, attn_implementation=attention(recipe, config)
+                None,
+                config=config,
+                state_dict=state,
+                dtype=dtype,
+                attn_implementation=attention(recipe, config),
+                **HUB_KERNELS_OFF,
             )
     finally:
         transformers.logging.set_verbosity(verbosity)

@@ -28,6 +28,18 @@ def test_plan_json_and_output(tmp_path, capsys):
     assert recipe.memory.micro_batch_size == data["recipe"]["memory"]["micro_batch_size"]
 
 
+def test_a_library_version_note_leaves_the_json_clean(monkeypatch, capsys):
+    """With other library versions installed, `plan --json` printed its note on stdout, before the JSON (CI with
+    transformers 5.25 failed 20 tests on it): the note goes to stderr."""
+    from lowmem_ft import versions
+
+    monkeypatch.setitem(versions.CHECKED, "transformers", "5.0.0")
+    assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["fits"]
+    assert "checked 5.0.0" in err and "--verify" in err
+
+
 def test_plan_too_big_exits_2(capsys):
     assert main(["plan", "--vram", "8", "--model", "Qwen/Qwen2.5-72B"]) == 2
     assert "smaller model" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.train import tiles
-from lowmem_ft.train.tiles import decoder_mlps, tile_mlps
+from lowmem_ft.train.tiles import decoder_mlps, hidden_norms, tile_mlps
 from tests.train.lora_models import FAMILIES, SMALL, assert_same, batch, grads_of, model_of
 
 
@@ -79,7 +79,8 @@ def test_no_grad_forward_runs_the_tiles_without_checkpoints():
 
 
 def test_qlora_through_the_build_path_matches_untiled(tiny_model):
-    """NF4 base layers with LoRA inside the MLP and layer checkpointing, built as `train` builds them."""
+    """NF4 base layers with LoRA inside the MLP and layer checkpointing, built as `train` builds them; the tiles
+    survive the trainer's train() / eval() switches."""
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.model import build_model
 
@@ -91,14 +92,17 @@ def test_qlora_through_the_build_path_matches_untiled(tiny_model):
             {
                 "model": {"name_or_path": tiny_model, "compute_dtype": "float32"},
                 "adapter": {"dropout": 0.1},
-                "memory": {"tiled_mlp": tiled, "mlp_tile_tokens": 12},
+                "memory": {"tiled_mlp": tiled, "tiled_norms": tiled, "mlp_tile_tokens": 12},
             },
         )
         torch.manual_seed(0)
         model = build_model(recipe)
+        model.eval()  # transformers 5.25 with Hub kernels on re-kernelized here and dropped the tiled norms
         model.train()
         if tiled:
-            assert all(m.forward.__qualname__.startswith("tiled_forward") for _, m in decoder_mlps(model))
+            tiled_modules = decoder_mlps(model) + hidden_norms(model)
+            assert len(tiled_modules) == 2 + 5  # 2 layers' MLPs; 2 norms per layer and the final one
+            assert all(m.forward.__qualname__.startswith("tiled_forward") for _, m in tiled_modules)
         # dropout draws differ between tiled and untiled forwards; compare at dropout 0 by switching it off
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -136,7 +140,7 @@ def test_tiling_twice_keeps_the_first():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiled_norms_gradients_equal_untiled(family):
     """Every hidden-size norm (Gemma 2's four per layer and its (1 + w) scale included) tiled, with the MLPs."""
-    from lowmem_ft.train.tiles import hidden_norms, tile_norms
+    from lowmem_ft.train.tiles import tile_norms
 
     ids, mask = batch()
     loss, plain = grads_of(model_of(family, checkpointing=True), ids, mask)
