@@ -24,11 +24,11 @@ from lowmem_ft.memory.arch import catalog
 from lowmem_ft.memory.estimate import GB
 
 TIERS = (8.0, 24.0, 40.0)
-LONG_SEQ = 16384  # the long-context row's --seq-len (capped at the model's positions)
+LONG_SEQ = 16384  # the long-context row's --seq-len (capped at the model's positions: `_plan`)
 PREAMBLE = (
     "# Real size: the memory model against the traced step\n\n"
     "Written by `python -m devkit.bench.real_size`. Each row: the plan `lowmem-ft plan --model M --vram T` chooses "
-    "(rows marked long: with `--seq-len 16384`), traced by `lowmem_ft.train.trace` (the real step at full size on the "
+    "(rows marked long: with `--seq-len 16384`, or the model's positions when fewer), traced by `lowmem_ft.train.trace` (the real step at full size on the "
     "CPU, no weights: two optimizer steps with an accumulation window and an evaluation forward) against the memory "
     "model's CPU form of the same phases (live tensor bytes, no device overheads; on the CPU nothing is offloaded). "
     "`gap` = (predicted − traced) / traced of the peaks; `worst phase` the phase with the largest gap. "
@@ -46,6 +46,11 @@ def _plan(model: str, vram: float, seq_len: int | None):
     from lowmem_ft.choosing import choose_recipe
     from lowmem_ft.train.args import eval_batch_size
 
+    if seq_len:  # the long row at the model's own positions when it has fewer (Phi-3-mini-4k, OLMoE: 4,096)
+        from lowmem_ft.memory.arch import load_architecture
+
+        positions = load_architecture(model, False).max_position_embeddings
+        seq_len = min(seq_len, positions) if positions else seq_len
     recipe, choice = choose_recipe(
         vram_gb=vram, recipe=None, overrides={"model": {"name_or_path": model}}, seq_len=seq_len
     )
@@ -107,14 +112,13 @@ def row(key: str, entry: dict) -> str:
 
 
 def _stale(key: str, entry: dict) -> bool:
-    """Whether the plan the row was traced for is no longer the one planned (the memory model changed)."""
-    if "traced" not in entry:
-        return False
+    """Whether the plan the row was traced (or refused) for is no longer the one planned (the memory model or the
+    runner changed)."""
     model, vram, long = key.split("|")
     try:
         return _plan(model, float(vram), int(long) if long else None)[2] != entry["plan"]
     except UserError:
-        return True
+        return "traced" in entry  # still no plan: the row stands
 
 
 NOTES = """
@@ -151,8 +155,74 @@ NOTES = """
 """
 
 
+# One model per family first (the smallest that shows the family's architecture), so a partial run covers every
+# family before it fills every tier.
+FAMILY_FIRST = (
+    "Qwen/Qwen2.5-0.5B",
+    "meta-llama/Llama-3.2-1B",
+    "google/gemma-3-1b-pt",
+    "allenai/OLMoE-1B-7B-0924",
+    "microsoft/Phi-3-mini-4k-instruct",
+    "Qwen/Qwen1.5-MoE-A2.7B",
+    "Qwen/Qwen-7B",
+    "mistralai/Mistral-7B-v0.3",
+    "Qwen/Qwen3-8B",
+    "meta-llama/Llama-3.1-8B",
+    "google/gemma-2-9b",
+    "mistralai/Mistral-Nemo-Base-2407",
+    "Qwen/Qwen3-30B-A3B",
+    "mistralai/Mixtral-8x7B-v0.1",
+)
+
+
+def keys(models: list[str], tiers: list[float], long_seq: int) -> list[str]:
+    """The rows in the order they are traced: breadth first — every family at the middle tier, plain and long;
+    then every other model there; then the other tiers, plain before long."""
+    ordered = [m for m in FAMILY_FIRST if m in models] + [m for m in models if m not in FAMILY_FIRST]
+    first_tier = 24.0 if 24.0 in tiers else tiers[0]
+    seqs = (None, long_seq) if long_seq else (None,)
+
+    def key(model, vram, seq):
+        return f"{model}|{vram:g}|{seq or ''}"
+
+    out = [key(m, first_tier, s) for m in ordered if m in FAMILY_FIRST for s in seqs]
+    out += [key(m, first_tier, s) for m in ordered if m not in FAMILY_FIRST for s in seqs]
+    for seq in seqs:
+        out += [key(m, v, seq) for v in tiers if v != first_tier for m in ordered]
+    return out
+
+
+def _promoted(order: list[str], cache: dict, top: float) -> list[str]:
+    """The largest tier's plain row of each family's model that has no plan at a smaller one (the mixtures of
+    experts at 24 GB): traced next, before the other models, so that every family has a row."""
+    out = []
+    for key in order:
+        model, vram, long = key.split("|")
+        if model in FAMILY_FIRST and not long and cache.get(key, {}).get("plan", "").startswith("no plan"):
+            out.append(f"{model}|{top:g}|")
+    return out
+
+
+def _key_order(key: str) -> tuple:
+    model, vram, long = key.split("|")
+    return (model, float(vram), int(long or 0))
+
+
 def write(out: Path, cache: dict) -> None:
-    out.write_text(HEADER + "\n".join(row(k, v) for k, v in cache.items()) + "\n" + NOTES)
+    rows = [row(k, cache[k]) for k in sorted(cache, key=_key_order)]
+    out.write_text(HEADER + "\n".join(rows) + "\n" + NOTES)
+
+
+def _store(cache_file: Path, key: str, entry: dict) -> dict:
+    """Add one entry to the cache file under a lock, re-reading it first: several runs may fill it at once."""
+    import fcntl
+
+    with open(cache_file, "a") as lock:  # the file itself is the lock (rewritten in place, same inode)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+        cache[key] = entry
+        cache_file.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    return cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,22 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-seq", type=int, default=LONG_SEQ, help="the long-context rows' --seq-len (0: none)")
     parser.add_argument("--out", default="benchmarks/real_size.md")
     parser.add_argument("--rewrite", action="store_true", help="only rewrite the table from the cache (no tracing)")
+    parser.add_argument("--shard", default="0/1", help="k/n: trace every n-th row from the k-th (runs at once share "
+                        "the cache file)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     out = Path(args.out)
     cache_file = out.with_suffix(".json")
-    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if not args.rewrite:
-        for model in args.models or list(catalog()):
-            for vram in args.tiers:
-                for seq in (None, args.long_seq) if args.long_seq else (None,):
-                    key = f"{model}|{vram:g}|{seq or ''}"
-                    if key in cache and not _stale(key, cache[key]):
-                        continue
-                    cache[key] = traced_entry(model, vram, seq)
-                    cache_file.write_text(json.dumps(cache, indent=1) + "\n")
-                    print(row(key, cache[key]), flush=True)
-    write(out, cache)
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+        order = keys(args.models or list(catalog()), args.tiers, args.long_seq)
+        promoted = _promoted(order, cache, max(args.tiers))
+        order = [k for k in order if k in promoted] + [k for k in order if k not in promoted]
+        todo = [k for k in order if k not in cache or _stale(k, cache[k])]
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        for key in todo[shard::shards]:
+            model, vram, long = key.split("|")
+            entry = traced_entry(model, float(vram), int(long) if long else None)
+            cache = _store(cache_file, key, entry)
+            print(row(key, entry), flush=True)
+    write(out, json.loads(cache_file.read_text()) if cache_file.is_file() else {})
     return 0
 
 
