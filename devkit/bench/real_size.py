@@ -124,34 +124,63 @@ def _stale(key: str, entry: dict) -> bool:
 NOTES = """
 ## Gaps found
 
+Fixed (each traced on the model cut to one to six layers, the peak located by stack):
+
 - **Evaluation forward** (Llama-3.1-8B: +3.0 % at 24 GB, +14.8 % at 40 GB; over-predicted): the eval peak took
-  one layer's training-saved tensors as its bound. Traced and located by stack, the in-flight peak is the MLP moment
-  (or the output projection), and the head's eval moment keeps only the final norm's output and the loss input.
-  Fixed in `lowmem_ft/memory/evaluation.py` (`eval_layer_bytes`): 8B 24 GB eval at 4 rows 19.02 → 18.48 GB
-  predicted against 18.46 traced. The planner now chooses wider eval batches (8 rows there), at −0.6 %.
+  one layer's training-saved tensors as its bound. The in-flight peak is the MLP moment (or the output projection),
+  and the head's eval moment keeps only the final norm's output and the loss input. Fixed in
+  `lowmem_ft/memory/evaluation.py` (`eval_layer_bytes`): 8B 24 GB eval at 4 rows 19.02 → 18.48 GB predicted
+  against 18.46 traced.
 - **Eager attention in evaluation** (gemma-2-9b: its 16 × 2,048 eval batch holds 10.7 GB of softmax scores in
-  flight, traced): not counted at all before; now counted (`eval_layer_bytes`).
-- **Eager attention in a checkpointed forward** (gemma-2-9b 24 GB: −7.2 %, −882 MB at 4 × 2,048; under-predicted):
-  the layer's forward keeps nothing under checkpointing, so eager attention's softmax holds the c-byte scores, their
-  fp32 upcast and fp32 output (10 B per score at bf16) beside q and k/v repeated, and the decoder layer's
-  `hidden_states, _ = self.self_attn(...)` holds the c-byte probabilities through the MLP. Traced on gemma-2-9b cut
-  to one layer and located by stack (the softmax at 4 × 2,048, the MLP's LoRA moment with 134 MB of probabilities
-  at 4 × 1,024). Fixed in `lowmem_ft/memory/transients.py` (`attention_forward_bytes`, `forward_transient_bytes`):
-  forward 11.34 → 12.23 GB predicted against 12.22 traced (+0.06 %). Longer sequences on Gemma-2 now plan shorter
-  (24 GB at batch 1: 10,032 → 9,168 tokens), as the forward softmax grows with s².
-- **Eval at wide eval batches** (Llama-3.1-8B −0.6 % / −1.6 % at 8 / 32 rows, Qwen2.5-0.5B −1.3 %; under-predicted):
-  past the first layer the model's forward still holds `inputs_embeds`, one c·h tensor per token beside the MLP
-  moment (traced on the 8B cut to 1, 2 and 3 layers at 32 × 2,048: 3, 4 and 4 c·h tensors, located by stack). Fixed
-  in `eval_layer_bytes`: 8B 40 GB eval 31.20 GB traced, 30.70 → 31.24 predicted (+0.12 %); 24 GB +0.05 %;
-  Qwen2.5-0.5B +0.47 % / +0.45 %.
-- Open, under-predicted (unsafe side, not fixed yet):
-  - gemma-2-9b 24 GB eval −0.67 % (−129 MB at 16 × 2,048, the eager softmax moment): not located yet.
-- Open, over-predicted (safe side): the training **backward** +0.6 % / +0.9 % on Llama-3.1-8B (+138 MB at 4 × 2,048,
-  +276 MB at 8 × 2,048: 16.8 kB per token) and +1.4 % on Llama-3.1-70B at 80 GB (`plan --verify`, not a tier
-  here: predicted 65.15 GB, traced 64.27): a per-token backward term over-counted, not yet found. Also over, not
-  yet explained: gemma-3-1b-pt 24 GB forward +1.4 %; Llama-3.1-8B long 8 GB eval +2.0 % (1 × 16,384, tiled MLP).
-- Rows marked stale were traced for a plan the planner no longer chooses (the wider eval batches above); their
-  training phases stay in `real_size.json`, and the next run traces them again.
+  flight): not counted at all before; now counted (`eval_layer_bytes`).
+- **Eager attention in a checkpointed forward** (gemma-2-9b 24 GB: −7.2 %, under-predicted): eager softmax holds
+  the c-byte scores, their fp32 upcast and fp32 output beside q and k/v repeated, and the decoder layer holds the
+  c-byte probabilities through the MLP. Fixed in `lowmem_ft/memory/transients.py`: forward 11.34 → 12.23 GB
+  predicted against 12.22 traced.
+- **Eval at wide eval batches** (Llama-3.1-8B −0.6 % / −1.6 % at 8 / 32 rows; under-predicted): past the first
+  layer the model's forward still holds `inputs_embeds` beside the MLP moment. Fixed in `eval_layer_bytes`.
+- **Eager softmax in evaluation, again** (gemma-2-9b 24 GB eval −0.67 %, −129.5 MB at 16 × 2,048; under-predicted):
+  the softmax moment holds three c·h tensors (the layer's input, its normed input and `inputs_embeds`), not two,
+  and no dequantized NF4 weight (the memory model added it to every eval moment). Fixed in `eval_layer_bytes`
+  (the dequantized weight beside the linears' moments only): 19.114 → 19.246 GB predicted against 19.243 traced
+  (+0.01 %).
+- **One key/value head** (gemma-3-1b-pt 24 GB forward +1.41 %, backward +1.33 %, +334 MB at 2 × 2,048;
+  over-predicted): with one key/value head `repeat_kv`'s expand + reshape is a view, so a masked layer keeps k and
+  v one head wide, not repeated (3,072 B/token per layer less). Fixed in `lowmem_ft/memory/activations.py`
+  (`repeats_kv_copy`): forward 24.073 → 23.746 GB against 23.738 traced (+0.03 %), backward +0.07 %.
+
+Explained, not a memory-model error:
+
+- **static** +6.3 MB on the long rows (+0.8 MB at 2,048 tokens): the trace's warm-up micro batches (steps 1.1 and
+  2.1) are 8 tokens long, where the model counts the loader's batches at the plan's length.
+- Qwen/Qwen-7B (Qwen v1): refused — its config names its own code (`auto_map`); transformers ships no class for it.
+
+Open, under-predicted (the unsafe side):
+
+- **gemma-2-9b long 24 GB backward −10.4 %** (−2.66 GB at 1 × 8,192, NF4, checkpointing, eager attention): about
+  2.5 B per attention score missing in the recomputed layer's backward (the eager softmax / softcap backward over
+  16 × 8,192² scores). Not located yet; the short rows (2,048 tokens) are within 1 %, so this is the s² part of
+  the backward.
+- **Phi-3-mini-4k long 24 GB forward −5.6 %** (−803 MB at 4 × 4,096, checkpointing, a padded batch past its
+  2,047-token sliding window: every layer masked): not located yet (803 MB is about six c-byte b × s × s masks);
+  its peak (the backward) is −1.0 % under.
+
+Open, over-predicted (the safe side):
+
+- **The checkpointed backward** (+0.4 to +1.0 % at 2,048 tokens on the dense models, +2.0 to +2.7 % on the long
+  rows, +1.6 / +1.9 % with NF4 on Qwen2.5-14B / Mistral-Nemo): located on Llama-3.1-8B cut to one layer, the peak
+  is the end of the recomputed forward (down_proj's LoRA branch, the whole layer's tensors saved again), not the
+  layer's backward. The model adds 8·i + 5·h B/token of recomputed gradients, fitted on tiny shapes; the full-size
+  rows fit 6·i + 8·h within 0.5 kB/token (Llama-3.1-8B, Mistral-7B, Qwen3-8B, Llama-3.2-1B, Qwen2.5-0.5B: 2·i −
+  2.9·h over). Not changed yet: the tiny-shape measurements behind the constant need the same form, and a change
+  moves every checkpointed plan (the rows would be traced again).
+- Llama-3.1-8B long 8 GB forward +1.2 % and eval +2.0 % (+140 MB, one c·h tensor at 16,384 tokens, with the
+  tiled MLP, tiled norms, LoRA recompute and host embeddings): not located.
+- Qwen1.5-MoE-A2.7B 40 GB eval +2.7 % (not the peak): not located.
+- Llama-3.1-70B at 80 GB backward +1.4 % (`plan --verify`, not a tier here): the checkpointed backward above.
+
+Rows marked stale were traced for a plan the planner no longer chooses; their traced bytes stay in
+`real_size.json`, and the next run traces them again.
 """
 
 
