@@ -121,6 +121,10 @@ class PeakMemory(TorchDispatchMode):
     live_bytes: int = 0
     peak_bytes: int = 0
     marks: list[Mark] = field(default_factory=list)
+    # When a list: every storage's allocation ("+", key, bytes) and free ("-", key, bytes), and each mark ("mark",
+    # label, 0), in the order they happen — the input of `lowmem_ft.train.allocator` (key: the storage's id while it
+    # lives). None (the default) records nothing and costs one test per new storage.
+    log: list[tuple[str, object, int]] | None = None
 
     def __post_init__(self):
         super().__init__()
@@ -147,6 +151,8 @@ class PeakMemory(TorchDispatchMode):
             if ref.nbytes == nbytes:
                 return
             self.live_bytes += nbytes - ref.nbytes  # resized in place
+            if self.log is not None:  # a resized storage gets a new block: logged as the old one's free, then it
+                self.log += (("-", ref.key, ref.nbytes), ("+", ref.key, nbytes))
             ref.nbytes = nbytes
         else:
             # The callback runs when the storage's Python object is freed, before its id can be reused; torch keeps
@@ -155,6 +161,8 @@ class PeakMemory(TorchDispatchMode):
             ref.key, ref.nbytes = id(storage), nbytes
             self._live[ref.key] = ref
             self.live_bytes += nbytes
+            if self.log is not None:
+                self.log.append(("+", ref.key, nbytes))
         if self.live_bytes > self._window_peak:
             self._window_peak = self.live_bytes
             if self.live_bytes > self.peak_bytes:
@@ -162,7 +170,8 @@ class PeakMemory(TorchDispatchMode):
 
     def _freed(self, ref: _Ref) -> None:
         self.live_bytes -= ref.nbytes
-        self._live.pop(ref.key, None)
+        if self._live.pop(ref.key, None) is not None and self.log is not None:
+            self.log.append(("-", ref.key, ref.nbytes))
 
     def window(self) -> tuple[int, int]:
         """(live bytes now, the peak since the previous window or mark), and start the next window."""
@@ -175,6 +184,8 @@ class PeakMemory(TorchDispatchMode):
         """Record live bytes now and the peak since the previous mark (kept in `marks`)."""
         m = Mark(label, *self.window())
         self.marks.append(m)
+        if self.log is not None:
+            self.log.append(("mark", label, 0))
         return m
 
     def reset_peak(self) -> None:
