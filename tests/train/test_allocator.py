@@ -186,3 +186,24 @@ def test_replay_reads_a_peak_memory_log_with_its_marks():
     assert windows["second"].reserved == 22 * MiB and windows["second"].requested == 6 * MiB + 1024
     assert windows["total"].allocated == 6 * MiB + 1024
     del y, z
+
+
+@pytest.mark.slow
+def test_the_traced_step_log_replays_to_the_traced_peaks(zoo_models):
+    """The tracer's allocation log holds every storage it counts: replayed, the requested bytes of each phase window
+    are the trace's own peaks to the byte, and the allocator never holds less than was asked for."""
+    from pathlib import Path
+
+    from devkit.harness import estimator as estimator_check
+    from devkit.harness.estimator import Point
+    from lowmem_ft.train.trace import allocation_log, model_config, trace
+
+    point = Point("qwen2.5", "lora", "adamw_torch", False, 2, 40)
+    recipe = estimator_check.recipe_for(Path(zoo_models["qwen2.5"]), point)
+    windows = Allocator().replay(allocation_log(recipe, model_config(recipe)))
+    traced = trace(recipe, whole=True).marks
+    assert set(traced) <= set(windows)
+    for label, (peak, _) in traced.items():
+        w = windows[label]
+        assert w.requested == peak, label
+        assert w.requested <= w.allocated <= w.reserved
