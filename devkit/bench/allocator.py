@@ -8,10 +8,12 @@ Each row: the plan `lowmem-ft plan --model M --vram T` chooses, traced (`lowmem_
 real step at full size, no weights: two optimizer steps with an accumulation window, then the evaluation forward)
 with its decoder stack cut to three depths n, n + p, n + 2p (p the layers' period), each log replayed with the
 default allocator settings and with `expandable_segments:True`; the peaks are extrapolated to the model's depth
-from the first two depths (as `lowmem_ft.train.trace_layers` does for live bytes) and the third checks that the
-replayed figures are affine in the depth (`affine check`: the third depth's reserved peak against the line through
-the first two). These are predictions of a model of the allocator, not measurements on a GPU. Rows are cached in
-the `.json` beside `--out`; `--rewrite` only rewrites the table.
+from the first two depths (as `lowmem_ft.train.trace_layers` does for live bytes) and the third checks whether the
+replayed figures are affine in the depth (`affine check`). Live bytes are affine; reserved bytes are not quite
+(the slack of cached blocks that a shallow model leaves is filled as layers are added), so `--whole` traces the
+whole model (minutes) and also replays it held to the card's capacity. These are predictions of a model of the
+allocator, not measurements on a GPU. Rows are cached in the `.json` beside `--out`; `--rewrite` only rewrites
+the table.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ QUANTITIES = ("requested", "allocated", "reserved")
 
 
 def at_depth(e: dict, mode: str, quantity: str, train: bool = False) -> tuple[float, float | None]:
-    """(the run's peak of `quantity` at the model's depth, the affine check's relative residual at the third depth);
+    """(the run's peak of `quantity` at the model's depth, the affine check: how much the third depth's per-period
+    bytes differ from the first period's, relatively — 0 when the figure is affine in the depth);
     `train`: the training step's windows only (not the evaluation forward). Each phase window is extrapolated on its
     own and the largest taken: the phase that peaks can change with depth (a wide eval batch outweighs two layers'
     training step, not 24 layers')."""
@@ -113,8 +116,8 @@ def at_depth(e: dict, mode: str, quantity: str, train: bool = False) -> tuple[fl
     for k in labels:
         f0, f1, f2 = (windows[n][k][q] for n in depths)
         value = f0 + (e["layers"] - n0) // (n1 - n0) * (f1 - f0)
-        if best is None or value > best:
-            best, check = value, (f2 - (2 * f1 - f0)) / f2
+        if best is None or value > best:  # the change of the per-period bytes from one period to the next
+            best, check = value, (f2 - 2 * f1 + f0) / (f1 - f0) if f1 != f0 else 0.0
     return best, check
 
 
@@ -152,17 +155,67 @@ GPU**. Whole run: two optimizer steps (accumulation 1, then 2 at the full batch)
 (`max_memory_allocated`: 512 B rounding and unsplit remainders); `reserved` = peak of the segments held
 (`max_memory_reserved`, default settings) and with `expandable_segments:True`; `model allowance` = the memory
 model's allocator term for the plan (`ALLOCATOR_FRACTION` × the transient peak, `lowmem_ft/memory/overheads.py`),
-which is meant to cover reserved − requested. Extrapolated in depth from two cut models; `affine check` = the
-third depth against the line through the first two (default / expandable), the error of the extrapolation per
-period. Not in any figure: CUDA context, cuBLAS workspaces, kernels' internal workspaces, and everything the CPU
-trace does not take on a GPU (see "Fake CUDA" below).
+which is meant to cover reserved − requested. `train step` = the two optimizer steps alone; `run` = with the
+evaluation forward after them. `reserved held to the card` (whole traces only) = the reserved peak when the
+allocator may hold no more than the card less the CUDA context and cuBLAS workspaces (its release-and-retry then
+frees cached whole segments), of that capacity. Rows without "(whole)" are extrapolated in depth from two cut
+models; `affine check` = how much the reserved bytes one period adds change from the first period to the second
+(default / expandable; 0 % when affine), a measure of how far that extrapolation can be trusted. Not in any
+figure: CUDA context, cuBLAS workspaces, kernels' internal workspaces, and what the CPU trace does not take on a
+GPU (see the notes).
 
 | model | vram | plan | train step: requested GB | train step: reserved GB (÷ requested) | run: requested GB | run: allocated GB | run: reserved GB (÷ requested) | run: expandable reserved GB (÷ requested) | run: reserved − requested GB | model allowance GB | reserved held to the card | affine check | s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
-NOTES = ""
+NOTES = """
+## Notes
+
+- **Allocated ≈ live.** The 512 B rounding and the unsplit remainders add 0.0–2.2 % (`run: allocated` against
+  `run: requested`): on these steps `max_memory_allocated` is the traced live peak, within the model's accuracy.
+- **The training step's reserved − live, replayed**: 0.197 GB for Qwen2.5-0.5B at 8 GB (whole: 5.377 against
+  5.180 GB, ×1.038), where the memory model allows 0.243 GB; about 0.76 GB at 24 GB (extrapolated, ×1.042, allowance
+  1.006 GB). Most of it appears at the full-size
+  micro batch (forward 2.2): its activations and the LM head's chunks do not fit the blocks the short warm-up
+  steps left cached, so new segments are cut beside them.
+- **Evaluation after training** has no cached block of its sizes either: without a memory limit the allocator
+  keeps the training step's segments and adds the evaluation's (Qwen2.5-0.5B at 8 GB: reserved 7.575 GB for
+  5.180 GB live). On the card it is held to, cudaMalloc fails first and the allocator frees its whole cached
+  segments and retries (`release_cached_blocks`): replayed held to 7.433 GB (8 GB less the CUDA context and cuBLAS
+  workspaces), the run peaks at 7.038 GB reserved and does not run out of memory. So the uncapped reserved peak
+  overstates what a run needs; whether a plan fits is what `reserved held to the card` answers.
+- **`expandable_segments:True`** brings reserved within 1–2 % of live, evaluation included (Qwen2.5-0.5B at 8 GB,
+  whole: 5.247 GB, ×1.013; the 24 GB rows ×1.010–1.019; 5 % only in the extrapolated 8 GB row), as its design intends (one growing segment per pool, no stranded
+  segment ends).
+- **Depth extrapolation of reserved bytes is approximate.** Live bytes are exactly affine in the depth; reserved
+  bytes are not: the slack a shallow model leaves in cached blocks is filled as layers are added, so the reserved
+  bytes per layer grow with depth (Llama-3.1-8B: +0.434, then +0.453 GB per layer in backward 2.2 at 2 → 3 → 4
+  layers, while the live bytes grow by 0.517). Extrapolated from 2 and 3 layers, its training-step reserved comes out
+  *below* its live bytes (22.33 against 23.65 GB: impossible), and Qwen2.5-0.5B's comes out 1.8 % above the whole
+  trace (5.476 against 5.377 GB). Rows without "(whole)" are therefore indications; the whole traces are the
+  figures.
+- **Not modelled**: CUDA streams (one stream: activation offloading's copy stream and `record_stream` are not in
+  the CPU trace), bitsandbytes' paged optimizer states (CUDA managed memory, outside the caching allocator; a few MB
+  for LoRA, counted here as allocations), kernels' internal workspaces, and the order in which weights are loaded
+  (the log allocates the existing tensors first, in the order `PeakMemory` finds them).
+- **Fake CUDA** (`python -m devkit.fakecuda`): the CPU trace takes the CPU kernels. With a small C++ shim the CPU-only
+  torch runs a tiny Llama's forward and backward on fake CUDA tensors through the CUDA flash attention kernel (no
+  mask) and the memory-efficient one (a mask); their live bytes equal the CPU flash kernel's within 48 B (the CUDA
+  kernels' RNG state). Without the shim, SDPA on fake CUDA silently takes the math path (+22 MB of kept scores on
+  that model). The tracer does not use fake CUDA yet (see devkit/fakecuda.py for why), so the logs here are the CPU
+  kernels' allocations.
+- **Published figures for the same stack: none found.** The nearest: torchtune's Llama-3.1-8B QLoRA single-device
+  recipe reports after model init 14.41 GiB allocated against 14.62 GiB reserved (×1.015) and 6.19 against
+  6.27 GiB (×1.013) with fewer LoRA modules (https://github.com/meta-pytorch/torchtune/issues/1398) — a static
+  state, another stack; peft's maintainers report reserved well above allocated for small models (esm2-8M 0.72
+  against 1.95 GB, bert-base 1.55 against 3.34 GB) and the gap shrinking as models grow
+  (https://github.com/huggingface/peft/issues/1469). Neither is a training step of these plans on transformers 5.24 /
+  peft 0.21 / TRL 1.16 / torch 2.13; the GPU check (`scripts/gpu_check.sh`) is what would measure them.
+- **The planner is unchanged.** These are replays through a model of the allocator, not GPU measurements, and the
+  model's allowance sits within the replayed range (0.243 GB against 0.197 GB replayed for the training step at
+  Qwen2.5-0.5B 8 GB), so the evidence does not support changing `ALLOCATOR_FRACTION`.
+"""
 
 
 def write(out: Path, cache: dict, notes: str) -> None:
