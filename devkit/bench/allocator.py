@@ -135,7 +135,7 @@ def row(key: str, e: dict) -> str:
     if held is None:
         capped = "not replayed (cut models)"
     elif isinstance(held, str):
-        capped = "**out of memory**"
+        capped = "**out of memory** (the CPU path's log: see the notes)"
     else:
         capped = f"{max(w[2] for w in held.values()) / GB:.3f} of {capacity_of(float(vram)) / GB:.3f}"
     return (
@@ -172,49 +172,57 @@ GPU (see the notes).
 NOTES = """
 ## Notes
 
+- **Which column is the product's.** `train` sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless the
+  user set it (`lowmem_ft/train/device.py`), so `expandable reserved` is what a lowmem-ft run would reserve; the
+  default-settings columns are for a user who overrides it.
+- **With expandable segments, reserved is within 1–2 % of live**, evaluation included: Llama-3.1-8B at 24 GB
+  (whole) 23.840 GB for 23.651 live (×1.008, +0.19 GB), Qwen2.5-0.5B at 8 GB (whole) 5.247 for 5.180 (×1.013,
+  +0.07 GB). The memory model allows 0.420 and 0.243 GB for the allocator there: 2–4 times what the replay adds.
+- **With the default settings the training step alone reserves ×1.04–1.05**: Llama-3.1-8B 24.753 GB for 23.651
+  (+1.10 GB, the allowance is 0.420), Qwen2.5-0.5B 5.377 for 5.180 (+0.20 GB, allowance 0.243). Most of it appears
+  at the full-size micro batch (forward 2.2): its activations and the LM head's tiles do not fit the blocks the
+  short warm-up steps left cached, so new segments are cut beside them. Evaluation after training has no cached
+  block of its sizes either: without a limit the allocator keeps the training segments and adds the evaluation's
+  (Llama-3.1-8B 26.632 GB, Qwen2.5-0.5B 7.575 GB). Held to the card, cudaMalloc fails first and the allocator frees
+  its whole cached segments and retries: Qwen2.5-0.5B at 8 GB then peaks at 7.038 of the 7.433 GB it may hold.
+- **The logs are the CPU path's, not the GPU's.** The trace runs the CPU kernels and, on the CPU, nothing is
+  offloaded; the plans differ on a GPU: the Llama-3.1-8B 24 GB plan offloads activations, and on CUDA the memory
+  model expects TRL's fused head to fold the loss in Triton (Qwen2.5-0.5B 8 GB: 0.072 GB of loss working set on
+  CUDA against 1.042 on the CPU; activations 2.354 against 3.100 GB). So the Llama log holds 23.65 GB live where
+  the GPU plan predicts 20.64: `out of memory` held to its card is this CPU-path log not fitting 23.433 GB, not a
+  prediction that the plan fails. The ratios above are the allocator's behaviour on these sequences; on the GPU's
+  own sequences they are an indication until the trace can take the CUDA paths (fake CUDA, below) or a GPU
+  measures them.
 - **Allocated ≈ live.** The 512 B rounding and the unsplit remainders add 0.0–2.2 % (`run: allocated` against
-  `run: requested`): on these steps `max_memory_allocated` is the traced live peak, within the model's accuracy.
-- **The training step's reserved − live, replayed**: 0.197 GB for Qwen2.5-0.5B at 8 GB (whole: 5.377 against
-  5.180 GB, ×1.038), where the memory model allows 0.243 GB; about 0.76 GB at 24 GB (extrapolated, ×1.042, allowance
-  1.006 GB). Most of it appears at the full-size
-  micro batch (forward 2.2): its activations and the LM head's chunks do not fit the blocks the short warm-up
-  steps left cached, so new segments are cut beside them.
-- **Evaluation after training** has no cached block of its sizes either: without a memory limit the allocator
-  keeps the training step's segments and adds the evaluation's (Qwen2.5-0.5B at 8 GB: reserved 7.575 GB for
-  5.180 GB live). On the card it is held to, cudaMalloc fails first and the allocator frees its whole cached
-  segments and retries (`release_cached_blocks`): replayed held to 7.433 GB (8 GB less the CUDA context and cuBLAS
-  workspaces), the run peaks at 7.038 GB reserved and does not run out of memory. So the uncapped reserved peak
-  overstates what a run needs; whether a plan fits is what `reserved held to the card` answers.
-- **`expandable_segments:True`** brings reserved within 1–2 % of live, evaluation included (Qwen2.5-0.5B at 8 GB,
-  whole: 5.247 GB, ×1.013; the 24 GB rows ×1.010–1.019; 5 % only in the extrapolated 8 GB row), as its design intends (one growing segment per pool, no stranded
-  segment ends).
-- **Depth extrapolation of reserved bytes is approximate.** Live bytes are exactly affine in the depth; reserved
+  `run: requested`): `max_memory_allocated` is the traced live peak, within the model's accuracy.
+- **Depth extrapolation does not hold for reserved bytes.** Live bytes are exactly affine in the depth; reserved
   bytes are not: the slack a shallow model leaves in cached blocks is filled as layers are added, so the reserved
-  bytes per layer grow with depth (Llama-3.1-8B: +0.434, then +0.453 GB per layer in backward 2.2 at 2 → 3 → 4
-  layers, while the live bytes grow by 0.517). Extrapolated from 2 and 3 layers, its training-step reserved comes out
-  *below* its live bytes (22.33 against 23.65 GB: impossible), and Qwen2.5-0.5B's comes out 1.8 % above the whole
-  trace (5.476 against 5.377 GB). Rows without "(whole)" are therefore indications; the whole traces are the
-  figures.
-- **Not modelled**: CUDA streams (one stream: activation offloading's copy stream and `record_stream` are not in
-  the CPU trace), bitsandbytes' paged optimizer states (CUDA managed memory, outside the caching allocator; a few MB
-  for LoRA, counted here as allocations), kernels' internal workspaces, and the order in which weights are loaded
-  (the log allocates the existing tensors first, in the order `PeakMemory` finds them).
-- **Fake CUDA** (`python -m devkit.fakecuda`): the CPU trace takes the CPU kernels. With a small C++ shim the CPU-only
-  torch runs a tiny Llama's forward and backward on fake CUDA tensors through the CUDA flash attention kernel (no
-  mask) and the memory-efficient one (a mask); their live bytes equal the CPU flash kernel's within 48 B (the CUDA
-  kernels' RNG state). Without the shim, SDPA on fake CUDA silently takes the math path (+22 MB of kept scores on
-  that model). The tracer does not use fake CUDA yet (see devkit/fakecuda.py for why), so the logs here are the CPU
-  kernels' allocations.
+  bytes per layer grow with depth (Llama-3.1-8B, backward 2.2: +0.434 then +0.453 GB per layer at 2 → 3 → 4
+  layers while live grows by 0.517; `affine check` +4.35 %). Extrapolated from 2 and 3 layers its training-step
+  reserved comes out at 22.33 GB, below its own live bytes and 2.4 GB under the whole trace (24.75); Qwen2.5-0.5B's
+  comes out 1.8 % above (5.476 against 5.377). The rows without "(whole)" are kept to show this; only the whole
+  traces are figures.
+- **Not modelled**: CUDA streams (one stream; activation offloading's copy stream and `record_stream` are not in
+  the CPU trace), unmapping of expandable segments' free pages under a limit, bitsandbytes' paged optimizer states
+  (CUDA managed memory, outside the caching allocator; a few MB for LoRA, counted here as allocations), kernels'
+  internal workspaces, and the order in which weights are loaded (the log allocates the existing tensors first, in
+  the order `PeakMemory` finds them).
+- **Fake CUDA** (`python -m devkit.fakecuda`): with a small C++ shim the CPU-only torch runs a tiny Llama's forward
+  and backward on fake CUDA tensors through the CUDA flash attention kernel (no mask) and the memory-efficient one
+  (a mask); their live bytes equal the CPU flash kernel's within 48 B. Without the shim, SDPA on fake CUDA silently
+  takes the math path (+22 MB of kept scores on that model). The tracer does not use fake CUDA yet (its real data
+  cannot live on a fake CUDA device; see devkit/fakecuda.py), so the logs here are the CPU kernels' allocations.
 - **Published figures for the same stack: none found.** The nearest: torchtune's Llama-3.1-8B QLoRA single-device
-  recipe reports after model init 14.41 GiB allocated against 14.62 GiB reserved (×1.015) and 6.19 against
+  recipe reports after model init 14.41 GiB allocated against 14.62 GiB reserved (×1.015), and 6.19 against
   6.27 GiB (×1.013) with fewer LoRA modules (https://github.com/meta-pytorch/torchtune/issues/1398) — a static
   state, another stack; peft's maintainers report reserved well above allocated for small models (esm2-8M 0.72
   against 1.95 GB, bert-base 1.55 against 3.34 GB) and the gap shrinking as models grow
   (https://github.com/huggingface/peft/issues/1469). Neither is a training step of these plans on transformers 5.24 /
   peft 0.21 / TRL 1.16 / torch 2.13; the GPU check (`scripts/gpu_check.sh`) is what would measure them.
-- **The planner is unchanged.** These are replays through a model of the allocator, not GPU measurements, and the
-  model's allowance sits within the replayed range (0.243 GB against 0.197 GB replayed for the training step at
-  Qwen2.5-0.5B 8 GB), so the evidence does not support changing `ALLOCATOR_FRACTION`.
+- **The planner is unchanged.** Under the product's expandable segments the replay puts the allocator's addition
+  at a third to a half of the allowance; under default settings the training step of the 8B exceeds it (1.10 against
+  0.42 GB). Both are replays of CPU-path logs through a model, not GPU measurements, so `ALLOCATOR_FRACTION` stays
+  an assumption until the GPU check measures it.
 """
 
 
