@@ -207,3 +207,15 @@ def test_the_traced_step_log_replays_to_the_traced_peaks(zoo_models):
         w = windows[label]
         assert w.requested == peak, label
         assert w.requested <= w.allocated <= w.reserved
+
+
+def test_the_log_records_a_resized_storage_as_a_new_block_then_the_old_ones_free():
+    log = []
+    with PeakMemory(device="cpu", roots=[], log=log) as pm:
+        x = torch.empty(256, dtype=torch.float32)  # 1 KiB
+        x.resize_(1024)  # its storage grows to 4 KiB in place: a new block, the copy, then the old one freed
+        pm.mark("after")
+        del x
+    assert log[1:3] == [("+", -1, 4096), ("-", log[0][1], 1024)]
+    assert log[4] == ("-", -1, 4096)  # the storage's free names its new block
+    assert Allocator().replay(log)["after"].requested == 4096 + 1024
