@@ -47,7 +47,9 @@ def test_no_module_edits_sys_path():
 
 
 def test_scripts_holds_only_shell_entry_points():
-    assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == ["demo.sh", "gpu_check.sh", "setup.sh", "test.sh"]
+    """And setup.sh's pins (constraints.txt): dev tooling in Python lives in devkit."""
+    entries = ["constraints.txt", "demo.sh", "gpu_check.sh", "setup.sh", "test.sh"]
+    assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == entries
 
 
 def test_no_import_cycle():
