@@ -57,7 +57,7 @@ class Mark:
 class _Ref(weakref.ref):
     """A weak reference to a storage that remembers what it counted, so freeing it needs no lookup but its own."""
 
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("key", "nbytes", "log_key")
 
 
 def python_cpu_kernels() -> dict[Any, Callable]:
@@ -121,10 +121,15 @@ class PeakMemory(TorchDispatchMode):
     live_bytes: int = 0
     peak_bytes: int = 0
     marks: list[Mark] = field(default_factory=list)
+    # When a list: every storage's allocation ("+", key, bytes) and free ("-", key, bytes), and each mark ("mark",
+    # label, 0), in the order they happen — the input of `lowmem_ft.train.allocator` (key: the storage's id while it
+    # lives). None (the default) records nothing and costs one test per new storage.
+    log: list[tuple[str, object, int]] | None = None
 
     def __post_init__(self):
         super().__init__()
         self._live: dict[int, _Ref] = {}  # id of a live storage → its reference
+        self._resized = 0  # the log's keys for resized storages' new blocks: -1, -2, ...
         self._window_peak = 0
         self._kernels: dict[Any, Callable] = {}
         self._depth = 0
@@ -147,14 +152,21 @@ class PeakMemory(TorchDispatchMode):
             if ref.nbytes == nbytes:
                 return
             self.live_bytes += nbytes - ref.nbytes  # resized in place
+            if self.log is not None:  # resizing allocates the new size, copies, then frees the old (as on CUDA)
+                self._resized -= 1  # a key no live storage's id can be
+                self.log += (("+", self._resized, nbytes), ("-", ref.log_key, ref.nbytes))
+                ref.log_key = self._resized
             ref.nbytes = nbytes
         else:
             # The callback runs when the storage's Python object is freed, before its id can be reused; torch keeps
             # one Python object per storage for as long as the storage lives (PyObject preservation).
             ref = _Ref(storage, self._freed)
             ref.key, ref.nbytes = id(storage), nbytes
+            ref.log_key = ref.key
             self._live[ref.key] = ref
             self.live_bytes += nbytes
+            if self.log is not None:
+                self.log.append(("+", ref.key, nbytes))
         if self.live_bytes > self._window_peak:
             self._window_peak = self.live_bytes
             if self.live_bytes > self.peak_bytes:
@@ -162,7 +174,8 @@ class PeakMemory(TorchDispatchMode):
 
     def _freed(self, ref: _Ref) -> None:
         self.live_bytes -= ref.nbytes
-        self._live.pop(ref.key, None)
+        if self._live.pop(ref.key, None) is not None and self.log is not None:
+            self.log.append(("-", ref.log_key, ref.nbytes))
 
     def window(self) -> tuple[int, int]:
         """(live bytes now, the peak since the previous window or mark), and start the next window."""
@@ -175,6 +188,8 @@ class PeakMemory(TorchDispatchMode):
         """Record live bytes now and the peak since the previous mark (kept in `marks`)."""
         m = Mark(label, *self.window())
         self.marks.append(m)
+        if self.log is not None:
+            self.log.append(("mark", label, 0))
         return m
 
     def reset_peak(self) -> None:

@@ -386,10 +386,13 @@ class Trace:
         return max(peak for label, (peak, _) in self.marks.items() if label != "eval")
 
 
-def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None) -> dict:
+def run_step(
+    model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None, log=None
+) -> dict:
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
     `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live).
-    `segments` (`trace_layers.Segments`): also each mark's peak before, inside and after the decoder stack."""
+    `segments` (`trace_layers.Segments`): also each mark's peak before, inside and after the decoder stack.
+    `log` (a list): `PeakMemory`'s allocation log of the step is appended to it (`lowmem_ft.train.allocator`)."""
     from contextlib import nullcontext
 
     from lowmem_ft.train.measure import PeakMemory
@@ -399,7 +402,7 @@ def run_step(model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows
     vocab = model.config.get_text_config().vocab_size
     lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in STEPS]
     model.train()
-    with PeakMemory(device="cpu", roots=[model, optimizer.state]) as pm:
+    with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log) as pm:
         mark = pm.mark if segments is None else lambda label: segments.mark(pm, label)
         watch = (lambda backward: nullcontext()) if segments is None else lambda backward: segments.watch(pm, backward)
         mark("static")
@@ -455,7 +458,20 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, host, depth)
 
 
-def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int):
+def allocation_log(recipe: Recipe, config, layers: int | None = None, *, eval_rows: int = 0, warmup_seq: int = 8):
+    """The traced step's allocation log (`PeakMemory(log=...)`: each storage's allocation and free, in order, and
+    the phase marks), with the model cut to its first `layers` decoder layers (None: whole), for
+    `lowmem_ft.train.allocator`. The tensors that exist when the step starts (weights, adapters) come first, in the
+    order `PeakMemory` finds them; the host embedding table (`embeddings_on_host`) is in it too."""
+    from lowmem_ft.train import trace_layers
+
+    log: list = []
+    cut = config if layers is None else trace_layers.truncated(config, layers)
+    _traced(recipe, cut, eval_rows, warmup_seq, log=log)
+    return log
+
+
+def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list | None = None):
     """One trace of the model `config` describes, as it is: `trace_layers.Segments` (each mark's peak before,
     inside and after the decoder stack, host bytes taken out) and the host bytes."""
     from transformers import set_seed
@@ -471,7 +487,7 @@ def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int):
     with shadow:
         install_loss(model, recipe)
         optimizer = optimizer_for(model, recipe)
-        run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments)
+        run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments, log=log)
     host = _host_table_bytes(model) if recipe.memory.embeddings_on_host else 0
     segments.remove()
     _forget(model)
