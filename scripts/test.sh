@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the test suite on the CPU; GPU-only tests skip themselves.
-#   bash scripts/test.sh [pytest args]
+#   bash scripts/test.sh [pytest args]      # on two pytest-xdist workers (pyproject.toml addopts); -n 0: serially
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

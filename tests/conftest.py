@@ -15,6 +15,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the machine's cores: torch's intra-op threads (one per core by default)
+    in every worker, and in the training processes tests start, would oversubscribe them. One thread each, unless
+    the environment says otherwise (torch reads OMP_NUM_THREADS when it is imported, which the tests do lazily)."""
+    if hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     """`requires_cuda` tests skip without a CUDA device. torch is imported only when such a test was collected, so
     the torch-free tests (the memory model, recipes, planning) collect and run where torch is not installed."""
@@ -97,15 +105,32 @@ def pytest_runtest_call(item):
 
 def pytest_sessionfinish(session, exitstatus):
     """Fixtures' runs made or continued after their first test: checked once more at the end (a failure fails the
-    session)."""
-    files = [f for d in _fixture_dirs(session.config) for f in _memory_files(d) if f not in _CHECKED]
-    problems = _disagreements(files)
+    session). Under pytest-xdist each worker is a session of its own with its own base directory: a worker checks
+    its fixtures' runs and hands what disagrees to the controller (`workeroutput`), which reports it and fails."""
+    config = session.config
+    if config.pluginmanager.getplugin("dsession") is not None and not hasattr(config, "workeroutput"):
+        problems = _WORKER_PROBLEMS  # the xdist controller: the workers checked their own base directories
+    else:
+        files = [f for d in _fixture_dirs(config) for f in _memory_files(d) if f not in _CHECKED]
+        problems = _disagreements(files)
+        if hasattr(config, "workeroutput"):  # an xdist worker: its terminal is not shown, the controller reports
+            config.workeroutput["memory_problems"] = problems
+            return
     if problems:
         session.config.get_terminal_writer().line(
             "the memory model disagrees with the exact CPU measurement of fixtures' runs:\n" + "\n".join(problems),
             red=True,
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_WORKER_PROBLEMS: list[str] = []  # on the xdist controller: what the workers' end-of-session checks found
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: a worker finished; keep what its end-of-session memory check found (pytest_sessionfinish)."""
+    _WORKER_PROBLEMS.extend(getattr(node, "workeroutput", {}).get("memory_problems", []))
 
 
 def _fixture_dirs(config) -> list:

@@ -32,7 +32,19 @@ TORCH_FREE = [
 
 def _pytest_without_torch(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pytest", "-p", "tests.torch_blocker", "-q", "-p", "no:cacheprovider", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "tests.torch_blocker",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
 

@@ -12,7 +12,10 @@ from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.trace import trace
 from lowmem_ft.train.trace_layers import period_of, plan
 
-DEPTH = 13  # odd: a two-layer pattern (Gemma) is traced at 3 and 5 layers, cut mid-pattern
+# The shallowest depths the tracer extrapolates at (trace_layers.plan: the two traced depths and SAVING layers fewer
+# than the model), as the whole trace costs about its depth: a one-layer pattern is traced at 2 and 3 layers and
+# extrapolated to 9; a two-layer pattern (Gemma) at 3 and 5 layers to 13, odd so that the model is cut mid-pattern.
+DEPTH, PAIRED_DEPTH = 9, 13
 # (adapter, optimizer, checkpointing, batch, seq): one per family, cycling as in test_trace.py's grid
 GRID = [
     ("lora", "adamw_torch", False, 1, 48),
@@ -63,7 +66,9 @@ def assert_extrapolation_exact(config, r, eval_rows: int = 0):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_extrapolated_trace_equals_the_whole_trace(name):
-    config = AutoConfig.for_model(**deepened(FAMILIES[name].config, DEPTH))
+    config = AutoConfig.for_model(
+        **deepened(FAMILIES[name].config, PAIRED_DEPTH if name.startswith("gemma") else DEPTH)
+    )
     point = GRID[NAMES.index(name) % len(GRID)]
     result = assert_extrapolation_exact(config, recipe(*point), eval_rows=point[3])
     assert result.depth.traced == ((3, 5) if name.startswith("gemma") else (2, 3))
@@ -90,7 +95,7 @@ MOE = {
     ids=["dense-sparse-alternating", "first-layer-dense"],
 )
 def test_mixture_of_experts_patterns_extrapolate_exactly(extra, prefix_period):
-    config = AutoConfig.for_model(**{**MOE, "num_hidden_layers": 12, **extra})
+    config = AutoConfig.for_model(**{**MOE, "num_hidden_layers": 10, **extra})  # the shallowest extrapolated
     r = recipe("lora", "adamw_torch", True, 2, 32)
     result = assert_extrapolation_exact(config, r, eval_rows=2)
     assert (result.depth.first, result.depth.period) == (2, prefix_period[1])
