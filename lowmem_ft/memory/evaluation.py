@@ -42,7 +42,7 @@ def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
     return (c + 8) * i if adapted & {"up_proj", "fc1", "c_fc"} else 2 * c * i
 
 
-def eval_layer_bytes(arch: Architecture, s: Setup) -> float:
+def eval_layer_bytes(arch: Architecture, s: Setup, dequant: float = 0.0) -> float:
     """One decoder layer's tensors in flight without autograd, at the larger of its two moments (bytes, for
     `s.tokens` tokens). Traced at full size (`lowmem_ft.train.trace`, the eval forward of Llama-3.1-8B's and
     gemma-2-9b's 24 GB plans, the peak located by stack): the training layer's saved tensors, the bound used before,
@@ -58,7 +58,13 @@ def eval_layer_bytes(arch: Architecture, s: Setup) -> float:
     attention, the softmax: its c-byte input, fp32 upcast and fp32 output per score (10 B at bf16, 8 at fp32: no
     upcast) beside q, the
     scaled q, k and v repeated to every head and the unrepeated k and v (gemma-2-9b: 10.74 GB of scores and 55.3
-    of 55.4 kB/token traced)."""
+    of 55.4 kB/token traced).
+
+    `dequant`: a quantized linear's dequantized weight, in flight beside the linears' moments only. The softmax
+    moment has neither it nor a linear running, but past the first layer it has the model's `inputs_embeds` beside
+    the layer's input, as the MLP moment has: traced on gemma-2-9b's 24 GB plan (NF4, eval 16 × 2,048) cut to two
+    layers, the softmax holds three c·h tensors and no 16-bit weight — predicted 129.5 MB (−0.67 %) under before,
+    the one under-prediction the real-size table had."""
     c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
@@ -70,10 +76,10 @@ def eval_layer_bytes(arch: Architecture, s: Setup) -> float:
     # an eager layer holds its probabilities until it returns (`activations.eager_probs_bytes`)
     mlp = (eval_mlp_bytes(arch, s) + cast) * TILED_MLP.eval_tokens(arch, s) + hidden * t + eager_probs_bytes(arch, s)
     o_proj = 2 * c * h + 2 * c * q + c * h + 2 * c * kv + (4 * q + 8 * h if adapted & OUTPUT_LINEARS else 0)
-    attention = o_proj * t
-    if s.attn_implementation == "eager":  # the softmax, beside the layer's input
-        attention = max(attention, eager_softmax_bytes(arch, s) + c * h * t)
-    return max(mlp, attention)
+    linears = max(mlp, o_proj * t) + dequant
+    if s.attn_implementation == "eager":  # the softmax, beside the layer's input (and `inputs_embeds`)
+        return max(linears, eager_softmax_bytes(arch, s) + (1 + embeds) * c * h * t)
+    return linears
 
 
 def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
@@ -105,8 +111,8 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     # weight), or later the loss's forward beside the final norm's output and the loss input — never both
     # (measured with the exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them
     # over-predicted by up to 25 %).
-    layer = eval_layer_bytes(arch, es)
+    layer = eval_layer_bytes(arch, es, dequant)
     head = (c * arch.hidden_size + head_saved_bytes(arch, es, eval_only=True)) * t
-    transient = max(layer + dequant, head + loss_fwd) + attention_mask_bytes(arch, es)
+    transient = max(layer, head + loss_fwd) + attention_mask_bytes(arch, es)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
     return static + transient + overhead_bytes(device_overheads(s, transient))

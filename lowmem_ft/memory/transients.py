@@ -10,6 +10,7 @@ from lowmem_ft.memory.activations import (
     eager_softmax_bytes,
     masked_layers,
     mlp_activation_bytes,
+    repeats_kv_copy,
 )
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
@@ -96,7 +97,7 @@ def masked_attention_forward_bytes(arch: Architecture, s: Setup) -> float:
         return 0.0
     c, t = DTYPE_BYTES[s.compute_dtype], s.tokens
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    repeated = 2 * q if kv < q else 0
+    repeated = 2 * q if kv < q and repeats_kv_copy(arch) else 0
     tensors = c * (2 * q + 2 * kv + repeated + arch.hidden_size) + 4 * arch.num_heads + FWD_TOKEN_STATS_BYTES
     return c * s.micro_batch_size * s.max_seq_len**2 + tensors * t
 

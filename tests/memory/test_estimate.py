@@ -70,8 +70,12 @@ def test_sliding_window_layers_get_a_mask_once_the_sequence_reaches_the_window()
     s = replace(CPU, max_seq_len=128)
     c, q, kv = 2, gemma3.num_heads * gemma3.head_dim, gemma3.num_kv_heads * gemma3.head_dim
     extra = layer_activation_bytes(gemma3, s, masked=True) - layer_activation_bytes(gemma3, s, masked=False)
-    assert extra == c * 128 + 2 * c * (q - kv)  # the c-byte mask row and k/v repeated to every head
+    # the c-byte mask row; with one key/value head `repeat_kv` is a view (k and v stay one head wide)
+    assert gemma3.num_kv_heads == 1 and extra == c * 128
     mistral = load_architecture("mistralai/Mistral-7B-v0.1")
+    c, q, kv = 2, mistral.num_heads * mistral.head_dim, mistral.num_kv_heads * mistral.head_dim
+    extra = layer_activation_bytes(mistral, s, masked=True) - layer_activation_bytes(mistral, s, masked=False)
+    assert extra == c * 128 + 2 * c * (q - kv)  # the mask row and k/v repeated to every head (8 of 32)
     assert masked_layers(mistral, replace(CPU, max_seq_len=4095)) == 0
     assert masked_layers(mistral, replace(CPU, max_seq_len=8192)) == 32
 
