@@ -100,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
         if args.json:  # nothing fits (the device or the host RAM): the JSON says so too, the line goes to stderr
             print(json.dumps({"model": args.model, "fits": False, "unfit_reason": str(exc)}, indent=2))
         raise
-    version_note()
     if args.verify:
         recipe, choice = verify(args, recipe, choice, lambda keys: plan(merge(overrides, keys)))
     fits = choice.plan.fits
@@ -127,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             f"{'; nothing written to --output' if output is not None else ''}; drop --recipe to let the planner "
             "choose"
         )
+    version_note()  # last, on stderr: an error stays one line, and the JSON on stdout stays JSON
     return 0
 
 

@@ -30,7 +30,7 @@ def test_plan_json_and_output(tmp_path, capsys):
 
 def test_a_library_version_note_leaves_the_json_clean(monkeypatch, capsys):
     """With other library versions installed, `plan --json` printed its note on stdout, before the JSON (CI with
-    transformers 5.25 failed 20 tests on it): the note goes to stderr."""
+    transformers 5.25 failed 20 tests on it): the note goes to stderr, after a plan that was shown."""
     from lowmem_ft import versions
 
     monkeypatch.setitem(versions.CHECKED, "transformers", "5.0.0")
@@ -38,6 +38,9 @@ def test_a_library_version_note_leaves_the_json_clean(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["fits"]
     assert "checked 5.0.0" in err and "--verify" in err
+    # and a refusal stays one line (the note is for a plan that was shown)
+    assert main(["plan", "--vram", "8", "--model", "Qwen/Qwen2.5-7B", "--recipe", "40gb"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_plan_too_big_exits_2(capsys):
