@@ -98,7 +98,10 @@ def row(key: str, entry: dict) -> str:
     label = f"| {model} | {'long ' if long else ''}{vram} | "
     if "traced" not in entry:
         return label + f"{entry['plan']} | {entry.get('error', '')} | | | | |"
-    recipe, _, what = _plan(model, float(vram), int(long) if long else None)
+    try:
+        recipe, _, what = _plan(model, float(vram), int(long) if long else None)
+    except UserError as exc:  # the memory model now finds the traced plan does not fit
+        return label + f"{entry['plan']} | stale: no plan now ({str(exc).split(' even with')[0]}) | | | | |"
     if what != entry["plan"]:
         return label + f"{entry['plan']} | stale: the plan is now {what} | | | | |"
     traced, pred = entry["traced"], predicted(recipe)
@@ -148,6 +151,16 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   over-predicted): with one key/value head `repeat_kv`'s expand + reshape is a view, so a masked layer keeps k and
   v one head wide, not repeated (3,072 B/token per layer less). Fixed in `lowmem_ft/memory/activations.py`
   (`repeats_kv_copy`): forward 24.073 → 23.746 GB against 23.738 traced (+0.03 %), backward +0.07 %.
+- **Eager softmax backward** (gemma-2-9b long 24 GB backward −10.4 %, −2.66 GB at 1 × 8,192, NF4, checkpointing;
+  under-predicted): once the scores outweigh the MLP's tensors, the recomputed layer's backward peaks at its softmax
+  backward, not at its MLP: `_softmax_backward_data` holds the saved fp32 output, the incoming gradient's fp32
+  upcast and its fp32 result beside tanh's saved output (14 B per score, where the model had 8 at the MLP moment),
+  the bf16 additive masks (one per kind of layer), and per token only what the layer saved before its attention
+  (140,534 B/token traced at 1 × 2,048, 4,096 and 8,192 on the model cut to one layer, each live storage named by
+  the op that made it; the MLP's and the head's tensors are freed by then). Fixed in
+  `lowmem_ft/memory/activations.py` (`eager_softmax_backward_bytes`, a backward moment of its own): backward
+  22.868 → 25.533 GB predicted against 25.532 traced (+0.00 %; one layer at 8,192: 18.269 against 18.268). The plan
+  no longer fits 24 GB at 8,192 tokens (24.5 GB even with every saver), so the row is stale until traced again.
 
 Explained, not a memory-model error:
 
@@ -157,10 +170,10 @@ Explained, not a memory-model error:
 
 Open, under-predicted (the unsafe side):
 
-- **gemma-2-9b long 24 GB backward −10.4 %** (−2.66 GB at 1 × 8,192, NF4, checkpointing, eager attention): about
-  2.5 B per attention score missing in the recomputed layer's backward (the eager softmax / softcap backward over
-  16 × 8,192² scores). Not located yet; the short rows (2,048 tokens) are within 1 %, so this is the s² part of
-  the backward.
+- **gemma-2-9b long 24 GB forward −0.98 %** (−200 MB at 1 × 8,192, the same on the model cut to one layer;
+  not the peak): eager attention's bf16 additive masks (b × s², one per kind of layer, alive from the forward to the
+  end of the backward) are counted at the softmax backward only (`eager_masks_bytes`), 134 MB of the 200 at one
+  layer; adding them to every moment moves the 2,048-token rows by +67 MB, so not done before a trace of those.
 - **Phi-3-mini-4k long 24 GB forward −5.6 %** (−803 MB at 4 × 4,096, checkpointing; its peak, the backward, is
   −1.0 %): located on the model cut to one layer — the checkpointed layer's forward peaks at the fused
   `gate_up_proj`'s LoRA, on its output side (2·i wide: the base output, lora_B's fp32 output and its scaled copy,

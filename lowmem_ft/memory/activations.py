@@ -15,6 +15,7 @@ from lowmem_ft.memory.calibration import (
     DROPOUT_MASK_BYTES,
     EAGER_SOFTMAX_BESIDE_KV,
     EAGER_SOFTMAX_BESIDE_Q,
+    EAGER_SOFTMAX_BWD_FP32,
     EAGER_SOFTMAX_FP32,
     TOKEN_BOOKKEEPING_BYTES,
     XIELU_KEPT_BOOL,
@@ -23,7 +24,7 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.experts import moe_activation_bytes
 from lowmem_ft.memory.families import family, with_flag
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears
+from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears, peft_lora_input_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS, checkpointed_layers
 
@@ -301,6 +302,38 @@ def eager_probs_bytes(arch: Architecture, s: Setup) -> float:
     """The c-byte attention probabilities an eager decoder layer holds until it returns (`hidden_states, _ =
     self.self_attn(...)`): beside its MLP's forward moment when nothing is kept (calibration.EAGER_SOFTMAX_*)."""
     return DTYPE_BYTES[s.compute_dtype] * _scores(arch, s) if s.attn_implementation == "eager" else 0.0
+
+
+def eager_masks_bytes(arch: Architecture, s: Setup) -> float:
+    """The c-byte additive masks (b × 1 × s × s) masking_utils builds for eager attention once per forward, one per
+    kind of layer (Gemma-2's full and sliding): the checkpointed layers' inputs, alive until the backward ends."""
+    if s.attn_implementation != "eager":
+        return 0.0
+    kinds = (arch.sliding_layers > 0) + (arch.sliding_layers < arch.num_layers)
+    return DTYPE_BYTES[s.compute_dtype] * kinds * s.micro_batch_size * s.max_seq_len**2
+
+
+def eager_softmax_backward_bytes(arch: Architecture, s: Setup) -> float:
+    """Under checkpointing, the recomputed eager layer's softmax backward beyond the checkpointed inputs (0 otherwise):
+    per score the softmax's saved fp32 output, the incoming gradient's fp32 upcast and the fp32 result
+    (EAGER_SOFTMAX_BWD_FP32; the c-byte probabilities and their gradient are freed by then) and tanh's c-byte output
+    with softcapping; the eager masks; per token what the layer saved before its attention — the input norm's fp32
+    upcast and rsqrt, the q/k/v LoRA inputs, q with k and v repeated (`_attention_bytes`; the gradient of v stands
+    in for v) — the residual stream's c-byte gradient and RoPE's cos/sin. The MLP's tensors and the head's are
+    freed by then (calibration.EAGER_SOFTMAX_BWD_FP32)."""
+    if not (s.gradient_checkpointing and s.attn_implementation == "eager"):
+        return 0.0
+    c, h = DTYPE_BYTES[s.compute_dtype], arch.hidden_size
+    per_score = 4 * EAGER_SOFTMAX_BWD_FP32 + (c if arch.attn_logit_softcapping else 0)
+    lins = [lin for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS]
+    if s.adapter == "full":
+        inputs = c * h
+    elif RECOMPUTE_LORA.on(s):
+        inputs = RECOMPUTE_LORA.kept_inputs(arch, s, lins)
+    else:
+        inputs = peft_lora_input_bytes(s, lins, DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)
+    per_token = 4 * h + 4 + inputs + _attention_bytes(arch, s, False) + c * h + 2 * c * arch.head_dim
+    return per_score * _scores(arch, s) + eager_masks_bytes(arch, s) + per_token * s.tokens
 
 
 def _activations(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:

@@ -218,6 +218,16 @@ FWD_TOKEN_STATS_BYTES = 2 * 4
 # bf16 probabilities beside it (1,091.7 MB above static traced, 1,086 predicted).
 EAGER_SOFTMAX_FP32 = 2
 EAGER_SOFTMAX_BESIDE_Q, EAGER_SOFTMAX_BESIDE_KV = 4, 2  # c-byte tensors per token, q- and kv-sized
+# The recomputed eager layer's backward peaks at its softmax backward once the scores outweigh the MLP's tensors
+# (`activations.eager_softmax_backward_bytes`): `_softmax_backward_data` holds the saved fp32 output, the incoming
+# gradient's fp32 upcast (`.to(query.dtype)`'s backward) and its fp32 result, 3 x 4 B per score, beside tanh's saved
+# c-byte output (softcapping); the value matmul's saved probabilities and their c-byte gradient are freed by then.
+# Traced at full size (gemma-2-9b cut to one layer, its long 24 GB plan: LoRA+NF4, bf16, checkpointing, 1 x 2,048 /
+# 4,096 / 8,192 tokens, each live storage named by the op and stack that made it): 14 B per score, 2 B per
+# position² (the bf16 additive mask, one per kind of layer: two in the whole model) and 140,534 B/token (the
+# layer's input, the input norm's fp32 upcast, q/k/v's LoRA copies, q and k, v repeated, the residual's gradient,
+# RoPE's cos/sin), exactly as at each length; the memory model had 8 B per score there and the MLP's tensors.
+EAGER_SOFTMAX_BWD_FP32 = 3
 # Cohere's LayerNorm (modeling_cohere.py / _cohere2.py CohereLayerNorm, q/k norms included) is mean-centred and
 # composite in fp32: `(x - mean).pow(2)` keeps its fp32 input and `(x - mean) * rsqrt(...)` a second fp32 x − mean of
 # its own, one fp32 copy per element more than an RMSNorm, whose pow and mul share the upcast. Measured with
@@ -353,6 +363,10 @@ _EAGER_FWD = (
     "transformers modeling_gemma2.py eager_attention_forward, Gemma2DecoderLayer; traced at full size "
     "(lowmem_ft.train.trace, gemma-2-9b cut to one layer, peak located by stack)"
 )
+_EAGER_BWD = (
+    "traced at full size (lowmem_ft.train.trace, gemma-2-9b cut to one layer, 1 x 2,048 / 4,096 / 8,192 tokens, "
+    "live storages at the softmax backward named by op and stack)"
+)
 SOURCES: dict[str, Source] = {
     "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
     "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
@@ -414,6 +428,7 @@ SOURCES: dict[str, Source] = {
     "EAGER_SOFTMAX_FP32": Source("code+measured", _EAGER_FWD),
     "EAGER_SOFTMAX_BESIDE_Q": Source("code+measured", _EAGER_FWD),
     "EAGER_SOFTMAX_BESIDE_KV": Source("code+measured", _EAGER_FWD),
+    "EAGER_SOFTMAX_BWD_FP32": Source("code+measured", "torch autograd softmax / _to_copy backward; " + _EAGER_BWD),
     "CENTRED_NORM_EXTRA_FP32": Source("code+measured", "transformers modeling_cohere.py CohereLayerNorm; "
                                       "python -m devkit.bench.estimator --blocks, benchmarks/estimator_blocks.md"),
     "XIELU_KEPT_C": Source("code+measured", "transformers activations.py XIELUActivation; estimator_blocks.md"),

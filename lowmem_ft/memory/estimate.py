@@ -38,6 +38,7 @@ from lowmem_ft.memory.activations import (
     attention_mask_bytes,
     centred_norm_extra_bytes,
     eager_scores_bytes,
+    eager_softmax_backward_bytes,
     first_layer_discount,
     head_saved_bytes,
     layer_activation_bytes,
@@ -144,6 +145,7 @@ __all__ = [
     "chunk_backward_bytes",
     "chunk_forward_bytes",
     "eager_scores_bytes",
+    "eager_softmax_backward_bytes",
     "effective_setup",
     "estimate",
     "eval_mlp_bytes",
@@ -222,7 +224,10 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     if s.gradient_checkpointing:  # the recompute in backward computes the norms again (dequantizing, under QLoRA)
         dequant = max(dequant, norm_working_set)
     fwd_peak = kept - head + max(head + loss_fwd + head_out, layer_fwd, rope + final_norm_forward_bytes(arch, s))
-    bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, embed_bwd + c * h * t)
+    # an eager layer's softmax backward, once the head's saved tensors and the recomputed MLP's are freed
+    softmax_bwd = eager_softmax_backward_bytes(arch, s)  # 0 without eager attention and checkpointing
+    attn_bwd = kept - head + softmax_bwd if softmax_bwd else 0.0
+    bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, attn_bwd, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
 

@@ -21,6 +21,7 @@ from lowmem_ft.memory.estimate import (
     chunk_backward_bytes,
     chunk_forward_bytes,
     eager_scores_bytes,
+    eager_softmax_backward_bytes,
     effective_setup,
     estimate,
     final_norm_forward_bytes,
@@ -53,6 +54,25 @@ def test_plan_counts_eager_where_sdpa_is_refused():
     llama = load_architecture("meta-llama/Llama-3.1-8B")
     assert "eager attention scores (s²)" not in estimate(llama, s).by_name()
     assert effective_setup(llama, s) == (s, None)
+
+
+def test_eager_softmax_backward_is_the_traced_moment():
+    """gemma-2-9b's long 24 GB plan (LoRA+NF4, bf16, checkpointing, 1 × 8,192) traced on the model cut to one layer
+    peaks at the recomputed layer's softmax backward: 14 B per score, its bf16 additive mask (one kind of layer in a
+    one-layer model, both in the whole) and 140,534 B/token with the checkpointed input (7,168), at every length."""
+    gemma2 = load_architecture("google/gemma-2-9b")
+    s = Setup(lora_r=16, lora_dropout=0.05, device="cpu", micro_batch_size=1, gradient_checkpointing=True,
+              attn_implementation="eager")  # fmt: skip
+    for seq in (2048, 4096, 8192):
+        one_layer = replace(gemma2, num_layers=1, sliding_layers=1)
+        got = eager_softmax_backward_bytes(one_layer, replace(s, max_seq_len=seq)) + 7168 * seq
+        traced = 14 * 16 * seq**2 + 2 * seq**2 + 140_534 * seq
+        assert abs(got - traced) <= 16 * seq  # the per-token stats below a MiB were not itemized
+    whole = eager_softmax_backward_bytes(gemma2, replace(s, max_seq_len=8192))
+    assert whole - eager_softmax_backward_bytes(replace(gemma2, sliding_layers=0), replace(s, max_seq_len=8192)) == (
+        2 * 8192**2
+    )
+    assert eager_softmax_backward_bytes(gemma2, replace(s, gradient_checkpointing=False)) == 0
 
 
 def test_eager_scores_without_softcap():
