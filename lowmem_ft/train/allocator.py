@@ -90,6 +90,12 @@ class Peaks:
     allocated: int = 0  # the blocks handed out (rounded, unsplit remainders included): `max_memory_allocated`
     reserved: int = 0  # segments (or mapped pages) held from the driver: `max_memory_reserved`
 
+    def raise_to(self, now: Peaks) -> None:
+        """Each peak to at least the figure `now` holds."""
+        self.requested = max(self.requested, now.requested)
+        self.allocated = max(self.allocated, now.allocated)
+        self.reserved = max(self.reserved, now.reserved)
+
 
 class _Pool:
     """The cached free blocks of one pool, ordered by (size, address) as the C++ `BlockPool::blocks` set."""
@@ -174,13 +180,11 @@ class Allocator:
         pool.insert(block)
 
     def _count(self, requested: int, allocated: int, reserved: int) -> None:
-        cur, peak = self.current, self.peak
+        cur = self.current
         cur.requested += requested
         cur.allocated += allocated
         cur.reserved += reserved
-        peak.requested = max(peak.requested, cur.requested)
-        peak.allocated = max(peak.allocated, cur.allocated)
-        peak.reserved = max(peak.reserved, cur.reserved)
+        self.peak.raise_to(cur)
 
     def _merge(self, dst: Block, src: Block | None, pool: _Pool) -> None:
         """`try_merge_blocks`: `src` (a free neighbour in the same segment) joins `dst`; mapped pages never join
@@ -234,7 +238,7 @@ class Allocator:
                     f"tried to allocate {grow} B with {self.current.reserved} B reserved of {self.capacity} B"
                 )
         if self.expandable_segments:
-            return self._expand(pool, size)
+            return self._expand(pool, grow)
         block = Block(self._next_addr, grow, pool.small)
         self._next_addr += grow
         self.segments += 1
@@ -285,10 +289,10 @@ class Allocator:
         page = SMALL_BUFFER if pool.small else LARGE_BUFFER
         return page * -(-need // page)
 
-    def _expand(self, pool: _Pool, size: int) -> Block:
-        """`try_allocate_expandable_block`: map pages at the segment's end (after a free block there, if any)."""
+    def _expand(self, pool: _Pool, grow: int) -> Block:
+        """`try_allocate_expandable_block`: map `grow` bytes of pages (`_expansion`) at the segment's end (after a
+        free block there, if any)."""
         tail = self._tail(pool)
-        grow = self._expansion(pool, size)
         mapped = Block(tail.addr, grow, pool.small, expandable=True)
         mapped.prev, mapped.next = tail.prev, tail
         if tail.prev is not None:
@@ -313,10 +317,7 @@ class Allocator:
             if kind == "+":
                 if nbytes:
                     live[key] = self.malloc(nbytes)
-                    c = self.current
-                    window.requested = max(window.requested, c.requested)
-                    window.allocated = max(window.allocated, c.allocated)
-                    window.reserved = max(window.reserved, c.reserved)
+                    window.raise_to(self.current)
             elif kind == "-":
                 block = live.pop(key, None)
                 if block is not None:
