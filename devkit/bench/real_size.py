@@ -160,7 +160,8 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   the op that made it; the MLP's and the head's tensors are freed by then). Fixed in
   `lowmem_ft/memory/activations.py` (`eager_softmax_backward_bytes`, a backward moment of its own): backward
   22.868 → 25.533 GB predicted against 25.532 traced (+0.00 %; one layer at 8,192: 18.269 against 18.268). The plan
-  no longer fits 24 GB at 8,192 tokens (24.5 GB even with every saver), so the row is stale until traced again.
+  no longer fits 24 GB at 8,192 tokens (24.5 GB even with every saver: that row now says no plan); on a row it
+  was not fitted on, gemma-2-9b long at 40 GB (1 × 8,192), the peak is +0.01 %.
 
 Explained, not a memory-model error:
 
