@@ -185,7 +185,9 @@ def compare() -> list[dict]:
     for mask in (False, True):
         for device in ("cpu", "cuda"):
             cmd = [sys.executable, "-m", "devkit.fakecuda", "--child", device] + (["--mask"] if mask else [])
-            done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:  # a C++ abort says why only on stderr
+                raise RuntimeError(f"{' '.join(cmd[1:])} exited {done.returncode}: {done.stderr[-2000:]}")
             rows.append({"device": device, "mask": mask, **json.loads(done.stdout.strip().splitlines()[-1])})
     return rows
 
