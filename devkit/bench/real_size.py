@@ -169,8 +169,8 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   copy one head-set wide: 12,288 B/token per layer (traced on the model cut to one and two layers, located by
   stack). Fixed in `lowmem_ft/memory/activations.py` (`repeats_kv_copy`): the traced plan's forward 41.868 →
   43.478 GB predicted against 43.494 traced (−0.04 %), backward 44.019 → 45.629 against 45.619 (+0.02 %). That plan
-  no longer fits 40 GB: the row's plan is now 8 × 2,048 with checkpointing,
-  traced at 34.525 GB (its 64-row eval) against 34.587 predicted (+0.18 %; forward +0.04 %, backward +0.14 %).
+  no longer fits 40 GB: the row's plan is now 8 × 2,048 with checkpointing, traced at 34.525 GB (its 64-row eval)
+  against 34.587 predicted (+0.18 %; forward +0.04 %, backward +0.14 %).
 - **A wide projection's LoRA output side under checkpointing** (Phi-3-mini-4k long 24 GB forward −5.6 %, −803 MB
   at 4 × 4,096): the checkpointed layer's forward peaks on the output side of the fused gate_up_proj's LoRA branch
   (2·i wide): the base output, lora_B's fp32 output and its scaled copy, the input and its fp32 cast and the
@@ -180,12 +180,19 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   before also counted the layer's checkpointed input, which is kept already. Fixed in
   `lowmem_ft/memory/transients.py` (`lora_output_side_bytes`, FWD_INPUT_CAST_FP32): forward 13.469 → 14.278 GB
   predicted against 14.272 traced (+0.04 %). Its backward (−1.04 %, the peak) was the fused v above in the
-  recomputed layer (+201 MB): 17.053 GB
-  predicted against 17.029 traced again (+0.14 %). The same form, with act(gate) alive beside up_proj, is the
-  moment of a separate gate/up pair once dropout 0 makes no dropped copy (Llama-3.2-1B cut to one layer, 1 ×
-  2,048: 898.3 MB predicted against 898.0 traced, 864.7 before), and on CUDA, whose dropout masks are 1 byte
-  (read from the code, not measured on a GPU; the other families' planned peaks, at the backward, do not
-  move).
+  recomputed layer (+201 MB): 17.053 GB predicted against 17.029 traced again (+0.14 %). The same form, with
+  act(gate) alive beside up_proj, is the moment of a separate gate/up pair once dropout 0 makes no dropped copy
+  (Llama-3.2-1B cut to one layer, 1 × 2,048: 898.3 MB predicted against 898.0 traced, 864.7 before), and on CUDA,
+  whose dropout masks are 1 byte (read from the code, not measured on a GPU; the other families' planned peaks, at
+  the backward, do not move).
+- **The fused head's input copy at batches of several rows** (the forward of every row with two or more rows,
+  −0.1 to −0.8 %, not the peak; Phi-3-mini-4k long 8 GB −0.77 %, 24 GB −0.41 %; under-predicted): TRL's fused head
+  scores `hidden_states[:, :-1].reshape(-1, h)`, a copy when the batch has several rows (a view for one; on CUDA
+  `hidden_states[mask]`, always a copy), so the final norm's c-byte output stays alive beside it through the loss's
+  forward (50.3 MB on Phi-3-mini-4k cut to one layer at 4 × 2,048, located by stack), where the memory model
+  counted it only with the chunked loss or the tiled norms. Fixed in `lowmem_ft/memory/activations.py`
+  (`head_input_copied`): those rows' forward now +0.01 to +0.09 % (Phi-3-mini-4k long 8 GB +0.04 %, 24 GB +0.02 %,
+  Mistral-Nemo 24 GB −0.55 → +0.02 %), no peak moved.
 
 Explained, not a memory-model error:
 
@@ -199,11 +206,6 @@ Open, under-predicted (the unsafe side):
   not the peak): eager attention's bf16 additive masks (b × s², one per kind of layer, alive from the forward to the
   end of the backward) are counted at the softmax backward only (`eager_masks_bytes`), 134 MB of the 200 at one
   layer; adding them to every moment moves the 2,048-token rows by +67 MB, so not done before a trace of those.
-- **Phi-3-mini-4k 24 GB forward −0.41 %, long 8 GB forward −0.77 %** (−48 MB at 8,192 tokens either way; not the
-  peak): at the head's forward moment the final RMSNorm's c-byte output is alive beside the fused head's copy of it
-  (50.3 MB on the model cut to one layer at 4 × 2,048, the norm's `mul`), which the memory model counts only with
-  the chunked loss or the tiled norms (`head_out`). Probably every family's (the 8 GB rows' forward −0.1 %); not
-  changed.
 
 Open, over-predicted (the safe side):
 

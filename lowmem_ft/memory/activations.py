@@ -276,6 +276,17 @@ def head_saved_bytes(arch: Architecture, s: Setup, eval_only: bool = False) -> f
     return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 
+def head_input_copied(s: Setup) -> bool:
+    """Whether TRL's fused head scores a copy of the final norm's output, so that the output itself (the backbone's
+    `last_hidden_state`) is alive beside the copy through the loss's forward: `hidden_states[mask]` where Triton runs
+    (CUDA), and on the CPU `hidden_states[:, :-1].reshape(-1, h)`, a copy for a batch of several rows and a view for
+    one (trl 1.16 trainer/utils.py `_fused_forward`, kernels/chunked_logprob.py `_use_triton`). Traced on
+    Phi-3-mini-4k cut to one layer, 4 x 2,048, located by stack: the norm's c-byte output (50.3 MB) beside the
+    copy at the head's forward peak, where the memory model fell 47.6 MB short; Llama-3.2-1B at 1 x 2,048: a view,
+    exact without it."""
+    return s.loss_impl in ("trl_fused", "trl_fused_logps") and (s.device != "cpu" or s.micro_batch_size > 1)
+
+
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:
     """Per layer, the b·heads·s² scores eager attention keeps (modeling_*.py eager_attention_forward): the softmax's
     fp32 output (`softmax(..., dtype=float32)` saves it) and the c-byte probabilities the value matmul keeps; with

@@ -101,7 +101,7 @@ def test_the_decoder_layers_forward_moment_is_predicted_on_wide_outputs(family, 
     from devkit.zoo import estimator_config
     from lowmem_ft.choosing import setup_from_recipe
     from lowmem_ft.memory.arch import Architecture
-    from lowmem_ft.memory.estimate import estimate, layer_moments
+    from lowmem_ft.memory.estimate import estimate, layer_moments, phase_peak_bytes
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.trace import _traced
 
@@ -119,3 +119,8 @@ def test_the_decoder_layers_forward_moment_is_predicted_on_wide_outputs(family, 
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     predicted, _ = layer_moments(arch, estimate(arch, s))
     assert abs(predicted - traced) <= 0.01 * traced, f"layers' forward: predicted {predicted}, traced {traced}"
+    if checkpointing:  # the forward's peak is the head's: the final norm's output beside the fused head's copy of
+        # it (a batch of two rows: `head_input_copied`); without it −0.55 % on both points
+        traced = max(segments.by_label["forward 2.2"][0].values())
+        predicted = phase_peak_bytes(arch, s, "forward")
+        assert abs(predicted - traced) <= 0.0025 * traced, f"forward: predicted {predicted}, traced {traced}"
