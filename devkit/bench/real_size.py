@@ -162,6 +162,37 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   22.868 → 25.533 GB predicted against 25.532 traced (+0.00 %; one layer at 8,192: 18.269 against 18.268). The plan
   no longer fits 24 GB at 8,192 tokens (24.5 GB even with every saver: that row now says no plan); on a row it
   was not fitted on, gemma-2-9b long at 40 GB (1 × 8,192), the peak is +0.01 %.
+- **A fused qkv_proj's v with as many key/value heads as heads** (Phi-3-mini-4k 40 GB −3.5 %, forward −3.7 %, at
+  2 × 2,048 without checkpointing; under-predicted, the largest unsafe gap): `repeat_kv` returns its input when
+  there is one query head per key/value head, so a masked layer's SDPA (a padded batch, or Phi-3's 2,047-token
+  window) keeps v as a view of qkv_proj's output, all c·(q + 2·kv) of it, where the memory model counted a repeated
+  copy one head-set wide: 12,288 B/token per layer (traced on the model cut to one and two layers, located by
+  stack). Fixed in `lowmem_ft/memory/activations.py` (`repeats_kv_copy`): the traced plan's forward 41.868 →
+  43.478 GB predicted against 43.494 traced (−0.04 %), backward 44.019 → 45.629 against 45.619 (+0.02 %). That plan
+  no longer fits 40 GB: the row's plan is now 8 × 2,048 with checkpointing, traced at 34.525 GB (its 64-row eval)
+  against 34.587 predicted (+0.18 %; forward +0.04 %, backward +0.14 %).
+- **A wide projection's LoRA output side under checkpointing** (Phi-3-mini-4k long 24 GB forward −5.6 %, −803 MB
+  at 4 × 4,096): the checkpointed layer's forward peaks on the output side of the fused gate_up_proj's LoRA branch
+  (2·i wide): the base output, lora_B's fp32 output and its scaled copy, the input and its fp32 cast and the
+  residual sum, 188,416 B/token on the model cut to one layer, where the memory model took the moment of the
+  widest input (down_proj's). The dropout's share is none: in the checkpoint's no-grad forward its noise and
+  dropped copy are freed once lora_A has read them (peft 0.21 lora/layer.py `Linear.forward`); the term tried
+  before also counted the layer's checkpointed input, which is kept already. Fixed in
+  `lowmem_ft/memory/transients.py` (`lora_output_side_bytes`, FWD_INPUT_CAST_FP32): forward 13.469 → 14.278 GB
+  predicted against 14.272 traced (+0.04 %). Its backward (−1.04 %, the peak) was the fused v above in the
+  recomputed layer (+201 MB): 17.053 GB predicted against 17.029 traced again (+0.14 %). The same form, with
+  act(gate) alive beside up_proj, is the moment of a separate gate/up pair once dropout 0 makes no dropped copy
+  (Llama-3.2-1B cut to one layer, 1 × 2,048: 898.3 MB predicted against 898.0 traced, 864.7 before), and on CUDA,
+  whose dropout masks are 1 byte (read from the code, not measured on a GPU; the other families' planned peaks, at
+  the backward, do not move).
+- **The fused head's input copy at batches of several rows** (the forward of every row with two or more rows,
+  −0.1 to −0.8 %, not the peak; Phi-3-mini-4k long 8 GB −0.77 %, 24 GB −0.41 %; under-predicted): TRL's fused head
+  scores `hidden_states[:, :-1].reshape(-1, h)`, a copy when the batch has several rows (a view for one; on CUDA
+  `hidden_states[mask]`, always a copy), so the final norm's c-byte output stays alive beside it through the loss's
+  forward (50.3 MB on Phi-3-mini-4k cut to one layer at 4 × 2,048, located by stack), where the memory model
+  counted it only with the chunked loss or the tiled norms. Fixed in `lowmem_ft/memory/activations.py`
+  (`head_input_copied`): those rows' forward now +0.01 to +0.09 % (Phi-3-mini-4k long 8 GB +0.04 %, 24 GB +0.02 %,
+  Mistral-Nemo 24 GB −0.55 → +0.02 %), no peak moved.
 
 Explained, not a memory-model error:
 
@@ -175,24 +206,15 @@ Open, under-predicted (the unsafe side):
   not the peak): eager attention's bf16 additive masks (b × s², one per kind of layer, alive from the forward to the
   end of the backward) are counted at the softmax backward only (`eager_masks_bytes`), 134 MB of the 200 at one
   layer; adding them to every moment moves the 2,048-token rows by +67 MB, so not done before a trace of those.
-- **Phi-3-mini-4k long 24 GB forward −5.6 %** (−803 MB at 4 × 4,096, checkpointing; its peak, the backward, is
-  −1.0 %): located on the model cut to one layer — the checkpointed layer's forward peaks at the fused
-  `gate_up_proj`'s LoRA, on its output side (2·i wide: the base output, lora_B's fp32 output and its scaled copy,
-  beside the fp32 cast of its input and three c·h tensors: 194,560 B/token traced), where the memory model's
-  checkpointed forward transient takes only the widest *input* (down_proj's, i). A term for the widest output
-  was tried (`(c + 8)·out + 4·in + 3·c·h`): it over-predicts this row by 2.2 % (dropout's share unsettled), so it is
-  not in yet. The backward's −1.0 % is not located.
-- **Phi-3-mini-4k 40 GB −3.5 %** (forward −3.7 %, at 2 × 2,048 without checkpointing; traced in the last run,
-  not investigated): probably the same fused `gate_up_proj` output side as the long row, here in every kept layer.
-  The largest open under-prediction.
 
 Open, over-predicted (the safe side):
 
 - **The checkpointed backward** (+0.4 to +1.0 % at 2,048 tokens on the dense models, +2.0 to +3.6 % on the long
   rows, +1.6 / +1.9 % with NF4 on Qwen2.5-14B / Mistral-Nemo): located on Llama-3.1-8B cut to one layer, the peak
   is the end of the recomputed forward (down_proj's LoRA branch, the whole layer's tensors saved again), not the
-  layer's backward. The model adds 8·i + 5·h B/token of recomputed gradients, fitted on tiny shapes; the full-size
-  rows fit 6·i + 8·h within 0.5 kB/token (Llama-3.1-8B, Mistral-7B, Qwen3-8B, Llama-3.2-1B, Qwen2.5-0.5B: 2·i −
+  layer's backward (on Phi-3-mini-4k it is the recomputed gate_up_proj's LoRA output side, 2·i wide, before the
+  rest of the MLP is recomputed). The model adds 8·i + 5·h B/token of recomputed gradients, fitted on tiny shapes;
+  the full-size rows fit 6·i + 8·h within 0.5 kB/token (Llama-3.1-8B, Mistral-7B, Qwen3-8B, Llama-3.2-1B, Qwen2.5-0.5B: 2·i −
   2.9·h over). Not changed yet: the tiny-shape measurements behind the constant need the same form, and a change
   moves every checkpointed plan (the rows would be traced again).
 - Llama-3.1-8B long 8 GB forward +1.2 % and eval +2.0 % (+140 MB, one c·h tensor at 16,384 tokens, with the
@@ -272,7 +294,8 @@ def _store(cache_file: Path, key: str, entry: dict) -> dict:
 
     with open(cache_file, "a") as lock:  # the file itself is the lock (rewritten in place, same inode)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+        text = cache_file.read_text()  # empty when `open` has just made it (a new --out)
+        cache = json.loads(text) if text.strip() else {}
         cache[key] = entry
         cache_file.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
     return cache

@@ -200,7 +200,10 @@ def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     repeated = (masked or s.attn_implementation == "eager") and repeats_kv_copy(arch)
     kv_kept = q if repeated else kv
-    # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive
+    # a fused projection (Phi-3 qkv_proj) hands SDPA views of its one output: v keeps all of it alive unless
+    # repeat_kv copies it (traced on Phi-3-mini, 32 of 32 heads, a padded 2 × 2,048 batch cut to one and two
+    # layers: each layer keeps qkv_proj's c·(q + 2·kv) output beside the rotated q and k, 12,288 B/token above
+    # counting v one head-set wide, the whole of the 40 GB row's −3.5 %)
     fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
     v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
     # eager attention's value matmul keeps its inputs, not its output (o_proj's input there is a copy a trained
@@ -211,14 +214,15 @@ def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
 
 
 def repeats_kv_copy(arch: Architecture) -> bool:
-    """Whether transformers' `repeat_kv` (sdpa_attention.py, eager_attention_forward) leaves k and v one head wide
-    where the memory model counted them repeated to every head: with one key/value head (multi-query: Gemma-3-1B,
-    Falcon) `expand(...).reshape(...)` merges a size-1 dimension with the expanded one, which is a view, so k and v
-    keep their own storage. Traced on gemma-3-1b-pt (1 of 4 heads, a padded batch: every layer masked) at 2 × 2,048
+    """Whether transformers' `repeat_kv` (sdpa_attention.py, eager_attention_forward) copies k and v to every head,
+    so that attention keeps copies of its own rather than the projections' outputs. Not with one key/value head
+    (multi-query: Gemma-3-1B, Falcon): `expand(...).reshape(...)` merges a size-1 dimension with the expanded one,
+    which is a view. Traced on gemma-3-1b-pt (1 of 4 heads, a padded batch: every layer masked) at 2 × 2,048
     tokens cut to two layers, located by stack: each layer keeps k and v unrepeated; counting copies over-predicted
-    the forward by 3,072 B/token per layer (+334 MB, +1.4 %, at 26 layers). (With as many key/value heads as heads
-    `repeat_kv` returns its input; the memory model's count there is left as it was.)"""
-    return not (arch.num_kv_heads == 1 < arch.num_heads)
+    the forward by 3,072 B/token per layer (+334 MB, +1.4 %, at 26 layers). Not with as many key/value heads as
+    heads either: `repeat_kv` returns its input (`n_rep == 1`), which matters where k and v are views of a fused
+    projection's output (`_attention_bytes`: Phi-3's v keeps all of qkv_proj's output)."""
+    return 1 < arch.num_kv_heads < arch.num_heads
 
 
 def first_layer_discount(arch: Architecture, s: Setup) -> float:
@@ -270,6 +274,18 @@ def head_saved_bytes(arch: Architecture, s: Setup, eval_only: bool = False) -> f
     if eval_only:
         return loss_input
     return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
+
+
+def head_input_copied(s: Setup) -> bool:
+    """Whether TRL's fused head scores a copy of the final norm's output, so that the output itself (the backbone's
+    `last_hidden_state`) is alive beside the copy through the loss's forward: `hidden_states[mask]` where Triton runs
+    (CUDA), and on the CPU `hidden_states[:, :-1].reshape(-1, h)`, a copy for a batch of several rows and a view for
+    one (trl 1.16 trainer/utils.py `_fused_forward`, kernels/chunked_logprob.py `_use_triton`). Traced on
+    Phi-3-mini-4k cut to one layer, 4 x 2,048, located by stack: the norm's c-byte output (50.3 MB) beside the
+    copy at the head's forward peak, where the memory model fell 47.6 MB short; Llama-3.2-1B at 1 x 2,048: a view,
+    exact without it. Measured too (`python -m devkit.bench.estimator --zoo`, real CPU steps): the forward cells of
+    the checkpointed 2- and 3-row points of the Llama-3 and Mistral shapes were 0.1 MB under, now equal."""
+    return s.loss_impl in ("trl_fused", "trl_fused_logps") and (s.device != "cpu" or s.micro_batch_size > 1)
 
 
 def eager_scores_bytes(arch: Architecture, s: Setup) -> float:

@@ -198,6 +198,24 @@ TILED_NORMS_BWD_H = 10.5
 # views of their inputs are counted as kept).
 FWD_TRANSIENT_CKPT, FWD_TRANSIENT_NO_CKPT, FWD_OUTPUT_FP32 = 8, 4, 8
 FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
+# Under checkpointing an adapted linear whose output is wide can peak on its output side rather than at the widest
+# input (`transients.lora_output_side_bytes`): the base output, lora_B's fp32 output and its scaled copy
+# (c + FWD_OUTPUT_FP32 per output element) beside its input and the input's fp32 cast (c + FWD_INPUT_CAST_FP32 per
+# input element; in the checkpoint's no-grad forward the dropout noise and the dropped copy are freed once lora_A has
+# read them, so the dropout adds nothing here) and what the block holds then (the residual sum in the MLP, the
+# outputs of the projections computed before it). peft 0.21 lora/layer.py Linear.forward: `result =
+# self.base_layer(x)`, `x = self._cast_input_dtype(x, ...)`, `result + lora_B(lora_A(dropout(x))) * scaling`.
+# Traced at full size (`lowmem_ft.train.trace`, the model cut to one layer, each live storage at the peak named by
+# the op and stack that made it): Phi-3-mini-4k's fused gate_up_proj (2·i from h; LoRA r 16, dropout 0.05, bf16,
+# 4 x 4,096 tokens) holds 65,536 + 65,536 (lora_B's output, scaled) + 32,768 (base output) + 12,288 (the cast) +
+# 2 x 6,144 (its input, the residual sum) = 188,416 B/token beside the checkpointed input: the layer's forward
+# 3,891.6 MB predicted against 3,885.6 traced (3,082.5 with the widest input's moment alone). Llama-3.2-1B with
+# dropout 0 (2,048 tokens): up_proj's output side beside act(gate), 898.3 MB predicted against 898.0 traced for the
+# layer's forward window (864.7 before: the widest input's form counts a dropped copy dropout 0 does not make).
+# On CUDA (1-byte dropout masks) up_proj's output side is the larger moment of a gated MLP too (12·i + 8·h B/token
+# at c = 2, against 11·i + 6·h at down_proj's input): the same tensors, with the mask width read from ATen's
+# native_dropout, not measured on a GPU.
+FWD_INPUT_CAST_FP32 = 4
 # With the tiled MLP under checkpointing the peak moves to the attention's output projection: q, k, v and the attention
 # output (c each), the layer input's norm output and the projection's base output (c·h each) beside its LoRA copies
 # (peft: mask + 8 per input element; LoRA recompute: 8 per output element, the fp32 tile outputs and their
@@ -423,6 +441,8 @@ SOURCES: dict[str, Source] = {
     "FWD_OUTPUT_FP32": Source("measured", _LAYERS),
     "FWD_BESIDE_CKPT": Source("measured", _LAYERS),
     "FWD_BESIDE_NO_CKPT": Source("measured", _LAYERS),
+    "FWD_INPUT_CAST_FP32": Source("code+measured", "peft lora/layer.py Linear.forward; full-size trace of "
+                                  "Phi-3-mini-4k cut to one layer, located by stack (devkit/bench/real_size.py notes)"),
     "FWD_BESIDE_NO_CKPT_TILED_NORMS": Source("measured", _LAYERS),
     "FWD_TOKEN_STATS_BYTES": Source("measured", _LAYERS),
     "EAGER_SOFTMAX_FP32": Source("code+measured", _EAGER_FWD),

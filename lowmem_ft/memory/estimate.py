@@ -40,6 +40,7 @@ from lowmem_ft.memory.activations import (
     eager_scores_bytes,
     eager_softmax_backward_bytes,
     first_layer_discount,
+    head_input_copied,
     head_saved_bytes,
     layer_activation_bytes,
     masked_layers,
@@ -154,6 +155,7 @@ __all__ = [
     "first_layer_discount",
     "attention_forward_bytes",
     "forward_transient_bytes",
+    "head_input_copied",
     "head_saved_bytes",
     "is_mlp_linear",
     "largest_loss_chunk",
@@ -210,7 +212,7 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     embed_bwd = 2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0
     # the chunked loss copies the final norm's output (`hidden[mask]`), which itself stays alive through the loss's
     # forward (the model's `hidden_states`; PeakMemory, tiny-model runs at 4,096 tokens with and without tiled norms)
-    head_out = c * h * t if TILED_NORMS.head_output(s) or s.loss_impl == "chunked" else 0.0
+    head_out = c * h * t if TILED_NORMS.head_output(s) or s.loss_impl == "chunked" or head_input_copied(s) else 0.0
     # The forward peaks in one of three places: the last decoder layer, beside everything the layers keep and RoPE's
     # cos/sin (the final norm, the loss input and the loss's bookkeeping do not exist yet); the final norm
     # (`final_norm_forward_bytes`); the head and loss, beside the head's saved tensors. Measured apart with

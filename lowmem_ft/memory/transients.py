@@ -17,6 +17,7 @@ from lowmem_ft.memory.calibration import (
     DROPOUT_MASK_BYTES,
     FWD_BESIDE_CKPT,
     FWD_BESIDE_NO_CKPT,
+    FWD_INPUT_CAST_FP32,
     FWD_OUTPUT_FP32,
     FWD_TOKEN_STATS_BYTES,
     FWD_TRANSIENT_CKPT,
@@ -29,7 +30,7 @@ from lowmem_ft.memory.experts import (
     moe_forward_transient_bytes,
     unused_sliding_mask_bytes,
 )
-from lowmem_ft.memory.linears import lora_linears
+from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS
 
@@ -68,11 +69,46 @@ def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     wide_in = wide.in_features if wide else 0
     if s.gradient_checkpointing:
         transient = ((c + drop + FWD_TRANSIENT_CKPT) * wide_in + FWD_BESIDE_CKPT * c * h) * t
+        transient = max(transient, lora_output_side_bytes(arch, s, outside) * t)
     else:
         beside = TILED_NORMS.forward_beside(s, FWD_BESIDE_NO_CKPT)
         wide_out = wide.out_features if wide else 0
         transient = ((c + FWD_TRANSIENT_NO_CKPT) * wide_in + (c + FWD_OUTPUT_FP32) * wide_out + beside * c * h) * t
     return TILED_MLP.forward(arch, s, lins, transient, wide_in) + FWD_TOKEN_STATS_BYTES * t
+
+
+def lora_output_side_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
+    """Per token, under checkpointing, peft's LoRA forward on its output side at the norm-fed adapted linear where
+    that is largest (FWD_INPUT_CAST_FP32): the base output, lora_B's fp32 output and its scaled copy, its input and
+    the input's fp32 cast, beside what the block holds then (`_norm_fed_beside`). The larger moment than the widest
+    input's where an output is wide: a fused projection (Phi-3's gate_up_proj, 2·i from h), or any gate/up pair
+    once the dropout's copies are gone (dropout 0) or small (CUDA's 1-byte masks)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    best = 0.0
+    for lin in lins:
+        beside = _norm_fed_beside(arch, lin)
+        if beside is not None:
+            side = (c + FWD_OUTPUT_FP32) * lin.out_features + (c + FWD_INPUT_CAST_FP32) * lin.in_features
+            best = max(best, side + c * beside)
+    return best
+
+
+def _norm_fed_beside(arch: Architecture, lin: Linear) -> int | None:
+    """Elements per token the block holds beside a linear that reads a norm's output (None for the others: the
+    attention's output projection and the MLP's down projection, whose output is hidden-sized), from the modeling
+    code's order: the outputs of the same block's projections computed before it (k after q, v after q and k; up
+    after act(gate), which outlives gate's output), and in the MLP the residual sum after the attention."""
+    h = arch.hidden_size
+    if lin.name in ATTENTION_INPUT_LINEARS:
+        group = [x for x in arch.linears if x.name in ATTENTION_INPUT_LINEARS]
+        residual = 0
+    elif is_mlp_linear(arch, lin) and lin.in_features == h:
+        group = [x for x in arch.linears if is_mlp_linear(arch, x) and x.in_features == h]
+        residual = h
+    else:
+        return None
+    before = group[: next((k for k, x in enumerate(group) if x.name == lin.name), 0)]
+    return residual + sum(x.out_features for x in before)
 
 
 def attention_forward_bytes(arch: Architecture, s: Setup) -> float:
