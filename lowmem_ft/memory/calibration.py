@@ -168,9 +168,10 @@ RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
 # bytes, unkept with dropout), RECOMPUTE_END_BESIDE c-byte hidden-sized tensors (the base output, the MLP's input,
 # the residual sum), the layer output's c-byte gradient, the scaled fp32 gradient of lora_B's output
 # (RECOMPUTE_END_GRAD_FP32) and, with an unquantized base, the base output's gradient in c bytes; the head's final
-# norm and loss input freed. Within 24-32 B/token of the traced peak (the loader's next batch, in the static part)
-# on Llama-3.1-8B (4 x 2,048 LoRA; 1 x 16,384 NF4), Qwen2.5-14B (4 x 2,048 NF4) and a Llama shape of h 512 / i 1,408
-# (4 x 2,048 LoRA), where 8·i + 5·h and the head over-predicted by 16.8, 32.1, 40.3 and 1.7 kB/token.
+# norm and loss input freed. The moment's own bytes are within 24-32 B/token of the traced ones (the loader's next
+# batch); the backward phase predicted +0.04 to +0.05 % (+357 to +459 B/token, the static part's terms) on
+# Llama-3.1-8B (4 x 2,048 LoRA; 1 x 16,384 NF4) and Qwen2.5-14B (4 x 2,048 NF4), where 8·i + 5·h and the head
+# over-predicted by 16.8, 32.1 and 40.3 kB/token, and on a Llama shape of h 512 / i 1,408 (4 x 2,048 LoRA; 1.7).
 RECOMPUTE_END_FP32 = 4
 RECOMPUTE_END_BESIDE = 3
 RECOMPUTE_END_GRAD_FP32 = 4
