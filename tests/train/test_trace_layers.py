@@ -63,8 +63,13 @@ def assert_extrapolation_exact(config, r, eval_rows: int = 0):
     return extrapolated
 
 
+# The community fine-tunes share their base family's model class (llama, qwen3), so their layers extrapolate alike:
+# left out here (each costs 20-30 s of one worker); test_trace.py still traces them whole against the CPU run.
+LAYER_NAMES = [n for n in NAMES if n not in ("llama-zephyr", "qwen3-finetune")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LAYER_NAMES)
 def test_extrapolated_trace_equals_the_whole_trace(name):
     config = AutoConfig.for_model(
         **deepened(FAMILIES[name].config, PAIRED_DEPTH if name.startswith("gemma") else DEPTH)
