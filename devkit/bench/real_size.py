@@ -194,6 +194,22 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   (`head_input_copied`): those rows' forward now +0.01 to +0.09 % (Phi-3-mini-4k long 8 GB +0.04 %, 24 GB +0.02 %,
   Mistral-Nemo 24 GB −0.55 → +0.02 %), no peak moved.
 
+- **The checkpointed backward** (+0.4 to +1.0 % at 2,048 tokens on the dense models, +2.0 to +3.6 % on the long
+  rows, +1.6 / +1.9 % with NF4 on Qwen2.5-14B / Mistral-Nemo; over-predicted): the layer's peak is the end of its
+  recomputed forward — torch's non-reentrant checkpoint stops at the last saved tensor, down_proj's lora_A output —
+  with the head's saved tensors (final norm, loss input) already freed; the 8·i + 5·h of gradients had been fitted on
+  the backbone alone (no head) and was added beside them. Now read from the code and traced per live storage
+  (`lowmem_ft/memory/recompute.py`): down_proj's c-byte input and fp32 cast, the base output, the MLP input and the
+  residual sum, the layer output's gradient, peft's scaled fp32 gradient and (unquantized) the base output's
+  gradient; without dropout up_proj's output side instead; with NF4 at few tokens the base backward's dequantized
+  weight. One layer: Llama-3.1-8B 24 GB 7.779 → 7.644 GB against 7.641 traced (+0.05 %), long 24 GB (NF4)
+  12.503 → 11.983 against 11.977 (+0.05 %), Qwen2.5-14B 24 GB (NF4) 9.194 → 8.868 against 8.864 (+0.04 %), NF4 at
+  1 × 512 +0.02 %.
+  Every dense row it covers is now +0.00 to +0.10 % (Qwen2.5-7B long 24 GB +3.57 → +0.03 %, Qwen2.5-0.5B long
+  24 GB +2.65 → +0.10 %, Mistral-Nemo 24 GB +1.94 → +0.02 %), none under; no traced row's plan changed. Not
+  covered (their measured terms kept): gemma-2/3's sandwich norms (this form under-predicted gemma-2-9b's cut layer
+  by 1.6 %), parallel blocks, fused projections (Phi-3), DoRA, LoRA recompute, the tiled MLP, full fine-tuning.
+
 Explained, not a memory-model error:
 
 - **static** +6.3 MB on the long rows (+0.8 MB at 2,048 tokens): the trace's warm-up micro batches (steps 1.1 and
@@ -209,18 +225,11 @@ Open, under-predicted (the unsafe side):
 
 Open, over-predicted (the safe side):
 
-- **The checkpointed backward** (+0.4 to +1.0 % at 2,048 tokens on the dense models, +2.0 to +3.6 % on the long
-  rows, +1.6 / +1.9 % with NF4 on Qwen2.5-14B / Mistral-Nemo): located on Llama-3.1-8B cut to one layer, the peak
-  is the end of the recomputed forward (down_proj's LoRA branch, the whole layer's tensors saved again), not the
-  layer's backward (on Phi-3-mini-4k it is the recomputed gate_up_proj's LoRA output side, 2·i wide, before the
-  rest of the MLP is recomputed). The model adds 8·i + 5·h B/token of recomputed gradients, fitted on tiny shapes;
-  the full-size rows fit 6·i + 8·h within 0.5 kB/token (Llama-3.1-8B, Mistral-7B, Qwen3-8B, Llama-3.2-1B, Qwen2.5-0.5B: 2·i −
-  2.9·h over). Not changed yet: the tiny-shape measurements behind the constant need the same form, and a change
-  moves every checkpointed plan (the rows would be traced again).
 - Llama-3.1-8B long 8 GB forward +1.2 % and eval +2.0 % (+140 MB, one c·h tensor at 16,384 tokens, with the
   tiled MLP, tiled norms, LoRA recompute and host embeddings): not located.
 - Qwen1.5-MoE-A2.7B 40 GB eval +2.7 % (not the peak): not located.
-- Llama-3.1-70B at 80 GB backward +1.4 % (`plan --verify`, not a tier here): the checkpointed backward above.
+- Llama-3.1-70B at 80 GB backward +1.4 % (`plan --verify`, not a tier here): the checkpointed backward (fixed
+  above); not traced again.
 
 Not in the table: Mixtral-8x7B has no plan up to 40 GB (93 GB at 2,048 tokens even with NF4); Qwen3-30B-A3B
 needs 60.5 GB, so its row is at 80 GB (`--models Qwen/Qwen3-30B-A3B --tiers 80 --long-seq 0`).

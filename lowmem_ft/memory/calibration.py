@@ -157,6 +157,24 @@ BATCH_BYTES_PER_TOKEN = 3 * 8
 # (13676 and 10076 measured vs 13824 and 10112). Same eager ops on CUDA, so assumed to carry over.
 NORM_BWD_BYTES_PER_H = 20
 RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
+# With peft's own LoRA branches (no DoRA, LoRA recompute or tiled MLP) the checkpointed backward's layer moment is
+# the end of the recomputed forward (`lowmem_ft.memory.recompute`), not the 8·i + 5·h above, which was fitted on the
+# backbone alone (no head: its sum()'s gradient) and, added to a full step's head, over-predicted every full-size
+# checkpointed row (+0.4 to +3.6 %). Read from torch/utils/checkpoint.py (non-reentrant, early stop: the recompute
+# ends when the last saved tensor exists, down_proj's lora_A output), peft lora/layer.py and bnb.py
+# (`_cast_input_dtype`, result + lora_B(...) * scaling, cast back) and the autograd graph they build; traced
+# (`lowmem_ft.train.trace`, models cut to one layer, each live storage at the backward's peak named by the op and
+# stack that made it): beside the layer's saved tensors, down_proj's c-byte input and fp32 cast (RECOMPUTE_END_FP32
+# bytes, unkept with dropout), RECOMPUTE_END_BESIDE c-byte hidden-sized tensors (the base output, the MLP's input,
+# the residual sum), the layer output's c-byte gradient, the scaled fp32 gradient of lora_B's output
+# (RECOMPUTE_END_GRAD_FP32) and, with an unquantized base, the base output's gradient in c bytes; the head's final
+# norm and loss input freed. The moment's own bytes are within 24-32 B/token of the traced ones (the loader's next
+# batch); the backward phase predicted +0.04 to +0.05 % (+357 to +459 B/token, the static part's terms) on
+# Llama-3.1-8B (4 x 2,048 LoRA; 1 x 16,384 NF4) and Qwen2.5-14B (4 x 2,048 NF4), where 8·i + 5·h and the head
+# over-predicted by 16.8, 32.1 and 40.3 kB/token, and on a Llama shape of h 512 / i 1,408 (4 x 2,048 LoRA; 1.7).
+RECOMPUTE_END_FP32 = 4
+RECOMPUTE_END_BESIDE = 3
+RECOMPUTE_END_GRAD_FP32 = 4
 # The tiled MLP with checkpointing (devkit/harness/long_context.py, PeakMemory; fitted on a Llama-shaped h 128 /
 # i 512 model at 1-2k tokens, checked on Qwen2- and Mistral-shaped ones at 1-8k, benchmarks/long_context_cpu.md):
 # outside the MLP the recomputed layer's backward holds ~14·h B/token of gradients in flight (8·i + 5·h untiled:
@@ -372,6 +390,10 @@ class Source:
 
 
 _BNB_OPT = "bitsandbytes optim/optimizer.py Optimizer2State.init_state / get_state_buffer"
+_RECOMPUTE_END = (
+    "torch utils/checkpoint.py (non-reentrant, early stop), peft lora/layer.py and bnb.py; "
+    "lowmem_ft.train.trace at full size, models cut to one layer, live storages named by op"
+)
 _LONG = "devkit/harness/long_context.py (Llama/Qwen2/Mistral shapes), benchmarks/long_context_cpu.md"
 _LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 setups), tests/memory/test_estimate.py"
 _MOE = "devkit/harness/moe.py (one block and 1- vs 2-layer runs), benchmarks/estimator_moe.md"
@@ -430,6 +452,9 @@ SOURCES: dict[str, Source] = {
     "NORM_BWD_BYTES_PER_H": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
     "RECOMPUTE_BWD_I": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
     "RECOMPUTE_BWD_H": Source("measured", "PeakMemory, backbone backward (Qwen2/Llama shapes), estimator_cpu.md"),
+    "RECOMPUTE_END_FP32": Source("code+measured", _RECOMPUTE_END),
+    "RECOMPUTE_END_BESIDE": Source("code+measured", _RECOMPUTE_END),
+    "RECOMPUTE_END_GRAD_FP32": Source("code+measured", _RECOMPUTE_END),
     "TILED_RECOMPUTE_BWD_H": Source("measured", _LONG),
     "TILE_BWD_I": Source("measured", _LONG),
     "RECOMPUTE_BWD_I_LORA_RECOMPUTED": Source("measured", _LONG),

@@ -84,6 +84,7 @@ from lowmem_ft.memory.loss import (
     loss_positions,
 )
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.recompute import ends_recomputed_forward, head_freed_bytes, recomputed_layer_bytes
 from lowmem_ft.memory.records import (
     DTYPE_BYTES,
     GB,
@@ -229,7 +230,10 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     # an eager layer's softmax backward, once the head's saved tensors and the recomputed MLP's are freed
     softmax_bwd = eager_softmax_backward_bytes(arch, s)  # 0 without eager attention and checkpointing
     attn_bwd = kept - head + softmax_bwd if softmax_bwd else 0.0
-    bwd_peak = max(kept + loss_bwd, kept + layer_bwd + dequant, attn_bwd, embed_bwd + c * h * t)
+    layer_moment = kept + layer_bwd + dequant
+    if ends_recomputed_forward(arch, s):  # the head's backward has freed its saved tensors by then
+        layer_moment = kept - head_freed_bytes(arch, s) + layer + recomputed_layer_bytes(arch, s, dequant)
+    bwd_peak = max(kept + loss_bwd, layer_moment, attn_bwd, embed_bwd + c * h * t)
     return fwd_peak, bwd_peak
 
 
@@ -311,5 +315,7 @@ def layer_moments(arch: Architecture, est: Estimate) -> tuple[float, float]:
         c * max(lin.in_features * lin.out_features for lin in arch.linears) if arch_s.quantization != "none" else 0
     )
     layer_bwd = layer + grads + dequant if arch_s.gradient_checkpointing else grads
+    if ends_recomputed_forward(arch, arch_s):
+        layer_bwd = layer + recomputed_layer_bytes(arch, arch_s, dequant) - head_freed_bytes(arch, arch_s)
     static = est.phases["static"]
     return static + kept + layer_fwd, static + kept + head + layer_bwd

@@ -31,6 +31,7 @@ from lowmem_ft.memory.experts import (
     unused_sliding_mask_bytes,
 )
 from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears
+from lowmem_ft.memory.recompute import ends_recomputed_forward, recompute_end_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS
 
@@ -159,13 +160,16 @@ def recompute_forward_transient_bytes(arch: Architecture, s: Setup, lins: list[L
 
 def backward_transient_bytes(arch: Architecture, s: Setup) -> tuple[float, str]:
     """Gradients in flight at the backward's peak beyond the saved tensors, and where the figure comes from: with
-    checkpointing, the recomputed layer's; without, the final norm's fp32 backward (all measured, see the constants)."""
+    checkpointing, the recomputed layer's (with peft's LoRA branches the end of its recomputed forward:
+    `recompute.recompute_end_bytes`); without, the final norm's fp32 backward (all measured, see the constants)."""
     h, i, t = arch.hidden_size, arch.intermediate_size, s.tokens
     if arch.moe:
         return moe_backward_transient_bytes(arch, s)
     if s.gradient_checkpointing:
         if TILED_MLP.on(s):
             return TILED_MLP.recomputed_backward(arch, s, mlp_activation_bytes(arch, s))
+        if ends_recomputed_forward(arch, s):
+            return recompute_end_bytes(arch, s), "the recomputed forward's end: input copies and gradients (traced)"
         bwd_i = RECOMPUTE_LORA.recomputed_mlp_bwd_i(s, RECOMPUTE_BWD_I)
         return (bwd_i * i + RECOMPUTE_BWD_H * h) * t, "recomputed layer's MLP/LoRA gradients (measured)"
     grads = TILED_NORMS.final_norm_backward(arch, s)

@@ -11,7 +11,7 @@ from lowmem_ft.versions import CHECKED
 
 MEMORY = Path(calibration.__file__).parent
 # the modules the estimator's terms live in: their numbers come from the calibration table, not from constants
-TERMS = ("records", "linears", "static", "activations", "transients", "loss", "experts", "evaluation", "overheads",
+TERMS = ("records", "linears", "static", "activations", "transients", "recompute", "loss", "experts", "evaluation", "overheads",
          "estimate", "families", "blocks")  # fmt: skip
 
 
