@@ -210,6 +210,33 @@ Fixed (each traced on the model cut to one to six layers, the peak located by st
   covered (their measured terms kept): gemma-2/3's sandwich norms (this form under-predicted gemma-2-9b's cut layer
   by 1.6 %), parallel blocks, fused projections (Phi-3), DoRA, LoRA recompute, the tiled MLP, full fine-tuning.
 
+- **The evaluation forward of the long-context rows** (Llama-3.2-3B long 8 GB eval −3.63 %, under; Qwen2.5-3B long
+  8 GB +5.03 %, Mistral-7B-v0.3 / Llama-3.1-8B / Qwen2.5-7B long 8 GB +2.2 / +2.0 / +1.9 %, Phi-3-mini-4k long
+  8 GB +1.9 %, Qwen1.5-MoE-A2.7B 40 GB +2.7 %, over; the peak of none): traced on each plan cut to two layers,
+  every live storage at each moment named by the op that made it. (1) An eval batch of several rows is padded, so
+  every layer's SDPA gets the bool mask, and torch turns it into a c-byte additive one (b × s × s: 1,074 MB at
+  2 × 16,384) beside q and k after RoPE, v, the repeated k/v, the output and three c·h tensors — Llama-3.2-3B's eval
+  peak, 2,628.8 MB beside the bool mask and static, which the memory model had no moment for. (2) The bool mask
+  (537 MB there) is the base model's local, freed before the head runs; the memory model added it to the head's
+  moment too. That is why the two 3B models went opposite ways on the same knobs: on Qwen2.5-3B (152k vocabulary,
+  h 2,048, 2 kv heads) the head and loss (2,282 MB) outweighed its SDPA moment (2,049 MB), and carried the mask;
+  on Llama-3.2-3B (h 3,072, 8 kv heads) the SDPA moment (2,629 MB) was the peak and was missing. (3) With one row
+  TRL's fused head scores a view of the final norm's output, not a copy (`head_input_copied`): one c·h (134 MB at
+  16,384 tokens) less at the head's moment — the eval-1 rows' +2 %. (4) A quantized linear's dequantized weight is
+  freed before peft's LoRA branch runs (bitsandbytes MatMul4Bit, peft bnb.py), so it is not beside the branch's
+  fp32 tensors (Phi-3's gate_up_proj: 100.7 MB; the NF4 rows' +0.7 to +1.0 %). (5) Qwen2-MoE's shared expert runs
+  before the routed experts and its MLP is freed by then (the memory model added its 3·c·i beside them: +868 MB at
+  16 × 2,048); its own LoRA up_proj moment is the peak, beside both bool masks (the unused sliding one too). Fixed
+  in `lowmem_ft/memory/evaluation.py` (`eval_masked_sdpa_bytes`, `eval_peak_bytes`, `eval_layer_bytes`),
+  `experts.moe_eval_bytes` and `activations.head_saved_bytes`: eval Llama-3.2-3B long 8 GB −3.63 → +0.41 %,
+  Qwen2.5-3B +5.03 → +0.47 %, Mistral-7B-v0.3 / Llama-3.1-8B / Qwen2.5-7B +0.10 / +0.09 / +0.10 %, Phi-3-mini long
+  8 GB +0.15 %, Qwen1.5-MoE 40 GB +0.06 % and long 40 GB +2.06 → +0.06 % (at their traced eval batches). Every
+  other traced row's eval is unchanged or closer (now −0.67 to +0.82 %, the one under gemma-2-9b's eager row, not
+  touched); no training phase moved. Five plans now take another eval batch (stale above), each traced at two layers
+  at the new one: Qwen1.5-MoE 40 GB 16 → 32 rows (+0.39 %), long 40 GB 4 → 8 (+0.42 %), Qwen2.5-32B 24 GB 2 → 4
+  (+0.13 %), Qwen3-8B 8 GB 2 → 4 (+0.02 %), gemma-3-4b-pt long 8 GB 2 → 1 (+0.17 %; its 2 × 16,384 eval, now with
+  the additive mask, no longer fits on CUDA; its traced eval 2: +1.20 → +0.21 %).
+
 Explained, not a memory-model error:
 
 - **static** +6.3 MB on the long rows (+0.8 MB at 2,048 tokens): the trace's warm-up micro batches (steps 1.1 and
@@ -225,9 +252,9 @@ Open, under-predicted (the unsafe side):
 
 Open, over-predicted (the safe side):
 
-- Llama-3.1-8B long 8 GB forward +1.2 % and eval +2.0 % (+140 MB, one c·h tensor at 16,384 tokens, with the
-  tiled MLP, tiled norms, LoRA recompute and host embeddings): not located.
-- Qwen1.5-MoE-A2.7B 40 GB eval +2.7 % (not the peak): not located.
+- Llama-3.1-8B long 8 GB forward +1.2 % (+140 MB, one c·h tensor at 16,384 tokens, with the tiled MLP, tiled
+  norms, LoRA recompute and host embeddings; its eval, the same size, is fixed above): not located; Mistral-7B-v0.3
+  long 8 GB cut to two layers shows the same +139.6 MB in its forward.
 - Llama-3.1-70B at 80 GB backward +1.4 % (`plan --verify`, not a tier here): the checkpointed backward (fixed
   above); not traced again.
 

@@ -259,7 +259,9 @@ def head_saved_bytes(arch: Architecture, s: Setup, eval_only: bool = False) -> f
     c-byte copy — on the CPU, and gathered `hidden_states[mask]` on CUDA), RoPE cos/sin and bookkeeping.
     `eval_only`: the loss input alone — without autograd the norm keeps nothing and RoPE's tables die with the
     model's forward (the fused head's eval peak: the norm's output and this copy, 2·c·h, traced on Llama-3.1-8B to
-    within 0.05 MB of 8,192 tokens' worth)."""
+    within 0.05 MB of 8,192 tokens' worth); none where the fused head scores a view of the norm's output
+    (`head_input_copied`: one row on the CPU; traced on Mistral-7B-v0.3's long 8 GB plan, eval 1 × 16,384, cut to
+    two layers: the head's eval moment holds one c·h, 134.2 MB under the memory model's two)."""
     c = DTYPE_BYTES[s.compute_dtype]
     h = arch.hidden_size
     norm = TILED_NORMS.one_norm(arch, s, 4 * h + 4 + (c * h if s.adapter == "full" else 0))
@@ -272,7 +274,8 @@ def head_saved_bytes(arch: Architecture, s: Setup, eval_only: bool = False) -> f
         labelled = s.tokens if s.loss_tokens is None else min(s.loss_tokens, s.tokens)
         loss_input = (c * h + CHUNKED_LABEL_BYTES) * labelled / max(1, s.tokens) + CHUNKED_POSITION_BYTES
     if eval_only:
-        return loss_input
+        fused_view = s.loss_impl in ("trl_fused", "trl_fused_logps") and not head_input_copied(s)
+        return 0 if fused_view else loss_input
     return norm + loss_input + 2 * c * arch.head_dim + TOKEN_BOOKKEEPING_BYTES
 
 

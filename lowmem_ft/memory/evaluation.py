@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowmem_ft.memory.activations import attention_mask_bytes, eager_probs_bytes, eager_softmax_bytes, head_saved_bytes
+from lowmem_ft.memory.activations import (
+    attention_mask_bytes,
+    eager_probs_bytes,
+    eager_softmax_bytes,
+    head_saved_bytes,
+    masked_layers,
+    repeats_kv_copy,
+)
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import BATCH_BYTES_PER_TOKEN, GRPO_PREFILL_HIDDEN
-from lowmem_ft.memory.experts import moe_eval_bytes
+from lowmem_ft.memory.experts import moe_eval_bytes, unused_sliding_mask_bytes
 from lowmem_ft.memory.linears import lora_linears
 from lowmem_ft.memory.loss import loss_bytes
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
@@ -32,14 +39,41 @@ def eval_mlp_bytes(arch: Architecture, s: Setup) -> float:
     a plain (non-gated) MLP holds its up output and the activation (2·c·i), or a LoRA up_proj's three tensors.
     """
     c, i = DTYPE_BYTES[s.compute_dtype], arch.intermediate_size
-    if arch.moe:
-        return moe_eval_bytes(arch, s)
     adapted = {lin.name for lin in lora_linears(arch, s)} if s.adapter == "lora" else set()
+    if arch.moe:  # the routed experts, or before them the shared expert's dense MLP (Qwen2-MoE)
+        return max(moe_eval_bytes(arch, s), _shared_expert_eval_bytes(arch, s, adapted))
     if "gate_up_proj" in adapted:
         return (2 * c + 16) * i
     if arch.mlp == "gated":
         return (2 * c + 8) * i if "up_proj" in adapted else 3 * c * i
     return (c + 8) * i if adapted & {"up_proj", "fc1", "c_fc"} else 2 * c * i
+
+
+def _shared_expert_eval_bytes(arch: Architecture, s: Setup, adapted: set[str]) -> float:
+    """Per token, a shared expert's gated MLP in flight (its linears are `arch.linears`' MLP ones), as a dense
+    one's, with peft's fp32 cast of its input (4·h) when LoRA adapts it. Traced on Qwen1.5-MoE-A2.7B's 40 GB plan
+    (LoRA, eval 16 × 2,048) cut to two layers, each live storage named by the op that made it: the eval peak is
+    up_proj's LoRA output in the shared expert, (2·c + 8)·i + 4·h beside four c·h tensors and the two bool masks,
+    3,155 MB of the 3,161 in flight."""
+    assert arch.moe is not None
+    i, c = arch.moe.shared_intermediate, DTYPE_BYTES[s.compute_dtype]
+    if not i:
+        return 0.0
+    if "up_proj" in adapted:
+        return (2 * c + 8) * i + (4 * arch.hidden_size if adapted & MLP_INPUT_LINEARS else 0)
+    return 3 * c * i
+
+
+def eval_mlp_lora_bytes(arch: Architecture, s: Setup) -> float:
+    """Per token, the part of `eval_mlp_bytes` that is peft's LoRA branch (lora_B's fp32 output and its scaled copy,
+    8 B per output element): what a quantized linear's base matmul does not see beside its dequantized weight."""
+    if arch.moe or s.adapter != "lora":
+        return 0.0
+    adapted = {lin.name for lin in lora_linears(arch, s)}
+    i = arch.intermediate_size
+    if "gate_up_proj" in adapted:
+        return 16.0 * i
+    return 8.0 * i if adapted & ({"up_proj"} if arch.mlp == "gated" else {"up_proj", "fc1", "c_fc"}) else 0.0
 
 
 def eval_layer_bytes(arch: Architecture, s: Setup, dequant: float = 0.0) -> float:
@@ -74,12 +108,43 @@ def eval_layer_bytes(arch: Architecture, s: Setup, dequant: float = 0.0) -> floa
     embeds = 1 if arch.num_layers > 1 else 0
     hidden = (GRPO_PREFILL_HIDDEN + embeds) * c * h + 2 * c * arch.head_dim
     # an eager layer holds its probabilities until it returns (`activations.eager_probs_bytes`)
-    mlp = (eval_mlp_bytes(arch, s) + cast) * TILED_MLP.eval_tokens(arch, s) + hidden * t + eager_probs_bytes(arch, s)
-    o_proj = 2 * c * h + 2 * c * q + c * h + 2 * c * kv + (4 * q + 8 * h if adapted & OUTPUT_LINEARS else 0)
-    linears = max(mlp, o_proj * t) + dequant
+    tile = TILED_MLP.eval_tokens(arch, s)
+    mlp = (eval_mlp_bytes(arch, s) + cast) * tile + hidden * t + eager_probs_bytes(arch, s)
+    # the output projection beside `inputs_embeds` past the first layer and RoPE's cos/sin, as the MLP moment
+    o_lora = 4 * q + 8 * h if adapted & OUTPUT_LINEARS else 0
+    o_proj = ((3 + embeds) * c * h + 2 * c * q + 2 * c * kv + o_lora + 2 * c * arch.head_dim) * t
+    # A quantized linear's dequantized weight lives through its base matmul only (bitsandbytes MatMul4Bit.forward:
+    # `linear(A, dequantize_4bit(B, ...))`); peft's LoRA branch runs after it (bnb.py Linear4bit.forward), so the
+    # weight and the branch's fp32 tensors are never alive together: each moment is the larger of the two. Traced
+    # on Phi-3-mini-4k's long 8 GB plan (NF4, eval 4 × 4,096) cut to two layers: the peak, gate_up_proj's LoRA
+    # output, holds no dequantized weight (100.7 MB over before).
+    lora_mlp = (eval_mlp_lora_bytes(arch, s) + cast) * tile
+    linears = max(mlp + max(0.0, dequant - lora_mlp), o_proj + max(0.0, dequant - o_lora * t))
     if s.attn_implementation == "eager":  # the softmax, beside the layer's input (and `inputs_embeds`)
         return max(linears, eager_softmax_bytes(arch, s) + (1 + embeds) * c * h * t)
-    return linears
+    return max(linears, eval_masked_sdpa_bytes(arch, s))
+
+
+def eval_masked_sdpa_bytes(arch: Architecture, s: Setup) -> float:
+    """A masked layer's SDPA moment without autograd (`masked_layers`: an eval batch of several rows is padded, so
+    every layer is; 0 when none is): torch's SDPA turns the bool mask into a c-byte additive one (b × s × s, alive only
+    through the call; the bool mask itself is `attention_mask_bytes`), beside the attention's locals — q and k after
+    RoPE, v (with a fused qkv_proj, a view that keeps its whole output), the copies `repeat_kv` makes of k and v
+    (sdpa_attention.py: no `enable_gqa` with a mask), SDPA's output and fp32 logsumexp — and the layer input, its
+    normed input, `inputs_embeds` past the first layer and RoPE's cos/sin. Traced on Llama-3.2-3B's and
+    Qwen2.5-3B's long 8 GB plans (NF4, eval 2 × 16,384) cut to two layers, each live storage named by the op that
+    made it: this moment is the eval peak, 2,628.8 / 2,048.9 MB beside the bool mask and the static state, and the
+    memory model, which had no such moment, fell 198.8 MB (−4.9 %) short on Llama-3.2-3B."""
+    if not masked_layers(arch, s):
+        return 0.0
+    c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)  # as `activations._attention_bytes`
+    v = q + 2 * kv if fused_qkv else kv
+    repeated = 2 * q if repeats_kv_copy(arch) else 0
+    embeds = 1 if arch.num_layers > 1 else 0
+    per_token = c * (2 * q + kv + v + repeated) + 4 * arch.num_heads + (2 + embeds) * c * h + 2 * c * arch.head_dim
+    return c * s.micro_batch_size * s.max_seq_len**2 + per_token * t
 
 
 def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
@@ -113,6 +178,10 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     # over-predicted by up to 25 %).
     layer = eval_layer_bytes(arch, es, dequant)
     head = (c * arch.hidden_size + head_saved_bytes(arch, es, eval_only=True)) * t
-    transient = max(layer, head + loss_fwd) + attention_mask_bytes(arch, es)
+    # the bool attention masks are the base model's locals: freed when it returns, before the head runs (traced on
+    # Qwen2.5-3B's long 8 GB plan, eval 2 × 16,384, cut to two layers: the head's moment holds no mask); Qwen2-MoE's
+    # unused sliding-window mask among them (traced on Qwen1.5-MoE-A2.7B's 40 GB plan, eval 16 × 2,048: both masks)
+    masks = attention_mask_bytes(arch, es) + unused_sliding_mask_bytes(arch, es)
+    transient = max(layer + masks, head + loss_fwd)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
     return static + transient + overhead_bytes(device_overheads(s, transient))
