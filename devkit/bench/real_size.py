@@ -245,16 +245,25 @@ Explained, not a memory-model error:
 
 Open, under-predicted (the unsafe side):
 
-- **gemma-2-9b long 24 GB forward −0.98 %** (−200 MB at 1 × 8,192, the same on the model cut to one layer;
-  not the peak): eager attention's bf16 additive masks (b × s², one per kind of layer, alive from the forward to the
-  end of the backward) are counted at the softmax backward only (`eager_masks_bytes`), 134 MB of the 200 at one
-  layer; adding them to every moment moves the 2,048-token rows by +67 MB, so not done before a trace of those.
+- **gemma-3-4b-pt long 8 GB backward −0.10 %** (−11 MB at 1 × 16,384, NF4, the tiled MLP, tiled norms and LoRA
+  recompute; the row's peak; traced once, for the plan whose eval batch the eval fix changed): not located. Its
+  checkpointed backward keeps the older measured terms (sandwich norms, the savers).
+- **gemma-2-9b long 40 GB forward −0.59 %, eval −0.67 %** (−198 / −206 MB at 1 × 8,192; not the peak, the backward
+  is +0.01 %): eager attention's bf16 additive masks (b × s², one per kind of layer, alive from the forward to the
+  end of the backward) are counted at the softmax backward only (`eager_masks_bytes`); on the long 24 GB row, traced
+  before its plan went (−0.98 % there), 134 MB of the 200 at one layer. Adding them to every moment moves the
+  2,048-token rows by +67 MB, so not done before a trace of those.
 
 Open, over-predicted (the safe side):
 
-- Llama-3.1-8B long 8 GB forward +1.2 % (+140 MB, one c·h tensor at 16,384 tokens, with the tiled MLP, tiled
-  norms, LoRA recompute and host embeddings; its eval, the same size, is fixed above): not located; Mistral-7B-v0.3
-  long 8 GB cut to two layers shows the same +139.6 MB in its forward.
+- **gemma-3-1b-pt long 8 / 24 / 40 GB backward +2.0 to +2.2 %** (the largest peak gaps left): its checkpointed
+  backward keeps the older measured recompute term (`transients.backward_transient_bytes`, 8·i + 5·h B/token with the
+  head alive). Gemma-2/3's sandwich norms put the recompute's end after the MLP's post-norm, so the dense form
+  (`recompute.recompute_end_bytes`) under-predicted gemma-2-9b cut to one layer by 17.5 / 10.4 kB/token; the
+  sandwich form is not derived yet (the gemma-2-9b and gemma-3-4b rows are within +0.9 %).
+- Llama-3.1-8B / Mistral-7B-v0.3 / Qwen2.5-7B long 8 GB forward +1.2 / +1.3 / +1.2 % (not the peak; ~140 MB, one
+  c·h tensor at 16,384 tokens, with the tiled MLP, tiled norms and LoRA recompute; their eval, the same size, is
+  fixed above): not located; Mistral-7B-v0.3 cut to two layers shows the same +139.6 MB in its forward.
 - Llama-3.1-70B at 80 GB backward +1.4 % (`plan --verify`, not a tier here): the checkpointed backward (fixed
   above); not traced again.
 
