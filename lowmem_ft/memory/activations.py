@@ -12,7 +12,6 @@ from lowmem_ft.memory.calibration import (
     CENTRED_NORM_EXTRA_FP32,
     CHUNKED_LABEL_BYTES,
     CHUNKED_POSITION_BYTES,
-    DROPOUT_MASK_BYTES,
     EAGER_SOFTMAX_BESIDE_KV,
     EAGER_SOFTMAX_BESIDE_Q,
     EAGER_SOFTMAX_BWD_FP32,
@@ -24,7 +23,14 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.experts import moe_activation_bytes
 from lowmem_ft.memory.families import family, with_flag
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears, peft_lora_input_bytes
+from lowmem_ft.memory.linears import (
+    ATTENTION_INPUT_LINEARS,
+    dropout_mask_bytes,
+    fused_qkv,
+    is_mlp_linear,
+    lora_linears,
+    peft_lora_input_bytes,
+)
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS, checkpointed_layers
 
@@ -204,8 +210,7 @@ def _attention_bytes(arch: Architecture, s: Setup, masked: bool) -> float:
     # repeat_kv copies it (traced on Phi-3-mini, 32 of 32 heads, a padded 2 × 2,048 batch cut to one and two
     # layers: each layer keeps qkv_proj's c·(q + 2·kv) output beside the rotated q and k, 12,288 B/token above
     # counting v one head-set wide, the whole of the 40 GB row's −3.5 %)
-    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
-    v_kept = q + 2 * kv if fused_qkv and not repeated else kv_kept
+    v_kept = q + 2 * kv if fused_qkv(arch) and not repeated else kv_kept
     # eager attention's value matmul keeps its inputs, not its output (o_proj's input there is a copy a trained
     # o_proj keeps: `_o_proj_copies`); measured on the zoo's Gemma-2 shape (h 256, 4 × 96, LoRA): 38,016 B/token per
     # layer with its scores, where counting an output said 38,784
@@ -233,7 +238,7 @@ def first_layer_discount(arch: Architecture, s: Setup) -> float:
     if s.adapter == "full" or s.gradient_checkpointing:
         return 0.0
     h = arch.hidden_size
-    drop = RECOMPUTE_LORA.first_layer_masks(s, DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)
+    drop = RECOMPUTE_LORA.first_layer_masks(s, dropout_mask_bytes(s))
     attn_in = sum(lin.in_features for lin in lora_linears(arch, s) if lin.name in ATTENTION_INPUT_LINEARS)
     attn_in += parallel_block_inputs(arch, s)
     # a tiled norm keeps its c-byte input only when it needs grad
@@ -350,7 +355,7 @@ def eager_softmax_backward_bytes(arch: Architecture, s: Setup) -> float:
     elif RECOMPUTE_LORA.on(s):
         inputs = RECOMPUTE_LORA.kept_inputs(arch, s, lins)
     else:
-        inputs = peft_lora_input_bytes(s, lins, DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)
+        inputs = peft_lora_input_bytes(s, lins, dropout_mask_bytes(s))
     per_token = 4 * h + 4 + inputs + _attention_bytes(arch, s, False) + c * h + 2 * c * arch.head_dim
     return per_score * _scores(arch, s) + eager_masks_bytes(arch, s) + per_token * s.tokens
 

@@ -17,7 +17,7 @@ from lowmem_ft.memory.activations import (
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import BATCH_BYTES_PER_TOKEN, GRPO_PREFILL_HIDDEN
 from lowmem_ft.memory.experts import moe_eval_bytes, unused_sliding_mask_bytes
-from lowmem_ft.memory.linears import lora_linears
+from lowmem_ft.memory.linears import fused_qkv, lora_linears
 from lowmem_ft.memory.loss import loss_bytes
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup, effective_setup
@@ -139,8 +139,7 @@ def eval_masked_sdpa_bytes(arch: Architecture, s: Setup) -> float:
         return 0.0
     c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    fused_qkv = any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)  # as `activations._attention_bytes`
-    v = q + 2 * kv if fused_qkv else kv
+    v = q + 2 * kv if fused_qkv(arch) else kv
     repeated = 2 * q if repeats_kv_copy(arch) else 0
     embeds = 1 if arch.num_layers > 1 else 0
     per_token = c * (2 * q + kv + v + repeated) + 4 * arch.num_heads + (2 + embeds) * c * h + 2 * c * arch.head_dim

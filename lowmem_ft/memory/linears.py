@@ -5,6 +5,7 @@ branches keep instead is `lowmem_ft.memory.savers.RecomputeLora`).
 from __future__ import annotations
 
 from lowmem_ft.memory.arch import Architecture, Linear
+from lowmem_ft.memory.calibration import DROPOUT_MASK_BYTES
 from lowmem_ft.memory.families import family
 from lowmem_ft.memory.records import Setup
 
@@ -26,6 +27,16 @@ def is_mlp_linear(arch: Architecture, lin: Linear) -> bool:
     if lin.name == "c_proj":
         return family(arch.model_type).mlp_c_proj and lin.in_features == arch.intermediate_size
     return lin.name in MLP_LINEARS
+
+
+def dropout_mask_bytes(s: Setup) -> float:
+    """Per input element, the mask peft's LoRA dropout keeps (DROPOUT_MASK_BYTES on the device); none without it."""
+    return DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+
+
+def fused_qkv(arch: Architecture) -> bool:
+    """Whether one linear projects q, k and v (Phi-3's qkv_proj, GPT-2-style c_attn): SDPA gets views of its output."""
+    return any(lin.name in ("qkv_proj", "c_attn") for lin in arch.linears)
 
 
 def peft_lora_input_bytes(s: Setup, lins: list[Linear], drop: float) -> float:

@@ -17,13 +17,12 @@ from __future__ import annotations
 from lowmem_ft.memory.activations import head_saved_bytes
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
-    DROPOUT_MASK_BYTES,
     RECOMPUTE_END_BESIDE,
     RECOMPUTE_END_FP32,
     RECOMPUTE_END_GRAD_FP32,
     TOKEN_BOOKKEEPING_BYTES,
 )
-from lowmem_ft.memory.linears import lora_linears
+from lowmem_ft.memory.linears import dropout_mask_bytes, lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP
 
@@ -44,6 +43,12 @@ def ends_recomputed_forward(arch: Architecture, s: Setup) -> bool:
     return arch.norms_per_layer == 2 and not (arch.moe or s.use_dora or TILED_MLP.on(s) or RECOMPUTE_LORA.on(s))
 
 
+def _kept_lora_input(s: Setup) -> float:
+    """Per input element, what peft's LoRA branch keeps of its input: the fp32 cast and the dropout mask
+    (`linears.peft_lora_input_bytes`)."""
+    return RECOMPUTE_END_FP32 + dropout_mask_bytes(s)
+
+
 def recompute_end_bytes(arch: Architecture, s: Setup) -> float:
     """The recomputed forward's moments beyond what the layer saves, the larger (calibration.RECOMPUTE_END_*).
 
@@ -59,7 +64,7 @@ def recompute_end_bytes(arch: Architecture, s: Setup) -> float:
     h, fp32 = arch.hidden_size, RECOMPUTE_END_FP32
     lins = lora_linears(arch, s)
     wide_in, wide_out = max(lin.in_features for lin in lins), max(lin.out_features for lin in lins)
-    kept_in = fp32 + (DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)  # `peft_lora_input_bytes`
+    kept_in = _kept_lora_input(s)
     cast = fp32 if c < fp32 else 0
     end = (c + cast - (0 if s.lora_dropout > 0 else fp32)) * wide_in + RECOMPUTE_END_BESIDE * c * h
     output_side = (2 * fp32 - kept_in) * wide_out + (RECOMPUTE_END_BESIDE - 1) * c * h
@@ -79,7 +84,7 @@ def recomputed_layer_bytes(arch: Architecture, s: Setup, dequant: float) -> floa
         return moment
     c = DTYPE_BYTES[s.compute_dtype]
     wide_in = max(lin.in_features for lin in lora_linears(arch, s))
-    kept_in = RECOMPUTE_END_FP32 + (DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0)
+    kept_in = _kept_lora_input(s)
     base_backward = dequant + ((2 * c - kept_in) * wide_in + c * arch.hidden_size) * s.tokens
     return max(moment, base_backward)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from lowmem_ft.memory import dora
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
-    DROPOUT_MASK_BYTES,
     FWD_BESIDE_CKPT,
     FWD_BESIDE_NO_CKPT_TILED_NORMS,
     FWD_TRANSIENT_CKPT,
@@ -33,7 +32,13 @@ from lowmem_ft.memory.calibration import (
     TILED_NORMS_RECOMPUTE_BWD_H,
     TILED_RECOMPUTE_BWD_H,
 )
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears, peft_lora_input_bytes
+from lowmem_ft.memory.linears import (
+    ATTENTION_INPUT_LINEARS,
+    dropout_mask_bytes,
+    is_mlp_linear,
+    lora_linears,
+    peft_lora_input_bytes,
+)
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup, mlp_tile_tokens
 
 
@@ -172,7 +177,7 @@ class TiledMLP(Saver):
         if not self.on(s):
             return transient
         c, h, t = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, s.tokens
-        drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+        drop = dropout_mask_bytes(s)
         if s.gradient_checkpointing:
             transient = max(transient, self.attention_output(arch, s, (drop + FWD_TRANSIENT_CKPT) * wide_in))
         else:
@@ -232,7 +237,7 @@ class RecomputeLora(Saver):
         """Per token, what the attention's (`mlp` False) or MLP's (True) LoRA layers keep: peft's
         (`peft_lora_input_bytes`), or the branch checkpoints' inputs (`kept_inputs`); DoRA's kept tensors beside
         either (`dora.kept_per_token`)."""
-        drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+        drop = dropout_mask_bytes(s)
         lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
         if self.on(s) and not (mlp and TILED_MLP.on(s)):
             return self.kept_inputs(arch, s, lins) + dora.kept_per_token(s, lins)

@@ -14,7 +14,6 @@ from lowmem_ft.memory.activations import (
 )
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import (
-    DROPOUT_MASK_BYTES,
     FWD_BESIDE_CKPT,
     FWD_BESIDE_NO_CKPT,
     FWD_INPUT_CAST_FP32,
@@ -30,7 +29,7 @@ from lowmem_ft.memory.experts import (
     moe_forward_transient_bytes,
     unused_sliding_mask_bytes,
 )
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, is_mlp_linear, lora_linears
+from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, dropout_mask_bytes, is_mlp_linear, lora_linears
 from lowmem_ft.memory.recompute import ends_recomputed_forward, recompute_end_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS
@@ -61,7 +60,7 @@ def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
         return 0.0
     c = DTYPE_BYTES[s.compute_dtype]
     h, t = arch.hidden_size, s.tokens
-    drop = DROPOUT_MASK_BYTES[s.device] if s.lora_dropout > 0 else 0
+    drop = dropout_mask_bytes(s)
     lins = lora_linears(arch, s)
     if RECOMPUTE_LORA.on(s):
         return RECOMPUTE_LORA.forward(arch, s, lins) + FWD_TOKEN_STATS_BYTES * t
