@@ -22,7 +22,7 @@ real one also checks the GPU's compute capability, dropout, nested tensors and `
 With it, a tiny Llama's forward and backward run on fake CUDA tensors through `_scaled_dot_product_flash_attention`
 (no mask) or `_scaled_dot_product_efficient_attention` (a mask) and their backward kernels' meta functions.
 
-Not done: the tracer (`lowmem_ft.train.trace`) keeps data real and weights fake on the CPU, which keeps transformers
+Not done: the tracer (`lowmem_ft.train.trace.step`) keeps data real and weights fake on the CPU, which keeps transformers
 on the real run's mask path; on fake CUDA the data would be fake too (a real tensor cannot live on a CUDA device
 here), and transformers would build the masks a traced run builds. bitsandbytes' CUDA paths were not tried.
 """
@@ -147,7 +147,7 @@ def _step(device: str, mask: bool) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     class Kernels(TorchDispatchMode):
         def __init__(self):

@@ -76,7 +76,7 @@ class OfflineRun:
 def complete(path: str | Path) -> bool:
     """Whether the run file ends with its exit record. `wandb.finish()` returns when wandb-core has handled the exit,
     but the core may still hold records in its write buffer: a run file read at once can lack them (measured:
-    in 3 of 6 runs of tests/train/test_monitor.py's W&B test on main at f99b936, wandb 0.31, 2 cores)."""
+    in 3 of 6 runs of tests/train/observe/test_monitor.py's W&B test on main at f99b936, wandb 0.31, 2 cores)."""
     return any(r.WhichOneof("record_type") == "exit" for r in records(path))
 
 

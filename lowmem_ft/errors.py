@@ -24,7 +24,7 @@ class ConfigError(UserError):
 
 
 class Interrupted(UserError):
-    """The run stopped on a signal (`lowmem_ft.train.interrupt`): exit code 128 + the signal's number, as a shell
+    """The run stopped on a signal (`lowmem_ft.train.resilience.interrupt`): exit code 128 + the signal's number, as a shell
     reports a process a signal ended — 130 for SIGINT, 143 for SIGTERM."""
 
     def __init__(self, message: str, signum: int):

@@ -171,7 +171,7 @@ def staged_output(output: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    from lowmem_ft.train.checkpoints import fsync_tree
+    from lowmem_ft.train.resilience.checkpoints import fsync_tree
 
     fsync_tree(staged)
     if output.is_dir():

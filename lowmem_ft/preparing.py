@@ -3,7 +3,7 @@
 The one idea: `prepare` is the one path from a `TrainRequest` (the command line, parsed once) to a `Prepared` run —
 a run continued from its newest complete checkpoint (`--resume`) or a new one whose recipe is chosen
 (`lowmem_ft.choosing`), what it reads and writes checked once before any work, several processes planned
-(`lowmem_ft.train.launch`), and its run directory made and locked. The ranks of a launched run take the same path
+(`lowmem_ft.train.distributed.launch`), and its run directory made and locked. The ranks of a launched run take the same path
 back (`prepare_launched`). The command only parses, calls this, and trains or launches.
 """
 
@@ -21,7 +21,7 @@ from lowmem_ft.rundir import RunDir
 if TYPE_CHECKING:
     from lowmem_ft.memory.planner import Requested
     from lowmem_ft.recipe.schema import Recipe
-    from lowmem_ft.train.launch import LaunchPlan
+    from lowmem_ft.train.distributed.launch import LaunchPlan
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class TrainRequest:
     strategy: Requested = "auto"
     offload: bool = False
     accelerate_args: tuple[str, ...] = ()
-    verify: bool = False  # trace the plan's step at full size before any weight is read (`lowmem_ft.train.verify`)
+    verify: bool = (
+        False  # trace the plan's step at full size before any weight is read (`lowmem_ft.train.trace.verify`)
+    )
 
     def __post_init__(self) -> None:
         if self.resume and "adapter.name_or_path" in self.origins:
@@ -77,7 +79,7 @@ def prepare(request: TrainRequest) -> Prepared:
         run, (recipe, choice) = None, choose(request)
     plan = None
     if request.launched:  # refused before a new run directory is made
-        from lowmem_ft.train.launch import plan_launch
+        from lowmem_ft.train.distributed.launch import plan_launch
 
         plan = plan_launch(recipe, gpus=request.gpus, nodes=request.nodes, strategy=request.strategy,
                            offload=request.offload, accelerate_args=list(request.accelerate_args), planned=choice)  # fmt: skip
@@ -108,7 +110,7 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
 def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan) -> tuple[Recipe, Choice]:
     """--verify: the plan's step traced at full size before any weight is read; over the budget, planned again."""
     from lowmem_ft.recipe.load import merge
-    from lowmem_ft.train.verify import margin_override, verified
+    from lowmem_ft.train.trace.verify import margin_override, verified
 
     if request.vram_gb is None or request.gpus * request.nodes > 1:
         raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")

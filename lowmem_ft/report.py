@@ -6,7 +6,7 @@ cut last line of a crashed run), never from a live trainer, so the same code ser
 the budget (VRAM − safety margin) are shown together, in decimal GB. memory.png is drawn to a temporary file and
 renamed: a full disk leaves the old plot (or none) and a line saying so, never a 0-byte file.
 
-On the CPU the monitor counts live tensor bytes exactly (`lowmem_ft.train.exact`), and each sample carries the
+On the CPU the monitor counts live tensor bytes exactly (`lowmem_ft.train.measure.exact`), and each sample carries the
 memory model's prediction for its phase and batch: the report compares the two — "measured peak 25.7 MB,
 predicted 26.1 MB (−1.6 %)", error = (measured − predicted) / predicted — at the run's peak and per phase, and draws the
 measured curve against the predicted one.
@@ -267,7 +267,7 @@ def _draw_exact(ax, header: dict[str, Any], xs: list[float], samples: list[dict[
     return rss
 
 
-# GRPO's phases beside the training micro-steps (lowmem_ft.train.grpo): marked on the curve where they occur
+# GRPO's phases beside the training micro-steps (lowmem_ft.train.methods.grpo): marked on the curve where they occur
 MARKED_PHASES = {"generation": ("^", "tab:green"), "scoring": ("s", "tab:purple")}
 
 

@@ -27,7 +27,7 @@ One meaning per field: `budget_gb` is VRAM − safety margin in plan.json, run.j
 Nothing is lost, nothing half-written is taken for whole:
 - JSON records are written to a temporary name and renamed (`os.replace`), so a reader sees the old or the new
   file, never a part. A checkpoint is saved under `checkpoints/.staging/` and renamed to `checkpoint-N` only when
-  complete (`lowmem_ft.train.checkpoints`); `last_checkpoint` takes the newest checkpoint that `checkpoint_problem`
+  complete (`lowmem_ft.train.resilience.checkpoints`); `last_checkpoint` takes the newest checkpoint that `checkpoint_problem`
   finds complete (trainer_state.json and weights present and readable) and says which it skipped.
 - One process at a time runs a run directory: `lock` holds an exclusive `flock` on `.lock` for the whole run. The
   OS releases it when the process ends, however it ends, so a crashed run never leaves a stale lock.
@@ -379,7 +379,7 @@ class RunDir:
 
     @property
     def staging(self) -> Path:
-        """Where checkpoints are saved before they are complete (`lowmem_ft.train.checkpoints`)."""
+        """Where checkpoints are saved before they are complete (`lowmem_ft.train.resilience.checkpoints`)."""
         return self.checkpoints / self.STAGING
 
     @property

@@ -2,7 +2,7 @@
 and the memory model's calibration table.
 
 The memory model's constants were read from these libraries' code and measured with them installed (exact
-live-tensor counts on the CPU, `lowmem_ft.train.measure`). A newer or older version may allocate differently; the
+live-tensor counts on the CPU, `lowmem_ft.train.measure.peak`). A newer or older version may allocate differently; the
 installed versions are compared with these and any difference is said, not assumed harmless.
 """
 

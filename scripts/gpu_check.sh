@@ -23,7 +23,7 @@ done
 mkdir -p "$OUT_DIR"
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export TQDM_DISABLE=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1
-# what `train` sets before CUDA starts (lowmem_ft/train/guard.py): the harness points measure the same allocator
+# what `train` sets before CUDA starts (lowmem_ft/train/resilience/guard.py): the harness points measure the same allocator
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export LOWMEM_FT_CACHE=${LOWMEM_FT_CACHE:-${TMPDIR:-/tmp}/lowmem-ft-cache}
 if [ "$SMOKE" = 1 ]; then

@@ -82,7 +82,9 @@ def test_each_level_shows_its_own_lines():
 
     assert shown("normal", "lowmem_ft.train.run", logging.INFO)
     assert not shown("normal", "httpx", logging.INFO) and shown("normal", "datasets", logging.WARNING)
-    assert shown("quiet", "lowmem_ft.train.guard", logging.WARNING) and not shown("quiet", "lowmem_ft", logging.INFO)
+    assert shown("quiet", "lowmem_ft.train.resilience.guard", logging.WARNING) and not shown(
+        "quiet", "lowmem_ft", logging.INFO
+    )
     assert not shown("quiet", "datasets", logging.WARNING) and shown("quiet", "datasets", logging.ERROR)
     assert shown("debug", "httpx", logging.DEBUG)
 

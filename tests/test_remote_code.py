@@ -128,7 +128,7 @@ def test_a_launched_rank_takes_the_flag_from_its_command_line_only(hostile, caps
 def test_the_launch_command_carries_the_flag_not_the_recipe(tiny_model, tmp_path):
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.rundir import RunDir
-    from lowmem_ft.train.launch import LaunchPlan, launch_command
+    from lowmem_ft.train.distributed.launch import LaunchPlan, launch_command
 
     run = RunDir(tmp_path)
     plan = LaunchPlan(gpus=2, cpu=True)

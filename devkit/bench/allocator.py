@@ -1,14 +1,14 @@
 """What the CUDA caching allocator would reserve for real-size plans: the traced step's allocations replayed through
-`lowmem_ft.train.allocator` (a model of torch 2.13's DeviceCachingAllocator), beside the memory model's allowance.
+`lowmem_ft.train.measure.allocator` (a model of torch 2.13's DeviceCachingAllocator), beside the memory model's allowance.
 
     nice -n 10 python -m devkit.bench.allocator --out benchmarks/allocator.md             # the default rows
     python -m devkit.bench.allocator --rows meta-llama/Llama-3.1-8B:24 --out /tmp/a.md
 
-Each row: the plan `lowmem-ft plan --model M --vram T` chooses, traced (`lowmem_ft.train.trace.allocation_log`: the
+Each row: the plan `lowmem-ft plan --model M --vram T` chooses, traced (`lowmem_ft.train.trace.step.allocation_log`: the
 real step at full size, no weights: two optimizer steps with an accumulation window, then the evaluation forward)
 with its decoder stack cut to three depths n, n + p, n + 2p (p the layers' period), each log replayed with the
 default allocator settings and with `expandable_segments:True`; the peaks are extrapolated to the model's depth
-from the first two depths (as `lowmem_ft.train.trace_layers` does for live bytes) and the third checks whether the
+from the first two depths (as `lowmem_ft.train.trace.layers` does for live bytes) and the third checks whether the
 replayed figures are affine in the depth (`affine check`). Live bytes are affine; reserved bytes are not quite
 (the slack of cached blocks that a shallow model leaves is filled as layers are added), so `--whole` traces the
 whole model (minutes) and also replays it held to the card's capacity. These are predictions of a model of the
@@ -33,7 +33,7 @@ MODES = {"default": {}, "expandable": {"expandable_segments": True}}
 def replayed(log: list, capacity: int | None = None) -> dict[str, dict[str, list[int]] | str]:
     """mode → phase mark → the peaks (requested, allocated, reserved) within the window that mark closes; with a
     `capacity`, also the default allocator held to it ("capacity"; "out of memory" when it fails)."""
-    from lowmem_ft.train.allocator import Allocator, OutOfMemory
+    from lowmem_ft.train.measure.allocator import Allocator, OutOfMemory
 
     modes = dict(MODES, **({"capacity": {"capacity": capacity}} if capacity else {}))
     out = {}
@@ -70,10 +70,10 @@ def entry(model: str, vram: float, whole: bool = False) -> dict:
     """The row's plan, its three depths' replayed peaks (or, `whole`, the whole model's, also held to the card's
     capacity) and the model's allowance: what the cache keeps."""
     from devkit.bench.real_size import _plan
-    from lowmem_ft.train import trace_layers
     from lowmem_ft.train.args import eval_batch_size
     from lowmem_ft.train.model import torch_dtype
-    from lowmem_ft.train.trace import _model_class, allocation_log, model_config
+    from lowmem_ft.train.trace import layers as trace_layers
+    from lowmem_ft.train.trace.step import _model_class, allocation_log, model_config
 
     recipe, _, what = _plan(model, vram, None)
     config = model_config(recipe)
@@ -148,7 +148,7 @@ def row(key: str, e: dict) -> str:
 HEADER = """# The caching allocator on real-size plans: replayed reserved against live bytes
 
 Written by `python -m devkit.bench.allocator`. The traced step's allocation log (every storage's allocation and
-free, in order: `lowmem_ft.train.trace.allocation_log`) replayed through `lowmem_ft.train.allocator`, a model of
+free, in order: `lowmem_ft.train.trace.step.allocation_log`) replayed through `lowmem_ft.train.measure.allocator`, a model of
 torch 2.13's CUDA caching allocator written from c10/cuda/CUDACachingAllocator.cpp — **predicted, not measured on a
 GPU**. Whole run: two optimizer steps (accumulation 1, then 2 at the full batch) and the evaluation forward.
 `requested` = peak live tensor bytes (the trace's own figure); `allocated` = peak of the blocks handed out

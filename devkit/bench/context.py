@@ -69,7 +69,7 @@ def build(model_dir: Path, point: LongPoint, dtype: str):
 
 
 def main(argv=None) -> int:
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     ap = argparse.ArgumentParser(prog="python -m devkit.bench.context", description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=2048)

@@ -5,7 +5,7 @@ embedded model and on a wider one. Per run: the step time (`train_runtime` / ste
 `MemoryMonitor.sample` (timed in place with perf_counter). Ways of measuring, each over the whole training loop:
 
 - `rss`: the monitor without exact measurement (host RSS only: what a CPU run did before issue #15), the baseline;
-- `exact`: what ships — `lowmem_ft.train.exact.ExactMemory`, i.e. `PeakMemory` (a TorchDispatchMode counting
+- `exact`: what ships — `lowmem_ft.train.measure.exact.ExactMemory`, i.e. `PeakMemory` (a TorchDispatchMode counting
   live storages) plus the per-sample prediction;
 - `profiler`: `torch.profiler.profile(profile_memory=True)` instead (it sees CPU allocations, but buffers every
   operator's event until it stops; the per-phase peak would need its events processed: timed here as `key_averages`
@@ -99,8 +99,8 @@ def candidate(way: str, found: dict):
 def timed_run(model: Path, out: Path, name: str, sets: list[str], steps: int, way: str) -> dict:
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.rundir import RunDir
-    from lowmem_ft.train import exact as exact_module
-    from lowmem_ft.train import monitor as monitor_module
+    from lowmem_ft.train.measure import exact as exact_module
+    from lowmem_ft.train.observe import monitor as monitor_module
     from lowmem_ft.train.run import train
 
     costs: list[float] = []
@@ -154,7 +154,7 @@ def per_operator(iterations: int = 3000) -> list[str]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     class Empty(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,5 +1,5 @@
 """The real-size truth table: every catalog model at each tier's plan and a long-context plan per tier, the memory
-model's CPU form against the traced step (`lowmem_ft.train.trace`: the real step at full size, no weights).
+model's CPU form against the traced step (`lowmem_ft.train.trace.step`: the real step at full size, no weights).
 
     python -m devkit.bench.real_size --out benchmarks/real_size.md                    # every row (hours on 2 cores)
     python -m devkit.bench.real_size --models meta-llama/Llama-3.1-8B --tiers 24 --out /tmp/t.md
@@ -28,7 +28,7 @@ LONG_SEQ = 16384  # the long-context row's --seq-len (capped at the model's posi
 PREAMBLE = (
     "# Real size: the memory model against the traced step\n\n"
     "Written by `python -m devkit.bench.real_size`. Each row: the plan `lowmem-ft plan --model M --vram T` chooses "
-    "(rows marked long: with `--seq-len 16384`, or the model's positions when fewer), traced by `lowmem_ft.train.trace` (the real step at full size on the "
+    "(rows marked long: with `--seq-len 16384`, or the model's positions when fewer), traced by `lowmem_ft.train.trace.step` (the real step at full size on the "
     "CPU, no weights: two optimizer steps with an accumulation window and an evaluation forward) against the memory "
     "model's CPU form of the same phases (live tensor bytes, no device overheads; on the CPU nothing is offloaded). "
     "`gap` = (predicted − traced) / traced of the peaks; `worst phase` the phase with the largest gap. "
@@ -67,9 +67,9 @@ def _plan(model: str, vram: float, seq_len: int | None):
 
 
 def predicted(recipe) -> dict[str, float]:
-    """The memory model's CPU form of the traced phases (`lowmem_ft.train.verify.verify`'s prediction)."""
+    """The memory model's CPU form of the traced phases (`lowmem_ft.train.trace.verify.verify`'s prediction)."""
     from lowmem_ft.memory.arch import load_architecture
-    from lowmem_ft.train.verify import predict
+    from lowmem_ft.train.trace.verify import predict
 
     return predict(recipe, load_architecture(recipe.model.name_or_path, recipe.model.trust_remote_code))
 
@@ -77,7 +77,7 @@ def predicted(recipe) -> dict[str, float]:
 def traced_entry(model: str, vram: float, seq_len: int | None) -> dict:
     """The row's plan and its traced phases (bytes), or why there is none: what the cache keeps."""
     from lowmem_ft.train.args import eval_batch_size
-    from lowmem_ft.train.trace import trace
+    from lowmem_ft.train.trace.step import trace
 
     try:
         recipe, _, what = _plan(model, vram, seq_len)

@@ -8,7 +8,7 @@ forward and backward, median of `--repeat` timed runs after warm-up, with torch'
 `StableDropout`, on the whole micro batch and cut into 2 and 4 pieces of rows (an OOM step-down, where each
 `StableDropout` piece draws the whole micro batch's mask). The frozen base linear beside the branch — most of a
 layer's time — is left out, so the ratio is the dropout's own cost at its most visible. Saving: `fsync_tree` + rename of a staged directory of `--save-mb` MB of
-freshly written files (what `lowmem_ft.train.checkpoints` adds to each checkpoint save), on the disk of `--dir`.
+freshly written files (what `lowmem_ft.train.resilience.checkpoints` adds to each checkpoint save), on the disk of `--dir`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowmem_ft.train.checkpoints import rename_into_place
-from lowmem_ft.train.dropout import DropoutContext, Piece, StableDropout
+from lowmem_ft.train.resilience.checkpoints import rename_into_place
+from lowmem_ft.train.resilience.dropout import DropoutContext, Piece, StableDropout
 
 
 def lora_pass(dropout: nn.Module, a: nn.Linear, b: nn.Linear, x: torch.Tensor, pieces: int, seed: int) -> float:

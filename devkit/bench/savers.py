@@ -31,7 +31,7 @@ import torch
 
 from lowmem_ft.recipe.load import resolve
 from lowmem_ft.train.losses import chunk_tokens_for, install_loss_head
-from lowmem_ft.train.measure import PeakMemory
+from lowmem_ft.train.measure.peak import PeakMemory
 from lowmem_ft.train.model import build_model
 
 VOCAB = 151_936  # Qwen2 / Qwen2.5 tokenizer vocabulary (config.json vocab_size)

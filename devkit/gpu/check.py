@@ -142,7 +142,7 @@ class Meter:
 
     def __enter__(self):
         if self.device == "cpu":
-            from lowmem_ft.train.measure import PeakMemory
+            from lowmem_ft.train.measure.peak import PeakMemory
 
             self._pm = PeakMemory(device="cpu").__enter__()
         return self

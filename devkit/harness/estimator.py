@@ -109,7 +109,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step, trainer_optimizer
+    from lowmem_ft.train.measure.peak import STEPS, PeakMemory, fused_head_loss, measured_step, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)
@@ -180,7 +180,7 @@ def measure_cuda(model_dir: Path, p: Point, vram_gb: float | None = None) -> dic
     from trl.trainer.utils import add_fused_lm_head
 
     from lowmem_ft.train.device import cap_process_memory
-    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
+    from lowmem_ft.train.measure.peak import PeakMemory, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     before = _nvml_used()  # other processes, before this one creates its CUDA context

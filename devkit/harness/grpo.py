@@ -120,7 +120,7 @@ def measure(case: Case) -> tuple[dict[str, float], Architecture, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lowmem_ft.choosing import setup_from_recipe
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
     from lowmem_ft.train.model import build_model
 
     peaks: dict[str, float] = {}

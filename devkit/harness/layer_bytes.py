@@ -55,7 +55,7 @@ def _recipe(model_dir: Path, adapter: str, seq: int, knobs: dict[str, Any]):
 def _kept_after_forward(config: dict[str, Any], layers: int, adapter: str, seq: int, knobs: dict[str, Any]) -> int:
     import torch
 
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
     from lowmem_ft.train.model import build_model
 
     with tempfile.TemporaryDirectory() as tmp:

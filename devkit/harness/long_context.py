@@ -111,7 +111,7 @@ def measure(model_dir: Path, p: LongPoint, warmup_seq: int = 8) -> dict[str, tup
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from lowmem_ft.train.measure import STEPS, PeakMemory, fused_head_loss, measured_step
+    from lowmem_ft.train.measure.peak import STEPS, PeakMemory, fused_head_loss, measured_step
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)

@@ -70,7 +70,7 @@ def measure(model_dir: Path, p: Point, warmup_seq: int = 8) -> dict[str, tuple[i
     from transformers import TrainingArguments
     from trl.trainer.utils import add_fused_lm_head
 
-    from lowmem_ft.train.measure import PeakMemory, trainer_optimizer
+    from lowmem_ft.train.measure.peak import PeakMemory, trainer_optimizer
     from lowmem_ft.train.model import build_model
 
     recipe = recipe_for(model_dir, p)

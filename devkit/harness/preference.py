@@ -4,13 +4,13 @@ One point = a zoo family at the accuracy grid's width (`devkit.zoo.estimator_con
 family's tokenizer and chat template) trained by the `train` path itself: `lowmem_ft.train.run.FineTune` builds the
 recipe's data (the pairs tokenized and fitted), model (LoRA, QLoRA or full), TRL trainer (`DPOTrainer` with the
 recipe's `loss_type` and reference, the experimental `ORPOTrainer` / `CPOTrainer`, `KTOTrainer`) and optimizer, as
-a run does. Then two optimizer steps (`lowmem_ft.train.measure.measured_step`: accumulation 1, then 2) run the
+a run does. Then two optimizer steps (`lowmem_ft.train.measure.peak.measured_step`: accumulation 1, then 2) run the
 trainer's `compute_loss` (its reference pass, KTO's KL batch and the method's loss included) and backward on
 micro batches its own collator made, under `PeakMemory` (exact live tensor bytes). Step 1 and micro-step 2.1 run on
 short pairs (they only create the optimizer states and the gradients micro-step 2.2 accumulates into); micro-step
 2.2 runs full-length pairs.
 
-The prediction is what a CPU run's monitor compares with (`lowmem_ft.train.exact.ExactMemory.phase_bytes`): the
+The prediction is what a CPU run's monitor compares with (`lowmem_ft.train.measure.exact.ExactMemory.phase_bytes`): the
 memory model's CPU form for the recipe, the method and its reference, at the rows × tokens the policy's forward
 ran. Used by `devkit/bench/estimator_preference.py` (the table) and `tests/devkit/test_harness_preference.py`.
 """
@@ -57,7 +57,7 @@ class PrefPoint:
 
     def measured(self) -> dict[str, int]:
         """The steady-state step's phase peaks (micro-step 2.2, step 2), in the windows a run's monitor samples
-        (`lowmem_ft.train.monitor`): "forward" ends with each forward of the model — the policy's, and the no-grad
+        (`lowmem_ft.train.observe.monitor`): "forward" ends with each forward of the model — the policy's, and the no-grad
         ones of the same module inside the step (DPO's reference with the adapter disabled, KTO's KL batch) —
         "backward" runs from the last of them through the loss and its backward (ORPO / SimPO's loss, computed
         outside the forward, falls there), "optimizer step" is the step. Static: live after micro-step 2.1."""
@@ -154,7 +154,7 @@ def measure(model_dir: Path, p: PrefPoint, work: Path) -> PrefPoint:
     from lowmem_ft.choosing import Choice
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.rundir import RunDir
-    from lowmem_ft.train.measure import STEPS, PeakMemory, measured_step
+    from lowmem_ft.train.measure.peak import STEPS, PeakMemory, measured_step
     from lowmem_ft.train.run import FineTune
 
     data = write_data(p.method, p.pairs, p.seq, work / f"{p.method}.jsonl")

@@ -178,7 +178,7 @@ def check_attention() -> Check:
 
 def check_wandb() -> Check:
     from lowmem_ft.recipe.schema import Recipe
-    from lowmem_ft.train.tracking import wandb_logged_in, wandb_mode
+    from lowmem_ft.train.observe.tracking import wandb_logged_in, wandb_mode
 
     logged_in = wandb_logged_in()
     mode = wandb_mode(Recipe())

@@ -143,7 +143,7 @@ def version_note() -> None:
 
 def verify(args: argparse.Namespace, recipe, choice, plan_again):
     """--verify: trace the plan (printed first), step down while the trace is over the budget."""
-    from lowmem_ft.train.verify import margin_override, verified
+    from lowmem_ft.train.trace.verify import margin_override, verified
 
     if args.gpus > 1:
         raise UserError("--verify traces one device's step; plan with --gpus 1, or drop --verify")

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _reward_fns(entries: list[str]) -> list:
     """`--reward-fn` entries, parsed and their files imported now: a typo fails before any model is loaded."""
-    from lowmem_ft.train.rewards import load_user_function, parse_reward_fn
+    from lowmem_ft.train.methods.rewards import load_user_function, parse_reward_fn
 
     specs = [parse_reward_fn(entry) for entry in entries]
     for spec in specs:
@@ -209,7 +209,7 @@ def _launch(ready, reward_fns: tuple[str, ...] = ()) -> None:
     the "done" line); the run directory stays locked while the ranks, its children, run."""
     import shlex
 
-    from lowmem_ft.train import launch
+    from lowmem_ft.train.distributed import launch
 
     plan, run_dir = ready.launch, ready.run
     cmd = launch.prepare(run_dir, ready.recipe, plan, ready.choice, ready.resumed, reward_fns)

@@ -7,7 +7,7 @@ far, plus the largest linear's working set (`working_set`). It does not change a
 gives it as a phase of its own (`phases["start-up"]`) and a start-up component that `plan` shows.
 
 Per adapted linear of out × in features (k = min(out, in), c = bytes of the base weight's dtype), read from peft
-0.21 and torch 2.13, and measured on the CPU with `lowmem_ft.train.measure.PeakMemory` (see calibration):
+0.21 and torch 2.13, and measured on the CPU with `lowmem_ft.train.measure.peak.PeakMemory` (see calibration):
 - pissa: `weight.to(float32)` (a copy unless fp32 already), `torch.linalg.svd(full_matrices=False)`'s U (out × k),
   S and Vh (k × in), alive to the end of `pissa_init`; then `weight - scaling·B @ A` holds the out × in product and
   the out × in result at once.

@@ -27,7 +27,7 @@ NF4_BITS = 4.5
 NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)
 # Beyond the per-parameter bits, each quantized linear's QuantState holds the NF4 code (16 fp32) and, with double
 # quant, the absmax offset (one fp32) and the 8-bit code of the absmax quantization (256 fp32): 64 + 4 + 1024 B (read
-# from a quantized Linear4bit's quant_state; found by the exact CPU measurement of real runs, lowmem_ft.train.exact,
+# from a quantized Linear4bit's quant_state; found by the exact CPU measurement of real runs, lowmem_ft.train.measure.exact,
 # as 1092 B of static memory per linear the estimate lacked).
 NF4_STATE_BYTES = 16 * 4
 NF4_DQ_STATE_BYTES = 16 * 4 + 4 + 256 * 4
@@ -163,7 +163,7 @@ RECOMPUTE_BWD_I, RECOMPUTE_BWD_H = 8, 5
 # checkpointed row (+0.4 to +3.6 %). Read from torch/utils/checkpoint.py (non-reentrant, early stop: the recompute
 # ends when the last saved tensor exists, down_proj's lora_A output), peft lora/layer.py and bnb.py
 # (`_cast_input_dtype`, result + lora_B(...) * scaling, cast back) and the autograd graph they build; traced
-# (`lowmem_ft.train.trace`, models cut to one layer, each live storage at the backward's peak named by the op and
+# (`lowmem_ft.train.trace.step`, models cut to one layer, each live storage at the backward's peak named by the op and
 # stack that made it): beside the layer's saved tensors, down_proj's c-byte input and fp32 cast (RECOMPUTE_END_FP32
 # bytes, unkept with dropout), RECOMPUTE_END_BESIDE c-byte hidden-sized tensors (the base output, the MLP's input,
 # the residual sum), the layer output's c-byte gradient, the scaled fp32 gradient of lora_B's output
@@ -223,7 +223,7 @@ FWD_BESIDE_CKPT, FWD_BESIDE_NO_CKPT, FWD_BESIDE_NO_CKPT_TILED_NORMS = 3, 4, 2
 # read them, so the dropout adds nothing here) and what the block holds then (the residual sum in the MLP, the
 # outputs of the projections computed before it). peft 0.21 lora/layer.py Linear.forward: `result =
 # self.base_layer(x)`, `x = self._cast_input_dtype(x, ...)`, `result + lora_B(lora_A(dropout(x))) * scaling`.
-# Traced at full size (`lowmem_ft.train.trace`, the model cut to one layer, each live storage at the peak named by
+# Traced at full size (`lowmem_ft.train.trace.step`, the model cut to one layer, each live storage at the peak named by
 # the op and stack that made it): Phi-3-mini-4k's fused gate_up_proj (2·i from h; LoRA r 16, dropout 0.05, bf16,
 # 4 x 4,096 tokens) holds 65,536 + 65,536 (lora_B's output, scaled) + 32,768 (base output) + 12,288 (the cast) +
 # 2 x 6,144 (its input, the residual sum) = 188,416 B/token beside the checkpointed input: the layer's forward
@@ -247,7 +247,7 @@ FWD_TOKEN_STATS_BYTES = 2 * 4
 # fp32 output at once (EAGER_SOFTMAX_FP32 fp32 copies per score; an fp32 input is its own upcast), beside q, k and v
 # repeated to every head, k and v themselves and the layer's normed input; and the decoder layer's
 # `hidden_states, _ = self.self_attn(...)` keeps the c-byte probabilities (`_`) alive until the layer returns, so
-# they sit beside the MLP's LoRA moment too. Traced at full size (`lowmem_ft.train.trace`, gemma-2-9b cut to one
+# they sit beside the MLP's LoRA moment too. Traced at full size (`lowmem_ft.train.trace.step`, gemma-2-9b cut to one
 # layer, its 24 GB plan: LoRA+NF4, bf16, checkpointing; the peak located by stack): at 4 x 2,048 the peak is the
 # softmax — 2 x 1,073.7 MB fp32 + 536.9 MB bf16 scores, 3 x 67.1 MB (q, k and v repeated) + 4 x 33.6 (k, v, ...)
 # + 2 x 58.7 (layer input, normed input) — and at 4 x 1,024 it is the MLP's LoRA moment with the 134.2 MB of
@@ -392,7 +392,7 @@ class Source:
 _BNB_OPT = "bitsandbytes optim/optimizer.py Optimizer2State.init_state / get_state_buffer"
 _RECOMPUTE_END = (
     "torch utils/checkpoint.py (non-reentrant, early stop), peft lora/layer.py and bnb.py; "
-    "lowmem_ft.train.trace at full size, models cut to one layer, live storages named by op"
+    "lowmem_ft.train.trace.step at full size, models cut to one layer, live storages named by op"
 )
 _LONG = "devkit/harness/long_context.py (Llama/Qwen2/Mistral shapes), benchmarks/long_context_cpu.md"
 _LAYERS = "devkit/harness/long_context.py layers' window, op attribution (42 setups), tests/memory/test_estimate.py"
@@ -401,17 +401,17 @@ _CHUNKED = "PeakMemory on lowmem_ft/train/losses.py token_log_probs alone, tests
 _GRPO = "PeakMemory around TRL's HF generate (zoo llama3 / qwen2.5), devkit/harness/grpo.py, benchmarks/grpo_cpu.md"
 _EAGER_FWD = (
     "transformers modeling_gemma2.py eager_attention_forward, Gemma2DecoderLayer; traced at full size "
-    "(lowmem_ft.train.trace, gemma-2-9b cut to one layer, peak located by stack)"
+    "(lowmem_ft.train.trace.step, gemma-2-9b cut to one layer, peak located by stack)"
 )
 _EAGER_BWD = (
-    "traced at full size (lowmem_ft.train.trace, gemma-2-9b cut to one layer, 1 x 2,048 / 4,096 / 8,192 tokens, "
+    "traced at full size (lowmem_ft.train.trace.step, gemma-2-9b cut to one layer, 1 x 2,048 / 4,096 / 8,192 tokens, "
     "live storages at the softmax backward named by op and stack)"
 )
 SOURCES: dict[str, Source] = {
     "NF4_BITS": Source("code", "bitsandbytes functional.py quantize_4bit (blocksize 64, fp32 absmax)"),
     "NF4_DQ_BITS": Source("code", "bitsandbytes functional.py quantize_4bit, compress_statistics"),
-    "NF4_STATE_BYTES": Source("code+measured", "bitsandbytes Linear4bit quant_state; lowmem_ft.train.exact runs"),
-    "NF4_DQ_STATE_BYTES": Source("code+measured", "bitsandbytes QuantState (nested); lowmem_ft.train.exact runs"),
+    "NF4_STATE_BYTES": Source("code+measured", "bitsandbytes Linear4bit quant_state; lowmem_ft.train.measure.exact runs"),
+    "NF4_DQ_STATE_BYTES": Source("code+measured", "bitsandbytes QuantState (nested); lowmem_ft.train.measure.exact runs"),
     "INT8_ROW_SCALE_BYTES": Source("code", "bitsandbytes nn/modules.py Linear8bitLt (SCB per output row)"),
     "BNB_BLOCK": Source("code", _BNB_OPT),
     "BNB_MIN_8BIT_SIZE": Source("code", _BNB_OPT),

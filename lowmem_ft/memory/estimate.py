@@ -272,7 +272,7 @@ def phase_peak_bytes(
     arch: Architecture, s: Setup, phase: RunPhase, *, grads: bool = True, states: bool = True, ddp: bool = False
 ) -> float:
     """Live tensor bytes at the peak of one phase of a training run, for a batch of `s.micro_batch_size` rows ×
-    `s.max_seq_len` tokens: what the monitor's exact CPU measurement (`lowmem_ft.train.exact`) is compared with.
+    `s.max_seq_len` tokens: what the monitor's exact CPU measurement (`lowmem_ft.train.measure.exact`) is compared with.
 
     `estimate` gives the steady state, where every static component is alive in every phase. A real run is not
     always there: transformers' Trainer frees the gradients after each optimizer step (`model.zero_grad()`, set to
@@ -280,7 +280,7 @@ def phase_peak_bytes(
     its states in its first step (`states=False` before it). The backward always counts the gradients: they are
     complete when it ends. `eval` is `eval_peak_bytes` (no gradients). `ddp`: one process of several, whose
     gradients lowmem-ft's trainer averages with one flat all-reduce before the optimizer step
-    (`lowmem_ft.train.trainer` `_average_gradients`: a flat copy of every gradient, freed before the step). The CPU
+    (`lowmem_ft.train.resilience.trainer` `_average_gradients`: a flat copy of every gradient, freed before the step). The CPU
     form only (`s.device == "cpu"`): on CUDA the same phases carry device overheads the monitor reads from the
     allocator instead.
     """

@@ -78,7 +78,7 @@ def eval_mlp_lora_bytes(arch: Architecture, s: Setup) -> float:
 
 def eval_layer_bytes(arch: Architecture, s: Setup, dequant: float = 0.0) -> float:
     """One decoder layer's tensors in flight without autograd, at the larger of its two moments (bytes, for
-    `s.tokens` tokens). Traced at full size (`lowmem_ft.train.trace`, the eval forward of Llama-3.1-8B's and
+    `s.tokens` tokens). Traced at full size (`lowmem_ft.train.trace.step`, the eval forward of Llama-3.1-8B's and
     gemma-2-9b's 24 GB plans, the peak located by stack): the training layer's saved tensors, the bound used before,
     over-predicted the Llama-3.1-8B eval by 0.86 GB (+3.0 %) and counted no eager scores at all (gemma-2-9b's eval
     at 16 × 2,048 has 10.7 GB of them in flight).
@@ -154,7 +154,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     working set is one layer's tensors in flight (bounded by what that layer saves when training — the same
     tensors, created and freed in turn), the residual stream and layer output, the final norm and loss input, and
     the forward of the loss (TRL's fused head also runs in evaluation). The layer and the loss peak one after the
-    other, not together; checked against exact CPU measurements of real runs' evaluations (`lowmem_ft.train.exact`).
+    other, not together; checked against exact CPU measurements of real runs' evaluations (`lowmem_ft.train.measure.exact`).
     """
     s, _ = effective_setup(arch, s)
     train, _, _ = _static_components(arch, s)  # what `estimate` counts as static
@@ -173,7 +173,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
     # Without autograd nothing outlives its layer: the peak is one layer's tensors in flight (beside the dequantized
     # weight), or later the loss's forward beside the final norm's output and the loss input — never both
-    # (measured with the exact CPU count of real runs' evaluations, lowmem_ft.train.exact: summing them
+    # (measured with the exact CPU count of real runs' evaluations, lowmem_ft.train.measure.exact: summing them
     # over-predicted by up to 25 %).
     layer = eval_layer_bytes(arch, es, dequant)
     head = (c * arch.hidden_size + head_saved_bytes(arch, es, eval_only=True)) * t

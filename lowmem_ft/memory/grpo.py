@@ -80,7 +80,7 @@ class GrpoShape:
     num_generations: int = 8  # G: completions per prompt
     steps_per_generation: int | None = None  # micro-steps one round covers; None: gradient_accumulation (TRL)
     beta: float = 0.0  # > 0: a reference pass (TRL's default is 0)
-    # lowmem-ft's trainer drops the spent round before it generates the next (train/grpo.py); TRL's own keeps it
+    # lowmem-ft's trainer drops the spent round before it generates the next (train/methods/grpo.py); TRL's own keeps it
     # until the new one is made, beside the next generation and scoring (devkit/harness/grpo.py measures that)
     frees_spent_round: bool = True
     # TRL's own GRPOTrainer casts a quantized model's adapter to bf16 (`_adapter_cast`); lowmem-ft undoes that and

@@ -2,7 +2,7 @@
 and loss chunks the planner may choose, and the reason line of each (pure arithmetic; no recipe, no torch).
 
 One idea: each saver (host embeddings, tiled norms, tiled MLP, LoRA recompute: `lowmem_ft.memory.savers`, where
-each one's memory terms, cost, reason line and refusals are; `lowmem_ft.train.context_savers` applies them) costs
+each one's memory terms, cost, reason line and refusals are; `lowmem_ft.train.savers.apply` applies them) costs
 step time, so `lowmem_ft.memory.planner` searches without them first and, only when nothing fits, with
 sets of them in order of cost (`saver_stages`): the first set where something fits wins, so each saver a plan turns
 on is needed. Once a setup is chosen, its loss chunk grows into what the rest of the step leaves of the budget

@@ -48,11 +48,11 @@ class Setup:
     # labelled positions of a micro batch (labels ≠ -100 after the shift), what the chunked loss projects
     # (`loss_positions`); None: every position, the upper bound a plan keeps (it does not know the batches' labels)
     loss_tokens: int | None = None
-    tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/tiles.py)
+    tiled_mlp: bool = False  # memory.tiled_mlp (lowmem_ft/train/savers/tiles.py)
     mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: hidden_size (tiled_mlp.mlp_tile_tokens)
-    embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/host_embeddings.py)
-    recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/lora_recompute.py)
-    tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/tiles.py tile_norms)
+    embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/savers/host_embeddings.py)
+    recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/savers/lora_recompute.py)
+    tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/savers/tiles.py tile_norms)
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
@@ -117,7 +117,7 @@ class Estimate:
 
 
 def mlp_tile_tokens(arch: Architecture, s: Setup) -> int:
-    """Tokens per MLP tile (lowmem_ft/train/tiles.py mlp_tile_tokens: 0 means hidden_size), at most all tokens."""
+    """Tokens per MLP tile (lowmem_ft/train/savers/tiles.py mlp_tile_tokens: 0 means hidden_size), at most all tokens."""
     return min(s.tokens, s.mlp_tile_tokens or arch.hidden_size)
 
 

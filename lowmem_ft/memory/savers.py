@@ -9,7 +9,7 @@ change?" is the `TiledMLP` class below. Terms that exist only when two savers ar
 (later) saver and are named in the other's docstring. Checkpointing and activation offloading, which are not
 long-context savers the planner stages, are the last section (what a checkpointed layer keeps).
 
-The savers themselves are applied to a built model in `lowmem_ft.train.context_savers`; every constant is in
+The savers themselves are applied to a built model in `lowmem_ft.train.savers.apply`; every constant is in
 `lowmem_ft.memory.calibration`.
 """
 
@@ -93,7 +93,7 @@ class HostEmbeddings(Saver):
 # -- tiled norms -------------------------------------------------------------------------------------------------
 class TiledNorms(Saver):
     """Each hidden-sized RMSNorm (the layers' and the final one; q/k norms are left as they are) runs over tiles of
-    tokens under its own checkpoint (lowmem_ft/train/tiles.py tile_norms): it keeps only a view of its c-byte
+    tokens under its own checkpoint (lowmem_ft/train/savers/tiles.py tile_norms): it keeps only a view of its c-byte
     input, its fp32 copies exist for one tile at a time. With the tiled MLP too, the recomputed layer's backward and
     one MLP tile's are `TiledMLP.recomputed_backward` / `TiledMLP.tile_backward`; with LoRA recompute, the forward's
     hidden-sized tensors are `RecomputeLora.forward`."""
@@ -143,7 +143,7 @@ class TiledNorms(Saver):
 
 # -- tiled MLP ---------------------------------------------------------------------------------------------------
 class TiledMLP(Saver):
-    """Each decoder MLP runs over tiles of tokens under a checkpoint per tile (lowmem_ft/train/tiles.py): it
+    """Each decoder MLP runs over tiles of tokens under a checkpoint per tile (lowmem_ft/train/savers/tiles.py): it
     keeps only its input, and its own tensors exist for one tile at a time — in the forward, in the backward's
     recompute and in evaluation. Its linears are left out of peft's kept inputs and of LoRA recompute (they run
     inside the tiles)."""
@@ -223,7 +223,7 @@ class TiledMLP(Saver):
 
 # -- LoRA recompute ----------------------------------------------------------------------------------------------
 class RecomputeLora(Saver):
-    """Each LoRA branch runs over tiles of tokens under its own checkpoint (lowmem_ft/train/lora_recompute.py): it
+    """Each LoRA branch runs over tiles of tokens under its own checkpoint (lowmem_ft/train/savers/lora_recompute.py): it
     keeps only its c-byte input, no fp32 copies or dropout masks (`kept_inputs`); its forward moment is output-side
     (`forward`); the recomputed MLP's gradients in flight are fewer (`recomputed_mlp_bwd_i`). The MLP's linears are
     left to the tiled MLP when that is on."""

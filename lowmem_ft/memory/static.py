@@ -82,7 +82,7 @@ def trainer_fp32_states(arch: Architecture, s: Setup) -> int:
     """Elements of the trainable tensor whose states a bitsandbytes 8-bit optimizer keeps in 32 bits: transformers'
     `Trainer.create_optimizer` registers every `nn.Embedding` weight with bitsandbytes' `GlobalOptimManager` as
     `optim_bits: 32` (trainer.py). Only a full fine-tune trains the embeddings. Found by the exact CPU measurement of
-    real runs (`lowmem_ft.train.exact`): the estimator harness built its optimizer without the override."""
+    real runs (`lowmem_ft.train.measure.exact`): the estimator harness built its optimizer without the override."""
     if s.adapter != "full" or "8bit" not in s.optimizer:
         return 0
     return arch.embedding_params
@@ -146,7 +146,7 @@ def optimizer_step_temp(
     # (g.float()), p.float(), and sqrt(state2) / correction2 → denom: 6 fp32 copies of the tensor at once;
     # _optimizer_update_32bit_cpu: grad, p.float(), the sqrt + eps denominator and the update: 4. An fp32 parameter
     # needs no p.float() copy: one fewer. Measured with PeakMemory seeing inside the kernels (they are Python,
-    # lowmem_ft.train.measure.python_cpu_kernels): 6 / 5 (8-bit, bf16 / fp32 parameter), 4 / 3 (32-bit).
+    # lowmem_ft.train.measure.peak.python_cpu_kernels): 6 / 5 (8-bit, bf16 / fp32 parameter), 4 / 3 (32-bit).
     copies = max(
         numel * ((6 if eight_bit else 4) - (elem == 4))
         for numel, elem, eight_bit, _ in _bnb_tensors(tensors, optimizer, fp32_numel)

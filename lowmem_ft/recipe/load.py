@@ -354,7 +354,7 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
 
 def _grpo_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
     """The grpo section's rules: vLLM refused (why, in one line), each reward a built-in's NAME[:WEIGHT] — a recipe
-    never names a Python file (`lowmem_ft.train.rewards.parse_builtin`)."""
+    never names a Python file (`lowmem_ft.train.methods.rewards.parse_builtin`)."""
     from lowmem_ft.errors import UserError
     from lowmem_ft.recipe.rewards import parse_builtin
 
@@ -566,7 +566,7 @@ def _init_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         return [(("adapter.init", "adapter.use_dora"),
                  f"'adapter.init' {a.init} with DoRA: peft's conversion to a LoRA adapter on the original base "
                  "drops the magnitude vectors (subtract_mutated_init); turn one of them off")]  # fmt: skip
-    if recipe.training.method in ("dpo", "kto"):  # lowmem_ft.train.preference drops TRL's copy of a new adapter
+    if recipe.training.method in ("dpo", "kto"):  # lowmem_ft.train.methods.preference drops TRL's copy of a new adapter
         return [(("adapter.init", "training.method"),
                  f"'adapter.init' {a.init} with {recipe.training.method}: the reference is the base with the adapter "
                  "disabled, which this init leaves as the residual, not the model; use adapter.init=default, or "

@@ -3,7 +3,7 @@
 The one idea: a recipe may name only built-in rewards (`grpo.rewards`: `NAME[:WEIGHT]`); a reward function from a
 Python file is named on the command line only (`--reward-fn path.py:name[:weight]`), since a recipe can be shared,
 downloaded or copied into a run directory and must never make a run execute code. The reward functions themselves
-live in `lowmem_ft.train.rewards`; this module knows their names, so a recipe is checked when it is read.
+live in `lowmem_ft.train.methods.rewards`; this module knows their names, so a recipe is checked when it is read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lowmem_ft.errors import UserError
 
-# The built-in rewards' names (`lowmem_ft.train.rewards.BUILTINS` implements each)
+# The built-in rewards' names (`lowmem_ft.train.methods.rewards.BUILTINS` implements each)
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format", "length_penalty")
 
 

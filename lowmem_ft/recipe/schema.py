@@ -27,7 +27,7 @@ Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "text", "prompt_completion", "chat_prompt_completion", "messages", "sharegpt", "alpaca"]
 Truncate = Literal["keep_start", "keep_end", "drop", "chunk"]
 WandbMode = Literal["online", "offline", "disabled", "auto"]
-# transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.tracking).
+# transformers' `report_to` names of the trackers a run's recipe, plan and memory go to (lowmem_ft.train.observe.tracking).
 Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
@@ -302,7 +302,7 @@ class MemorySection:
     tiled_mlp: bool = _f(
         False,
         "Run each decoder MLP over tiles of mlp_tile_tokens tokens, recomputed tile by tile in backward, so no "
-        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.tiles); costs one more MLP "
+        "(tokens × intermediate) tensor of the whole sequence exists (lowmem_ft.train.savers.tiles); costs one more MLP "
         "forward per step.",
         planner="tiled_mlp",
     )
@@ -316,20 +316,20 @@ class MemorySection:
     tiled_norms: bool = _f(
         False,
         "Run each hidden-size RMSNorm over token tiles, recomputed in backward, so its fp32 copy of the input and "
-        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.tiles.tile_norms).",
+        "its fp32 backward temporaries exist for one tile at a time (lowmem_ft.train.savers.tiles.tile_norms).",
         planner="tiled_norms",
     )
     recompute_lora: bool = _f(
         False,
         "Recompute each LoRA branch (input cast, dropout, lora_A) in token tiles in backward instead of keeping "
-        "peft's fp32 copies of every adapted linear's input (lowmem_ft.train.lora_recompute); costs the LoRA "
+        "peft's fp32 copies of every adapted linear's input (lowmem_ft.train.savers.lora_recompute); costs the LoRA "
         "branches' forward once more.",
         planner="recompute_lora",
     )
     embeddings_on_host: bool = _f(
         False,
         "Keep the frozen input embedding table in host memory: the lookup runs on the CPU and only the gathered rows "
-        "move to the device (untied models with LoRA only; lowmem_ft.train.host_embeddings).",
+        "move to the device (untied models with LoRA only; lowmem_ft.train.savers.host_embeddings).",
         planner="embeddings_on_host",
     )
 

@@ -326,7 +326,7 @@ def load_adapter(model, recipe: Recipe):
 
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
-    from lowmem_ft.train.context_savers import apply_memory_savers
+    from lowmem_ft.train.savers.apply import apply_memory_savers
 
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)

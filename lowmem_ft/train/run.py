@@ -29,7 +29,7 @@ from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
-from lowmem_ft.train.ranks import lost_peer, set_timeout
+from lowmem_ft.train.distributed.ranks import lost_peer, set_timeout
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class FineTune:
         callbacks: list | None = None,
         reward_fns: list | None = None,
     ):
-        from lowmem_ft.train.interrupt import StopOnSignal
+        from lowmem_ft.train.resilience.interrupt import StopOnSignal
 
         self.recipe, self.run, self.choice = recipe, run, choice
         self.reward_fns = list(reward_fns or [])  # GRPO: the command line's --reward-fn (`rewards.RewardSpec`)
@@ -168,7 +168,7 @@ class FineTune:
         self.target = t or (Target(vram, self.recipe.memory.safety_margin_gb) if vram is not None else None)
 
     def _setup_tracking(self) -> None:
-        from lowmem_ft.train import tracking
+        from lowmem_ft.train.observe import tracking
 
         self.tracking = tracking.configure(self.recipe, self.run.path)
 
@@ -185,11 +185,11 @@ class FineTune:
             packed=self.batching.packed,
         )
         if self.grpo:
-            from lowmem_ft.train.grpo import grpo_config
+            from lowmem_ft.train.methods.grpo import grpo_config
 
             self.args = grpo_config(self.args, self.recipe)
         elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.preference import method_config
+            from lowmem_ft.train.methods.preference import method_config
 
             self.args = method_config(self.args, self.recipe)
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
@@ -202,13 +202,13 @@ class FineTune:
 
         self.tokenizer = load_tokenizer(self.recipe)
         if self.grpo:
-            from lowmem_ft.train.grpo import prepare_data, reward_functions
+            from lowmem_ft.train.methods.grpo import prepare_data, reward_functions
 
             self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
             # before any weight is read: a missing reward or a column a reward needs is one line now
             self.rewards = reward_functions(self.recipe, self.reward_fns, self.data_summary["columns"])
         elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.preference import prepare_data
+            from lowmem_ft.train.methods.preference import prepare_data
 
             self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
         else:
@@ -238,9 +238,9 @@ class FineTune:
     def _setup_memory(self) -> None:
         """The monitor (observes, records; exact live bytes on the CPU) and the guard (decides step-downs)."""
         from lowmem_ft.train.args import eval_batch_size
-        from lowmem_ft.train.exact import ExactMemory
-        from lowmem_ft.train.guard import MemoryGuard
-        from lowmem_ft.train.monitor import MemoryMonitor
+        from lowmem_ft.train.measure.exact import ExactMemory
+        from lowmem_ft.train.observe.monitor import MemoryMonitor
+        from lowmem_ft.train.resilience.guard import MemoryGuard
 
         m = self.recipe.memory
         if self.resume_step is not None:  # the steps after the checkpoint are redone: their samples would repeat
@@ -283,11 +283,11 @@ class FineTune:
         self.monitor.watch(self.guard.watch)
 
     def _setup_trainer(self) -> None:
-        from lowmem_ft.train import progress, tracking
-        from lowmem_ft.train.early import ProveEarly
         from lowmem_ft.train.losses import install_loss_head
-        from lowmem_ft.train.totals import RunTotals
-        from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+        from lowmem_ft.train.observe import progress, tracking
+        from lowmem_ft.train.observe.totals import RunTotals
+        from lowmem_ft.train.resilience.early import ProveEarly
+        from lowmem_ft.train.resilience.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
         self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
@@ -295,12 +295,12 @@ class FineTune:
         figures |= self.target.to_dict() if self.target is not None else {}
         trainer_class, extra, shown = MemorySafeSFTTrainer, {}, progress.SFT_SHOWN
         if self.grpo:
-            from lowmem_ft.train.grpo import GRPO_SHOWN, MemorySafeGRPOTrainer
+            from lowmem_ft.train.methods.grpo import GRPO_SHOWN, MemorySafeGRPOTrainer
 
             trainer_class, extra = MemorySafeGRPOTrainer, {"reward_funcs": self.rewards}
             shown = GRPO_SHOWN
         elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.preference import trainer_for
+            from lowmem_ft.train.methods.preference import trainer_for
 
             trainer_class, extra = trainer_for(self.recipe)
         self.trainer = trainer_class(
@@ -337,8 +337,8 @@ class FineTune:
 
     def _banner(self):
         """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
-        from lowmem_ft.train.banner import PlanBanner, RunView, machine_ram_gb
         from lowmem_ft.train.model import trainable_summary
+        from lowmem_ft.train.observe.banner import PlanBanner, RunView, machine_ram_gb
 
         plan = self.choice.plan
         host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
@@ -421,7 +421,7 @@ class FineTune:
 
     # -- finalize ------------------------------------------------------------------------------------------------------
     def finalize(self) -> RunResult:
-        from lowmem_ft.train import tracking
+        from lowmem_ft.train.observe import tracking
 
         trainer = self.trainer
         if self.stop.stopped_at is not None:  # stopped on a signal: the checkpoint holds the run, no final weights
@@ -443,8 +443,8 @@ class FineTune:
         """adapter/ (or model/), written beside it and renamed when complete: every rank joins (FSDP/ZeRO gather),
         rank 0 writes the weights and the tokenizer."""
         from lowmem_ft.train import init_conversion
-        from lowmem_ft.train.checkpoints import rename_into_place
-        from lowmem_ft.train.ranks import barrier
+        from lowmem_ft.train.distributed.ranks import barrier
+        from lowmem_ft.train.resilience.checkpoints import rename_into_place
 
         final = self.run.weights(self.recipe.adapter.kind == "full")
         staged = self.run.staged(final)
@@ -457,7 +457,7 @@ class FineTune:
 
     def _interrupted(self):
         """Metrics and log history of the steps done, and the interruption to raise (`recorded` adds what was kept)."""
-        from lowmem_ft.train import tracking
+        from lowmem_ft.train.observe import tracking
 
         history = self.trainer.state.log_history
         step = self.trainer.state.global_step
@@ -483,7 +483,7 @@ class FineTune:
         """Final metrics of the whole run, across resumes: the mean training loss and time (`totals`), the trainer's
         rates of the last call, first/last loss, throughput, and with eval data the best evaluation and what was
         kept."""
-        from lowmem_ft.train import progress, tracking
+        from lowmem_ft.train.observe import progress, tracking
 
         logged = [h for h in history if "loss" in h]
         # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
@@ -537,7 +537,7 @@ class FineTune:
         if self.is_main:
             self.run.reserve()  # room to record the end on a disk that fills meanwhile
         # under --gpus every rank records its own status (rank 0 in run.json): the launcher reads them all to say
-        # which rank ended the launch and how (`lowmem_ft.train.launch.settle`)
+        # which rank ended the launch and how (`lowmem_ft.train.distributed.launch.settle`)
         self.status = RunStatus.running()
         if self.world_size > 1:
             self.status.rank = self.rank
@@ -574,7 +574,7 @@ class FineTune:
     def _ending(self, exc: BaseException) -> BaseException:
         """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
         for everything but a bug."""
-        from lowmem_ft.train.checkpoints import DiskFull, is_disk_full
+        from lowmem_ft.train.resilience.checkpoints import DiskFull, is_disk_full
 
         trainer = getattr(self, "trainer", None)
         step = trainer.state.global_step if trainer is not None else None
@@ -596,7 +596,7 @@ class FineTune:
 
     def _disk_full(self, exc: BaseException):
         """A full disk outside a checkpoint save (memory log, final weights, run files): the same one line."""
-        from lowmem_ft.train.checkpoints import Saver
+        from lowmem_ft.train.resilience.checkpoints import Saver
 
         trainer = getattr(self, "trainer", None)
         saver = trainer.saver if trainer is not None else Saver(self.run)

@@ -181,7 +181,7 @@ def test_a_cpu_merge_peaks_where_the_plan_says(run_dir, dtype, tmp_path):
     from lowmem_ft.commands.merge import base_on_meta
     from lowmem_ft.finetuned import load_finetuned, open_run
     from lowmem_ft.memory.estimate import DTYPE_BYTES
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     run = open_run(run_dir)
     recipe = run.base_recipe(quantization="none", compute_dtype=dtype)

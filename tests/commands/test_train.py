@@ -197,7 +197,7 @@ def test_resume_of_a_non_run(capsys, tmp_path):
 
 
 def test_resume_of_a_run_without_a_complete_checkpoint(capsys, tmp_path):
-    """It says to start again, which works under the same --name (tests/test_rundir.py, tests/train/test_checkpoints.py)."""
+    """It says to start again, which works under the same --name (tests/test_rundir.py, tests/train/resilience/test_checkpoints.py)."""
     from lowmem_ft.rundir import RunDir, RunStatus
 
     run = RunDir.new(tmp_path, "early", "m")

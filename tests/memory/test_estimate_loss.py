@@ -21,9 +21,9 @@ from lowmem_ft.memory.estimate import (  # noqa: E402
     loss_chunk_tokens,
     loss_positions,
 )
-from lowmem_ft.train.exact import labelled_positions  # noqa: E402
 from lowmem_ft.train.losses import IGNORE_INDEX, token_log_probs  # noqa: E402
-from lowmem_ft.train.measure import PeakMemory  # noqa: E402
+from lowmem_ft.train.measure.exact import labelled_positions  # noqa: E402
+from lowmem_ft.train.measure.peak import PeakMemory  # noqa: E402
 
 SEQ, CHUNK = 1024, 128
 

@@ -78,7 +78,7 @@ def test_the_trainer_keeps_embedding_states_in_32_bits_under_8bit_optimizers():
     ids=["8bit-bf16", "8bit-fp32", "32bit-bf16", "32bit-fp32"],
 )
 def test_bitsandbytes_cpu_step_copies(elem, min_numel, copies):
-    """Measured with PeakMemory inside the kernels (tests/train/test_measure.py): fp32 copies per tensor."""
+    """Measured with PeakMemory inside the kernels (tests/train/measure/test_peak.py): fp32 copies per tensor."""
     n = 100_000
     fp32 = n if min_numel > n else 0  # a tensor below min_8bit_size, or one the Trainer keeps 32-bit
     temp, _ = optimizer_step_temp([(n, elem)], "adamw_8bit", "cpu", fp32_numel=fp32)

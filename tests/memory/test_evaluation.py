@@ -1,6 +1,6 @@
 """The evaluation forward's moments (lowmem_ft/memory/evaluation.py) against the traced eval forwards of the
 real-size table's long-context plans (benchmarks/real_size.md), on the model cut to two decoder layers: traced with
-`lowmem_ft.train.trace` (the real step at full size without weights, each live storage at the eval peak named by
+`lowmem_ft.train.trace.step` (the real step at full size without weights, each live storage at the eval peak named by
 the op that made it). Pure arithmetic here: the traced bytes are constants."""
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def test_moe_prefill_workspace_covers_the_experts_forward():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from devkit.harness.moe import MOE_SHAPES
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     config = {**MOE_SHAPES["qwen3_moe"], "num_hidden_layers": 1}
     arch = Architecture.from_config(config)

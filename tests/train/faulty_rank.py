@@ -1,6 +1,6 @@
 """A launched rank with a fault on purpose: `python -m tests.train.faulty_rank train --run-dir DIR`.
 
-tests/train/test_launch.py and tests/train/test_launch_faults.py launch `train --gpus 2` with this module in place
+tests/train/distributed/test_launch.py and tests/train/test_launch_faults.py launch `train --gpus 2` with this module in place
 of `lowmem_ft` as the ranks' entry point. It is `lowmem-ft` itself, except that on the rank named by `FAULTY_RANK`,
 in the first micro batch of optimizer step `FAULTY_STEP`, after the loss is computed, `FAULT` happens once:
 
@@ -25,7 +25,7 @@ import time
 import torch
 
 from lowmem_ft import cli
-from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+from lowmem_ft.train.resilience.trainer import MemorySafeSFTTrainer
 
 
 def fault(kind: str, rank: int) -> None:

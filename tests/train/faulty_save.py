@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import Trainer
 
 from lowmem_ft import cli
-from lowmem_ft.train.trainer import MemorySafeSFTTrainer
+from lowmem_ft.train.resilience.trainer import MemorySafeSFTTrainer
 
 
 def main() -> int:

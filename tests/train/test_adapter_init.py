@@ -48,7 +48,7 @@ def one_thread():
 )  # fmt: skip
 def test_the_start_up_decomposition_is_priced(family, init, dtype, tmp_path_factory):
     from lowmem_ft.choosing import setup_from_recipe
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
     from lowmem_ft.train.model import attach_adapter, load_model
 
     path = _zoo(family, tmp_path_factory)

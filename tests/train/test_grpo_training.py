@@ -1,4 +1,4 @@
-"""GRPO end to end (lowmem_ft/train/grpo.py): `train --vram 8 --method grpo` on TRL's GRPOTrainer with a built-in
+"""GRPO end to end (lowmem_ft/train/methods/grpo.py): `train --vram 8 --method grpo` on TRL's GRPOTrainer with a built-in
 reward and with a reward function from a file, each run's phases measured against the memory model (the suite's
 check); and what a run needs around it: pieces weighted as TRL normalises each loss, the recipe's refusals."""
 
@@ -138,8 +138,8 @@ def test_pieces_add_up_to_the_micro_step_for_each_loss(zoo_models, tmp_path, los
 
     from lowmem_ft.choosing import Choice
     from lowmem_ft.rundir import RunDir
-    from lowmem_ft.train.grpo import piece_weights, row_pieces
-    from lowmem_ft.train.rewards import parse_reward_fn
+    from lowmem_ft.train.methods.grpo import piece_weights, row_pieces
+    from lowmem_ft.train.methods.rewards import parse_reward_fn
     from lowmem_ft.train.run import FineTune
     from tests.train.tiny_runs import tiny_sets
 
@@ -163,7 +163,7 @@ def test_pieces_add_up_to_the_micro_step_for_each_loss(zoo_models, tmp_path, los
     total = sum(trainer.compute_loss(model, p) * w for p, w in zip(pieces, weights, strict=True))
     assert total.item() == pytest.approx(whole.item(), rel=1e-4, abs=1e-6)
     # an OOM while generating has no smaller piece: one line naming what shrinks a round
-    from lowmem_ft.train.grpo import GenerationOutOfMemory
+    from lowmem_ft.train.methods.grpo import GenerationOutOfMemory
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -189,7 +189,7 @@ def test_grpo_resumes_with_its_reward_named_again(zoo_models, tmp_path, monkeypa
     import signal
 
     from lowmem_ft.train import run as run_module
-    from tests.train.test_interrupt import SendAt
+    from tests.train.resilience.test_interrupt import SendAt
 
     reward = _reward_file(tmp_path)
     train = run_module.train

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from lowmem_ft.cli import main
 from lowmem_ft.rundir import RunDir, checkpoint_problem
-from lowmem_ft.train import launch
+from lowmem_ft.train.distributed import launch
 from tests.train.tiny_runs import tiny_sets
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from lowmem_ft.train.losses import (
     install_loss_head,
     token_log_probs,
 )
-from lowmem_ft.train.measure import PeakMemory
+from lowmem_ft.train.measure.peak import PeakMemory
 from tests.train.tiny_runs import MEMORY_TOLERANCE
 
 

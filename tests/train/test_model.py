@@ -119,7 +119,7 @@ def test_offloading_without_an_accelerator_is_skipped_with_a_warning(tiny_model,
 @pytest.mark.requires_cuda
 def test_offloading_frees_device_memory_of_layer_inputs(tmp_path):
     from devkit.tiny import build_tiny_model
-    from lowmem_ft.train.measure import PeakMemory
+    from lowmem_ft.train.measure.peak import PeakMemory
 
     path = str(build_tiny_model(tmp_path / "m", hidden_size=512, intermediate_size=1024, num_hidden_layers=8))
     b, s = 1, 2048

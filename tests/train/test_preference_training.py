@@ -1,4 +1,4 @@
-"""Preference training (lowmem_ft/train/preference.py): DPO end to end, and its loss against the definition on
+"""Preference training (lowmem_ft/train/methods/preference.py): DPO end to end, and its loss against the definition on
 every zoo family, whole and cut into pieces of pairs."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _manual_dpo_loss(model, batch, beta: float) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.memory_unchecked(reason="no training run: the loss of one batch is computed by hand beside TRL's")
 def test_dpo_loss_is_the_definition_on_every_zoo_family(zoo_models, tmp_path):
-    from lowmem_ft.train.preference import pair_pieces
+    from lowmem_ft.train.methods.preference import pair_pieces
 
     for name, path in zoo_models.items():
         job = tiny_trainer(path, PAIRS, tmp_path / name, "training.method=dpo")

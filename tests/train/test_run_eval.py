@@ -9,7 +9,7 @@ import pytest
 
 from lowmem_ft.cli import main
 from lowmem_ft.data.prepare import held_out_split
-from lowmem_ft.train.trainer import add_perplexity
+from lowmem_ft.train.resilience.trainer import add_perplexity
 
 
 def test_held_out_split_is_seeded_and_disjoint():

@@ -8,8 +8,8 @@ import pytest
 
 from lowmem_ft.memory.arch import Architecture, load_config_dict
 from lowmem_ft.recipe.load import resolve
-from lowmem_ft.train.trace import trace
-from lowmem_ft.train.verify import predict
+from lowmem_ft.train.trace.step import trace
+from lowmem_ft.train.trace.verify import predict
 
 # Llama-3.1-8B's config at a small width (h 512, i 1,408, GQA 4 / 2, a 1,024-token vocabulary so the layer's
 # backward, not the loss, is the peak), one layer, its 24 GB plan's LoRA (r 16, dropout 0.05) and checkpointing

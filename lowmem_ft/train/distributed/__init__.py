@@ -1,0 +1,1 @@
+"""Several processes: the accelerate launch and its checks, the ranks agreeing."""
