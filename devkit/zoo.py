@@ -22,6 +22,7 @@ from typing import Any
 
 from devkit.tiny import corpus
 from lowmem_ft.data import templates
+from lowmem_ft.native import qwen_v1 as native_qwen_v1
 
 
 def _trl(name: str) -> str:
@@ -114,6 +115,8 @@ class Family:
     reply: Callable[[str, bool], str]  # (assistant content, last turn?) → the text its loss tokens must cover
     notes: str = ""
     tags: tuple[str, ...] = field(default_factory=tuple)  # "rewrites": the template rewrites earlier turns
+    # a checkpoint the Hub ships in a layout of its own (Qwen v1): the native model is written that way instead
+    hub_layout: str = ""
 
 
 LLAMA_TOKENS = Tokens(bos="<s>", eos="</s>", unk="<unk>", add_bos=True, sentencepiece=True)
@@ -134,6 +137,8 @@ GEMMA_TOKENS = Tokens(
 # boi_token_index, eoi_token_index and image_token_index point at them
 GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 QWEN_TOKENS = Tokens(eos="<|endoftext|>", pad="<|endoftext|>", eot="<|im_end|>", extra=("<|im_start|>",))
+# Qwen-7B-Chat (v1): its tokenizer has no pad, BOS or chat template; lowmem_ft.native rebuilds it with these
+QWEN_V1_TOKENS = Tokens(eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",))
 QWEN3_TOKENS = Tokens(
     eos="<|im_end|>",
     pad="<|endoftext|>",
@@ -190,6 +195,23 @@ FAMILIES: dict[str, Family] = {
             lambda: _trl("qwen2_5"),
             "TRL's copy of Qwen2.5 (TRL's training version adds the markers)",
             lambda c, last: c + "<|im_end|>",
+        ),
+        Family(
+            "qwen-v1",  # Qwen-7B-Chat (v1) as the Hub ships it: remote code, qwen.tiktoken, fused c_attn, no template
+            {
+                "model_type": "qwen2",  # written with v1's names and config (devkit/qwen_v1.py)
+                **TINY,
+                "num_key_value_heads": 4,
+                "vocab_size": 896,  # rows beyond the 640 + 208 specials, as Qwen-7B's 151,936 beyond 151,851
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 8192,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            QWEN_V1_TOKENS,
+            lambda: native_qwen_v1.CHAT_TEMPLATE,
+            "ChatML with Qwen-Chat's default system prompt (lowmem_ft.native.qwen_v1: the checkpoint ships none)",
+            lambda c, last: c + "<|im_end|>",
+            hub_layout="qwen_v1",
         ),
         Family(
             "qwen3",  # Qwen3-0.6B: q/k RMSNorm, head_dim 128 ≠ 1024 / 16, tied
@@ -392,6 +414,13 @@ def build_tokenizer(family: Family, vocab_size: int = 640):
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if family.hub_layout == "qwen_v1":  # the tokenizer lowmem-ft rebuilds from the checkpoint's qwen.tiktoken
+        from devkit.qwen_v1 import train_ranks
+
+        ranks = train_ranks(vocab_size)
+        fast = native_qwen_v1.tokenizer_from_ranks(ranks, chat=True)
+        fast.ranks = ranks
+        return fast
     t = family.tokens
     specials = t.specials
     if t.sentencepiece:  # Llama-2 / Mistral / Gemma style: spaces become ▁, unknown bytes fall back to <0xNN>
@@ -472,9 +501,34 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     model.generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+    if family.hub_layout == "qwen_v1":
+        from devkit.qwen_v1 import write_checkpoint
+
+        write_checkpoint(out, model, tokenizer.ranks)
+        return out
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def from_pretrained(path: str | Path, **kwargs):
+    """A zoo model loaded as lowmem-ft loads it: `AutoModelForCausalLM.from_pretrained`, or for a checkpoint of its
+    own layout (qwen-v1) the native model through `lowmem_ft.native` — what a test compares a run against."""
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_ft import native
+
+    conversion = native.checkpoint_conversion(str(path))
+    if conversion is None:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return native.load_model(str(path), conversion, native.transformers_config(str(path), conversion), **kwargs)
+
+
+def tokenizer(path: str | Path):
+    """A zoo model's tokenizer as lowmem-ft loads it (`lowmem_ft.data.tokenize.load_tokenizer`)."""
+    from lowmem_ft.data.tokenize import load_tokenizer
+
+    return load_tokenizer(str(path))
 
 
 def build_all(root: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Path]:

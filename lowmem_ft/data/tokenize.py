@@ -95,8 +95,14 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     """The model's tokenizer (pad token = EOS when it has none, as TRL does), with `data.chat_template` applied."""
     from transformers import AutoTokenizer
 
+    from lowmem_ft import native
+
+    conversion = native.checkpoint_conversion(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        if conversion is not None:  # rebuilt from the checkpoint's files: its tokenizer code is never run
+            tokenizer = native.load_tokenizer(name_or_path, conversion)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"cannot load the tokenizer of {name_or_path!r} ({str(exc).splitlines()[0]}); pass --model a local "

@@ -27,7 +27,6 @@ from lowmem_ft.memory.linears import (
     ATTENTION_INPUT_LINEARS,
     dropout_mask_bytes,
     fused_qkv,
-    is_mlp_linear,
     lora_linears,
     peft_lora_input_bytes,
 )
@@ -169,9 +168,7 @@ def _linear_input_bytes(arch: Architecture, s: Setup) -> float:
 
 
 def _is_attention_output(arch: Architecture, lin: Linear) -> bool:
-    """The attention's output projection (o_proj; `dense` in GPT-NeoX / Falcon / Phi; Qwen v1's attention c_proj)."""
-    if lin.name == "c_proj":
-        return family(arch.model_type).mlp_c_proj and not is_mlp_linear(arch, lin)
+    """The attention's output projection (o_proj; `dense` in GPT-NeoX / Falcon / Phi)."""
     return lin.name in ("o_proj", "dense")
 
 

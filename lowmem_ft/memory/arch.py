@@ -28,6 +28,7 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
+from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
 CATALOG = Path(__file__).resolve().parents[1] / "catalog" / "models.json"
@@ -88,6 +89,7 @@ class Architecture:
     def from_config(cls, config: dict[str, Any], name: str = "") -> Architecture:
         """The architecture of a config.json dict; raises UserError for shapes this model cannot describe."""
         tower: dict[str, Any] = {}
+        config = native_config(config, name)
         if ("text_config" in config and "hidden_size" not in config) or config.get("model_type") in NOT_CAUSAL_LM:
             config, tower = _composite(config, name)  # Qwen2-VL's config.json keeps the text fields at its top
         config = _with_class_defaults(config)
@@ -107,8 +109,6 @@ class Architecture:
                 f"model '{name}': config.json gives {', '.join(per_layer)} per layer (a list); lowmem-ft plans "
                 "models whose layers all have one shape"
             )
-        if rule.block == "qwen_v1":
-            return _qwen_v1(config, name)
         if rule.block == "moe":
             return _moe_architecture(cls, config, name, model_type)
         shape = BUILDERS[rule.block](config) if rule.block in BUILDERS else _llama_block(config, model_type)
@@ -255,37 +255,6 @@ def unchecked_family(arch) -> str | None:
         f"model_type {arch.model_type!r} is not a family lowmem-ft has checked; its block is read as Llama's "
         f"({', '.join(lin.name for lin in arch.linears)}, RMSNorms), so norms, biases or layer kinds of its own are "
         "not counted and the plan may be off"
-    )
-
-
-def _qwen_v1(config: dict[str, Any], name: str) -> Architecture:
-    """Qwen (v1) remote-code blocks (modeling_qwen.py): c_attn = fused qkv with bias, w1/w2 = gate/up of
-    intermediate_size // 2 each, mlp c_proj = down; RMSNorm; lm_head untied."""
-    h = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("kv_channels") or h // heads)
-    ff = int(config["intermediate_size"]) // 2
-    proj = heads * head_dim
-    return Architecture(
-        name=name,
-        model_type="qwen",
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=h,
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        intermediate_size=ff,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        linears=(
-            Linear("c_attn", h, 3 * proj, True),
-            Linear("c_proj", proj, h, not config.get("no_bias", True)),
-            Linear("w1", h, ff, not config.get("no_bias", True)),
-            Linear("w2", h, ff, not config.get("no_bias", True)),
-            Linear("c_proj", ff, h, not config.get("no_bias", True)),
-        ),
-        max_position_embeddings=int(config.get("max_position_embeddings") or config.get("seq_length") or 0),
-        remote_code=True,
     )
 
 
@@ -520,8 +489,26 @@ def _hub_config(name: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def native_config(config: dict[str, Any], name: str = "") -> dict[str, Any]:
+    """The config of the native architecture a checkpoint loads as: itself, or for a checkpoint that ships its own
+    code but maps onto a native model (Qwen v1, `lowmem_ft.native`), the native model's config."""
+    conversion = conversion_for(config)
+    return conversion.native_config(config, name) if conversion else config
+
+
 def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
-    """(config dict, where it came from): a local directory, else the catalog, else the Hub."""
+    """(config dict, where it came from): a local directory, else the catalog, else the Hub — as the native
+    architecture it loads as (`native_config`)."""
+    config, source = _raw_config_dict(name_or_path)
+    conversion = conversion_for(config)
+    if conversion is None:
+        return config, source
+    return conversion.native_config(
+        config, name_or_path
+    ), f"{source}, {conversion.family} loaded as {conversion.native_model_type}"
+
+
+def _raw_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
     if not name_or_path:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
     path = Path(name_or_path)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 class Family:
     """One model family (a transformers `model_type`), as the memory model reads it."""
 
-    # the block's shape: "llama" (q/k/v/o + MLP, `blocks._llama_block`), "moe" (`blocks.moe_architecture`), "qwen_v1",
+    # the block's shape: "llama" (q/k/v/o + MLP, `blocks._llama_block`), "moe" (`blocks.moe_architecture`),
     # or a non-Llama builder of `blocks.BUILDERS` (gpt_neox, falcon, phi, starcoder2)
     block: str = "llama"
     # its parameter count equals transformers' model (tests/memory/test_arch_configs.py)
@@ -59,7 +59,6 @@ class Family:
     # a config lists them, unless "all_always" (MistralModel slides every layer whatever layer_types says)
     sliding: Literal["all", "all_always", "use_sliding_window", "alternate", "pattern"] = "all"
     sliding_pattern: int = 0
-    mlp_c_proj: bool = False  # Qwen v1: the MLP's down projection is named c_proj like the attention's output
     # mixtures of experts (block "moe"): the router module's name, whether it is an nn.Linear, the target_modules
     # names peft 0.21 rewrites into LoRA on the expert parameters, how the router hands its weights to the experts
     router: str = "gate"
@@ -132,7 +131,6 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     "gemma3": Family(block="llama", described=True, **_GEMMA, norms_per_layer=4, qk_norm="always", sliding="pattern",
                      sliding_pattern=6),  # the multimodal wrapper: planned as its gemma3_text model
     "llama4_text": Family(block="llama", described=True),
-    "qwen": Family(block="qwen_v1", described=True, mlp_c_proj=True),  # remote code (modeling_qwen.py)
     "ministral3": Family(class_defaults=_HEAD_DIM_128),
     "internlm3": Family(class_defaults=_HEAD_DIM_128),
     "vaultgemma": Family(no_sdpa="SDPA cannot apply VaultGemma's attention logit softcapping "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from lowmem_ft.memory.arch import Architecture, Linear
 from lowmem_ft.memory.calibration import DROPOUT_MASK_BYTES
-from lowmem_ft.memory.families import family
 from lowmem_ft.memory.records import Setup
 
 
@@ -22,10 +21,7 @@ MLP_LINEARS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2"} 
 
 
 def is_mlp_linear(arch: Architecture, lin: Linear) -> bool:
-    """A linear of the decoder MLP (what the tiled MLP tiles); Qwen v1's MLP `c_proj` is told from the
-    attention's by its input width (intermediate vs hidden)."""
-    if lin.name == "c_proj":
-        return family(arch.model_type).mlp_c_proj and lin.in_features == arch.intermediate_size
+    """A linear of the decoder MLP (what the tiled MLP tiles)."""
     return lin.name in MLP_LINEARS
 
 

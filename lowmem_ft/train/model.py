@@ -62,9 +62,14 @@ def load_config(recipe: Recipe):
     """The model's transformers config, or a UserError saying why it cannot be had."""
     from transformers import AutoConfig
 
+    from lowmem_ft import native
+
     name = recipe.model.name_or_path
     if not name:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH")
+    conversion = native.checkpoint_conversion(name)
+    if conversion is not None:  # its own code is never run: the native model it maps onto
+        return native.transformers_config(name, conversion)
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
     except ValueError as exc:
@@ -148,6 +153,8 @@ def load_model(recipe: Recipe, device: str | None = None):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    from lowmem_ft import native
+
     config = load_config(recipe)  # a clear error before any weight is read
     m = recipe.model
     kwargs: dict[str, Any] = dict(
@@ -160,6 +167,13 @@ def load_model(recipe: Recipe, device: str | None = None):
     bnb = quantization_config(recipe)
     if bnb is not None:
         kwargs["quantization_config"] = bnb
+    conversion = native.checkpoint_conversion(m.name_or_path)
+    if conversion is not None:
+        kwargs["trust_remote_code"] = False
+        try:
+            return native.load_model(m.name_or_path, conversion, config, **kwargs)
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise UserError(_load_error(m.name_or_path, exc)) from None
     try:
         return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
     except ImportError as exc:

@@ -56,8 +56,8 @@ def _train(model: str, data: str, out: Path, name: str) -> Path:
 
 def _base_and_adapter(run_dir: Path, dtype=None):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
+    from devkit.zoo import from_pretrained
     from lowmem_ft.rundir import RunDir
     from lowmem_ft.train.model import attention, load_config, quantization_config, torch_dtype
 
@@ -66,7 +66,7 @@ def _base_and_adapter(run_dir: Path, dtype=None):
     if dtype is None:
         kwargs["quantization_config"] = quantization_config(recipe)
     kwargs["attn_implementation"] = attention(recipe, load_config(recipe))
-    base = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **kwargs)
+    base = from_pretrained(recipe.model.name_or_path, **kwargs)
     return PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
 
 
@@ -123,6 +123,9 @@ def test_family_trains_plans_generates_and_merges(zoo_models, family, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    # a native checkpoint whatever the base's layout (qwen-v1: Qwen2 with no auto_map, a tokenizer.json)
+    assert "auto_map" not in json.loads((merged_dir / "config.json").read_text())
+    assert (merged_dir / "tokenizer.json").is_file() and not list(merged_dir.glob("*.py"))
     reference = _base_and_adapter(run_dir, dtype=torch.float32)
     probe = ids["input_ids"]
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 from devkit.zoo import ESTIMATOR_SHAPES, estimator_config
 from devkit.zoo import NAMES as ZOO_NAMES
 from lowmem_ft.errors import UserError
-from lowmem_ft.memory.arch import Architecture, catalog, load_architecture
+from lowmem_ft.memory.arch import Architecture, catalog, load_architecture, native_config
 
 
 def _transformers_count(config: dict) -> int:
@@ -93,24 +93,25 @@ def test_small_configs_match_transformers(kind):
     assert Architecture.from_config(config).total_params == _transformers_count(config)
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(catalog()) if catalog()[n]["config"]["model_type"] != "qwen"])
+@pytest.mark.parametrize("name", sorted(catalog()))
 def test_catalog_matches_transformers_exactly(name):
-    """Full-size catalog configs built on the meta device: same count as our arithmetic."""
-    config = catalog()[name]["config"]
+    """Full-size catalog configs built on the meta device: same count as our arithmetic (Qwen v1 as the native
+    Qwen2 it loads as: `lowmem_ft.native`)."""
+    config = native_config(catalog()[name]["config"], name)
     assert load_architecture(name).total_params == _transformers_count(config)
 
 
-@pytest.mark.parametrize("name", sorted(catalog()))
+@pytest.mark.parametrize("name", sorted(n for n in catalog() if "published_params" in catalog()[n]))
 def test_catalog_matches_published_totals(name):
     published = catalog()[name]["published_params"]
     assert load_architecture(name).total_params == pytest.approx(published, rel=1e-4)
 
 
-def test_qwen_v1_remote_code_blocks():
+def test_qwen_v1_plans_as_the_native_qwen2():
     arch = load_architecture("Qwen/Qwen-7B-Chat")  # the chat variant maps to the base entry
-    assert arch.remote_code and arch.model_type == "qwen"
-    assert arch.linear_names == ["c_attn", "c_proj", "w1", "w2"]
-    assert arch.intermediate_size == 11008
+    assert not arch.remote_code and arch.model_type == "qwen2"
+    assert arch.linear_names == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert arch.intermediate_size == 11008  # w1 and w2 are each half of the config's 22016
 
 
 def test_local_directory(tmp_path):
@@ -135,7 +136,7 @@ def test_directory_without_config(tmp_path):
 def test_zoo_models_match_transformers(zoo_models, family):
     """Tied/untied, qkv bias, q/k norms, fused projections, head_dim ≠ hidden/heads, 4 norms per layer, padded
     vocabularies: the arithmetic counts what transformers builds from each saved config.json."""
-    config = json.loads((Path(zoo_models[family]) / "config.json").read_text())
+    config = native_config(json.loads((Path(zoo_models[family]) / "config.json").read_text()))  # qwen-v1: Qwen2
     assert load_architecture(zoo_models[family]).total_params == _transformers_count(config)
 
 

@@ -41,7 +41,7 @@ def test_the_tables_the_package_reads_are_views_of_the_records():
     assert {t for t, f in FAMILIES.items() if f.chunked_loss_verified} == arch.CHUNKED_LOSS_VERIFIED
     assert arch.MOE_FAMILIES == ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
     assert set(arch.NON_LLAMA_BLOCKS) == {"gpt_neox", "falcon", "phi", "starcoder2"}
-    assert all(f.block in {"llama", "moe", "qwen_v1", *BUILDERS} for f in FAMILIES.values())
+    assert all(f.block in {"llama", "moe", *BUILDERS} for f in FAMILIES.values())
     assert {"phi3", "phi", "glm", "glm4", "nemotron", "gpt_neox"} == ROPE_CAT_FAMILIES
     assert arch.CLASS_DEFAULTS["qwen3"] == {"head_dim": 128}
 

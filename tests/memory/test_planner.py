@@ -236,20 +236,36 @@ def test_the_planner_searches_setups_not_recipes():
 
 
 def test_chunked_loss_is_never_chosen_where_it_is_not_verified():
-    """Qwen (v1) is remote code: its forward may transform the logits, so the chunked loss is not among the setups
-    the planner tries there (it is for a verified family), the reason line says why, and asking for it is refused."""
+    """A remote-code model (InternLM2's config shape, its `auto_map`): its forward may transform the logits, so the
+    chunked loss is not among the setups the planner tries there (it is for a verified family), the reason line
+    says why, and asking for it is refused."""
+    from lowmem_ft.memory.arch import Architecture
+    from lowmem_ft.memory.planner import _candidates
+
+    remote = Architecture.from_config(
+        {"model_type": "internlm2", "auto_map": {"AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"},
+         "vocab_size": 92544, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768},
+        name="internlm/internlm2-7b",
+    )  # fmt: skip
+    assert remote.remote_code and not remote.chunked_loss_exact and QWEN7.chunked_loss_exact
+    start = request(8, "8gb").start
+    assert {s.loss_impl for s in _candidates(start, frozenset(), QWEN7)} == {"trl_fused", "chunked"}
+    assert {s.loss_impl for s in _candidates(start, frozenset(), remote)} == {"trl_fused"}
+    p = _plan(8, "8gb", {"memory": {"max_seq_len": 1024}}, arch=remote)
+    assert p.setup.loss_impl == "trl_fused"
+    assert p.reasons["chunked_loss"].startswith("off: not verified for model_type 'internlm2'")
+    with pytest.raises(UserError, match="memory.chunked_loss is not verified for model_type 'internlm2'"):
+        _plan(8, "8gb", {"memory": {"max_seq_len": 1024, "chunked_loss": True}}, arch=remote)
+
+
+def test_qwen_v1_plans_as_qwen2_with_the_chunked_loss():
+    """Qwen (v1) loads as the native Qwen2 (lowmem_ft.native): verified, so the chunked loss is a choice there."""
     from lowmem_ft.memory.planner import _candidates
 
     qwen_v1 = load_architecture("Qwen/Qwen-7B")
-    assert not qwen_v1.chunked_loss_exact and QWEN7.chunked_loss_exact
-    start = request(8, "8gb").start
-    assert {s.loss_impl for s in _candidates(start, frozenset(), QWEN7)} == {"trl_fused", "chunked"}
-    assert {s.loss_impl for s in _candidates(start, frozenset(), qwen_v1)} == {"trl_fused"}
-    p = _plan(8, "8gb", {"memory": {"max_seq_len": 1024}}, arch=qwen_v1)
-    assert p.setup.loss_impl == "trl_fused"
-    assert p.reasons["chunked_loss"].startswith("off: not verified for model_type 'qwen'")
-    with pytest.raises(UserError, match="memory.chunked_loss is not verified for model_type 'qwen'"):
-        _plan(8, "8gb", {"memory": {"max_seq_len": 1024, "chunked_loss": True}}, arch=qwen_v1)
+    assert qwen_v1.chunked_loss_exact and qwen_v1.model_type == "qwen2"
+    assert {s.loss_impl for s in _candidates(request(8, "8gb").start, frozenset(), qwen_v1)} == {"trl_fused", "chunked"}
 
 
 # -- the long-context savers: turned on by the planner only when needed (issue #13) --------------------------------

@@ -216,13 +216,12 @@ def test_bias_scale_and_softcap_equal_the_plain_computation(transform):
 
 def _zoo_model(path: str):
     """The zoo model in fp32 with the attention the training path would pick for it, every weight trainable."""
-    from transformers import AutoModelForCausalLM
-
+    from devkit.zoo import from_pretrained
     from lowmem_ft.memory.arch import load_architecture
     from lowmem_ft.train.model import beside_language_model
 
     attn, _ = load_architecture(path).attention_for("sdpa")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    model = from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     torch.manual_seed(1)
     with torch.no_grad():  # random init puts logits near 0: spread them so softcap and scaling matter
         model.get_output_embeddings().weight.mul_(40.0)
