@@ -178,3 +178,35 @@ def test_with_the_flag_a_recipe_file_saying_true_is_not_said_to_be_off(tmp_path,
         assert resolve(path, {"model": {"trust_remote_code": True}}).model.trust_remote_code is True
         assert resolve(path, ["model.trust_remote_code=true"]).model.trust_remote_code is True
     assert "it is off" not in caplog.text and "only the command line can grant" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "import not_a_package_lowmem_ft_lacks  # e.g. tiktoken",
+        "from transformers import DisjunctiveConstraint  # removed in transformers 5",
+    ],
+)
+def test_repository_code_that_fails_to_import_is_one_line(tiny_model, tmp_path, capsys, failure):
+    """With --trust-remote-code, code that cannot import under this transformers names the family and the error."""
+    base = _remote_base(tiny_model, tmp_path, tmp_path / "marker")
+    (base / "marker.py").write_text(failure + "\n" + (base / "marker.py").read_text())
+    data = str(ROOT / "examples" / "chat.jsonl")
+    code = main(["train", "--vram", "8", "--model", str(base), "--data", data, "--trust-remote-code", "--output-dir",
+                 str(tmp_path / "runs"), "--max-steps", "1", "--no-wandb"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "model_type 'marker_qwen2'" in err and "ships its own code" in err
+    assert ("not_a_package_lowmem_ft_lacks" if "not_a_package" in failure else "DisjunctiveConstraint") in err
+
+
+def test_a_tokenizer_without_offsets_is_one_line():
+    """A slow (Python) tokenizer gives no character offsets, which the loss masks are found by: one line."""
+    from lowmem_ft.data.chat import encode_with_offsets
+    from lowmem_ft.errors import UserError
+
+    class SlowTokenizer:
+        is_fast = False
+
+    with pytest.raises(UserError, match="SlowTokenizer.*slow Python tokenizer.*no character offsets"):
+        encode_with_offsets(SlowTokenizer(), ["hi"])

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from lowmem_ft.console import first_time
 from lowmem_ft.data.formats import REASONING_KEYS, content_text
+from lowmem_ft.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -504,6 +505,18 @@ def _probe_drops(messages: list[dict], tools: Any, render: Renderer, answers: li
     for key, error in found.items():
         if key not in rendered:
             raise SampleError(error)
+
+
+def encode_with_offsets(tokenizer, texts):
+    """`tokenizer(texts)` with each token's character offsets, which `labels_for` masks by; a tokenizer that has
+    none (a slow, Python one: transformers computes offsets only in the `tokenizers` backend) is one line."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"the model's tokenizer ({type(tokenizer).__name__}) is a slow Python tokenizer, which gives no character "
+            "offsets, and lowmem-ft finds the tokens to train on (the assistant's) by them; use a model directory "
+            "with a fast tokenizer (tokenizer.json), or text data (--format text), where no token is masked"
+        )
+    return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
 
 
 def labels_for(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]], masking):

@@ -197,7 +197,7 @@ def _chat_ids(tokenizer, render, prompt: list[dict], answer: list[dict], tools) 
     """(ids before the first learned token, ids up to the last learned one) of prompt + answer, the learned tokens
     found as SFT finds them (`lowmem_ft.data.chat.samples`: the template's markers, TRL's training version, or turn
     by turn), so the answer is exactly what the model says at inference, its end-of-turn token included."""
-    from lowmem_ft.data.chat import labels_for, samples
+    from lowmem_ft.data.chat import encode_with_offsets, labels_for, samples
 
     record = {"messages": prompt + answer, "completion_from": len(prompt)}
     if tools:
@@ -208,7 +208,7 @@ def _chat_ids(tokenizer, render, prompt: list[dict], answer: list[dict], tools) 
         from lowmem_ft.data.chat import SampleError
 
         raise SampleError("the template renders earlier answer turns differently once later ones follow", masking=True)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = encode_with_offsets(tokenizer, text)
     ids = enc["input_ids"]
     labels = labels_for(ids, enc["offset_mapping"], text, spans, render.template.masking)
     learned = [k for k, label in enumerate(labels) if label != -100]

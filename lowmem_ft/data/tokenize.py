@@ -42,6 +42,7 @@ from lowmem_ft.data.chat import (
     Renderer,
     SampleError,
     chat_template_for,
+    encode_with_offsets,
     labels_for,
     samples,
     set_template,
@@ -102,7 +103,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
         if conversion is not None:  # rebuilt from the checkpoint's files: its tokenizer code is never run
             tokenizer = native.load_tokenizer(name_or_path, conversion)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            with native.remote_code_errors(name_or_path, trust_remote_code, "tokenizer code"):
+                tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"cannot load the tokenizer of {name_or_path!r} ({str(exc).splitlines()[0]}); pass --model a local "
@@ -176,7 +178,7 @@ def _chat_batch(batch: dict, indices: list[int], tokenizer, template: ChatTempla
             if exc.masking:
                 fix = "set data.chat_template to a template that renders it, or data.train_on_prompt=true"
             raise UserError(f"{where}: sample {index + 1}: {exc}; {fix}") from None
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    enc = encode_with_offsets(tokenizer, texts)
     labels = [
         labels_for(ids, offsets, text, sample_spans, template.masking)
         for ids, offsets, text, sample_spans in zip(enc["input_ids"], enc["offset_mapping"], texts, spans, strict=True)

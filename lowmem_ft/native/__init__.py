@@ -15,9 +15,12 @@ functions that build weights or tokenizers.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from lowmem_ft.errors import UserError
 
 
 class Conversion(Protocol):
@@ -132,3 +135,30 @@ def load_model(name_or_path: str, conversion: Conversion, config, **kwargs):
 def load_tokenizer(name_or_path: str, conversion: Conversion):
     """The checkpoint's tokenizer, rebuilt by `conversion` from its own files."""
     return conversion.tokenizer(CheckpointFiles(name_or_path))
+
+
+@contextmanager
+def remote_code_errors(name_or_path: str, trusted: bool, what: str = "code"):
+    """A model repository's own code that fails where transformers imports or runs it — a package it needs, an import
+    transformers 5 removed — as one line naming the family and the error (`what`: "code", "tokenizer code")."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        config = (raw_config(name_or_path) or {}) if trusted else {}
+        if not config.get("auto_map"):  # no repository code ran: the caller says what failed
+            raise
+        family = config.get("model_type") or "unknown"
+        first = (str(exc).strip().splitlines() or [""])[0][:240]
+        raise UserError(
+            f"model '{name_or_path}' (model_type {family!r}) ships its own {what}, which fails under transformers "
+            f"{_version('transformers')}: {type(exc).__name__}: {first}; lowmem-ft cannot train it — use a checkpoint "
+            "of the model in a layout transformers implements"
+        ) from None
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)

@@ -71,7 +71,8 @@ def load_config(recipe: Recipe):
     if conversion is not None:  # its own code is never run: the native model it maps onto
         return native.transformers_config(name, conversion)
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
+        with native.remote_code_errors(name, recipe.model.trust_remote_code):
+            return AutoConfig.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UserError(
@@ -175,7 +176,8 @@ def load_model(recipe: Recipe, device: str | None = None):
         except (OSError, ValueError, SafetensorError) as exc:
             raise UserError(_load_error(m.name_or_path, exc)) from None
     try:
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+        with native.remote_code_errors(m.name_or_path, m.trust_remote_code):
+            return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
     except ImportError as exc:
         if kwargs["attn_implementation"] != "flash_attention_2":
             raise UserError(f"cannot load '{m.name_or_path}': {_first_line(exc)}") from None
