@@ -38,6 +38,10 @@ LOG_FILTERS: list[tuple[str, str]] = [
     # bitsandbytes 0.50 on an AVX512-BF16 CPU tries an optional faster 4-bit kernel from the `kernels` package at
     # import and logs a warning without it; the built-in CPU kernel computes the same (bitsandbytes/backends/cpu/ops.py).
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # peft 0.21's adapter save (`get_peft_model_state_dict`) reads the base's config.json with the model's own config
+    # class to compare vocab_size; over a Qwen (v1) base, loaded as Qwen2 (lowmem_ft.native), transformers says the
+    # types differ — the one key peft reads has the same name and meaning in both (configuration_utils.py).
+    ("transformers.configuration_utils", "You are using a model of type `qwen` to instantiate a model of type `qwen2`"),
 ]
 # Environment the libraries read at import: no progress bars, no chatter (set only under --quiet, before the import).
 QUIET_LIBRARIES = {

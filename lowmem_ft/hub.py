@@ -177,6 +177,14 @@ def _usage(repo_id: str, base: str, merged: bool) -> list[str]:
         code = ["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
                 f"model = AutoPeftModelForCausalLM.from_pretrained({repo_id!r})  # loads the base {base} too",
                 f"tokenizer = AutoTokenizer.from_pretrained({repo_id!r})"]  # fmt: skip
+        from lowmem_ft import native
+
+        conversion = native.checkpoint_conversion(base)
+        if conversion is not None:  # the base's own code does not load: the adapter is for its native form
+            return [f"The base {base} is a {conversion.family} checkpoint, which transformers loads only through "
+                    f"its own code; this adapter was trained on it as the native {conversion.native_model_type} "
+                    f"model (lowmem-ft loads it so). Merge it into a native checkpoint with `lowmem-ft merge`, or "
+                    f"load the base through lowmem-ft."]  # fmt: skip
     return ["```python", *code, "```"]
 
 

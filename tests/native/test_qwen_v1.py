@@ -250,3 +250,12 @@ def test_a_missing_or_damaged_vocab_file_is_one_line(v1_dir, tmp_path, capsys):
     (copy / "qwen.tiktoken").unlink()
     assert main(["data", "stats", "--model", str(copy), "examples/chat.jsonl"]) == 2
     assert "without qwen.tiktoken" in capsys.readouterr().err
+
+
+def test_the_model_card_of_an_adapter_says_how_to_load_it(v1_dir):
+    """AutoPeftModelForCausalLM cannot load a Qwen (v1) base (its code): the card says merge, not that snippet."""
+    from lowmem_ft.hub import _usage
+
+    text = "\n".join(_usage("me/qwen-adapter", str(v1_dir), merged=False))
+    assert "Qwen (v1) checkpoint" in text and "lowmem-ft merge" in text and "AutoPeftModelForCausalLM" not in text
+    assert "AutoModelForCausalLM.from_pretrained('me/merged')" in "\n".join(_usage("me/merged", str(v1_dir), True))
