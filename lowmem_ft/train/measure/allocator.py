@@ -261,6 +261,11 @@ class Allocator:
             self._release(pool, pool.blocks[i])  # an oversize block is never split: a whole segment
             i -= 1
 
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()` (`emptyCache` → `release_cached_blocks`): every cached block that is a whole
+        segment goes back to the driver; a segment with any block in use stays."""
+        self._release_cached()
+
     def _release_cached(self) -> None:
         """`release_cached_blocks`: give back every cached block that is a whole segment."""
         for pool in self._pools.values():

@@ -219,3 +219,16 @@ def test_the_log_records_a_resized_storage_as_a_new_block_then_the_old_ones_free
     assert log[1:3] == [("+", -1, 4096), ("-", log[0][1], 1024)]
     assert log[4] == ("-", -1, 4096)  # the storage's free names its new block
     assert Allocator().replay(log)["after"].requested == 4096 + 1024
+
+
+def test_empty_cache_returns_whole_free_segments_and_keeps_any_segment_in_use():
+    a = Allocator()
+    x = a.malloc(12 * MiB)  # its own 12 MiB segment
+    y = a.malloc(4 * MiB)  # a 20 MiB segment, split: 16 MiB cached beside y
+    a.malloc(100)  # a 2 MiB small segment, in use
+    a.free(x)
+    a.free(y)  # y merges with its 16 MiB neighbour: the 20 MiB segment is whole and free again
+    assert a.current.reserved == 34 * MiB
+    a.empty_cache()  # release_cached_blocks: the free 12 and 20 MiB segments go; the small one holds a block
+    assert a.current.reserved == 2 * MiB and a.segments == 1
+    assert a.peak.reserved == 34 * MiB  # max_memory_reserved keeps its peak

@@ -1,0 +1,85 @@
+"""The published-runs harness (`devkit.bench.published`): its data file names where every number comes from, its
+replay empties the cache where the publisher's loop does, its batches are padded as the publisher pads them, and
+its trace of the publisher's step on shape-only tensors holds the bytes a real run of the same step holds."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from devkit.bench import published as pub
+
+MiB = 1 << 20
+
+
+def test_every_published_row_names_its_commit_and_the_loop_it_ran():
+    data = json.loads(pub.DATA.read_text())
+    assert data["source"]["repository"] == "huggingface/peft"
+    rows = pub.published()
+    assert {r.name for r in rows} >= {pub.HELD_IN, "full-finetuning--llama-3.2-3B-lr_0.00001"}
+    for r in rows:
+        assert re.fullmatch(r"[0-9a-f]{40}", r.commit), r.name
+        assert r.reserved_p99 < r.max_reserved and r.allocated_avg < r.reserved_p99
+        # run.py emptied the cache after every step until PEFT's commit 90d3fc05d (2025-11-13), every 10 after
+        assert r.empty_cache_every == (1 if r.date < "2025-11-13" else 10), r.name
+        assert (r.method == "full") == (r.r is None)
+    held = pub.held_in()  # the one row the batch lengths are solved from: the newest generation
+    assert held.empty_cache_every == pub.EMPTY_CACHE_EVERY
+    assert all(r.date <= held.date for r in rows if r.name == pub.HELD_IN)
+
+
+def test_replay_reads_reserved_after_each_step_and_empties_the_cache_where_the_log_says():
+    log = [
+        ("+", "a", 12 * MiB),  # ≥ 10 MiB: its own 12 MiB segment
+        ("+", "b", 4 * MiB),  # < 10 MiB: a 20 MiB segment, split
+        ("-", "a", 12 * MiB),  # cached: still reserved
+        ("mark", "step 0", 0),
+        ("empty_cache", 0, 0),  # a's whole segment goes back; b's segment holds a live block and stays
+        ("mark", "step 1", 0),
+    ]
+    out = pub.replay(log)
+    assert out["step 0"] == (32 * MiB, 4 * MiB, 16 * MiB)  # reserved, allocated, the window's requested peak
+    assert out["step 1"] == (20 * MiB, 4 * MiB, 4 * MiB)
+
+
+def test_batches_are_padded_on_the_right_and_keep_the_first_pad_label():
+    ids, mask, labels = pub.batch(vocab=100, length=10, seed=0)
+    assert ids.shape == (pub.ROWS, 10)
+    for i in range(pub.ROWS):
+        ends = 10 - i  # row i has 10 − i tokens (a sorted bucket), then padding
+        assert mask[i].tolist() == [1] * ends + [0] * i
+        # run.py: labels[i, num_tokens + 1:] = -100 — the first pad (its EOS) is still a target
+        assert (labels[i, : min(ends + 1, 10)] == ids[i, : min(ends + 1, 10)]).all()
+        assert (labels[i, ends + 1 :] == -100).all()
+
+
+def test_solving_a_length_interpolates_between_the_traced_lengths_that_bracket_it():
+    points = [(512, 18_000), (640, 21_000), (600, 20_000)]
+    assert pub._interpolate(points, 20_500) == 620  # between 600 and 640
+    assert pub._interpolate(points, 19_000) == 556  # between 512 and 600
+    assert pub._interpolate(points, 22_000) == 680  # above every point: the last two (600, 640), 25 per token
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "dora", "full"])
+def test_the_traced_publisher_step_holds_the_bytes_of_a_real_run(method):
+    """Shape-only trace against a real CPU run of the same loop on a tiny Llama: after every step the same
+    requested, allocated and reserved bytes, so what the harness extrapolates is the real step's."""
+    result = replace(pub.held_in(), method=method, r=None if method == "full" else 8, lora_alpha=16)
+    lengths, empty = [40, 12, 64, 40, 12, 56, 30], {1, 2, 4}
+    traced = pub.replay(pub.run_log(result, _tiny_llama(), lengths, empty))
+    real = pub.replay(pub.run_log(result, _tiny_llama(), lengths, empty, fake=False))
+    assert traced == real
+    assert traced["step 2"][2] > traced["step 1"][2]  # the lead batch's live peak is the step's largest
