@@ -383,14 +383,18 @@ NOTES = """
   to the length (the held-in row's reserved figure moves 0.5 GB between 695 and 704 tokens, as the lead step's
   logits do or do not fit a cached block), below the solve's resolution.
 - **LoRA r10 on the MLP** (max −1.3 %): its longest batch lands on the other side of such a step; p99 +0.2 %.
-- **DoRA** (p99 +4.7 %, outside ±3 %; max −1.7 %): the depth extrapolation misses DoRA by 0.95 % at 4 layers,
-  the most of the adapter rows (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
-  cached blocks at each depth); not resolved: a whole-model trace would settle it.
-- **Full fine-tuning** (max −35 %): not reproduced. Its reserved bytes are not affine in the depth (4.5 % at 4
-  layers; the 6.4 GB of bf16 gradients and the AdamW foreach temporaries, one parameter-sized copy per dtype group,
-  re-use cached blocks differently at each depth), so the 2/3-layer extrapolation is meaningless for it. Its
-  allocated bytes after a step match to 0.02 %, so the static state is right. The published max also moved 4 %
-  across library generations (37.24 → 38.87 GB).
+- **DoRA** (max +0.2 to +0.3 %, p99 +0.1 to +0.2 %, traced whole): cut to 2/3 layers its extrapolation missed
+  the 4-layer trace by 0.95 % (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
+  cached blocks at each depth) and gave p99 +4.7 %, max −1.7 %; traced whole, both are within 0.3 %.
+- **Full fine-tuning** (max −0.2 % on the newest generation, +0.7 % and +4.2 % on the older two; p99 +3.0 % and
+  +3.3 %, traced whole): cut to 2/3 layers it was meaningless (4.5 % miss at 4 layers, max −35 %): the 6.4 GB of
+  bf16 gradients and AdamW's foreach temporaries (one parameter-sized copy per dtype group) re-use cached blocks
+  differently at each depth. Whole, the max holds on the newest libraries; the published max itself moved 4 %
+  across library generations (37.24 → 38.87 GB), which one trace on today's libraries cannot follow. The p99 is
+  over by 3 %: after a 599-token lead the replay reserves 38.46 GB, 0.34 GB under the 704-token lead, where the
+  GPU's p99 is 1.5 GB under its max; the optimizer step's temporaries, not the activations, set most of the
+  reserved figure, and which cached blocks they land in after a shorter lead is where the replay and the GPU part.
+  Not resolved. Allocated after a step matches to 0.06 %.
 - **Allocated after a step** (−0.7 to +0.2 % on the adapter rows): the trace's batch is padded to the mean sample
   length; the published mean is over batches padded to their longest row (a few tokens more).
 
