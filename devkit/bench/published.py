@@ -1,7 +1,8 @@
 """Other people's GPU measurements, reproduced by tracing their own training step: PEFT's MetaMathQA comparison.
 
-    nice -n 10 python -m devkit.bench.published --out benchmarks/published.md   # about 10 minutes on 2 busy cores
+    nice -n 10 python -m devkit.bench.published --check-whole --out benchmarks/published.md   # ~20 min, 2 busy cores
     python -m devkit.bench.published --rewrite --out benchmarks/published.md      # re-render from the cache
+    nice -n 10 python -m devkit.bench.published --whole --out /tmp/whole.md       # every trace 28 layers deep
 
 PEFT's method comparison (huggingface/peft, method_comparison/MetaMathQA) trains Llama-3.2-3B in bf16 on an L40S
 and records, per configuration, `accelerator_memory_max` (`torch.cuda.max_memory_reserved()` over the whole run)
@@ -29,7 +30,8 @@ workspaces are allocations of that allocator (torch `CublasHandlePool.cpp` alloc
 `c10::cuda::CUDACachingAllocator`), so they are part of the reserved figure; the CUDA context is not (it is no
 allocation), and the publisher subtracts what was reserved at start. The decoder stack is cut to two and three
 layers and the replayed figures extrapolated to 28 (`lowmem_ft.train.trace.layers`); a fourth depth checks that
-the extrapolation holds (`affine`).
+the extrapolation holds (`affine`), and a configuration it misses by more than AFFINE_LIMIT is traced whole
+(reserved bytes, unlike live bytes, need not be affine in the depth: benchmarks/allocator.md).
 
 What the published data do not give: the lengths of the batches. MetaMathQA and its tokenizer cannot be read here
 (no Hub access), so the one input taken from outside the memory model is the padded length of the run's longest
@@ -292,13 +294,13 @@ def _interpolate(points: list[tuple[int, int]], target: int) -> int:
     return round(l0 + (target - r0) * (l1 - l0) / (r1 - r0))
 
 
-def solve_lengths(held: Published, cache: dict) -> tuple[int, int]:
+def solve_lengths(held: Published, cache: dict, depths=DEPTHS) -> tuple[int, int]:
     """The lead lengths whose traced reserved figures are the held-in row's published max and p99 (see the module
     docstring): traced at GRID, then at each interpolated guess, up to SOLVE_ROUNDS times. The traces are kept in
     `cache["solve"]`; the last one is the held-in row's."""
     solve = cache.setdefault("solve", [])
     if not solve:
-        solve.append({"lengths": list(GRID), **reserved_at(held, GRID)})
+        solve.append({"lengths": list(GRID), **reserved_at(held, GRID, depths)})
     targets = (held.max_reserved, held.reserved_p99)
     while True:
         points = [(t["lengths"][0], t["first"]) for t in solve] + [(t["lengths"][1], t["second"]) for t in solve]
@@ -310,7 +312,7 @@ def solve_lengths(held: Published, cache: dict) -> tuple[int, int]:
         if guess == last["lengths"]:
             return tuple(guess)
         print(f"solving the batch lengths: tracing {held.label} at lead lengths {guess}", flush=True)
-        solve.append({"lengths": guess, **reserved_at(held, tuple(guess))})
+        solve.append({"lengths": guess, **reserved_at(held, tuple(guess), depths)})
 
 
 def setup_of(result: Published, length: int):
@@ -351,7 +353,7 @@ def _gap(pred: float, pub: float) -> str:
 
 HEADER = """# Published GPU runs: PEFT's MetaMathQA memory, reproduced by tracing the publisher's step
 
-Written by `python -m devkit.bench.published --out benchmarks/published.md` (run under `nice -n 10`; cached in
+Written by `python -m devkit.bench.published --check-whole --out benchmarks/published.md` (run under `nice -n 10`; cached in
 `benchmarks/published.json`; `--rewrite` re-renders without tracing). Published: `max_memory_reserved` over the
 run (`max`) and the 99th percentile of `memory_reserved` after each step (`p99`), from huggingface/peft
 `method_comparison/MetaMathQA/results/*.json` at the commits in `devkit/bench/peft_metamathqa.json` (Llama-3.2-3B,
@@ -439,6 +441,15 @@ def render(cache: dict) -> str:
             f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {affine} | "
             f"{traced['seconds']} |\n"
         )
+    check = cache.get("whole_check")
+    if check is not None:  # the held-in row's cut traces, checked at full depth
+        held = held_in()
+        lines.append(
+            f"\nThe held-in row traced whole (28 layers) at the solved lengths: max {check['first'] / GB:.2f} GB "
+            f"({_gap(check['first'], held.max_reserved)}), p99 {check['second'] / GB:.2f} GB "
+            f"({_gap(check['second'], held.reserved_p99)}), live peak {check['requested'] / GB:.3f} GB "
+            f"(cut and extrapolated: {cache['rows'][HELD_IN]['requested'] / GB:.3f}).\n"
+        )
     return "".join(lines) + NOTES
 
 
@@ -447,20 +458,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/published.md"))
     parser.add_argument("--rewrite", action="store_true", help="re-render the table from the cache, no tracing")
     parser.add_argument("--only", nargs="*", default=None, help="result names to trace (default: every one)")
+    parser.add_argument(
+        "--check-whole", action="store_true", help="also trace the held-in row whole at the solved lengths"
+    )
+    parser.add_argument(
+        "--whole", action="store_true", help="trace every row and the solve with all 28 layers (about 5 min each)"
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     cache_path = args.out.with_suffix(".json")
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {"rows": {}}
     if not args.rewrite:
         held = held_in()
-        cache["lengths"] = list(solve_lengths(held, cache))
+        depths = (28,) if args.whole else DEPTHS
+        cache["lengths"] = list(solve_lengths(held, cache, depths))
         cache["rows"][HELD_IN] = {k: v for k, v in cache["solve"][-1].items() if k != "lengths"}
         cache_path.write_text(json.dumps(cache, indent=1))
         for result in published():
             if result.name in cache["rows"] or (args.only is not None and result.name not in args.only):
                 continue  # one trace per configuration: the generations differ in libraries only
             print(f"tracing {result.label} at lead lengths {cache['lengths']}", flush=True)
-            cache["rows"][result.name] = reserved_at(result, tuple(cache["lengths"]))
+            cache["rows"][result.name] = reserved_at(result, tuple(cache["lengths"]), depths)
             cache_path.write_text(json.dumps(cache, indent=1))
         for result in published():
             row = cache["rows"].get(result.name)
@@ -470,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
             whole = reserved_at(result, tuple(cache["lengths"]), depths=(28,))
             cache["rows"][result.name] = {**whole, "cut": row}
             cache_path.write_text(json.dumps(cache, indent=1))
+        if args.check_whole and "whole_check" not in cache:
+            print(f"tracing {held.label} whole at the solved lengths", flush=True)
+            cache["whole_check"] = reserved_at(held, tuple(cache["lengths"]), depths=(28,))
         cache_path.write_text(json.dumps(cache, indent=1))
     text = render(cache)
     args.out.write_text(text)
