@@ -384,6 +384,9 @@ NOTES = """
 - **LoRA / rsLoRA on q,v** (+0.5 to +0.7 % max, +0.0 to +0.1 % p99): within the allocator's step-like response
   to the length (the held-in row's reserved figure moves 0.5 GB between 695 and 704 tokens, as the lead step's
   logits do or do not fit a cached block), below the solve's resolution.
+- **The p99 rests on an assumption** (`SHORT`, the previous bucket's shortest batch, 96 tokens): for the held-in
+  row, cut, the p99 lead reserves 19.84 / 20.14 / 21.17 GB at SHORT = 64 / 96 / 160 (the max 22.33 / 22.41 /
+  22.40), so the held-out rows' p99 tests their difference from the held-in row at the same SHORT.
 - **LoRA r10 on the MLP** (max −1.3 %): its longest batch lands on the other side of such a step; p99 +0.2 %.
 - **DoRA** (max +0.2 to +0.3 %, p99 +0.1 to +0.2 %, traced whole): cut to 2/3 layers its extrapolation missed
   the 4-layer trace by 0.95 % (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
