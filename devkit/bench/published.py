@@ -386,7 +386,9 @@ NOTES = """
   logits do or do not fit a cached block), below the solve's resolution.
 - **The p99 rests on an assumption** (`SHORT`, the previous bucket's shortest batch, 96 tokens): for the held-in
   row, cut, the p99 lead reserves 19.84 / 20.14 / 21.17 GB at SHORT = 64 / 96 / 160 (the max 22.33 / 22.41 /
-  22.40), so the held-out rows' p99 tests their difference from the held-in row at the same SHORT.
+  22.40), so the held-out rows' p99 tests their difference from the held-in row at the same SHORT. The previous
+  bucket's median, taken as the mean sample length (208), matters less: 150 / 208 / 300 tokens give max 22.41 /
+  22.41 / 22.89 GB, p99 19.92 / 20.14 / 20.33 GB.
 - **LoRA r10 on the MLP** (max −1.3 %): its longest batch lands on the other side of such a step; p99 +0.2 %.
 - **DoRA** (max +0.2 to +0.3 %, p99 +0.1 to +0.2 %, traced whole): cut to 2/3 layers its extrapolation missed
   the 4-layer trace by 0.95 % (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
