@@ -24,7 +24,8 @@ def _name(path: Path) -> str:
 
 MODULES = {_name(p): p for p in sorted(DEVKIT.rglob("*.py"))}
 # where commands and files of the dev tooling are named
-DOCS = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.md")), *sorted((ROOT / "scripts").iterdir())]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md")),
+        *sorted((ROOT / "scripts").iterdir())]  # fmt: skip
 MENTIONS = [*DOCS, *MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
 
 
