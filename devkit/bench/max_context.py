@@ -34,7 +34,7 @@ FIXED = {
 }
 LIMIT = 1 << 20  # beyond any length these fit: the search is bounded by memory, not by the model's positions
 # Published for Llama-3.1-8B, QLoRA 4-bit rank 32 on all linear layers, batch 1 (https://unsloth.ai/blog/llama3-3,
-# the figures the README quotes): (Unsloth, HF + FlashAttention-2); "—" where no figure is quoted.
+# the figures docs/long-context.md quotes): (Unsloth, HF + FlashAttention-2); "—" where no figure is quoted.
 PUBLISHED = {
     ("meta-llama/Llama-3.1-8B", 8): ("2,900", "out of memory"),
     ("meta-llama/Llama-3.1-8B", 24): ("78,475", "5,789"),

@@ -1,6 +1,6 @@
 """The GPU check of the memory model (issue #15): one command on a lent H200 measures what the estimator predicts.
 
-    bash scripts/gpu_check.sh                      # on the device, carrying .gpukit (README "GPU check")
+    bash scripts/gpu_check.sh                      # on the device, carrying .gpukit (docs/development.md, "GPU check")
     bash scripts/gpu_check.sh --cpu-smoke          # here: every step end to end at toy sizes on the CPU
     python -m devkit.gpu.check --analyze RESULTS   # fetched results.jsonl (or its folder) → benchmarks/estimator_gpu.md
 

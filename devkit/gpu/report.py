@@ -322,7 +322,7 @@ def header(records: list[dict[str, Any]], smoke: bool) -> list[str]:
             "`bash scripts/gpu_check.sh --cpu-smoke` ran every step of the GPU kit end to end on the CPU at toy sizes "
             "(tiny Qwen2 / Llama shapes). It shows the kit works, not how the memory model does on a GPU: the only "
             "measurement is the CPU harness's exact live bytes. The GPU table replaces this file once a device runs "
-            '`bash scripts/gpu_check.sh` (README, "GPU check").',
+            '`bash scripts/gpu_check.sh` (docs/development.md, "GPU check").',
         ]
     else:
         lines = [

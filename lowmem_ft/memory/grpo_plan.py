@@ -13,7 +13,7 @@ completion length C is halved (down to `MIN_COMPLETION`), then num_generations G
 The phases' device form: the training phases are the device estimate's own (its attention kernels and offloading
 differ from the CPU's) with GRPO's differences from an SFT step as `phase_peaks` counts them; generation and
 scoring are their CPU form moved by the difference between the device and CPU forms of the static state; the
-largest phase carries the device overheads of its transient (`lowmem_ft.memory.overheads`). A prediction, measured on the CPU only (README, "GRPO").
+largest phase carries the device overheads of its transient (`lowmem_ft.memory.overheads`). A prediction, measured on the CPU only (docs/methods.md, "GRPO").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ the policy's forward keeps:
 
 Measured: the exact CPU count of TRL's own steps per method, loss type, adapter, reference and checkpointing on
 Llama-3, Qwen2.5, Gemma-2, Phi-3 and Mistral (`python -m devkit.bench.estimator_preference`,
-benchmarks/estimator_preference.md), and of real runs through `train` (`lowmem_ft.train.measure.exact`, README's
+benchmarks/estimator_preference.md), and of real runs through `train` (`lowmem_ft.train.measure.exact`, docs/methods.md,
 "Preference training").
 """
 
