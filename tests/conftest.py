@@ -163,10 +163,11 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def zoo_models(tmp_path_factory) -> dict[str, str]:
-    """Every zoo family (devkit/zoo.py) built once per session: name → model directory."""
-    from devkit.zoo import build_all
+    """Every zoo family (devkit/zoo.py): name → model directory, this session's copy of the zoo built once on disk
+    for every session and worker (tests/zoo_cache.py)."""
+    from tests.zoo_cache import zoo
 
-    return {name: str(path) for name, path in build_all(tmp_path_factory.mktemp("zoo")).items()}
+    return {name: str(path) for name, path in zoo(tmp_path_factory.mktemp("zoo")).items()}
 
 
 @pytest.fixture
