@@ -25,13 +25,45 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """`requires_cuda` tests skip without a CUDA device. torch is imported only when such a test was collected, so
-    the torch-free tests (the memory model, recipes, planning) collect and run where torch is not installed."""
+    the torch-free tests (the memory model, recipes, planning) collect and run where torch is not installed.
+
+    Under pytest-xdist each test module goes to one worker whole (`--dist loadscope`, pyproject.toml), so a fixture
+    a module builds once (a training run, a two-rank launch, a wheel in a fresh venv) is built once, not once per
+    worker that runs one of its tests; and the modules with the most slow work go first (`_longest_first`), so the
+    longest work starts while the other worker still has short modules to fill in with."""
+    if hasattr(config, "workerinput"):
+        _longest_first(items)
     cuda_items = [item for item in items if "requires_cuda" in item.keywords]
     if not cuda_items or _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in cuda_items:
         item.add_marker(skip)
+
+
+# `train --gpus 2` launches each module makes, read from the tests: a launch (accelerate launch, two CPU gloo ranks that
+# each import torch, transformers, TRL and peft) costs 100-135 s of wall time on the shared 2-core machine (pytest
+# --durations, -n 0, load average 15), ten times a typical slow test. A scheduling hint only: a wrong count costs time.
+LAUNCHES = {
+    "tests/train/test_launch_faults.py": 8,  # a baseline, a faulty launch and its resume for 3 faults, an interrupt
+    "tests/train/test_preference_runs.py": 2,  # the DPO launch and its resume
+    "tests/train/test_grpo_training.py": 1,
+    "tests/train/test_faults.py": 1,  # Ctrl-C under --gpus (its other runs fork from a pre-imported server)
+    "tests/train/distributed/test_launch.py": 1,
+}
+
+
+def _longest_first(items) -> None:
+    """Order modules by a rough cost, most first — a module's `slow` tests, and ten for each launch it makes
+    (`LAUNCHES`) — each module's tests kept together and in order (a stable sort: the same in every worker, as xdist
+    requires). With `--dist loadscope` a worker takes the next module when it runs short, so the longest modules
+    start first and the short ones fill in at the end."""
+    cost: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        cost.setdefault(module, 10 * LAUNCHES.get(module, 0))
+        cost[module] += "slow" in item.keywords
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
 
 
 def _cuda_available() -> bool:
