@@ -9,10 +9,28 @@ from lowmem_ft.recipe.load import dump, field_help, find_recipe, resolve, shippe
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("recipes", help="list shipped recipes, show one resolved, or list every key")
-    p.add_argument("action", nargs="?", choices=["list", "show", "keys"], default="list")
+    p = sub.add_parser(
+        "recipes",
+        help="list shipped recipes, show one resolved, or list every key",
+        description="List the shipped recipes, show one fully resolved (its base and --set applied), or document "
+        "every recipe key: its help, default, range and flag.",
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "show", "keys"],
+        default="list",
+        help="list (default): the shipped recipes; show NAME: one resolved; keys: every key with its documentation",
+    )
     p.add_argument("name", nargs="?", help="recipe name (e.g. 24gb) or YAML path, for `show`")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="for `show`: override one recipe key; repeatable (e.g. --set training.method=dpo)",
+    )
     p.set_defaults(func=run)
 
 
