@@ -252,6 +252,45 @@ def _module_exists(dotted: str) -> bool:
     return False
 
 
+def commands_shown(text: str) -> list[str]:
+    """The `lowmem-ft ...` command lines of a page's code blocks, continuation lines joined, comments and the
+    usage notation's optional brackets (`[--json]`) dropped; error lines (`lowmem-ft train: error: ...`) left out."""
+    out: list[str] = []
+    lines = [line.strip() for line in text.splitlines() if line.startswith("    ")]
+    i = 0
+    while i < len(lines):
+        line = lines[i].removeprefix("$ ")
+        i += 1
+        if not re.match(r"^lowmem-ft [a-z]+(\s|$)", line):
+            continue
+        while line.endswith("\\") and i < len(lines):
+            line = line[:-1] + " " + lines[i]
+            i += 1
+        out.append(re.sub(r"[\[\]]", "", line.split("  #")[0]).strip())
+    return out
+
+
+def unparsed_commands(page: Path, text: str | None = None) -> list[str]:
+    """Each command line shown in `page` that the command-line parsers refuse, with their one line."""
+    import contextlib
+    import io
+    import shlex
+
+    from lowmem_ft.cli import build_parser
+
+    text = page.read_text(encoding="utf-8") if text is None else text
+    out = []
+    for command in commands_shown(text):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                build_parser().parse_args(shlex.split(command)[1:])
+            except SystemExit as exc:
+                if exc.code:
+                    out.append(f"{command}: {err.getvalue().strip()}")
+    return out
+
+
 def render() -> dict[Path, str]:
     """Each generated page → its text as the code makes it now."""
     return {CLI_PAGE: cli_page(), KEYS_PAGE: keys_page()}
@@ -275,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in drift:
             print(f"{path.relative_to(ROOT)} differs from the code: run python -m devkit.docs", file=sys.stderr)
         broken = [f"{page.relative_to(ROOT)}: {problem}" for page in pages()
-                  for problem in [*broken_links(page), *missing_paths(page)]]  # fmt: skip
+                  for problem in [*broken_links(page), *missing_paths(page), *unparsed_commands(page)]]  # fmt: skip
         for line in broken:
             print(line, file=sys.stderr)
         return 1 if drift or broken else 0

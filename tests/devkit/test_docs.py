@@ -88,3 +88,34 @@ def test_every_page_is_reachable_from_the_index():
     linked = {target.partition("#")[0] for target in docs._LINK.findall(index)}
     pages = {str(p.relative_to(ROOT / "docs")) for p in PAGES if p.parent != ROOT and p.name != "README.md"}
     assert pages - linked == set()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_command_shown_parses(page):
+    """Each `lowmem-ft ...` line of a code block is one the parsers accept: the flags exist, values in range."""
+    assert docs.unparsed_commands(page) == []
+
+
+def test_the_shown_commands_are_found_and_checked():
+    text = (
+        "    lowmem-ft train --vram 24 --model m --data d.jsonl   # a comment\n"
+        "    $ lowmem-ft plan --vram 24 --model m \\\n        --seq-len 2048\n"
+        "    lowmem-ft data stats d.jsonl --model m [--json]\n"
+        "    lowmem-ft train: error: a one-line error is output, not a command\n"
+        "lowmem-ft train --no-such-flag (prose, not a code block)\n"
+    )
+    assert docs.commands_shown(text) == [
+        "lowmem-ft train --vram 24 --model m --data d.jsonl",
+        "lowmem-ft plan --vram 24 --model m  --seq-len 2048",
+        "lowmem-ft data stats d.jsonl --model m --json",
+    ]
+    page = ROOT / "docs" / "README.md"
+    assert docs.unparsed_commands(page, text) == []
+    (refused,) = docs.unparsed_commands(
+        page, "    lowmem-ft train --vram 24 --no-such-flag\n    lowmem-ft plan --vram 0\n"
+    )[:1]
+    assert (
+        refused.startswith("lowmem-ft train --vram 24 --no-such-flag: ")
+        and "--no-such-flag" in refused.split(": ", 1)[1]
+    )
+    assert len(docs.unparsed_commands(page, "    lowmem-ft plan --model m --vram -1\n")) == 1  # a value out of range
