@@ -22,7 +22,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the zoo's bytes depend on: the code that builds it and the libraries that write it.
-SOURCES = ("devkit/zoo.py", "devkit/tiny.py", "lowmem_ft/data/templates.py")
+SOURCES = (
+    "devkit/zoo.py",
+    "devkit/tiny.py",
+    "devkit/qwen_v1.py",
+    "lowmem_ft/data/templates.py",
+    "lowmem_ft/native/qwen_v1.py",
+)
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "huggingface-hub")
 
 
