@@ -19,6 +19,7 @@ CHECKED: dict[str, str] = {
     "bitsandbytes": "0.50.2",
     "accelerate": "1.16.0",
     "datasets": "5.2.0",
+    "gguf": "0.19.0",  # lowmem_ft.export: its Q8_0 block size and writer layout
 }
 
 

@@ -1,0 +1,93 @@
+"""The export's memory and disk, predicted before any weight is read, and a one-line refusal when they do not fit.
+
+What the streamed export holds at once (`stream`, `gguf_file`; counted from that code, a prediction):
+- the adapter, loaded whole: its file's bytes, and an fp32 copy of A and B when it was saved in 16-bit (× 2 bound);
+- one block of one tensor (`stream.BLOCK_ELEMENTS`), or one whole q/k projection where llama.cpp's row permutation
+  needs it: per element the stored base value (≤ 4 bytes), its fp32 copy (4), the LoRA update B·A (4), their sum
+  (4), the DoRA rescale (4) and the encoded output with the quantizer's fp32 temporaries (≤ 4 + 2): `WORK_BYTES` 26.
+Nothing scales with the whole model: a 70B base exports in about the same host memory as a 1B one. This replaces
+the 16-bit merge (`lowmem_ft.merging`: params × 2 bytes) that `lowmem-ft merge` and other tools' GGUF export do.
+
+The disk holds the output once (staged beside it under a hidden name, then renamed): the sum of every tensor's
+bytes in its GGUF type, exact from the safetensors headers, plus the metadata (the tokenizer: `METADATA_BOUND`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.memory.inference import human
+
+WORK_BYTES = 26  # per element of the block in flight (module docstring)
+METADATA_BOUND = 64 << 20  # tokenizer + chat template + keys: a 256k-token vocabulary's strings and merges ≈ 20 MB
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    quant: str
+    tensor_bytes: int  # the GGUF's tensor data, exact
+    params: int
+    adapter_bytes: int  # adapter file (0 for a full fine-tune)
+    block_elements: int  # the largest block in flight
+
+    @property
+    def disk(self) -> int:
+        return self.tensor_bytes + METADATA_BOUND
+
+    @property
+    def host(self) -> int:
+        return 2 * self.adapter_bytes + self.block_elements * WORK_BYTES
+
+    def describe(self) -> str:
+        adapter = f"{human(2 * self.adapter_bytes)} adapter + " if self.adapter_bytes else ""
+        return f"{adapter}{human(self.block_elements * WORK_BYTES)} for the block of weights in flight"
+
+
+def make_plan(planned, quant: str, adapter_bytes: int, config) -> ExportPlan:
+    """The plan for the tensors `gguf_file.plan_tensors` listed."""
+    import math
+
+    from lowmem_ft.export.families import family_of
+    from lowmem_ft.export.stream import BLOCK_ELEMENTS
+
+    family = family_of(config)
+    largest_block = 0
+    for p in planned:
+        count = math.prod(p.ref.shape) if p.ref.shape else 1
+        whole = family.transform(p.ref.name, config) is not None
+        largest_block = max(largest_block, count if whole else min(count, BLOCK_ELEMENTS))
+    return ExportPlan(
+        quant=quant,
+        tensor_bytes=sum(p.nbytes for p in planned),
+        params=sum(math.prod(p.ref.shape) if p.ref.shape else 1 for p in planned),
+        adapter_bytes=adapter_bytes,
+        block_elements=largest_block,
+    )
+
+
+def free_disk(output: Path) -> int:
+    probe = output.resolve().parent
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_fits(plan: ExportPlan, host_budget: int, host_from: str, disk_free: int, output: Path,
+               smaller: dict[str, int]) -> None:  # fmt: skip
+    """One line when the host memory or the disk is too small, saying what would fit; `smaller` maps the other
+    quant types to their disk size."""
+    if plan.host > host_budget:
+        raise UserError(
+            f"the export needs {human(plan.host)} of host memory ({plan.describe()}) but {host_from} allows "
+            f"{human(host_budget)}; free memory, or pass --host-ram GB if more is available"
+        )
+    if plan.disk > disk_free:
+        fits = [f"--quant {q} ({human(size)})" for q, size in smaller.items() if size + METADATA_BOUND <= disk_free]
+        also = f", or {' / '.join(fits)}" if fits else ""
+        raise UserError(
+            f"--output {output}: the {plan.quant} GGUF needs {human(plan.disk)} but its disk has {human(disk_free)} "
+            f"free; write it to another disk with --output{also}"
+        )
