@@ -16,7 +16,7 @@ from lowmem_ft import __version__, console
 from lowmem_ft.errors import UserError
 
 # Subcommands in the order `--help` lists them; each is lowmem_ft.commands.<module>.
-COMMANDS = ["train", "plan", "recipes", "data", "report", "doctor", "generate", "merge", "export"]
+COMMANDS = ["train", "plan", "recipes", "data", "report", "doctor", "generate", "merge", "export", "eval"]
 
 
 def _available_commands():

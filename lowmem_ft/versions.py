@@ -20,6 +20,7 @@ CHECKED: dict[str, str] = {
     "accelerate": "1.16.0",
     "datasets": "5.2.0",
     "gguf": "0.19.0",  # lowmem_ft.export: its Q8_0 block size and writer layout
+    "lm-eval": "0.4.13",  # lowmem_ft.evaluate: HFLM's log-softmax over the whole batch (evaluate/batch.py)
 }
 
 
@@ -31,7 +32,14 @@ def installed(package: str) -> str | None:
         return None
 
 
+# Packages of an extra (pyproject.toml `eval`): checked when installed, not missed when absent.
+OPTIONAL = {"lm-eval"}
+
+
 def differences() -> dict[str, tuple[str, str | None]]:
-    """package → (checked, installed) for each package whose installed version is not the one checked."""
+    """package → (checked, installed) for each package whose installed version is not the one checked (an optional
+    package only when it is installed)."""
     found = {name: (want, installed(name)) for name, want in CHECKED.items()}
-    return {name: pair for name, pair in found.items() if pair[0] != pair[1]}
+    return {
+        name: pair for name, pair in found.items() if pair[0] != pair[1] and not (name in OPTIONAL and pair[1] is None)
+    }
