@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from lowmem_ft.evaluate.tasks import resolve
     from lowmem_ft.finetuned import resolve_device
 
-    manager, names = resolve(args.tasks, args.include_path)  # an unknown task stops here, before any model loads
+    # an unknown task stops here, before any model loads (`train --eval-tasks` resolved them before training)
+    manager, names = getattr(args, "resolved", None) or resolve(args.tasks, args.include_path)
     device = resolve_device(args.device)
     model, tokenizer, run_, default_length = _load(args, device)
     model.eval()

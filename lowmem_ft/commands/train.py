@@ -24,6 +24,10 @@ def add_parser(sub) -> None:
     h = p.add_argument_group("adapters and the Hub")
     flags.add_key_flags(h, "--adapter")
     flags.add_push_to_hub(h, "the adapter (or model)", "when training ends")
+    e = p.add_argument_group("evaluation when training ends (`lowmem-ft eval` on the run)")
+    e.add_argument("--eval-tasks", metavar="NAME,…|FILE.yaml", help="lm-eval tasks to run on the finished run")
+    e.add_argument("--eval-limit", type=flags.count, metavar="N", help="at most N examples per eval task")
+    e.add_argument("--eval-compare-base", action="store_true", help="also evaluate the base and print the deltas")
     _add_launch(p)
     p.set_defaults(func=run)
 
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     request = request_of(args)
     # an upload that cannot happen fails now, before any data or model work, not after training
     hub_repo = _hub_preflight(args)
+    evaluation = _eval_preflight(args)  # an unknown task, or lm-eval missing, fails before training too
     ready = prepare(request)
     if rewards and ready.recipe.training.method != "grpo":
         ready.run.unlock()
@@ -145,11 +150,37 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed, reward_fns=rewards)
         _print_done(result.metrics, result.run_dir)
+    if evaluation is not None:
+        _evaluate(args, ready.run.path, evaluation)
     if hub_repo is not None:  # once, from this process, after every rank finished
         from lowmem_ft.hub import push_run
 
         print(f"pushed to {push_run(ready.run, hub_repo)}")
     return 0
+
+
+def _eval_preflight(args: argparse.Namespace):
+    """--eval-tasks resolved now (lm-eval installed, every task known): (TaskManager, names), or None."""
+    if not args.eval_tasks:
+        if args.eval_limit or args.eval_compare_base:
+            raise UserError("--eval-limit / --eval-compare-base need --eval-tasks")
+        return None
+    from lowmem_ft.commands.eval import _require_lm_eval
+    from lowmem_ft.evaluate.tasks import resolve
+
+    _require_lm_eval()
+    return resolve(args.eval_tasks)
+
+
+def _evaluate(args: argparse.Namespace, run_dir, resolved) -> None:
+    """`lowmem-ft eval RUN_DIR` with the tasks resolved before training (the same command, not a copy of it)."""
+    from lowmem_ft.commands import eval as eval_command
+
+    eval_args = argparse.Namespace(
+        target=str(run_dir), tasks=args.eval_tasks, limit=args.eval_limit, compare_base=args.eval_compare_base,
+        vram=args.vram, max_length=None, device="auto", include_path=None, base=None, resolved=resolved,
+    )  # fmt: skip
+    eval_command.run(eval_args)
 
 
 def _reward_fns(entries: list[str]) -> list:
