@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-BLOCK_ELEMENTS = 1 << 24  # rows per block: at most 16 Mi elements (64 MiB in fp32) of one tensor at a time
+BLOCK_ELEMENTS = 1 << 22  # rows per block: at most 4 Mi elements (16 MiB in fp32) of one tensor at a time
 ADAPTER_PREFIX = "base_model.model."
+DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class TensorRef:
     name: str
     shape: tuple[int, ...]
     file: Path
+    stored_bytes: int = 0  # in the shard (its dtype)
 
 
 def tensors(model_dir: Path) -> list[TensorRef]:
@@ -116,7 +118,10 @@ def tensors(model_dir: Path) -> list[TensorRef]:
     for file in shard_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                refs.append(TensorRef(key, tuple(f.get_slice(key).get_shape()), file))
+                sliced = f.get_slice(key)
+                shape = tuple(sliced.get_shape())
+                size = DTYPE_BYTES.get(sliced.get_dtype(), 4)
+                refs.append(TensorRef(key, shape, file, _prod(shape) * size))
     return refs
 
 
