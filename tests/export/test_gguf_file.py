@@ -113,7 +113,10 @@ def test_f16_round_trip_equals_the_merged_model(family, merged_refs, tmp_path):
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(base).chat_template
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2.5", "gemma2", "phi3"])
+# llama3 in the fast tier; the other three in the slow one (the suite's time)
+@pytest.mark.parametrize(
+    "family", ["llama3", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2.5", "gemma2", "phi3"))]
+)
 def test_q8_0_round_trip(family, sharp_refs, tmp_path):
     base, adapter, merged = sharp_refs[family]
     path = tmp_path / f"{family}.gguf"
