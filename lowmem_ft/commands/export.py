@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"export plan: {what} → {output} ({args.quant}, {config.model_type}, {plan.params:,} params)")
     print(f"  host memory {human(plan.host)} ({plan.describe()}; merged block by block, never the whole model)")
     print(f"  disk {human(plan.tensor_bytes)} of weights + metadata, written under a hidden name and renamed")
+    trained = run_.recipe.model.quantization
+    if not run_.full and trained != "none":
+        print(f"  note: the adapter learned against {trained}-rounded weights and is merged into the base's 16-bit "
+              f"originals (the usual QLoRA export, as `lowmem-ft merge` does)")  # fmt: skip
 
     from lowmem_ft.export.gguf_file import clear_dead_partials, write_gguf
 
