@@ -154,6 +154,30 @@ def _data_lines(info: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _eval_lines(path: Path) -> list[str]:
+    """`lowmem-ft eval`'s scores (eval.json in the run directory), as a table with the base and the delta."""
+    import json
+
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    base = record.get("base") or {}
+    limit = f", at most {record['limit']} examples per task" if record.get("limit") else ""
+    lines = ["", f"Evaluated with lm-eval (`lowmem-ft eval`{limit}):", ""]
+    lines += ["| task | metric | fine-tuned | base | delta |", "|---|---|---|---|---|"] if base else [
+        "| task | metric | fine-tuned |", "|---|---|---|"]  # fmt: skip
+    for task, row in record.get("finetuned", {}).items():
+        for metric, value in row.items():
+            if metric.endswith("_stderr"):
+                continue
+            if base and metric in base.get(task, {}):
+                was = base[task][metric]
+                lines.append(f"| {task} | {metric} | {value:.4f} | {was:.4f} | {value - was:+.4f} |")
+            else:
+                lines.append(f"| {task} | {metric} | {value:.4f} |" + (" | |" if base else ""))
+    return lines
+
+
 def _results_lines(metrics: dict[str, Any] | None) -> list[str]:
     if not metrics:
         return ["- no metrics.json (the run did not finish)"]
@@ -239,6 +263,7 @@ def model_card(run: RunDir, *, repo_id: str = "", merged: bool = False, folder: 
         "## Results",
         "",
         *_results_lines(run.read_metrics()),
+        *_eval_lines(run.path / "eval.json"),
         "",
         "## Plan",
         "",

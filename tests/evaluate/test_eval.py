@@ -54,6 +54,11 @@ def test_scores_equal_lm_evals_own_and_compare_base(finished_run, task_file, tmp
     assert record["tasks"] == ["tiny_qa"] and record["batch_size"] == 1  # CPU without --vram
     tuned, base = record["finetuned"]["tiny_qa"], record["base"]["tiny_qa"]
     assert record["delta"]["tiny_qa"]["acc"] == pytest.approx(tuned["acc"] - base["acc"])
+    from lowmem_ft.hub import model_card
+    from lowmem_ft.rundir import RunDir
+
+    card = str(model_card(RunDir(run)))  # what --push-to-hub uploads
+    assert f"| tiny_qa | acc | {tuned['acc']:.4f} | {base['acc']:.4f} | {tuned['acc'] - base['acc']:+.4f} |" in card
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
