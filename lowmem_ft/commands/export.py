@@ -97,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable(output.parent, "--output")
 
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, OSError) as exc:  # a model_type transformers does not know (remote code), a broken config
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{model_dir}: its config does not load ({first}); GGUF export maps the families "
+                        f"transformers itself knows") from None  # fmt: skip
     planned = plan_tensors(model_dir, config, args.quant)  # refuses an unmapped family in one line
     adapter_bytes = 0 if run_.full else (run_.weights_dir / "adapter_model.safetensors").stat().st_size
     plan = make_plan(planned, args.quant, adapter_bytes, config)
