@@ -15,6 +15,7 @@ that every family builds in well under a second and trains in a few seconds on a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -117,6 +118,11 @@ class Family:
     tags: tuple[str, ...] = field(default_factory=tuple)  # "rewrites": the template rewrites earlier turns
     # a checkpoint the Hub ships in a layout of its own (Qwen v1): the native model is written that way instead
     hub_layout: str = ""
+    # a multimodal checkpoint: config key → the special token it names (Gemma3Config's boi_token_index, ...)
+    image_tokens: dict[str, str] = field(default_factory=dict)
+    # preprocessor_config.json as the Hub ships it beside the weights; None: a text checkpoint (or Gemma-3's, whose
+    # tiny tower the text tests never run)
+    preprocessor: dict[str, Any] | None = None
 
 
 LLAMA_TOKENS = Tokens(bos="<s>", eos="</s>", unk="<unk>", add_bos=True, sentencepiece=True)
@@ -136,6 +142,7 @@ GEMMA_TOKENS = Tokens(
 # Gemma-3's image tokens (begin / end of image, the soft token its features replace): Gemma3Config's
 # boi_token_index, eoi_token_index and image_token_index point at them
 GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_IMAGE_KEYS = ("boi_token_index", "eoi_token_index", "image_token_index")
 QWEN_TOKENS = Tokens(eos="<|endoftext|>", pad="<|endoftext|>", eot="<|im_end|>", extra=("<|im_start|>",))
 # Qwen-7B-Chat (v1): its tokenizer has no pad, BOS or chat template; lowmem_ft.native rebuilds it with these
 QWEN_V1_TOKENS = Tokens(eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",))
@@ -144,6 +151,42 @@ QWEN3_TOKENS = Tokens(
     pad="<|endoftext|>",
     extra=("<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
 )
+# Qwen2-VL / Qwen2.5-VL's vision tokens (Qwen/Qwen2.5-VL-7B-Instruct tokenizer_config.json, ids 151652-151656):
+# an image renders as <|vision_start|><|image_pad|><|vision_end|>, the processor repeats <|image_pad|> once per
+# merged patch, and the config's image_token_id / video_token_id / vision_*_token_id name them
+QWEN_VL_IMAGE_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+# Qwen2.5-VL-7B-Instruct's chat_template.json (identical in Qwen2-VL-7B-Instruct): a default system turn, list
+# contents rendered part by part, an image as <|vision_start|><|image_pad|><|vision_end|>
+QWEN_VL = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt "
+    "%}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json (min_pixels 56², max_pixels 12,845,056 = 16,384 merged tokens)
+QWEN_VL_PREPROCESSOR = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+}
 # every linear dimension a multiple of 64: bitsandbytes' CPU inference path repacks NF4 weights per 64-block
 TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -315,6 +358,44 @@ FAMILIES: dict[str, Family] = {
             lambda: _trl("gemma3"),
             "TRL's copy of Gemma-3 (the Hub's gemma-3-4b-it template renders images as <start_of_image>)",
             lambda c, last: c.strip() + "<end_of_turn>",
+            image_tokens=dict(zip(GEMMA3_IMAGE_KEYS, GEMMA3_IMAGE_TOKENS, strict=True)),
+        ),
+        Family(
+            # Qwen2.5-VL-7B-Instruct: the qwen2 decoder (qkv bias, untied, M-RoPE over 3 sections) under
+            # model.language_model, beside model.visual: a windowed-attention ViT (Conv3d patches of 2×14×14, RMSNorm,
+            # gated MLP with biases, full attention only at fullatt_block_indexes) and the 2×2 patch merger; loaded by
+            # AutoModelForImageTextToText (AutoModelForCausalLM refuses the config). Widths tiny; the processor's
+            # preprocessor_config.json as the Hub's.
+            "qwen2.5-vl",
+            {
+                "model_type": "qwen2_5_vl",
+                "text_config": {
+                    "model_type": "qwen2_5_vl_text",
+                    **TINY,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 2688,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # head_dim 16: 8 frequencies
+                },
+                "vision_config": {
+                    "model_type": "qwen2_5_vl_vision",
+                    "depth": 2,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_heads": 2,
+                    "out_hidden_size": 64,
+                    "window_size": 56,
+                    "fullatt_block_indexes": [1],
+                    "tokens_per_second": 2,
+                },
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            replace(QWEN_TOKENS, extra=(*QWEN_TOKENS.extra, *QWEN_VL_IMAGE_TOKENS.values())),
+            lambda: QWEN_VL,
+            "Qwen2.5-VL-7B-Instruct's chat_template.json (lowmem-ft's copy, devkit/zoo.py QWEN_VL)",
+            lambda c, last: c + "<|im_end|>",
+            image_tokens=QWEN_VL_IMAGE_TOKENS,
+            preprocessor=QWEN_VL_PREPROCESSOR,
+            tags=("vision",),
         ),
         Family(
             "phi3",  # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, sliding window 2047, pad id 32000, untied
@@ -404,8 +485,10 @@ FAMILIES: dict[str, Family] = {
         ),
     ]
 }
-# The families whose config transformers builds natively (all of them) and that the memory model describes.
-NAMES = tuple(FAMILIES)
+# The families whose config transformers builds natively (all of them) and that the memory model describes, trained
+# on text; VISION: the vision-language checkpoints trained on images (lowmem_ft.vision), beside them.
+VISION = tuple(n for n, f in FAMILIES.items() if "vision" in f.tags)
+NAMES = tuple(n for n in FAMILIES if n not in VISION)
 
 
 def build_tokenizer(family: Family, vocab_size: int = 640):
@@ -476,8 +559,7 @@ def config_for(family: Family, tokenizer) -> Any:
     if "text_config" in kwargs:  # a multimodal wrapper (Gemma3Config): the vocabulary is the text model's
         text = {**kwargs["text_config"], **ids}
         text["vocab_size"] = max(text.get("vocab_size", 0), len(tokenizer))
-        image = dict(zip(("boi_token_index", "eoi_token_index", "image_token_index"), GEMMA3_IMAGE_TOKENS, strict=True))
-        image = {key: tokenizer.convert_tokens_to_ids(token) for key, token in image.items()}
+        image = {key: tokenizer.convert_tokens_to_ids(token) for key, token in family.image_tokens.items()}
         return AutoConfig.for_model(**{**kwargs, "text_config": text}, **image, **ids)
     kwargs["vocab_size"] = max(kwargs.get("vocab_size", 0), len(tokenizer))
     return AutoConfig.for_model(**kwargs, **ids)
@@ -486,7 +568,7 @@ def config_for(family: Family, tokenizer) -> Any:
 def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write zoo model `name` (config, bf16-free fp32 safetensors, tokenizer) to `out_dir`; returns the path."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     family = FAMILIES[name]
     out = Path(out_dir)
@@ -494,7 +576,8 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(family)
     config = config_for(family, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if family.preprocessor else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     eos = [tokenizer.eos_token_id]
     if family.tokens.eot and family.tokens.eot != family.tokens.eos:  # instruct models stop at either
         eos.append(tokenizer.convert_tokens_to_ids(family.tokens.eot))
@@ -508,6 +591,8 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
         return out
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if family.preprocessor:
+        (out / "preprocessor_config.json").write_text(json.dumps(family.preprocessor, indent=2) + "\n")
     return out
 
 
@@ -531,7 +616,7 @@ def tokenizer(path: str | Path):
     return load_tokenizer(str(path))
 
 
-def build_all(root: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Path]:
+def build_all(root: str | Path, names: tuple[str, ...] = NAMES + VISION) -> dict[str, Path]:
     """Every zoo model under `root/<name>` (built once: an existing config.json is reused)."""
     root = Path(root)
     out = {}

@@ -413,7 +413,7 @@ def _check_nothing_dropped(messages: list[dict], tools: Any, out: list[Sample], 
         content = message.get("content")
         if message["role"] == "assistant":
             continue
-        parts = [p["text"] for p in content] if isinstance(content, list) else [content]
+        parts = [p.get("text") for p in content] if isinstance(content, list) else [content]  # images: no text
         for part in parts:
             if not isinstance(part, str) or not part.strip():
                 continue

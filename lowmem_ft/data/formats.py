@@ -188,9 +188,10 @@ def _content(value: Any, where: str, allow_empty: bool) -> str | list[dict]:
 
 
 def content_text(content: str | list[dict] | None) -> str:
-    """A turn's content as one string (its text parts joined by newlines), for checks and messages."""
+    """A turn's content as one string (its text parts joined by newlines; image parts have none), for checks and
+    messages."""
     if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
+        return "\n".join(part["text"] for part in content if "text" in part)
     return content or ""
 
 

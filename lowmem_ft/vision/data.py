@@ -1,0 +1,232 @@
+"""Vision-language data: TRL-style `messages` with `{"type": "image"}` parts plus an `images` column, tokenized with
+the image placeholders expanded to the tokens the processor makes, and the loss on the assistant's text only.
+
+    {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}],
+     "images": ["img/red.png"]}
+
+The conversation is rendered and masked by the text path (`lowmem_ft.data.chat`: the template's markers, TRL's
+training version, or turn by turn), so image rows get exactly the assistant masks text rows get. The template renders
+one placeholder per image (Qwen2.5-VL: `<|image_pad|>`); each is then repeated as many times as the processor will
+make tokens of that image (`lowmem_ft.vision.families`, from the image's pixel size and `vision.max_pixels`), and
+every repeated position is -100: image tokens are never labels. The collator turns the images into pixel values
+with the checkpoint's own image processor at the same cap and checks that it made the token count the sample holds.
+
+Our own reading rather than TRL's `DataCollatorForVisionLanguageModeling`: that collator needs the model's
+processor class, and Qwen2/2.5-VL's loads its video processor, which needs torchvision (not loadable beside the CPU
+build of torch); the PIL image processor transformers ships (`Qwen2VLImageProcessorPil`) needs nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_ft.data.chat import IGNORE, Renderer, SampleError, chat_template_for, labels_for, samples
+from lowmem_ft.errors import UserError
+from lowmem_ft.vision.families import QwenVLImages, VisionFamily
+from lowmem_ft.vision.images import BadImage, ImageFile, open_image
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VisionData:
+    """Tokenized image rows and the account of them."""
+
+    records: list[dict[str, Any]]  # input_ids, labels, images (absolute paths), image_tokens (per image)
+    rows: int = 0
+    skipped: Counter = field(default_factory=Counter)  # why → rows skipped (--skip-bad-lines)
+    too_long: int = 0  # samples dropped: longer than max_seq_len (never cut inside their image tokens)
+
+    def summary(self, max_pixels: int) -> dict[str, Any]:
+        per_sample = sorted(sum(r["image_tokens"]) for r in self.records)
+        images = sorted(len(r["images"]) for r in self.records)
+        lengths = sorted(len(r["input_ids"]) for r in self.records)
+
+        def pct(xs: list[int], q: float) -> int:
+            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
+
+        return {
+            "rows": self.rows,
+            "samples": len(self.records),
+            "images_per_sample": {"p50": pct(images, 0.5), "max": images[-1] if images else 0},
+            "image_tokens_per_sample": {
+                "p50": pct(per_sample, 0.5),
+                "p99": pct(per_sample, 0.99),
+                "max": per_sample[-1] if per_sample else 0,
+            },  # fmt: skip
+            "tokens_per_sample": {"p50": pct(lengths, 0.5), "max": lengths[-1] if lengths else 0},
+            "max_pixels": max_pixels,
+            "dropped_too_long": self.too_long,
+            "skipped": dict(self.skipped),
+        }
+
+
+def _rows(path: Path):
+    """(row number, record or the reason it is not one) of a JSONL file."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield number, f"not valid JSON ({exc.msg} at column {exc.colno})"
+                continue
+            yield number, record if isinstance(record, dict) else f"must be an object, got {type(record).__name__}"
+
+
+def _placeholders(messages: list[dict]) -> int:
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
+
+
+def _check_record(record: dict) -> tuple[list[dict], list[str]]:
+    messages, images = record.get("messages"), record.get("images", [])
+    if not isinstance(messages, list) or not messages:
+        raise BadImage("needs a non-empty 'messages' list")
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list):
+        raise BadImage(f"'images' must be a list of file names, got {type(images).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise BadImage(f"message {i + 1} needs a role of system, user or assistant")
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                    raise BadImage(f"message {i + 1}: content parts must be {{'type': 'text'|'image'}} objects")
+        elif not isinstance(content, str):
+            raise BadImage(f"message {i + 1}: content must be a string or a list of parts")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadImage("has no assistant message to learn")
+    n = _placeholders(messages)
+    if n != len(images):
+        raise BadImage(f"has {n} image placeholder(s) ({{'type': 'image'}} parts) but {len(images)} image(s)")
+    return messages, images
+
+
+def _expand(ids: list[int], labels: list[int], image_id: int, counts: list[int]) -> tuple[list[int], list[int]]:
+    """Each image placeholder repeated as many times as its image makes tokens, none of them labels."""
+    out_ids: list[int] = []
+    out_labels: list[int] = []
+    k = 0
+    for token, label in zip(ids, labels, strict=True):
+        if token == image_id:
+            out_ids += [image_id] * counts[k]
+            out_labels += [IGNORE] * counts[k]
+            k += 1
+        else:
+            out_ids.append(token)
+            out_labels.append(label)
+    if k != len(counts):
+        raise BadImage(f"the chat template rendered {k} image placeholder(s) for {len(counts)} image(s)")
+    return out_ids, out_labels
+
+
+def tokenize_row(
+    record: dict, base: Path, tokenizer, render: Renderer, family: VisionFamily, images: QwenVLImages,
+    max_pixels: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The samples of one row (one, or one per trained turn where the template is not prefix-stable). Raises
+    BadImage / SampleError."""
+    messages, names = _check_record(record)
+    files: list[ImageFile] = [open_image(name, base) for name in names]
+    counts = [images.tokens(f.height, f.width, max_pixels) for f in files]
+    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
+    out = []
+    for text, spans in samples({"messages": messages}, render):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        labels = labels_for(enc["input_ids"], enc["offset_mapping"], text, spans, render.template.masking)
+        k = enc["input_ids"].count(image_id)  # a sample cut at an earlier turn holds the images before it
+        ids, labels = _expand(enc["input_ids"], labels, image_id, counts[:k])
+        out.append({"input_ids": ids, "labels": labels, "images": [f.path for f in files[:k]],
+                    "image_tokens": counts[:k]})  # fmt: skip
+    return out
+
+
+def load_vision_data(
+    path: str | Path, tokenizer, family: VisionFamily, images: QwenVLImages, *, max_pixels: int, max_seq_len: int,
+    skip_bad_lines: bool = False,
+) -> VisionData:  # fmt: skip
+    """Every row of a JSONL file of image conversations, tokenized; one line naming the row for a bad one (or, with
+    `skip_bad_lines`, skipped and counted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file {path} not found")
+    render = Renderer(tokenizer, chat_template_for(tokenizer, train_on_prompt=False))
+    data = VisionData([])
+    for number, record in _rows(path):
+        data.rows += 1
+        try:
+            if isinstance(record, str):
+                raise BadImage(record)
+            for sample in tokenize_row(record, path.parent, tokenizer, render, family, images, max_pixels):
+                if len(sample["input_ids"]) > max_seq_len:  # never cut inside its image tokens: dropped, counted
+                    data.too_long += 1
+                elif any(label != IGNORE for label in sample["labels"]):
+                    data.records.append(sample)
+        except (BadImage, SampleError) as exc:
+            if not skip_bad_lines:
+                raise UserError(
+                    f"{path}: row {number}: {exc}; fix or remove the row (or pass --skip-bad-lines)"
+                ) from None
+            data.skipped[str(exc).split(" (")[0]] += 1
+            log.warning("%s: row %d skipped: %s", path, number, exc)
+    if data.too_long:
+        log.warning(
+            "%s: %d sample(s) longer than memory.max_seq_len=%d with their image tokens dropped (an image is never "
+            "cut); lower vision.max_pixels or raise memory.max_seq_len to keep them", path, data.too_long, max_seq_len,
+        )  # fmt: skip
+    if not data.records:
+        raise UserError(f"{path}: no trainable sample (rows {data.rows}, too long {data.too_long}, skipped "
+                        f"{sum(data.skipped.values())})")  # fmt: skip
+    return data
+
+
+class VisionCollator:
+    """Right-padded ids and labels, and the batch's images as the checkpoint's image processor makes them (at
+    `max_pixels`), concatenated as the model takes them (pixel_values rows of all images, one image_grid_thw each)."""
+
+    def __init__(self, image_processor, pad_token_id: int, images: QwenVLImages, max_pixels: int):
+        self.image_processor = image_processor
+        self.pad = pad_token_id
+        self.size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels}
+        self.merge = images.merge_size
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        from lowmem_ft.vision.images import load_rgb
+
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.full((len(features), width), self.pad, dtype=torch.long)
+        labels = torch.full((len(features), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(features), width), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[i, :n] = torch.tensor(f["input_ids"])
+            labels[i, :n] = torch.tensor(f["labels"])
+            mask[i, :n] = 1
+        batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        paths = [p for f in features for p in f["images"]]
+        if paths:
+            pixels = self.image_processor(images=[load_rgb(p) for p in paths], size=self.size, return_tensors="pt")
+            made = (pixels["image_grid_thw"].prod(-1) // self.merge**2).tolist()
+            expected = [t for f in features for t in f["image_tokens"]]
+            if made != expected:  # the arithmetic and the processor disagree: a bug, never trained through
+                raise RuntimeError(f"image processor made {made} tokens per image, the data holds {expected}")
+            batch["pixel_values"] = pixels["pixel_values"]
+            batch["image_grid_thw"] = pixels["image_grid_thw"]
+        return batch
