@@ -1,0 +1,64 @@
+"""The tiny Qwen2.5-VL checkpoint (built once per session) and image-chat data in the shape users bring: a JSONL
+file with `messages` + `images`, the images in a folder beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+RED, GREEN = (64, 48), (100, 60)  # pixel sizes: 2×2 and 2×4 merged tokens after smart_resize to multiples of 28
+ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]},
+        ],
+        "images": ["img/red.png"],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
+            {"role": "assistant", "content": "Red and green."},
+            {"role": "user", "content": "Which is wider?"},
+            {"role": "assistant", "content": "The green one."},
+        ],
+        "images": ["img/red.png", "img/green.jpg"],
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": [{"type": "text", "text": "Colour?"}, {"type": "image"}]},
+            {"role": "assistant", "content": "Green."},
+        ],
+        "images": ["img/green.jpg"],
+    },
+]
+
+
+@pytest.fixture(scope="session")
+def qwen_vl(tmp_path_factory) -> str:
+    from devkit.zoo import build
+
+    return str(build("qwen2.5-vl", tmp_path_factory.mktemp("zoo") / "qwen2.5-vl"))
+
+
+def write_images(folder: Path) -> None:
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", RED, (200, 10, 10)).save(folder / "img" / "red.png")
+    Image.new("RGB", GREEN, (10, 200, 10)).save(folder / "img" / "green.jpg")
+
+
+def write_rows(folder: Path, rows: list[dict], name: str = "vlm.jsonl", repeat: int = 1) -> Path:
+    write_images(folder)
+    path = folder / name
+    path.write_text("\n".join(json.dumps(r) for r in rows * repeat) + "\n")
+    return path
+
+
+@pytest.fixture
+def vlm_data(tmp_path) -> Path:
+    return write_rows(tmp_path, ROWS)

@@ -1,0 +1,41 @@
+"""The image-token arithmetic against the checkpoint's own image processor, and the one-line refusal of the rest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.vision.families import QwenVLImages, vision_family
+
+SIZES = [(48, 64), (480, 640), (1080, 1920), (28, 28), (10, 700), (3000, 4000), (57, 113)]
+
+
+@pytest.mark.parametrize("max_pixels", [None, 1280 * 28 * 28, 256 * 28 * 28])
+def test_tokens_per_image_are_the_processors(qwen_vl, max_pixels):
+    """Every (height, width) gives the patch grid Qwen2VLImageProcessorPil makes, at the shipped and capped max_pixels
+    (the issue's 640×480 → 34×46 patches, 391 tokens)."""
+    import numpy as np
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(qwen_vl)
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    images = QwenVLImages.from_preprocessor(json.loads((Path(qwen_vl) / "preprocessor_config.json").read_text()))
+    assert images.max_pixels == 12845056 and images.min_pixels == 3136
+    size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels or images.max_pixels}
+    for h, w in SIZES:
+        out = processor(images=[np.zeros((h, w, 3), dtype=np.uint8)], size=size, return_tensors="np")
+        t, gh, gw = out["image_grid_thw"][0].tolist()
+        assert out["pixel_values"].shape == (images.patches(h, w, max_pixels), images.patch_values), (h, w)
+        assert t * gh * gw // 4 == images.tokens(h, w, max_pixels), (h, w)
+    assert images.tokens(480, 640) == 391 and images.max_tokens() == 16384
+
+
+def test_other_vlms_are_one_line_naming_their_family():
+    assert vision_family("qwen2_5_vl").image_token == "<|image_pad|>"
+    with pytest.raises(UserError, match=r"does not train Gemma-3 on images yet .* supports Qwen2.5-VL"):
+        vision_family("gemma3", "google/gemma-3-4b-it")
+    with pytest.raises(UserError, match=r"does not train model_type 'fancy_vlm' on images"):
+        vision_family("fancy_vlm")
