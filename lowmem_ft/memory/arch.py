@@ -28,6 +28,7 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
+from lowmem_ft.memory.vision import VisionTower, qwen2_5_vl_tower
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Architecture:
     # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
     tower_params: int = 0
     tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
+    # a tower trained on images (Qwen2.5-VL, `lowmem_ft.memory.vision`): its shapes; None when text never runs it
+    vision: VisionTower | None = None
     moe: MoE | None = None  # the routed experts of a mixture of experts this memory model counts (see `MoE`)
 
     @classmethod
@@ -285,6 +288,15 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
         text = {"model_type": "gemma3_text", **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
         hidden = int(_with_class_defaults(text)["hidden_size"])
         return text, _gemma3_tower({**SIGLIP_DEFAULTS, **(config.get("vision_config") or {})}, hidden)
+    if wrapper == "qwen2_5_vl":  # the Hub's config.json keeps the text fields at its top; transformers 5 nests them
+        text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")}, **text}
+        text = {
+            **text,
+            "model_type": "qwen2_5_vl_text",
+            "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        }
+        hidden = int(text["hidden_size"])
+        return text, qwen2_5_vl_tower(dict(config.get("vision_config") or {}), hidden)
     if wrapper == "llama4":
         return {**text, "model_type": text.get("model_type", "llama4_text")}, {}
     if wrapper in NOT_CAUSAL_LM:

@@ -88,6 +88,9 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
                       class_defaults={"sliding_window": 4096}),
     "qwen2": Family(**_LLAMA_CHECKED, native=True, chunked_loss_verified=True, sliding="use_sliding_window",
                     qkv_bias_always=True, o_bias_key=""),
+    # Qwen2.5-VL's decoder (modeling_qwen2_5_vl.py Qwen2_5_VLTextModel): Qwen2's block; its M-RoPE changes no weight
+    "qwen2_5_vl_text": Family(**_LLAMA_CHECKED, native=True, sliding="use_sliding_window", qkv_bias_always=True,
+                              o_bias_key=""),
     "qwen3": Family(**_LLAMA_CHECKED, native=True, chunked_loss_verified=True, sliding="use_sliding_window",
                     qk_norm="always", class_defaults=_HEAD_DIM_128),
     "gemma": Family(**_LLAMA_CHECKED, **_GEMMA, native=True, class_defaults={"head_dim": 256}),

@@ -561,6 +561,19 @@ class GrpoSection:
 
 
 @dataclass
+class VisionSection:
+    """Images in the data (a vision-language checkpoint, lowmem_ft.vision); ignored by text-only models."""
+
+    max_pixels: int = _f(
+        0,
+        "The most pixels one image keeps (the processor's max_pixels: an image is resized to fit, aspect kept, and "
+        "becomes up to max_pixels / 784 tokens on Qwen2.5-VL). 0: the planner picks it from the data's images and "
+        "the VRAM target, capped by the checkpoint's preprocessor_config.json.",
+        ge=0,
+    )
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     adapter: AdapterSection = field(default_factory=AdapterSection)
@@ -571,6 +584,7 @@ class Recipe:
     logging: LoggingSection = field(default_factory=LoggingSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     grpo: GrpoSection = field(default_factory=GrpoSection)
+    vision: VisionSection = field(default_factory=VisionSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Recipe)}  # type: ignore[misc]

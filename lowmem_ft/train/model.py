@@ -152,11 +152,14 @@ HUB_KERNELS_OFF = {"use_kernels": False}
 def load_model(recipe: Recipe, device: str | None = None):
     """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from lowmem_ft import native
+    from lowmem_ft.vision.families import VISION_FAMILIES
 
     config = load_config(recipe)  # a clear error before any weight is read
+    # a vision-language checkpoint trained on images (Qwen2.5-VL): AutoModelForCausalLM refuses its config
+    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
     m = recipe.model
     kwargs: dict[str, Any] = dict(
         dtype=torch_dtype(m.compute_dtype),
@@ -177,14 +180,14 @@ def load_model(recipe: Recipe, device: str | None = None):
             raise UserError(_load_error(m.name_or_path, exc)) from None
     try:
         with native.remote_code_errors(m.name_or_path, m.trust_remote_code):
-            return AutoModelForCausalLM.from_pretrained(m.name_or_path, **kwargs)
+            return auto.from_pretrained(m.name_or_path, **kwargs)
     except ImportError as exc:
         if kwargs["attn_implementation"] != "flash_attention_2":
             raise UserError(f"cannot load '{m.name_or_path}': {_first_line(exc)}") from None
         # flash-attn missing here: SDPA (or the family's fallback) keeps the same memory profile (no s² scores)
         sdpa = attention(replace(recipe, model=replace(m, attn_implementation="sdpa")), config)
         log.warning("model.attn_implementation=flash_attention_2: %s; loading with %s", _first_line(exc), sdpa)
-        return AutoModelForCausalLM.from_pretrained(m.name_or_path, **{**kwargs, "attn_implementation": sdpa})
+        return auto.from_pretrained(m.name_or_path, **{**kwargs, "attn_implementation": sdpa})
     except (OSError, ValueError, SafetensorError) as exc:
         if "attention implementation" in str(exc):  # refused by a family not in arch.NO_SDPA: say which
             raise UserError(

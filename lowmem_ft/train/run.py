@@ -199,9 +199,14 @@ class FineTune:
     def _setup_data(self) -> None:
         from lowmem_ft.data.prepare import pack, prepare_datasets
         from lowmem_ft.train.model import load_tokenizer
+        from lowmem_ft.vision.setup import vision_of
 
         self.tokenizer = load_tokenizer(self.recipe)
-        if self.grpo:
+        self.vision = vision_of(self.recipe) if self.recipe.training.method == "sft" else None
+        if self.vision is not None:  # image chats (lowmem_ft.vision): its own reading and collator
+            self.train_ds, self.eval_ds, self.data_summary = self.vision.prepare(self.recipe, self.tokenizer)
+            self.args.remove_unused_columns = False  # the collator reads the image files column
+        elif self.grpo:
             from lowmem_ft.train.methods.grpo import prepare_data, reward_functions
 
             self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
@@ -303,6 +308,8 @@ class FineTune:
             from lowmem_ft.train.methods.preference import trainer_for
 
             trainer_class, extra = trainer_for(self.recipe)
+        if self.vision is not None:  # the batch's images → pixel values, at the run's resolution cap
+            extra["data_collator"] = self.vision.collator(self.recipe, self.tokenizer)
         self.trainer = trainer_class(
             **extra,
             model=self.model,

@@ -199,8 +199,9 @@ class VisionCollator:
     """Right-padded ids and labels, and the batch's images as the checkpoint's image processor makes them (at
     `max_pixels`), concatenated as the model takes them (pixel_values rows of all images, one image_grid_thw each)."""
 
-    def __init__(self, image_processor, pad_token_id: int, images: QwenVLImages, max_pixels: int):
+    def __init__(self, image_processor, pad_token_id: int, images: QwenVLImages, max_pixels: int, files="images"):
         self.image_processor = image_processor
+        self.files = files  # the column of image paths (`image_files` in a trainer's dataset: TRL reads `images`)
         self.pad = pad_token_id
         self.size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels}
         self.merge = images.merge_size
@@ -220,7 +221,7 @@ class VisionCollator:
             labels[i, :n] = torch.tensor(f["labels"])
             mask[i, :n] = 1
         batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        paths = [p for f in features for p in f["images"]]
+        paths = [p for f in features for p in f[self.files]]
         if paths:
             pixels = self.image_processor(images=[load_rgb(p) for p in paths], size=self.size, return_tensors="pt")
             made = (pixels["image_grid_thw"].prod(-1) // self.merge**2).tolist()

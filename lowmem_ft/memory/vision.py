@@ -1,0 +1,77 @@
+"""The vision tower of a vision-language model, for the memory model: its weights, and what running it frozen
+leaves alive. Pure arithmetic over config.json (no torch).
+
+Qwen2.5-VL (modeling_qwen2_5_vl.py, transformers 5.24): `model.visual` is a Conv3d patch embedding without bias
+(channels × temporal_patch × patch² → hidden), `depth` blocks of RMSNorm → qkv (hidden → 3·hidden, bias) → proj
+(bias) → RMSNorm → gate/up (hidden → intermediate, bias) → down (bias), and the patch merger: an RMSNorm of hidden,
+Linear(4·hidden → 4·hidden) → GELU → Linear(4·hidden → out_hidden_size), both with bias. The count equals the model
+transformers builds (tests/memory/test_vision.py).
+
+Frozen (the only way lowmem-ft trains it): no parameter of the tower requires grad and pixel values do not either,
+so its forward records no graph and every activation is freed as it goes; what stays is the merged image features
+(image tokens × out_hidden in the compute dtype), scattered into the decoder's input embeddings, which the decoder
+terms already count over text + image tokens. The pixel values themselves are part of the batch: rows of
+channels × temporal_patch × patch² numbers (fp32 from the processor) per 14×14 patch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lowmem_ft.memory.blocks import Linear
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The shapes of a Qwen2.5-VL vision tower."""
+
+    hidden: int
+    intermediate: int
+    depth: int
+    heads: int
+    out_hidden: int
+    patch_values: int  # numbers per patch row of pixel_values: channels × temporal patch × patch²
+    merge: int  # spatial merge: merge² patches → one token
+
+    @classmethod
+    def qwen2_5_vl(cls, vision: dict[str, Any], text_hidden: int) -> VisionTower:
+        patch, temporal = int(vision.get("patch_size", 14)), int(vision.get("temporal_patch_size", 2))
+        channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
+        return cls(
+            hidden=int(vision.get("hidden_size", 3584)),
+            intermediate=int(vision.get("intermediate_size", 3420)),
+            depth=int(vision.get("depth", 32)),
+            heads=int(vision.get("num_heads", 16)),
+            out_hidden=int(vision.get("out_hidden_size", text_hidden)),
+            patch_values=channels * temporal * patch * patch,
+            merge=int(vision.get("spatial_merge_size", 2)),
+        )
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        h, i, m = self.hidden, self.intermediate, self.hidden * self.merge**2
+        block = (
+            Linear("qkv", h, 3 * h, True),
+            Linear("proj", h, h, True),
+            Linear("gate_proj", h, i, True),
+            Linear("up_proj", h, i, True),
+            Linear("down_proj", i, h, True),
+        )
+        return block * self.depth + (Linear("0", m, m, True), Linear("2", m, self.out_hidden, True))
+
+    @property
+    def params(self) -> int:
+        norms = 2 * self.depth * self.hidden + self.hidden  # norm1/norm2 per block, the merger's ln_q
+        return self.patch_values * self.hidden + sum(lin.params for lin in self.linears) + norms
+
+    def pixel_bytes(self, patches: int) -> int:
+        """The batch's pixel_values: fp32 rows of `patch_values` per patch (the image processor's output)."""
+        return 4 * patches * self.patch_values
+
+
+def qwen2_5_vl_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """The Architecture fields of Qwen2.5-VL's tower: its parameters and nn.Linear layers (bitsandbytes quantizes
+    them with the decoder's under 4-/8-bit loading)."""
+    tower = VisionTower.qwen2_5_vl(vision, text_hidden)
+    return {"tower_params": tower.params, "tower_linears": tower.linears, "vision": tower}

@@ -1,0 +1,128 @@
+"""A run's vision-language side, decided once from the recipe: the family, the image arithmetic, the resolution cap
+(`vision.max_pixels`) and why, the data and its collator. `plan`, `train` and `data` all ask `vision_of(recipe)`,
+so they agree on the cap and on every sample's image tokens.
+
+The cap: `vision.max_pixels` when the recipe sets it, else the smaller of the checkpoint's own
+(preprocessor_config.json; Qwen2.5-VL ships 12,845,056 pixels = 16,384 tokens per image) and `DEFAULT_MAX_PIXELS`,
+1280·28·28 — the cap Qwen's model card recommends ("min_pixels = 256*28*28, max_pixels = 1280*28*28", Qwen2.5-VL-7B-
+Instruct README). An image at the shipped cap can make one sample's logits alone 16,384 × 152,064 × 4 bytes = 9.3 GB
+in fp32; at 1280 tokens they are 0.7 GB. The planner then sizes `memory.max_seq_len` from the data's lengths *with*
+their image tokens (`profile`); samples longer than it are dropped and counted, never cut inside an image.
+
+Not done here: choosing the cap jointly with the batch and the savers against the VRAM target (the cap is fixed before
+planning), and `vision.train` (the tower is always frozen).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowmem_ft.errors import UserError
+from lowmem_ft.vision.families import KNOWN_VLMS, QwenVLImages, VisionFamily, image_arithmetic, vision_family
+
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+
+
+@dataclass(frozen=True)
+class VisionSetup:
+    family: VisionFamily
+    images: QwenVLImages  # the checkpoint's processor, as numbers
+    max_pixels: int  # the cap this run resizes to
+    why: str  # how the cap was chosen, for the plan and the banner
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        return self.images.max_tokens(self.max_pixels)
+
+    def load(self, recipe, tokenizer):
+        from lowmem_ft.vision.data import load_vision_data
+
+        path = recipe.data.path
+        if not path or recipe.data.mix or not str(path).endswith(".jsonl"):
+            raise UserError(
+                "vision-language training reads one JSONL file of messages + images: pass --data FILE.jsonl"
+            )
+        return load_vision_data(
+            path, tokenizer, self.family, self.images, max_pixels=self.max_pixels,
+            max_seq_len=recipe.memory.max_seq_len if recipe.memory.max_seq_len else 1 << 30,
+            skip_bad_lines=recipe.data.skip_bad_lines,
+        )  # fmt: skip
+
+    def profile(self, recipe, tokenizer):
+        """The data's token lengths with their image tokens at this cap (before any max_seq_len)."""
+        from dataclasses import replace
+
+        from lowmem_ft.data.profile import LengthProfile
+
+        data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), tokenizer)
+        return LengthProfile.from_lengths([len(r["input_ids"]) for r in data.records])
+
+    def prepare(self, recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
+        """(train dataset, eval dataset (None), data summary) for the trainer; the images stay files until the
+        collator opens them."""
+        from datasets import Dataset
+
+        data = self.load(recipe, tokenizer)
+        rows = [
+            {"input_ids": r["input_ids"], "labels": r["labels"], "image_files": r["images"],
+             "image_tokens": r["image_tokens"]}
+            for r in data.records
+        ]  # fmt: skip
+        summary = {
+            "format": "messages + images",
+            "loss_on": "assistant turns",
+            "vision": data.summary(self.max_pixels) | {"max_pixels_why": self.why},
+            "records": len(rows),
+        }
+        return Dataset.from_list(rows), None, summary
+
+    def collator(self, recipe, tokenizer):
+        from transformers import AutoImageProcessor
+
+        from lowmem_ft.vision.data import VisionCollator
+
+        processor = AutoImageProcessor.from_pretrained(recipe.model.name_or_path)
+        return VisionCollator(processor, tokenizer.pad_token_id, self.images, self.max_pixels, files="image_files")
+
+
+def _preprocessor(model: str) -> dict[str, Any]:
+    path = Path(model) / "preprocessor_config.json"
+    if Path(model).is_dir():
+        if not path.is_file():
+            raise UserError(f"model {model}: a vision-language checkpoint without preprocessor_config.json")
+        return json.loads(path.read_text(encoding="utf-8"))
+    from lowmem_ft.memory.arch import catalog_entry
+
+    entry = catalog_entry(model)
+    return (entry[1].get("preprocessor") if entry else None) or {}
+
+
+def vision_of(recipe) -> VisionSetup | None:
+    """The run's vision side when the recipe's model is a vision-language checkpoint lowmem-ft trains on images;
+    None for a text model. Any other VLM (but Gemma-3, trained as text) is one line naming its family."""
+    from lowmem_ft.memory.arch import load_config_dict
+
+    model = recipe.model.name_or_path
+    config, _ = load_config_dict(model)
+    model_type = str(config.get("model_type", ""))
+    if model_type not in KNOWN_VLMS and model_type not in ("qwen2_5_vl",):
+        return None
+    if model_type == "gemma3":  # trained as text (its tower loaded, never run), as before
+        return None
+    family = vision_family(model_type, model)
+    images = image_arithmetic(_preprocessor(model))
+    asked = recipe.vision.max_pixels
+    if asked:
+        why = f"vision.max_pixels={asked} as set (≤ {images.max_tokens(asked)} tokens per image)"
+        return VisionSetup(family, images, asked, why)
+    cap = min(images.max_pixels, DEFAULT_MAX_PIXELS)
+    why = (
+        f"vision.max_pixels {cap} (≤ {images.max_tokens(cap)} tokens per image): the checkpoint's {images.max_pixels} "
+        f"would let one image become {images.max_tokens()} tokens"
+        if cap < images.max_pixels
+        else f"vision.max_pixels {cap}: the checkpoint's own (≤ {images.max_tokens(cap)} tokens per image)"
+    )
+    return VisionSetup(family, images, cap, why)
