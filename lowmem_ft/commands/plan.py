@@ -108,11 +108,17 @@ def run(args: argparse.Namespace) -> int:
             output.write_text(dump(recipe, header=f"planned by lowmem-ft plan for --vram {args.vram:g}"), "utf-8")
         except OSError as exc:
             raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+    from lowmem_ft.vision.setup import vision_lines, vision_of
+
+    vision = vision_of(recipe)  # image chats: the resolution cap chosen and the image tokens per sample
+    described = vision.describe(recipe) if vision is not None else None
     if args.json:
-        print(json.dumps(choice.plan_record(recipe), indent=2))
+        print(json.dumps(choice.plan_record(recipe) | ({"vision": described} if described else {}), indent=2))
     else:
         if not getattr(args, "printed", False):
             print_plan(choice.plan, recipe)
+        if described:
+            print("\n".join(vision_lines(described)))
         if recipe.training.method == "grpo":
             print_grpo(choice.plan, recipe)
         elif recipe.training.method != "sft":

@@ -232,7 +232,10 @@ class Architecture:
         gqa = f", GQA {self.num_heads}/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         tied = ", tied embeddings" if self.tie_embeddings else ""
         tower = (
-            f", {self.tower_params / 1e9:.2f}B of them a vision tower (loaded, not run)" if self.tower_params else ""
+            f", {self.tower_params / 1e9:.2f}B of them a vision tower "
+            f"({'run frozen on the images' if self.vision else 'loaded, not run'})"
+            if self.tower_params
+            else ""
         )
         return (
             f"{self.name or self.model_type}: {self.total_params / 1e9:.2f}B params, {self.num_layers} layers, "

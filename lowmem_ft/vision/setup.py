@@ -79,6 +79,19 @@ class VisionSetup:
         }
         return Dataset.from_list(rows), None, summary
 
+    def describe(self, recipe) -> dict[str, Any]:
+        """What `plan` says about the images: the cap and why, and with data the image tokens per sample."""
+        out: dict[str, Any] = {"max_pixels": self.max_pixels, "max_tokens_per_image": self.max_tokens_per_image,
+                               "why": self.why}  # fmt: skip
+        if recipe.data.path:
+            from dataclasses import replace
+
+            from lowmem_ft.train.model import load_tokenizer
+
+            data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), load_tokenizer(recipe))
+            out["data"] = data.summary(self.max_pixels)
+        return out
+
     def collator(self, recipe, tokenizer):
         from transformers import AutoImageProcessor
 
@@ -86,6 +99,20 @@ class VisionSetup:
 
         processor = AutoImageProcessor.from_pretrained(recipe.model.name_or_path)
         return VisionCollator(processor, tokenizer.pad_token_id, self.images, self.max_pixels, files="image_files")
+
+
+def vision_lines(described: dict[str, Any]) -> list[str]:
+    """The plan's lines about the images (`VisionSetup.describe`)."""
+    lines = [f"  images   {described['why']}"]
+    data = described.get("data")
+    if data:
+        t, n = data["image_tokens_per_sample"], data["images_per_sample"]
+        lines.append(
+            f"           image tokens per sample p50 {t['p50']}, p99 {t['p99']}, max {t['max']} "
+            f"({n['p50']} image(s) per sample at p50, {n['max']} at most); "
+            f"samples p50 {data['tokens_per_sample']['p50']} tokens with their images"
+        )
+    return lines
 
 
 def _preprocessor(model: str) -> dict[str, Any]:

@@ -16,11 +16,14 @@ from lowmem_ft.memory.arch import Architecture, catalog, load_architecture, nati
 def _transformers_count(config: dict) -> int:
     """Parameters of the transformers model built from `config` on the meta device (no memory, exact shapes)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from lowmem_ft.vision.families import VISION_FAMILIES
 
     cfg = AutoConfig.for_model(**config)
+    auto = AutoModelForImageTextToText if config["model_type"] in VISION_FAMILIES else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 

@@ -1,0 +1,71 @@
+"""`lowmem-ft train --vram 8` on the tiny Qwen2.5-VL checkpoint with image chats, as a user runs it, on the CPU: it
+trains (loss falls), the adapter is on the language model only, the exact live bytes agree with the memory model
+within 8 %, `plan` names the resolution cap and the image tokens per sample, and a truncated image is one line, exit
+code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lowmem_ft.cli import main
+from tests.vision.conftest import ROWS, write_rows
+
+MEMORY_TOLERANCE = 0.08
+
+
+def _argv(model: str, data: Path, out: Path, name: str) -> list[str]:
+    argv = ["train", "--vram", "8", "--model", model, "--data", str(data), "--name", name, "--no-wandb"]
+    for kv in ("training.max_steps=6", "training.logging_steps=1", "memory.gradient_accumulation=1",
+               "optimizer.lr=0.03", "optimizer.warmup_ratio=0", f"training.output_dir={out}"):  # fmt: skip
+        argv += ["--set", kv]
+    return argv
+
+
+@pytest.mark.slow
+def test_train_on_images_fits_its_prediction(qwen_vl, tmp_path, capsys):
+    data = write_rows(tmp_path, ROWS, repeat=4)
+    assert main(_argv(qwen_vl, data, tmp_path / "runs", "vlm")) == 0
+    run = tmp_path / "runs" / "vlm"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["global_step"] == 6 and metrics["last_loss"] < metrics["first_loss"]
+    info = json.loads((run / "run.json").read_text())
+    vision = info["data"]["vision"]
+    assert vision["max_pixels"] == 1280 * 28 * 28 and vision["image_tokens_per_sample"]["max"] == 12
+
+    from safetensors import safe_open
+
+    with safe_open(run / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        keys = list(saved.keys())
+    assert keys and all("language_model" in k for k in keys), [k for k in keys if "language_model" not in k][:3]
+
+    samples = [json.loads(line) for line in (run / "memory.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s.get("phase") in ("forward", "backward") and s.get("predicted_peak_live_gb")]
+    assert trained
+    peak = max(trained, key=lambda s: s["peak_live_gb"])
+    assert abs(peak["peak_live_gb"] / peak["predicted_peak_live_gb"] - 1) <= MEMORY_TOLERANCE, peak
+    assert max(s["batch"][1] for s in trained) > 60  # sequences of text + image tokens ran
+
+    capsys.readouterr()
+    assert main(["plan", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["vision"]["max_tokens_per_image"] == 1280
+    assert plan["vision"]["data"]["image_tokens_per_sample"] == {"p50": 8, "p99": 12, "max": 12}
+
+
+def test_a_truncated_image_is_one_line_exit_2(qwen_vl, tmp_path, capsys):
+    data = write_rows(tmp_path, ROWS)
+    whole = (tmp_path / "img" / "green.jpg").read_bytes()
+    (tmp_path / "img" / "green.jpg").write_bytes(whole[: len(whole) // 3])
+    assert main(_argv(qwen_vl, data, tmp_path / "runs", "bad")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 2: image 'img/green.jpg' is truncated or undecodable" in err[0], err
+
+
+def test_plan_of_the_hub_checkpoint_offline_names_the_cap(capsys):
+    assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower" in out or "vision.max_pixels 1003520 (≤ 1280 tokens per image)" in out
+    assert "12845056 would let one image become 16384 tokens" in out
