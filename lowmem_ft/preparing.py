@@ -164,12 +164,12 @@ def _data_profile(request: TrainRequest):
     after the inputs of the recipe planning starts from are checked: the model, data and output directory are the
     ones the planned recipe keeps."""
     from lowmem_ft.choosing import start_recipe, target_for
-    from lowmem_ft.data import length_profile
+    from lowmem_ft.vision.setup import run_profile
 
     start = start_recipe(request.vram_gb, request.recipe, request.overrides, request.origins)
     target_for(request.vram_gb, start)  # --vram above the recipe's margin, before the data is tokenized
     check_inputs(start)
-    return length_profile(start)
+    return run_profile(start)  # image chats: with their image tokens
 
 
 def check_inputs(recipe: Recipe, run_dir: Path | None = None, flag: str = "--resume") -> None:

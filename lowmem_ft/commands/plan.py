@@ -76,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
     overrides = merge(parse_overrides(args.overrides), keys)
     profile = None
     if args.data:
-        from lowmem_ft.data import check_source, length_profile
+        from lowmem_ft.data import check_source
 
         start = start_recipe(args.vram, args.recipe, overrides, origins)
         check_source(start)
-        profile = length_profile(start)
+        from lowmem_ft.vision.setup import run_profile
+
+        profile = run_profile(start)  # image chats: with their image tokens
 
     def plan(overrides: dict):
         return choose_recipe(

@@ -264,11 +264,6 @@ def length_profile(
     data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
     m = recipe.model
     tokenizer = tokenizer or load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
-    from lowmem_ft.vision.setup import vision_of
-
-    vision = vision_of(recipe)
-    if vision is not None:  # image chats: lengths with their image tokens at the run's resolution cap
-        return vision.profile(replace(recipe, data=data), tokenizer)
     if recipe.training.method == "grpo":
         return prompt_profile(replace(recipe, data=data), tokenizer)
     if recipe.training.method != "sft":

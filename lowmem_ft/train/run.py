@@ -353,7 +353,7 @@ class FineTune:
         view = RunView(
             self.recipe.training.method, self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
             world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
-            run_dir=str(self.run.path),
+            run_dir=str(self.run.path), images=self.vision.banner(self.data_summary) if self.vision else "",
         )  # fmt: skip
         return PlanBanner(view, tensorboard_dir=str(self.run.tensorboard))
 

@@ -86,11 +86,19 @@ class VisionSetup:
         if recipe.data.path:
             from dataclasses import replace
 
-            from lowmem_ft.train.model import load_tokenizer
-
-            data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), load_tokenizer(recipe))
+            data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), _tokenizer(recipe))
             out["data"] = data.summary(self.max_pixels)
         return out
+
+    def banner(self, summary: dict[str, Any]) -> str:
+        """The banner's images line: images per sample, image tokens per sample and the cap (`prepare`'s summary)."""
+        v = summary["vision"]
+        n, t = v["images_per_sample"], v["image_tokens_per_sample"]
+        return (
+            f"{n['p50']} per sample at p50 ({n['max']} at most), {t['p50']} image tokens per sample at p50 "
+            f"({t['max']} at most); ≤ {self.max_tokens_per_image} tokens per image at vision.max_pixels "
+            f"{self.max_pixels}"
+        )
 
     def collator(self, recipe, tokenizer):
         from transformers import AutoImageProcessor
@@ -113,6 +121,24 @@ def vision_lines(described: dict[str, Any]) -> list[str]:
             f"samples p50 {data['tokens_per_sample']['p50']} tokens with their images"
         )
     return lines
+
+
+def _tokenizer(recipe):
+    from lowmem_ft.data.tokenize import load_tokenizer
+
+    m = recipe.model
+    return load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
+
+
+def run_profile(recipe):
+    """The length profile the planner sizes `memory.max_seq_len` from: of image chats with their image tokens at the
+    run's resolution cap when the model is a vision-language checkpoint (`vision_of`), else the text path's."""
+    vision = vision_of(recipe)
+    if vision is None:
+        from lowmem_ft.data import length_profile
+
+        return length_profile(recipe)
+    return vision.profile(recipe, _tokenizer(recipe))
 
 
 def _preprocessor(model: str) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class RunView:
     machine_ram_gb: float | None = None
     run_dir: str = ""
     trackers: tuple[str, ...] = ()  # "W&B offline: <dir>", "TensorBoard: <dir>", …
+    images: str = ""  # image chats: images per batch, tokens per image, the resolution cap (`lowmem_ft.vision`)
 
     def lines(self) -> list[str]:
         r = self.recipe
@@ -94,6 +95,8 @@ class RunView:
             f"  savers   {', '.join(savers_on(r)) or 'none'}",
             f"  memory   {self._memory()}",
         ]
+        if self.images:
+            out.insert(4, f"  images   {self.images}")
         host = self._host()
         if host:
             out.append(f"  host     {host}")
