@@ -310,6 +310,8 @@ class FineTune:
             trainer_class, extra = trainer_for(self.recipe)
         if self.vision is not None:  # the batch's images → pixel values, at the run's resolution cap
             extra["data_collator"] = self.vision.collator(self.recipe, self.tokenizer)
+            if self.monitor.exact is not None:  # the pixel values the trainer holds are the run's too
+                self.monitor.exact.pixels_held = extra["data_collator"].pixels_held
         self.trainer = trainer_class(
             **extra,
             model=self.model,

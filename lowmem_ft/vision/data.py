@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,11 @@ class VisionCollator:
         self.pad = pad_token_id
         self.size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels}
         self.merge = images.merge_size
+        self.made: deque[int] = deque(maxlen=256)  # bytes of pixel values of each batch made, newest last
+
+    def pixels_held(self, batches: int) -> int:
+        """Bytes of pixel values in the last `batches` batches made (what a trainer holding them keeps alive)."""
+        return sum(list(self.made)[-batches:])
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
@@ -230,4 +235,6 @@ class VisionCollator:
                 raise RuntimeError(f"image processor made {made} tokens per image, the data holds {expected}")
             batch["pixel_values"] = pixels["pixel_values"]
             batch["image_grid_thw"] = pixels["image_grid_thw"]
+        values = batch.get("pixel_values")
+        self.made.append(values.numel() * values.element_size() if values is not None else 0)
         return batch

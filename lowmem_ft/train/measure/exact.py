@@ -74,6 +74,8 @@ class ExactMemory:
     extra_roots: list = field(default_factory=list)
     grpo: Any = None  # a GRPO run's round (`memory.grpo.GrpoShape`, P = the data's longest prompt); None otherwise
     paused: bool = False  # inside GRPO's generation and scoring: their forwards are not training forwards
+    # image chats: bytes of pixel values in the last N batches the collator made (`lowmem_ft.vision.data`)
+    pixels_held: Any = None
     _meter: PeakMemory | None = field(default=None, init=False, repr=False)
     _hooks: list = field(default_factory=list, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -91,7 +93,6 @@ class ExactMemory:
         self._optimizer = None
         self._base = None
         self._round: tuple[int, int, int] | None = None  # GRPO: rows, prompt width, completion width that ran
-        self._pixels = 0  # bytes of the last training forward's pixel_values (image chats)
 
     @classmethod
     def for_recipe(cls, recipe, eval_batch: int, processes: int = 1, config=None, prompt_len: int = 0) -> ExactMemory:
@@ -202,8 +203,6 @@ class ExactMemory:
             self._eval = batch
             return
         self._train = batch
-        pixels = kwargs.get("pixel_values")  # image chats (lowmem_ft.vision): the batch's fp32 pixel rows
-        self._pixels = int(pixels.numel() * pixels.element_size()) if pixels is not None else 0
         self._labelled = labelled_positions(kwargs) if self.setup.loss_impl == "chunked" else None
         self._grads = any(p.grad is not None for p in self._trainable)
         checkpointing = getattr(self._base, "is_activation_checkpointing", None)
@@ -225,10 +224,13 @@ class ExactMemory:
         if what != "optimizer step":
             out["batch"] = list(batch)
         if self.arch is not None:
-            # Image chats: the pixel values of the batch in the step and of the one accelerate's loader has already
-            # collated (DataLoaderShard iterates one batch ahead), that one taken as large as this one (an estimate;
-            # found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144 patch rows × 4,704 B over)
-            pixels = 2 * self._pixels / GB if what != "eval" else 0.0
+            # Image chats: the pixel values the run holds besides the model's tensors: every micro batch of the
+            # optimizer step (transformers' Trainer collates them all before the first, `get_batch_samples`, and
+            # holds them to the step's end) and the one accelerate's loader collated ahead (DataLoaderShard iterates
+            # one batch ahead): the last gradient_accumulation + 1 batches the collator made, as it made them.
+            # Found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144 patch rows × 4,704 B over.
+            held = self.setup.gradient_accumulation + 1
+            pixels = self.pixels_held(held) / GB if self.pixels_held is not None and what != "eval" else 0.0
             out["predicted_peak_live_gb"] = round(self._predict(what, batch) + pixels, 6)
         return out
 

@@ -1,0 +1,45 @@
+"""Qwen2.5-VL's vision tower as the memory model counts it, against the model transformers builds: every parameter
+and every nn.Linear (what bitsandbytes quantizes), on the zoo checkpoint and the catalog's 7B config."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowmem_ft.memory.arch import Architecture, catalog, load_architecture
+
+
+def _model(config: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
+
+
+@pytest.mark.parametrize("source", ["zoo", "Qwen/Qwen2.5-VL-7B-Instruct"])
+def test_tower_weights_and_linears_are_transformers(source, tmp_path):
+    import torch
+
+    if source == "zoo":
+        from devkit.zoo import FAMILIES, build_tokenizer, config_for
+
+        family = FAMILIES["qwen2.5-vl"]
+        config = config_for(family, build_tokenizer(family)).to_dict()
+    else:
+        config = catalog()[source]["config"]
+    arch = Architecture.from_config(config, name=source)
+    model = _model(config)
+    visual = [(n, p) for n, p in model.named_parameters() if ".visual." in n]
+    assert arch.tower_params == sum(p.numel() for _, p in visual) > 0
+    assert arch.total_params == sum(p.numel() for p in model.parameters())
+    linears = [m for n, m in model.named_modules() if ".visual." in n and isinstance(m, torch.nn.Linear)]
+    assert sorted((m.in_features, m.out_features) for m in linears) == sorted(
+        (lin.in_features, lin.out_features) for lin in arch.tower_linears
+    )
+    assert arch.vision is not None and arch.model_type == "qwen2_5_vl_text"
+
+
+def test_the_7b_tower_is_its_published_share():
+    arch = load_architecture("Qwen/Qwen2.5-VL-7B-Instruct")
+    assert arch.total_params == 8_292_166_656 and arch.tower_params == 676_550_144
+    assert "run frozen on the images" in arch.summary()
