@@ -107,7 +107,7 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
     return run, recipe, choice.resumed(str(run.recipe_file))
 
 
-def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan) -> tuple[Recipe, Choice]:
+def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan, overrides: dict) -> tuple[Recipe, Choice]:
     """--verify: the plan's step traced at full size before any weight is read; over the budget, planned again."""
     from lowmem_ft.recipe.load import merge
     from lowmem_ft.train.trace.verify import margin_override, verified
@@ -115,7 +115,7 @@ def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan) -> tupl
     if request.vram_gb is None or request.gpus * request.nodes > 1:
         raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")
     print(f"tracing the training step of the plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
-    again = lambda margin: plan(merge(request.overrides, margin_override(margin)))  # noqa: E731
+    again = lambda margin: plan(merge(overrides, margin_override(margin)))  # noqa: E731
     recipe, choice, _ = verified(recipe, choice, again, print)
     return recipe, choice
 
@@ -123,24 +123,29 @@ def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan) -> tupl
 def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
     """The recipe for a new run and the record of why: planned for --vram from the data's length profile (its inputs
     checked before the data is read), else the recipe as given (checked, and its length within the model's)."""
-    profile = _data_profile(request) if request.vram_gb is not None else None
+    profile = None
 
-    def plan(overrides: dict) -> tuple[Recipe, Choice]:
+    def plan(overrides: dict, profile_=None) -> tuple[Recipe, Choice]:
         return choose_recipe(
             vram_gb=request.vram_gb,
             recipe=request.recipe,
             overrides=overrides,
             origins=request.origins,
-            profile=profile,
+            profile=profile_ or profile,
             gpus=request.gpus * request.nodes,  # the plan is per device; the world size divides the shards
             nodes=request.nodes,  # ... and each node's host RAM holds its own --gpus processes
             strategy=request.strategy,
             offload=request.offload or None,  # not given: the planner may offload as its last step
         )
 
-    recipe, choice = plan(request.overrides)
+    overrides = request.overrides
+    if request.vram_gb is not None:  # image chats: the resolution cap is chosen with the plan (`choose_cap`)
+        overrides, profile, why = _data_profile(request, plan)
+        if why:
+            log.info("images: %s", why)
+    recipe, choice = plan(overrides)
     if request.verify:
-        recipe, choice = _verify(request, recipe, choice, plan)
+        recipe, choice = _verify(request, recipe, choice, plan, overrides)
     if request.vram_gb is None:  # not planned: the recipe's length as given, within the model's positions
         check_inputs(recipe)
         length, model = recipe.memory.max_seq_len, recipe.model.name_or_path
@@ -159,17 +164,18 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
     return recipe, choice
 
 
-def _data_profile(request: TrainRequest):
-    """The data's token-length profile, for the planner to choose max_seq_len (tokenized once, cached for training),
-    after the inputs of the recipe planning starts from are checked: the model, data and output directory are the
-    ones the planned recipe keeps."""
+def _data_profile(request: TrainRequest, plan) -> tuple[dict, Any, str | None]:
+    """(overrides, the data's token-length profile, why the image cap) for the planner to choose max_seq_len
+    (tokenized once, cached for training), after the inputs of the recipe planning starts from are checked: the
+    model, data and output directory are the ones the planned recipe keeps. Image chats: with their image tokens, at
+    the resolution cap chosen with the plan (`lowmem_ft.vision.setup.choose_cap`)."""
     from lowmem_ft.choosing import start_recipe, target_for
-    from lowmem_ft.vision.setup import run_profile
+    from lowmem_ft.vision.setup import choose_cap
 
     start = start_recipe(request.vram_gb, request.recipe, request.overrides, request.origins)
     target_for(request.vram_gb, start)  # --vram above the recipe's margin, before the data is tokenized
     check_inputs(start)
-    return run_profile(start)  # image chats: with their image tokens
+    return choose_cap(start, request.overrides, plan)
 
 
 def check_inputs(recipe: Recipe, run_dir: Path | None = None, flag: str = "--resume") -> None:

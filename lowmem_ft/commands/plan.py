@@ -74,28 +74,28 @@ def run(args: argparse.Namespace) -> int:
     check_model(args.model, "--model", weights=False)  # planning reads config.json only
     keys, origins = flags.key_overrides(args)
     overrides = merge(parse_overrides(args.overrides), keys)
-    profile = None
-    if args.data:
-        from lowmem_ft.data import check_source
+    profile, cap_why = None, None
 
-        start = start_recipe(args.vram, args.recipe, overrides, origins)
-        check_source(start)
-        from lowmem_ft.vision.setup import run_profile
-
-        profile = run_profile(start)  # image chats: with their image tokens
-
-    def plan(overrides: dict):
+    def plan(overrides: dict, profile_=None):
         return choose_recipe(
             vram_gb=args.vram,
             recipe=args.recipe,
             overrides=overrides,
             origins=origins,
-            profile=profile,
+            profile=profile_ or profile,
             gpus=args.gpus,
             strategy=args.strategy,
             offload=args.offload,
         )
 
+    if args.data:
+        from lowmem_ft.data import check_source
+        from lowmem_ft.vision.setup import choose_cap
+
+        start = start_recipe(args.vram, args.recipe, overrides, origins)
+        check_source(start)
+        # image chats: with their image tokens, at the resolution cap chosen with the plan
+        overrides, profile, cap_why = choose_cap(start, overrides, plan)
     try:
         recipe, choice = plan(overrides)
     except UserError as exc:
@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
     vision = vision_of(recipe)  # image chats: the resolution cap chosen and the image tokens per sample
     described = vision.describe(recipe) if vision is not None else None
+    if described and cap_why:
+        described["why"] = cap_why
     if args.json:
         print(json.dumps(choice.plan_record(recipe) | ({"vision": described} if described else {}), indent=2))
     else:

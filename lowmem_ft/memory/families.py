@@ -88,9 +88,11 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
                       class_defaults={"sliding_window": 4096}),
     "qwen2": Family(**_LLAMA_CHECKED, native=True, chunked_loss_verified=True, sliding="use_sliding_window",
                     qkv_bias_always=True, o_bias_key=""),
-    # Qwen2.5-VL's decoder (modeling_qwen2_5_vl.py Qwen2_5_VLTextModel): Qwen2's block; its M-RoPE changes no weight
-    "qwen2_5_vl_text": Family(**_LLAMA_CHECKED, native=True, sliding="use_sliding_window", qkv_bias_always=True,
-                              o_bias_key=""),
+    # Qwen2.5-VL's decoder (modeling_qwen2_5_vl.py Qwen2_5_VLTextModel): Qwen2's block; its M-RoPE changes no weight.
+    # Described, not in the checked set: AutoModelForCausalLM cannot build it alone; its count is checked with the
+    # whole model (tests/memory/test_vision.py)
+    "qwen2_5_vl_text": Family(block="llama", described=True, native=True, sliding="use_sliding_window",
+                              qkv_bias_always=True, o_bias_key=""),
     "qwen3": Family(**_LLAMA_CHECKED, native=True, chunked_loss_verified=True, sliding="use_sliding_window",
                     qk_norm="always", class_defaults=_HEAD_DIM_128),
     "gemma": Family(**_LLAMA_CHECKED, **_GEMMA, native=True, class_defaults={"head_dim": 256}),

@@ -7,6 +7,7 @@ pixel size is what the image-token arithmetic reads (`lowmem_ft.vision.families`
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +36,23 @@ def resolve(name: str, base: Path) -> Path:
 
 def open_image(name: str, base: Path) -> ImageFile:
     """The image `name` (relative to `base`), fully decoded once; BadImage saying why it cannot be used."""
-    from PIL import Image, UnidentifiedImageError
-
     if not isinstance(name, str) or not name:
         raise BadImage(f"image entries must be file names, got {name!r}")
     path = resolve(name, base)
     if not path.is_file():
         raise BadImage(f"image {name!r} not found (looked for {path})")
+    stat = path.stat()
+    width, height = _decoded_size(str(path), stat.st_mtime_ns, stat.st_size, name)
+    return ImageFile(str(path), width, height)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _decoded_size(path: str, mtime_ns: int, size: int, name: str) -> tuple[int, int]:
+    """(width, height) of a fully decoded image; cached by file identity, so the planner's trials at several caps
+    (`lowmem_ft.vision.setup.choose_cap`) decode each image once."""
+    from PIL import Image, UnidentifiedImageError
+
+    del mtime_ns, size  # the cache key: a file rewritten since is decoded again
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # over the limit: refused, not warned
@@ -54,7 +65,7 @@ def open_image(name: str, base: Path) -> ImageFile:
         raise BadImage(f"image {name!r} is over PIL's decompression-bomb limit ({exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise BadImage(f"image {name!r} is truncated or undecodable ({exc})") from None
-    return ImageFile(str(path), width, height)
+    return width, height
 
 
 def load_rgb(path: str):

@@ -123,6 +123,50 @@ def vision_lines(described: dict[str, Any]) -> list[str]:
     return lines
 
 
+# Caps the planner tries, in tokens per image (× factor² pixels: 784 on Qwen2.5-VL), largest first: the model card's
+# 1280 and steps down to 64 (Qwen's min_pixels is 4 tokens; below 64 tokens a photo's detail is mostly gone).
+CAP_TOKENS = (1280, 1024, 768, 512, 384, 256, 128, 64)
+
+
+def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
+    """The resolution cap the planner trains at, chosen with the plan: the largest of `CAP_TOKENS` (within the
+    checkpoint's own cap) at which the plan's `memory.max_seq_len` keeps every sample whole with its image tokens, else
+    the smallest. `plan(overrides, profile)` plans as `choose_recipe` does. Returns (overrides with
+    vision.max_pixels set, the length profile at that cap, why); the overrides and None as they were for a text model,
+    a recipe that sets vision.max_pixels, or no data."""
+    from dataclasses import replace
+
+    from lowmem_ft.recipe.load import merge
+
+    vision = vision_of(start)
+    if vision is None or start.vision.max_pixels or not start.data.path:
+        return overrides, run_profile(start), None
+    tokenizer = _tokenizer(start)
+    area = vision.images.factor**2
+    caps = [t * area for t in CAP_TOKENS if t * area <= vision.max_pixels] or [vision.max_pixels]
+    for i, cap in enumerate(caps):
+        at_cap = replace(vision, max_pixels=cap)
+        profile = at_cap.profile(replace(start, vision=replace(start.vision, max_pixels=cap)), tokenizer)
+        chosen = merge(overrides, {"vision": {"max_pixels": cap}})
+        recipe, _ = plan(chosen, profile)
+        if recipe.memory.max_seq_len >= profile.max:
+            why = f"vision.max_pixels {cap} (≤ {at_cap.max_tokens_per_image} tokens per image)"
+            if i:
+                larger = caps[i - 1]
+                why += (
+                    f", the largest at which every sample fits whole in the plan's {recipe.memory.max_seq_len} "
+                    f"tokens (at {larger} the longest would need more)"
+                )
+            else:
+                why += f": {vision.why.split(': ', 1)[-1]}; every sample fits whole"
+            return chosen, profile, why
+    why = (
+        f"vision.max_pixels {cap} (≤ {at_cap.max_tokens_per_image} tokens per image), the smallest tried: samples "
+        f"longer than the plan's {recipe.memory.max_seq_len} tokens are dropped and counted"
+    )
+    return chosen, profile, why
+
+
 def _tokenizer(recipe):
     from lowmem_ft.data.tokenize import load_tokenizer
 
@@ -168,8 +212,8 @@ def vision_of(recipe) -> VisionSetup | None:
     family = vision_family(model_type, model)
     images = image_arithmetic(_preprocessor(model))
     asked = recipe.vision.max_pixels
-    if asked:
-        why = f"vision.max_pixels={asked} as set (≤ {images.max_tokens(asked)} tokens per image)"
+    if asked:  # set by the user, or by the planner (`choose_cap`: the plan says why)
+        why = f"vision.max_pixels {asked} (≤ {images.max_tokens(asked)} tokens per image)"
         return VisionSetup(family, images, asked, why)
     cap = min(images.max_pixels, DEFAULT_MAX_PIXELS)
     why = (

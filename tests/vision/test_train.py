@@ -64,6 +64,24 @@ def test_a_truncated_image_is_one_line_exit_2(qwen_vl, tmp_path, capsys):
     assert len(err) == 1 and "row 2: image 'img/green.jpg' is truncated or undecodable" in err[0], err
 
 
+def test_the_planner_steps_the_cap_down_until_every_sample_fits_whole(qwen_vl, tmp_path, capsys):
+    """A 1000×1000 image with memory.max_seq_len 300 fixed: at 256 tokens per image (448×448) the sample needs 303
+    tokens, so the plan trains at 128 per image (the largest of CAP_TOKENS that keeps it whole) and says so."""
+    from PIL import Image
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (1000, 1000), (1, 2, 3)).save(tmp_path / "img" / "big.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]},
+                        {"role": "assistant", "content": "A dark square."}], "images": ["img/big.png"]}  # fmt: skip
+    data = tmp_path / "big.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 4)
+    argv = ["plan", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--set", "memory.max_seq_len=300"]
+    assert main([*argv, "--json"]) == 0
+    vision = json.loads(capsys.readouterr().out)["vision"]
+    assert vision["max_pixels"] == 128 * 28 * 28 and vision["data"]["tokens_per_sample"]["max"] <= 300
+    assert "the largest at which every sample fits whole in the plan's 300 tokens (at 200704" in vision["why"]
+
+
 def test_plan_of_the_hub_checkpoint_offline_names_the_cap(capsys):
     assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 0
     out = capsys.readouterr().out
