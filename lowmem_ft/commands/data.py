@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     # only the tokenizer is read: a directory needs no config.json or weights, but a file or a missing path is wrong
     check_model(recipe.model.name_or_path, "--model", weights=False, config=False)
+    vision = _vision(recipe)
+    if vision is not None:  # image chats: tokens with their image tokens, images per sample, pixel sizes
+        return _print_vision(args, vision.describe(recipe))
     tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template)
     data = load_training_data(recipe, tokenizer)
     profile = data.profile()
@@ -141,6 +144,37 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     _print_text(args.source or data.label, data, profile, skipped, cuts)
+    return 0
+
+
+def _vision(recipe):
+    """The run's vision side (`lowmem_ft.vision.setup.vision_of`) when the model has a config to tell; None for a
+    text model or a tokenizer-only directory."""
+    from pathlib import Path
+
+    from lowmem_ft.vision.setup import vision_of
+
+    path = Path(recipe.model.name_or_path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        return None
+    return vision_of(recipe)
+
+
+def _print_vision(args: argparse.Namespace, described: dict) -> int:
+    """`data stats` of image chats at the run's resolution cap (images decoded once, to find bad ones too)."""
+    from lowmem_ft.vision.setup import vision_lines
+
+    if args.json:
+        print(json.dumps({"file": args.source or args.data_flag, **described}, indent=2))
+        return 0
+    d = described["data"]
+    px = d["pixels_per_image"]
+    print(f"{args.source or args.data_flag}: {d['samples']} samples from {d['rows']} rows (messages + images)")
+    print(
+        f"  tokens per sample with their images: p50 {d['tokens_per_sample']['p50']}, max {d['tokens_per_sample']['max']}"
+    )
+    print(f"  pixels per image (as given): p50 {px['p50']}, p99 {px['p99']}, max {px['max']}")
+    print("\n".join(vision_lines(described)))
     return 0
 
 

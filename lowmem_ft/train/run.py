@@ -460,6 +460,8 @@ class FineTune:
         self.trainer.save_model(str(staged))
         if self.is_main and init_conversion.rewrites_base(self.recipe):  # PiSSA / OLoRA → LoRA on the original base
             init_conversion.save_converted(self.model, staged, self.run.initial_adapter)
+        if self.is_main and self.vision is not None:  # the processor at the cap it trained at, beside the weights
+            self.vision.save_preprocessor(self.recipe, staged)
         barrier()
         if self.is_main:
             rename_into_place(staged, final, aside=staged.with_name(f"{staged.name}.replaced"))

@@ -47,6 +47,7 @@ class VisionData:
         per_sample = sorted(sum(r["image_tokens"]) for r in self.records)
         images = sorted(len(r["images"]) for r in self.records)
         lengths = sorted(len(r["input_ids"]) for r in self.records)
+        pixels = sorted(p for r in self.records for p in r["pixels"])  # each image's own, before the cap
 
         def pct(xs: list[int], q: float) -> int:
             return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
@@ -61,6 +62,7 @@ class VisionData:
                 "max": per_sample[-1] if per_sample else 0,
             },  # fmt: skip
             "tokens_per_sample": {"p50": pct(lengths, 0.5), "max": lengths[-1] if lengths else 0},
+            "pixels_per_image": {"p50": pct(pixels, 0.5), "p99": pct(pixels, 0.99), "max": pixels[-1] if pixels else 0},
             "max_pixels": max_pixels,
             "dropped_too_long": self.too_long,
             "skipped": dict(self.skipped),
@@ -152,7 +154,7 @@ def tokenize_row(
         k = enc["input_ids"].count(image_id)  # a sample cut at an earlier turn holds the images before it
         ids, labels = _expand(enc["input_ids"], labels, image_id, counts[:k])
         out.append({"input_ids": ids, "labels": labels, "images": [f.path for f in files[:k]],
-                    "image_tokens": counts[:k]})  # fmt: skip
+                    "image_tokens": counts[:k], "pixels": [f.width * f.height for f in files[:k]]})  # fmt: skip
     return out
 
 

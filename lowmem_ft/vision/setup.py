@@ -100,6 +100,15 @@ class VisionSetup:
             f"{self.max_pixels}"
         )
 
+    def save_preprocessor(self, recipe, directory: Path) -> None:
+        """The checkpoint's preprocessor_config.json with this run's cap, beside the saved weights: what loads the
+        image processor for them resizes images as training did."""
+        config = dict(_preprocessor(recipe.model.name_or_path))
+        config["max_pixels"] = self.max_pixels
+        if isinstance(config.get("size"), dict) and "longest_edge" in config["size"]:
+            config["size"] = {**config["size"], "longest_edge": self.max_pixels}
+        (Path(directory) / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+
     def collator(self, recipe, tokenizer):
         from transformers import AutoImageProcessor
 

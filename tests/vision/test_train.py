@@ -40,6 +40,8 @@ def test_train_on_images_fits_its_prediction(qwen_vl, tmp_path, capsys):
     with safe_open(run / "adapter" / "adapter_model.safetensors", "pt") as saved:
         keys = list(saved.keys())
     assert keys and all("language_model" in k for k in keys), [k for k in keys if "language_model" not in k][:3]
+    saved = json.loads((run / "adapter" / "preprocessor_config.json").read_text())
+    assert saved["max_pixels"] == 1280 * 28 * 28 and saved["patch_size"] == 14  # the processor at the trained cap
 
     samples = [json.loads(line) for line in (run / "memory.jsonl").read_text().splitlines()]
     trained = [s for s in samples if s.get("phase") in ("forward", "backward") and s.get("predicted_peak_live_gb")]
@@ -87,3 +89,13 @@ def test_plan_of_the_hub_checkpoint_offline_names_the_cap(capsys):
     out = capsys.readouterr().out
     assert "vision tower" in out or "vision.max_pixels 1003520 (≤ 1280 tokens per image)" in out
     assert "12845056 would let one image become 16384 tokens" in out
+
+
+def test_data_stats_reports_images_and_their_tokens(qwen_vl, vlm_data, capsys):
+    assert main(["data", "stats", str(vlm_data), "--model", qwen_vl, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    d = stats["data"]
+    assert d["samples"] == 3 and d["images_per_sample"] == {"p50": 1, "max": 2}
+    # red 64×48 → 2×2 tokens, green 100×60 → 2×4: per sample 4 (red), 12 (red + green), 8 (green)
+    assert d["image_tokens_per_sample"] == {"p50": 8, "p99": 12, "max": 12}
+    assert d["pixels_per_image"]["max"] == 100 * 60 and stats["max_tokens_per_image"] == 1280
