@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from lowmem_ft.commands import flags
 from lowmem_ft.errors import UserError
@@ -25,6 +26,13 @@ def add_parser(sub) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `lowmem-ft train` (runs/<name>)")
     p.add_argument("--prompt", help="the user message; omit to chat interactively")
     p.add_argument("--system", help="a system message before the prompt")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image before the prompt (repeatable); a vision-language run only, resized at the cap it trained at",
+    )
     p.add_argument("--max-new-tokens", type=flags.count, default=256, metavar="N", help="longest answer (default 256)")
     p.add_argument(
         "--temperature",
@@ -99,6 +107,11 @@ class Generator:
         self.kv_bytes = torch_dtype(run.recipe.model.compute_dtype).itemsize
         self.arch = Architecture.from_config(self.model.config.to_dict(), name=run.base)
         self.use_template = bool(self.tokenizer.chat_template) and not args.no_chat_template
+        self.images = None
+        if args.image:
+            from lowmem_ft.vision.generate import ImagePrompt
+
+            self.images = ImagePrompt.of_run(run, self.tokenizer, args.image)
         if not self.tokenizer.chat_template and not args.no_chat_template:
             print("note: the tokenizer has no chat template; prompts are used as plain text", file=sys.stderr)
         if self.budget is None:
@@ -111,7 +124,9 @@ class Generator:
                 f"note: running on the CPU; the --vram {args.vram:g} GB budget is applied as on a GPU", file=sys.stderr
             )
 
-    def encode(self, messages: list[dict[str, str]]):
+    def encode(self, messages: list[dict[str, Any]]):
+        if self.images is not None:  # image chats: placeholders expanded, pixel values beside (lowmem_ft.vision)
+            return self.images.encode(messages)
         if self.use_template:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
@@ -147,7 +162,7 @@ class Generator:
             )
         return plan.max_new_tokens
 
-    def reply(self, messages: list[dict[str, str]]) -> str:
+    def reply(self, messages: list[dict[str, Any]]) -> str:
         """Stream the answer to stdout and return it."""
         import torch
         from transformers import TextStreamer
@@ -186,8 +201,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("no prompt: pass --prompt TEXT, pipe one on stdin, or run in a terminal to chat")
     generator = Generator(args)
     if not interactive:
-        generator.reply([*_start(args), {"role": "user", "content": prompt}])
+        images = [{"type": "image"} for _ in args.image]
+        content = [*images, {"type": "text", "text": prompt}] if images else prompt
+        generator.reply([*_start(args), {"role": "user", "content": content}])
         return 0
+    if args.image:
+        raise UserError("--image takes --prompt (or a prompt on stdin): the chat mode is for text")
     print("chatting with the fine-tune; an empty line or Ctrl-D ends", file=sys.stderr)
     messages = _start(args)
     while True:

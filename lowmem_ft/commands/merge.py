@@ -57,13 +57,12 @@ def add_parser(sub) -> None:
 def base_on_meta(recipe):
     """The base built from its config on the meta device: no weight is read or allocated."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
-    from lowmem_ft.train.model import load_config
+    from lowmem_ft.train.model import auto_class, load_config
 
     config = load_config(recipe)
-    with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    with init_empty_weights():  # AutoModelForImageTextToText for an image run's base (Qwen2.5-VL)
+        return auto_class(config).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
 
 
 def count_parameters(recipe) -> int:
@@ -152,12 +151,16 @@ def run(args: argparse.Namespace) -> int:
     with staged_output(output) as staged:  # renamed to --output once weights, tokenizer and card are all there
         merged.save_pretrained(staged, max_shard_size=args.max_shard_size)
         load_tokenizer_of(run_).save_pretrained(staged)
+        processor = run_.weights_dir / "preprocessor_config.json"  # an image run's processor, at its trained cap
+        if processor.is_file():
+            shutil.copy2(processor, staged / processor.name)
         _card(run_.run_dir, output, staged, hub_repo)
     shards = sorted(p.name for p in output.glob("*.safetensors"))
     print(
         f"merged model saved to {output} ({len(shards)} safetensors shard{'s' if len(shards) != 1 else ''} + tokenizer)"
     )
-    print(f"  load it with AutoModelForCausalLM.from_pretrained({str(output)!r}) — no peft needed", file=sys.stdout)
+    auto = "AutoModelForImageTextToText" if (output / "preprocessor_config.json").is_file() else "AutoModelForCausalLM"
+    print(f"  load it with {auto}.from_pretrained({str(output)!r}) — no peft needed", file=sys.stdout)
     if hub_repo is not None:
         from lowmem_ft.hub import push
 

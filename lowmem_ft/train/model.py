@@ -149,17 +149,23 @@ def attention(recipe: Recipe, config) -> str:
 HUB_KERNELS_OFF = {"use_kernels": False}
 
 
-def load_model(recipe: Recipe, device: str | None = None):
-    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
-    from safetensors import SafetensorError
+def auto_class(config):
+    """The transformers Auto class that builds this config: AutoModelForImageTextToText for a vision-language
+    checkpoint trained on images (Qwen2.5-VL, whose config AutoModelForCausalLM refuses), else AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from lowmem_ft import native
     from lowmem_ft.vision.families import VISION_FAMILIES
 
+    return AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+
+
+def load_model(recipe: Recipe, device: str | None = None):
+    """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
+    from safetensors import SafetensorError
+
     config = load_config(recipe)  # a clear error before any weight is read
-    # a vision-language checkpoint trained on images (Qwen2.5-VL): AutoModelForCausalLM refuses its config
-    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    auto = auto_class(config)
     m = recipe.model
     kwargs: dict[str, Any] = dict(
         dtype=torch_dtype(m.compute_dtype),

@@ -50,11 +50,52 @@ def test_train_on_images_fits_its_prediction(qwen_vl, tmp_path, capsys):
     assert abs(peak["peak_live_gb"] / peak["predicted_peak_live_gb"] - 1) <= MEMORY_TOLERANCE, peak
     assert max(s["batch"][1] for s in trained) > 60  # sequences of text + image tokens ran
 
+    # generate --image: the streamed greedy answer is base + adapter's on the same image, encoded by hand
+    capsys.readouterr()
+    image = str(tmp_path / "img" / "red.png")
+    argv = ["generate", str(run), "--prompt", "What colour is it?", "--image", image, "--max-new-tokens", "6"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    streamed = capsys.readouterr().out
+    assert streamed.strip() == _by_hand(run, qwen_vl, image, "What colour is it?").strip()
+
+    # merge: a model transformers loads as the image model, its processor beside it at the trained cap
+    assert main(["merge", str(run), "--output", str(tmp_path / "merged")]) == 0
+    assert json.loads((tmp_path / "merged" / "preprocessor_config.json").read_text())["max_pixels"] == 1280 * 784
+    from transformers import AutoModelForImageTextToText
+
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
     capsys.readouterr()
     assert main(["plan", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["vision"]["max_tokens_per_image"] == 1280
     assert plan["vision"]["data"]["image_tokens_per_sample"] == {"p50": 8, "p99": 12, "max": 12}
+
+
+def _by_hand(run: Path, base: str, image: str, prompt: str) -> str:
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from lowmem_ft.rundir import RunDir
+
+    recipe = RunDir(run).read_recipe()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[recipe.model.compute_dtype]
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=dtype, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(model, str(run / "adapter")).eval()
+    tok = AutoTokenizer.from_pretrained(run / "adapter")
+    processor = AutoImageProcessor.from_pretrained(run / "adapter")
+    pixels = processor(images=[np.asarray(Image.open(image).convert("RGB"))], return_tensors="pt")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(pixels["image_grid_thw"][0].prod()) // 4))
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**ids, **pixels, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def test_a_truncated_image_is_one_line_exit_2(qwen_vl, tmp_path, capsys):
