@@ -1,5 +1,6 @@
-"""Vision-language data: TRL-style `messages` with `{"type": "image"}` parts plus an `images` column, tokenized with
-the image placeholders expanded to the tokens the processor makes, and the loss on the assistant's text only.
+"""Vision-language data: TRL-style `messages` with `{"type": "image"}` parts plus an `images` column (or LLaMA-Factory's
+`<image>` in a message's text), tokenized with the image placeholders expanded to the tokens the processor makes, and
+the loss on the assistant's text only.
 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}],
@@ -93,10 +94,30 @@ def _placeholders(messages: list[dict]) -> int:
     )
 
 
+# LLaMA-Factory's multimodal datasets (data/mllm_demo.json) mark an image's place in a message's text with this
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def _with_image_parts(message: dict) -> dict:
+    """A message whose text says `<image>` (LLaMA-Factory) as TRL's content parts: the text around each placeholder,
+    an image part in its place."""
+    content = message.get("content")
+    if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+        return message
+    parts: list[dict] = []
+    for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return {**message, "content": parts}
+
+
 def _check_record(record: dict) -> tuple[list[dict], list[str]]:
     messages, images = record.get("messages"), record.get("images", [])
     if not isinstance(messages, list) or not messages:
         raise BadImage("needs a non-empty 'messages' list")
+    messages = [_with_image_parts(m) if isinstance(m, dict) else m for m in messages]
     if isinstance(images, str):
         images = [images]
     if not isinstance(images, list):
@@ -115,7 +136,9 @@ def _check_record(record: dict) -> tuple[list[dict], list[str]]:
         raise BadImage("has no assistant message to learn")
     n = _placeholders(messages)
     if n != len(images):
-        raise BadImage(f"has {n} image placeholder(s) ({{'type': 'image'}} parts) but {len(images)} image(s)")
+        raise BadImage(
+            f"has {n} image placeholder(s) ({{'type': 'image'}} parts or <image>) but {len(images)} image(s)"
+        )
     return messages, images
 
 

@@ -116,7 +116,7 @@ def vision_family(model_type: str, model: str = "") -> VisionFamily:
     trained = ", ".join(f.name for f in VISION_FAMILIES.values())
     raise UserError(
         f"model '{model}': lowmem-ft does not train {name} on images yet (vision-language training supports "
-        f"{trained}); use a {trained} checkpoint, or train on text data only"
+        f"{trained}); use a {trained} checkpoint"
     )
 
 

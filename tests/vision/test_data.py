@@ -106,3 +106,22 @@ def test_a_sample_longer_than_max_seq_len_is_dropped_never_cut(qwen_vl, vlm_data
     _, _, data = _load(qwen_vl, vlm_data, max_seq_len=longest - 1)
     assert data.too_long == 1 and len(data.records) == len(ROWS) - 1
     assert all(len(r["input_ids"]) < longest for r in data.records)
+
+
+def test_llama_factory_image_placeholders_read_as_trl_image_parts(qwen_vl, tmp_path):
+    """LLaMA-Factory's form (data/mllm_demo.json: `<image>` in the user's text) gives the ids and labels of the same
+    conversation in TRL's form."""
+    factory = {
+        "messages": [
+            {"role": "user", "content": "<image>What colour is it?"},
+            {"role": "assistant", "content": "It is red."},
+        ],
+        "images": ["img/red.png"],
+    }
+    _, _, ours = _load(qwen_vl, write_rows(tmp_path, [factory], name="factory.jsonl"))
+    _, _, trl = _load(qwen_vl, write_rows(tmp_path, [ROWS[0]], name="trl.jsonl"))
+    assert ours.records[0]["input_ids"] == trl.records[0]["input_ids"]
+    assert ours.records[0]["labels"] == trl.records[0]["labels"]
+    wrong = {**factory, "images": []}
+    with pytest.raises(UserError, match=r"row 1: has 1 image placeholder"):
+        _load(qwen_vl, write_rows(tmp_path, [wrong], name="wrong.jsonl"))
