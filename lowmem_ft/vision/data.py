@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,11 +231,13 @@ class VisionCollator:
         self.pad = pad_token_id
         self.size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels}
         self.merge = images.merge_size
-        self.made: deque[int] = deque(maxlen=256)  # bytes of pixel values of each batch made, newest last
+        self.made: deque = deque(maxlen=256)  # weak references to the pixel values of the batches made, newest last
 
-    def pixels_held(self, batches: int) -> int:
-        """Bytes of pixel values in the last `batches` batches made (what a trainer holding them keeps alive)."""
-        return sum(list(self.made)[-batches:])
+    def pixels_held(self) -> int:
+        """Bytes of the pixel values this collator made that are still alive: the batches the trainer holds (every
+        micro batch of the optimizer step, collated before the first, and the one the loader collated ahead)."""
+        alive = [ref() for ref in self.made]
+        return sum(t.numel() * t.element_size() for t in alive if t is not None)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
@@ -260,6 +263,6 @@ class VisionCollator:
                 raise RuntimeError(f"image processor made {made} tokens per image, the data holds {expected}")
             batch["pixel_values"] = pixels["pixel_values"]
             batch["image_grid_thw"] = pixels["image_grid_thw"]
-        values = batch.get("pixel_values")
-        self.made.append(values.numel() * values.element_size() if values is not None else 0)
+        if "pixel_values" in batch:
+            self.made.append(weakref.ref(batch["pixel_values"]))
         return batch

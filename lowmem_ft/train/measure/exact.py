@@ -74,7 +74,7 @@ class ExactMemory:
     extra_roots: list = field(default_factory=list)
     grpo: Any = None  # a GRPO run's round (`memory.grpo.GrpoShape`, P = the data's longest prompt); None otherwise
     paused: bool = False  # inside GRPO's generation and scoring: their forwards are not training forwards
-    # image chats: bytes of pixel values in the last N batches the collator made (`lowmem_ft.vision.data`)
+    # image chats: bytes of the collator's pixel values still alive (`lowmem_ft.vision.data.VisionCollator`)
     pixels_held: Any = None
     _meter: PeakMemory | None = field(default=None, init=False, repr=False)
     _hooks: list = field(default_factory=list, init=False, repr=False)
@@ -224,13 +224,13 @@ class ExactMemory:
         if what != "optimizer step":
             out["batch"] = list(batch)
         if self.arch is not None:
-            # Image chats: the pixel values the run holds besides the model's tensors: every micro batch of the
+            # Image chats: the pixel values the trainer holds beside the model's tensors — every micro batch of the
             # optimizer step (transformers' Trainer collates them all before the first, `get_batch_samples`, and
             # holds them to the step's end) and the one accelerate's loader collated ahead (DataLoaderShard iterates
-            # one batch ahead): the last gradient_accumulation + 1 batches the collator made, as it made them.
-            # Found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144 patch rows × 4,704 B over.
-            held = self.setup.gradient_accumulation + 1
-            pixels = self.pixels_held(held) / GB if self.pixels_held is not None and what != "eval" else 0.0
+            # one batch ahead) — read, like the batch's rows × tokens, from the batches as they are: the collator's
+            # pixel values still alive. Found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144
+            # patch rows × 4,704 B over without them.
+            pixels = self.pixels_held() / GB if self.pixels_held is not None and what != "eval" else 0.0
             out["predicted_peak_live_gb"] = round(self._predict(what, batch) + pixels, 6)
         return out
 
