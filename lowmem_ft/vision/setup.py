@@ -194,6 +194,17 @@ def run_profile(recipe):
     return vision.profile(recipe, _tokenizer(recipe))
 
 
+def _cached_config(model: str, trust_remote_code: bool) -> dict[str, Any]:
+    """The config transformers loads for `model` (the Hub cache, offline), or {} when it loads none: the text path
+    then says what is wrong, as it did before images were known."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).to_dict()
+    except Exception:  # noqa: BLE001 — any failure here is the text path's to report
+        return {}
+
+
 def _preprocessor(model: str) -> dict[str, Any]:
     path = Path(model) / "preprocessor_config.json"
     if Path(model).is_dir():
@@ -212,7 +223,10 @@ def vision_of(recipe) -> VisionSetup | None:
     from lowmem_ft.memory.arch import load_config_dict
 
     model = recipe.model.name_or_path
-    config, _ = load_config_dict(model)
+    try:
+        config, _ = load_config_dict(model)
+    except UserError:  # a Hub id read from the cache while offline: the config transformers finds there, if any
+        config = _cached_config(model, recipe.model.trust_remote_code)
     model_type = str(config.get("model_type", ""))
     if model_type not in KNOWN_VLMS and model_type not in ("qwen2_5_vl",):
         return None
