@@ -154,7 +154,6 @@ def auto_class(config):
     checkpoint trained on images (Qwen2.5-VL, whose config AutoModelForCausalLM refuses), else AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from lowmem_ft import native
     from lowmem_ft.vision.families import VISION_FAMILIES
 
     return AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
@@ -163,6 +162,8 @@ def auto_class(config):
 def load_model(recipe: Recipe, device: str | None = None):
     """The base model in the recipe's storage (NF4 / int8 / 16-bit), on this process's device (or `device`)."""
     from safetensors import SafetensorError
+
+    from lowmem_ft import native
 
     config = load_config(recipe)  # a clear error before any weight is read
     auto = auto_class(config)
