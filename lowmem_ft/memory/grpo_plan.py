@@ -108,6 +108,11 @@ def plan_grpo(arch: Architecture, request: Request, g: GrpoShape, fixed: frozens
     needed, `fixed` naming those the user set: micro_batch_size, gradient_accumulation, steps_per_generation,
     max_completion_length, num_generations) whose every phase fits the budget."""
     width = g.prompt_len + g.completion_len
+    if request.target.gpus > 1 and request.strategy not in ("auto", "ddp"):
+        raise UserError(
+            f"--method grpo --strategy {request.strategy}: lowmem-ft plans GRPO's phases on one device or a full copy "
+            "per device (generation under sharded weights is not planned); use --strategy ddp"
+        )
     base = plan(arch, replace(request, start=replace(request.start, max_seq_len=width)))
     if base.strategy not in ("single", "ddp"):
         raise UserError(

@@ -310,7 +310,7 @@ class _Scored:
 def _estimate(arch: Architecture, request: Request, s: Setup, strat: str, off: bool):
     """One device's estimate of `s`, with the request's preference method's own terms (reference pass and copy)."""
     est, share = per_device_estimate(arch, s, request.target.gpus, strat, off)
-    return preference.method_estimate(arch, est, request.method, request.reference), share  # type: ignore[arg-type]
+    return preference.method_estimate(arch, est, request.method, request.reference, share), share  # type: ignore[arg-type]
 
 
 def _score(arch: Architecture, request: Request, s: Setup, strat: str, off: bool) -> _Scored:

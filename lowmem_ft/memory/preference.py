@@ -59,6 +59,7 @@ from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Estimate, Setup
+from lowmem_ft.memory.sharding import DeviceShare
 from lowmem_ft.memory.static import weight_bytes
 
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
@@ -130,6 +131,26 @@ def reference_weight_bytes(arch: Architecture, s: Setup, kind: ReferenceKind) ->
     return linears + rest
 
 
+def device_phases(arch: Architecture, device_est: Estimate) -> dict[str, float]:
+    """The phase peaks of a per-device estimate (`sharding.device_estimate`, which keeps none): the single-device
+    phases with the device's static state in place of the whole model's — the transients are per device already
+    (the micro batch is); adapter.init's start-up moment comes before the model is divided and stays whole."""
+    one = estimate(arch, device_est.setup)
+    shift = sum(c.bytes for c in device_est.components if c.phase == "static") - one.phases["static"]
+    return {name: b if name == "start-up" else b + shift for name, b in one.phases.items()}
+
+
+def reference_share_bytes(arch: Architecture, s: Setup, kind: ReferenceKind, share: DeviceShare | None) -> float:
+    """A reference copy's bytes on one device. TRL 1.16 wraps the copy like the policy (`DPOTrainer.__init__`:
+    `prepare_fsdp` under FSDP, `prepare_deepspeed` under ZeRO-3, which keeps stage 3 and drops it to 0 otherwise;
+    `accelerator.prepare_model(evaluation_mode=True)` else): divided by N and one layer gathered at a time under full
+    sharding (FSDP, ZeRO-3), whole on every device under DDP, ZeRO-1/2 or on one device."""
+    whole = reference_weight_bytes(arch, s, kind)
+    if not whole or share is None or share.strategy not in ("fsdp", "zero3"):
+        return whole
+    return whole / share.gpus + whole / arch.num_layers  # its shard, and one decoder layer gathered for its forward
+
+
 def phase_peak(
     arch: Architecture,
     s: Setup,
@@ -170,19 +191,23 @@ def head_outputs_shift(arch: Architecture, s: Setup, method: Method) -> float:
     return IS_TOP1_TILE_BYTES * min(n, TRL_TOKEN_CHUNK) * min(arch.vocab_size, TRL_VOCAB_CHUNK)
 
 
-def method_estimate(arch: Architecture, est: Estimate, method: Method, given: str = "auto") -> Estimate:
+def method_estimate(
+    arch: Architecture, est: Estimate, method: Method, given: str = "auto", share: DeviceShare | None = None
+) -> Estimate:
     """The estimate of a preference step (`est`: the SFT estimate of the policy's rows, any device): a reference
     copy's weights in every phase, DPO / KTO's reference pass after the policy's forward (the forward peaks at the
     larger of the two), ORPO's copy of the chosen logits in the backward — each a component the plan shows — and the
     device overheads of the new transient. What the planner's search scores (`planner._estimate`), so a plan that
-    fits includes them; the CPU monitor's phase peaks (`phase_peak`) are the same terms."""
+    fits includes them; the CPU monitor's phase peaks (`phase_peak`) are the same terms. On several devices `est` is
+    the per-device estimate (`sharding.device_estimate`) and `share` its strategy: the reference pass is per device
+    (the micro batch is), and a reference copy is divided like the policy's weights (`reference_share_bytes`)."""
     s = est.setup
     if method == "sft":
         return est
     kind = reference_kind(method, s.adapter, given)
     comps = [c for c in est.components if c.phase != "overhead"]
-    phases = dict(est.phases)
-    ref_weights = reference_weight_bytes(arch, s, kind)
+    phases = dict(est.phases) or device_phases(arch, est)
+    ref_weights = reference_share_bytes(arch, s, kind, share)
     if ref_weights:
         comps.append(Component("reference model (frozen copy)", ref_weights, "static", "TRL create_model_from_path"))
     if kind in ("adapter_disabled", "copy"):

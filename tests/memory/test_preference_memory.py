@@ -125,3 +125,62 @@ def test_the_planners_and_the_monitors_forms_agree_on_the_cpu():
         for phase in ("static", "forward", "backward", "optimizer step"):
             monitored = phase_peak(a, rows, phase, method=method, reference=kind)
             assert planned.phases[phase] == pytest.approx(monitored, rel=1e-9), (method, adapter, phase)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize(("method", "adapter", "reference"), [
+    ("dpo", "lora", "auto"), ("kto", "lora", "auto"), ("orpo", "lora", "auto"), ("simpo", "lora", "auto"),
+    ("dpo", "full", "copy"), ("dpo", "full", "precomputed"),
+])  # fmt: skip
+def test_a_preference_steps_terms_are_per_device_under_every_strategy(method, adapter, reference, strategy):
+    """Issue 32: on several devices the method's terms sit on the per-device estimate (`device_phases`: the single
+    device's phases, shifted to the device's static state): the reference pass and ORPO's logits are per device (the micro
+    batch is), so a preference step adds to the per-device SFT step what it adds on one device; a reference copy is
+    whole on every device under DDP / ZeRO-2, a shard and one gathered layer under FSDP / ZeRO-3."""
+    from lowmem_ft.memory.preference import device_phases, reference_share_bytes
+    from lowmem_ft.memory.sharding import per_device_estimate
+
+    a = arch()
+    rows = method_setup(method, Setup(adapter=adapter, quantization="none" if adapter == "full" else "nf4",
+                                      micro_batch_size=2, max_seq_len=1024, gradient_checkpointing=True))  # fmt: skip
+    one = estimate(a, rows)
+    dev, share = per_device_estimate(a, rows, 4, strategy, False)
+    phases = device_phases(a, dev)
+    assert set(phases) == set(one.phases)
+    assert phases["static"] == pytest.approx(sum(c.bytes for c in dev.components if c.phase == "static"))
+    assert phases["forward"] - phases["static"] == pytest.approx(one.phases["forward"] - one.phases["static"])
+    assert max(phases[p] for p in ("forward", "backward", "optimizer step")) == pytest.approx(dev.model_peak_bytes)
+    planned_one = method_estimate(a, one, method, reference)
+    planned = method_estimate(a, dev, method, reference, share)
+    kind = reference_kind(method, adapter, reference)
+    copy = reference_weight_bytes(a, rows, kind)
+    on_device = reference_share_bytes(a, rows, kind, share)
+    assert on_device == (copy / 4 + copy / a.num_layers if strategy in ("fsdp", "zero3") else copy)
+    for phase in ("forward", "backward", "optimizer step"):
+        added_one = planned_one.phases[phase] - one.phases[phase] - copy
+        added = planned.phases[phase] - phases[phase] - on_device
+        assert added == pytest.approx(added_one, rel=1e-9, abs=1.0), phase
+    assert planned.model_peak_bytes == max(planned.phases[p] for p in ("forward", "backward", "optimizer step"))
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto", "grpo"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "zero3"])
+def test_every_method_plans_on_two_devices(method, strategy, capsys):
+    """`plan --method M --gpus 2 [--strategy S]` (issue 32: `KeyError: 'static'` / `'forward'` before): a plan
+    per device, or, for GRPO under a sharded strategy, one line naming what is not supported."""
+    from lowmem_ft.cli import main
+
+    argv = ["plan", "--vram", "24", "--model", "meta-llama/Llama-3.1-8B", "--method", method, "--gpus", "2",
+            "--strategy", strategy, "--host-ram", "256", "--json"]  # fmt: skip
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if method == "grpo" and strategy in ("fsdp", "zero3"):
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--method grpo --strategy {strategy}" in err and "--strategy ddp" in err, err
+        return
+    assert code == 0, err
+    import json
+
+    plan = json.loads(out)
+    assert plan["fits"] and plan["gpus"] == 2, plan
