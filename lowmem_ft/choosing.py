@@ -373,7 +373,22 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1, nodes: int = 1) ->
             f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
             f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
         )
-    return Target(vram_gb, margin, gpus, host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes)
+    return Target(vram_gb, margin, gpus, checked_host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes)
+
+
+def checked_host_ram_gb(recipe: Recipe) -> float:
+    """`host_ram_gb`, refused in one line when it is not above `memory.host_margin_gb` (what the process itself keeps
+    free): no plan can keep anything on such a host, and a negative budget says nothing useful."""
+    ram, margin = host_ram_gb(recipe), recipe.memory.host_margin_gb
+    if ram <= margin:
+        given = recipe.memory.host_ram_gb
+        where = f"--host-ram {given:g}" if given else f"this machine's {ram:.1f} GB of available RAM"
+        raise UserError(
+            f"{where}: not above the {margin:g} GB host margin (memory.host_margin_gb) the process itself needs, so "
+            f"nothing is left for the run on the host; give --host-ram above {margin:g}, or lower "
+            "memory.host_margin_gb"
+        )
+    return ram
 
 
 def host_ram_gb(recipe: Recipe) -> float:
@@ -559,6 +574,38 @@ def choose_recipe(
     figures are per device and its `strategy` / `offload` say how the run is sharded; `gpus` counts them all, over
     `nodes` machines (host RAM is per machine).
     """
+    chosen, choice = _choose_recipe(vram_gb, recipe, overrides, origins, seq_len, profile, gpus, strategy, offload,
+                                    nodes)  # fmt: skip
+    check_method_rules(chosen, gpus, overrides, origins, recipe)
+    return chosen, choice
+
+
+def check_method_rules(
+    r: Recipe, processes: int, overrides: dict | None, origins: dict[str, str] | None, recipe: str | None
+) -> None:
+    """The training method's own rules on the recipe a run uses, before any weight is read or any rank launched
+    (`plan` and `train` both choose through here): KTO's micro batch (`memory.preference.micro_batch_problem`),
+    GRPO's whole prompt groups per round (`memory.grpo_plan.round_problem`). The planner's choices meet them; a
+    value the user fixed (a recipe, --set) may not, and is refused in one line naming where it was set."""
+    method, m, overrides = r.training.method, r.memory, overrides or {}
+    if method == "sft":
+        return
+    mb = m.micro_batch_size
+    where = asked("memory.micro_batch_size", mb, origin_of("memory.micro_batch_size", overrides, origins), recipe)
+    if method == "grpo":
+        from lowmem_ft.memory.grpo_plan import round_problem
+
+        problem = round_problem(mb, r.grpo.steps_per_generation, m.gradient_accumulation, processes,
+                                r.grpo.num_generations)  # fmt: skip
+    else:
+        from lowmem_ft.memory.preference import micro_batch_problem
+
+        problem = micro_batch_problem(method, mb, where)
+    if problem:
+        raise UserError(problem)
+
+
+def _choose_recipe(vram_gb, recipe, overrides, origins, seq_len, profile, gpus, strategy, offload, nodes):
     if recipe is None and vram_gb is None:
         raise UserError("say how much GPU memory to fit: --vram GB (e.g. --vram 24), or give --recipe NAME_OR_FILE")
     if seq_len:

@@ -46,6 +46,7 @@ class TrainRequest:
     verify: bool = (
         False  # trace the plan's step at full size before any weight is read (`lowmem_ft.train.trace.verify`)
     )
+    reward_fns: tuple[str, ...] = ()  # GRPO's --reward-fn entries (files named on the command line only)
 
     def __post_init__(self) -> None:
         if self.resume and "adapter.name_or_path" in self.origins:
@@ -77,6 +78,13 @@ def prepare(request: TrainRequest) -> Prepared:
         run, recipe, choice = resume(request.resume, request.overrides, lock=True)
     else:
         run, (recipe, choice) = None, choose(request)
+    from lowmem_ft.recipe.rewards import rewards_problem
+
+    problem = rewards_problem(recipe.training.method, recipe.grpo.rewards, request.reward_fns)
+    if problem:  # before a run directory is made or any rank launched
+        if run is not None:
+            run.unlock()
+        raise UserError(problem)
     plan = None
     if request.launched:  # refused before a new run directory is made
         from lowmem_ft.train.distributed.launch import plan_launch
@@ -153,7 +161,8 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
         where = asked("memory.max_seq_len", length, origin, request.recipe)
         check_positions(length, model_positions(model), model, where)
     elif choice.plan is not None and not choice.plan.host_fits:  # no guard steps down from an OOM-killed host
-        raise UserError(f"recipe {request.recipe}: {choice.reasons['host_ram']}")
+        why = choice.reasons.get("host_ram") or choice.plan.unfit_reason()
+        raise UserError(f"recipe {request.recipe}: {why}")
     elif choice.fits is False:  # --recipe R --vram N: used as given; the guard steps down if memory runs out
         log.warning(
             "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); drop "

@@ -72,6 +72,11 @@ RESERVE_BYTES = 1 << 20
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
+# The longest file name (one path component) Linux file systems accept: NAME_MAX = 255 bytes (linux/limits.h; ext4,
+# xfs, btrfs and tmpfs all keep it). A run directory is named by --name, so a longer one fails at mkdir.
+NAME_MAX = 255
+
+
 def check_run_name(name: str) -> str:
     """A run name is a name: one path component, so the run stays inside `<training.output_dir>/`, and one printable
     line, so the files that name it (recipe.yaml's header comment, accelerate.yaml) stay readable."""
@@ -85,6 +90,11 @@ def check_run_name(name: str) -> str:
         raise UserError(
             f"--name {name!r}: a run name is a name, not a path (no '/', '\\', '..'); the run goes to "
             "<training.output_dir>/<name> — set training.output_dir to choose where"
+        )
+    if len(name.encode("utf-8")) > NAME_MAX:
+        raise UserError(
+            f"--name {name[:24]}… ({len(name.encode('utf-8'))} bytes): longer than the {NAME_MAX} bytes a file "
+            "name may have (ext4, xfs, btrfs, tmpfs NAME_MAX); pick a shorter --name"
         )
     return name
 

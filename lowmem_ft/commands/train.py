@@ -7,7 +7,6 @@ import argparse
 from typing import get_args
 
 from lowmem_ft.commands import flags
-from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
 
 
@@ -119,6 +118,7 @@ def request_of(args: argparse.Namespace):
         offload=args.offload,
         accelerate_args=tuple(args.accelerate_args),
         verify=args.verify,
+        reward_fns=tuple(args.reward_fns),
     )
 
 
@@ -142,9 +142,6 @@ def run(args: argparse.Namespace) -> int:
     hub_repo = _hub_preflight(args)
     evaluation = _eval_preflight(args)  # an unknown task, or lm-eval missing, fails before training too
     ready = prepare(request)
-    if rewards and ready.recipe.training.method != "grpo":
-        ready.run.unlock()
-        raise UserError(f"--reward-fn is for --method grpo; this run's method is {ready.recipe.training.method}")
     if ready.launch is not None:
         _launch(ready, tuple(args.reward_fns))
     else:

@@ -32,6 +32,25 @@ from lowmem_ft.memory.records import Component
 MIN_COMPLETION = 32  # the planner halves max_completion_length no further (shorter answers rarely reason)
 
 
+def round_problem(micro_batch: int, steps_per_generation: int, accumulation: int, processes: int,
+                  num_generations: int) -> str | None:  # fmt: skip
+    """TRL 1.16's rule on a GRPO round (`GRPOConfig.__post_init__`): one generate call makes micro_batch ×
+    steps_per_generation (0: the accumulation) × processes completions, which must be whole prompt groups of
+    num_generations; the line that says how to meet it, or None when it holds."""
+    spg = steps_per_generation or accumulation
+    rows = micro_batch * spg * processes
+    if rows % num_generations == 0:
+        return None
+    on = f" × {processes} processes" if processes > 1 else ""
+    return (
+        f"--method grpo: a round of memory.micro_batch_size {micro_batch} × grpo.steps_per_generation {spg}{on} = "
+        f"{rows} completions is not whole prompt groups of grpo.num_generations {num_generations}; make the product "
+        f"a multiple of {num_generations} (e.g. --set grpo.steps_per_generation="
+        f"{num_generations // math.gcd(num_generations, micro_batch * processes)}), or give --vram to let the planner "
+        "choose"
+    )
+
+
 def cpu_form(s: Setup) -> Setup:
     return replace(s, device="cpu")
 

@@ -238,11 +238,14 @@ def _refuse_chunked_loss(arch: Architecture, s: Setup) -> None:
         raise UserError(arch.chunked_loss_refusal)
 
 
-def _options(start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1) -> dict[str, list[Any]]:
+def _options(
+    start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1, least: int = 1
+) -> dict[str, list[Any]]:
     """Values to try per knob; a knob the user fixed keeps its value. The chunked loss is tried only where it
     reproduces the model's own loss (`Architecture.chunked_loss_exact`). Micro batches are multiples of `step` rows
-    (2: whole pairs, `memory.preference.rows_per_micro_batch`)."""
-    b0 = start.micro_batch_size
+    (2: whole pairs, `memory.preference.rows_per_micro_batch`) and at least `least` rows (KTO's 2,
+    `memory.preference.least_rows`)."""
+    b0 = max(start.micro_batch_size, least) if "micro_batch_size" not in fixed else start.micro_batch_size
     options: dict[str, list[Any]] = {
         "quantization": ["none"]
         if start.adapter == "full"
@@ -251,13 +254,15 @@ def _options(start: Setup, fixed: frozenset[str], arch: Architecture, step: int 
         "gradient_checkpointing": [False, True],
         "activation_offloading": [False, True],
         "loss_impl": ["trl_fused", "chunked"] if arch.chunked_loss_exact else ["trl_fused"],
-        "micro_batch_size": sorted({b for b in (b0 * 2, b0, 8, 4, 2, 1) if 1 <= b <= max(b0 * 2, 1) and b % step == 0}),
+        "micro_batch_size": sorted(
+            {b for b in (b0 * 2, b0, 8, 4, 2, 1) if least <= b <= max(b0 * 2, 1) and b % step == 0}
+        ),
     }
     return {key: [getattr(start, key)] if key in fixed else values for key, values in options.items()}
 
 
-def _candidates(start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1) -> list[Setup]:
-    options = _options(start, fixed, arch, step)
+def _candidates(start: Setup, fixed: frozenset[str], arch: Architecture, step: int = 1, least: int = 1) -> list[Setup]:
+    options = _options(start, fixed, arch, step, least)
     out = []
     for values in itertools.product(*options.values()):
         knobs = dict(zip(options, values, strict=True))
@@ -326,10 +331,15 @@ def _runnable(s: Setup, strat: str, off: bool) -> bool:
     )
 
 
+def _micro_batch_rows(request: Request) -> tuple[int, int]:
+    """The method's micro batch in rows: the step (2 per pair) and the least its trainer accepts (KTO's 2)."""
+    return preference.rows_per_micro_batch(request.method, 1), preference.least_rows(request.method)  # type: ignore[arg-type]
+
+
 def _score_stage(arch: Architecture, request: Request, start: Setup, strat: str, off: bool) -> list[_Scored]:
     return [
         _score(arch, request, s, strat, off)
-        for s in _candidates(start, request.fixed, arch, preference.rows_per_micro_batch(request.method, 1))
+        for s in _candidates(start, request.fixed, arch, *_micro_batch_rows(request))
         if _runnable(s, strat, off)
     ]
 
@@ -353,7 +363,7 @@ def _smallest(arch: Architecture, request: Request, start: Setup, strat: str, of
     the smaller loss, the smallest micro batch — as far as the user's fixed knobs and the strategy allow), None when
     none runs. A saver stage whose smallest setup does not fit is skipped after this one estimate: each of these
     values lowers the predicted peak on its own, so no other setup of the stage would fit."""
-    options = _options(start, request.fixed, arch, preference.rows_per_micro_batch(request.method, 1))
+    options = _options(start, request.fixed, arch, *_micro_batch_rows(request))
 
     def least(key: str, order: tuple[Any, ...]) -> Any:
         return next((value for value in order if value in options[key]), options[key][0])

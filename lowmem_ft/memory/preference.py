@@ -68,6 +68,34 @@ PAIRED = ("dpo", "orpo", "simpo")
 WITH_REFERENCE = ("dpo", "kto")
 
 
+# TRL 1.16 kto_trainer.py `KTOTrainer.__init__`: with its KL term (the default loss) "Actual (not effective) batch
+# size must be > 1" — the KL estimate pairs each completion with another of the same micro batch, so one alone
+# makes the KL term equal the implied reward. Per device: `per_device_train_batch_size`.
+KTO_LEAST_MICRO_BATCH = 2
+
+
+def least_micro_batch(method: str) -> int:
+    """The smallest micro batch per device (pairs, completions) the method's trainer accepts."""
+    return KTO_LEAST_MICRO_BATCH if method == "kto" else 1
+
+
+def least_rows(method: str) -> int:
+    """`least_micro_batch` in rows, the planner's unit (`planner._options`: it never tries fewer)."""
+    return rows_per_micro_batch(method, least_micro_batch(method))  # type: ignore[arg-type]
+
+
+def micro_batch_problem(method: str, micro_batch: int, where: str) -> str | None:
+    """The method's rule on `memory.micro_batch_size` (`where`: how the user set it), or None when it holds."""
+    least = least_micro_batch(method)
+    if micro_batch >= least:
+        return None
+    return (
+        f"--method {method} needs memory.micro_batch_size of at least {least} per device, got {micro_batch} "
+        f"({where}): TRL's KTOTrainer estimates its KL term from the other completions of a micro batch; "
+        f"set --set memory.micro_batch_size={least}, or drop the setting and give --vram to let the planner choose"
+    )
+
+
 def rows_per_micro_batch(method: Method, micro_batch: int) -> int:
     """Rows one forward runs for a micro batch of `micro_batch` pairs (or KTO completions)."""
     # KTO's KL batch runs apart, without gradients, before the policy's forward: its forward has B rows

@@ -40,7 +40,7 @@ def _weight(text: str, where: str) -> float:
     return weight
 
 
-def parse_builtin(entry: str, where: str = "training.grpo.rewards") -> RewardSpec:
+def parse_builtin(entry: str, where: str = "grpo.rewards") -> RewardSpec:
     """`NAME[:WEIGHT]` of a built-in (a recipe's entry or `--reward`); an entry naming a file is refused."""
     name, _, weight = entry.strip().partition(":")
     if name.endswith(".py") or "/" in name or "\\" in name or weight.partition(":")[0].endswith(".py"):
@@ -70,3 +70,16 @@ def parse_reward_fn(entry: str) -> RewardSpec:
     if not math.isfinite(weight):
         raise UserError(f"{where}: weight is not a finite number")
     return RewardSpec(name, weight, path)
+
+
+def rewards_problem(method: str, builtins: list[str], reward_fns: tuple[str, ...] | list[str]) -> str | None:
+    """Whether a run names the rewards its method needs, checked before any weight is read or rank launched: GRPO
+    needs at least one (`grpo.rewards` or `--reward-fn`), and only GRPO takes `--reward-fn`."""
+    if method == "grpo" and not builtins and not reward_fns:
+        return (
+            "--method grpo needs a reward: name a built-in with --set grpo.rewards=[NAME] "
+            f"({', '.join(BUILTIN_REWARDS)}), or your own function with --reward-fn path.py:name"
+        )
+    if method != "grpo" and reward_fns:
+        return f"--reward-fn is for --method grpo; this run's method is {method}"
+    return None

@@ -273,7 +273,7 @@ def run(cmd: list[str]) -> int:
     """Run `accelerate launch`; its processes print their own progress.
 
     accelerate (torchrun's agent) runs in a session of its own, so a signal reaches it once, from here: a terminal's
-    Ctrl-C or a SIGINT / SIGTERM sent to this process is passed on, and the agent passes it to every rank, which
+    Ctrl-C or a SIGINT / SIGTERM / SIGHUP sent to this process is passed on, and the agent passes it to every rank, which
     finishes its step, saves a checkpoint and exits (`lowmem_ft.train.resilience.interrupt`) while this process waits. A second
     Ctrl-C a second later stops waiting (the agent gets SIGTERM). Should this process die without a word (kill -9),
     the kernel sends the agent SIGTERM (`PR_SET_PDEATHSIG`): the ranks stop the same way, not orphaned. A rank that
@@ -298,6 +298,8 @@ def run(cmd: list[str]) -> int:
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
         signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)),
+        # a closed terminal or SSH session: torchrun's agent passes SIGHUP on to the ranks as it does SIGTERM
+        signal.SIGHUP: signal.signal(signal.SIGHUP, lambda signum, frame: process.send_signal(signum)),
     }
     try:
         return process.wait()

@@ -256,21 +256,27 @@ def build_rewards(
 ) -> list[CheckedReward]:
     """The run's reward functions in order (built-ins, then the command line's files), checked; with `columns`
     (the data's), each function's needed columns are checked before any generation runs."""
-    if not builtins and not user:
-        raise UserError(
-            "GRPO needs a reward: name a built-in with training.grpo.rewards or --reward "
-            f"({', '.join(BUILTINS)}), or your own function with --reward-fn path.py:name"
-        )
+    from lowmem_ft.recipe.rewards import rewards_problem
+
+    problem = rewards_problem("grpo", [s.label for s in builtins], [s.label for s in user])
+    if problem:
+        raise UserError(problem)
     out = [CheckedReward(BUILTINS[s.name](options), s.label, s.weight) for s in builtins]
     out += [CheckedReward(load_user_function(s), s.label, s.weight) for s in user]
     for reward in out:
         reward.needs = columns_needed(reward.fn)
         missing = [c for c in reward.needs if columns is not None and c not in columns]
         if missing:
-            have = ", ".join(c for c in columns or () if c != "prompt") or "none"
+            have = [c for c in columns or () if c != "prompt"]
+            # data.columns maps only the formats' own fields (`data.sources.FIELDS`): the fix names the reward's side
+            fix = (
+                f"point it at the column that holds the answers with --set grpo.answer_column={have[0] if have else 'COLUMN'}"
+                if isinstance(reward.fn, _ColumnReward)
+                else f"name that parameter of {reward.label} after one of the data's columns, or give it a default"
+            )
             raise UserError(
                 f"reward {reward.label} needs the data column {missing[0]!r}, which the data lacks (its columns "
-                f"besides prompt: {have}); map yours with data.columns={{{missing[0]}: YOUR_COLUMN}}"
+                f"besides prompt: {', '.join(have) or 'none'}); {fix}"
             )
     names = [r.__name__ for r in out]
     for r in out:  # TRL logs rewards/<name>/mean: two of one name would share a line

@@ -1,9 +1,9 @@
-"""Stopping on SIGINT / SIGTERM without losing a step: finish the optimizer step in progress, save, stop.
+"""Stopping on SIGINT / SIGTERM / SIGHUP without losing a step: finish the optimizer step in progress, save, stop.
 
 The one idea: a signal only raises a flag; the trainer acts on it at the end of the optimizer step in progress
 (`on_step_end` sets `control.should_save` and `control.should_training_stop`), where a checkpoint is exact, so
 `--resume` continues as if nothing had happened. The run then ends as `interrupted` (run.json), with exit code 130
-(SIGINT) or 143 (SIGTERM) and one line saying how to resume (`lowmem_ft.errors.Interrupted`, raised by
+(SIGINT), 143 (SIGTERM) or 129 (SIGHUP: a closed terminal or SSH session) and one line saying how to resume (`lowmem_ft.errors.Interrupted`, raised by
 `lowmem_ft.train.run`). A second Ctrl-C aborts at
 once: the steps since the last checkpoint are lost, and a save it cuts short is never taken for whole
 (`lowmem_ft.train.resilience.checkpoints`). Before training starts (data, model) there is nothing to save and a signal stops at
@@ -22,6 +22,7 @@ step and a save longer than that are cut short, and the run resumes from the che
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -36,7 +37,9 @@ from lowmem_ft.train.distributed.ranks import largest
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal or SSH session the run was started from closed (the kernel hangs up its process group); by
+# default it kills the process at once, so it is answered as SIGTERM is: a checkpoint, `interrupted`, exit 129.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REPEAT_S = 1.0  # a second SIGINT sooner than this is the same Ctrl-C delivered twice (terminal + torchrun)
 
 
@@ -80,7 +83,8 @@ class StopOnSignal(TrainerCallback):
                 if self.phase == "training"
                 else "finishing the final save"
             )
-            print(f"lowmem-ft: {name}: {what} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # SIGHUP: the terminal is gone and writing fails; the run still stops
+                print(f"lowmem-ft: {name}: {what} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
             return
         if signum == signal.SIGINT and time.monotonic() - self._first_at >= REPEAT_S:
             self.uninstall()

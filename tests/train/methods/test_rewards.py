@@ -143,10 +143,16 @@ def test_user_functions_get_their_columns_by_name(user_file):
 
 
 def test_a_missing_column_is_refused_before_training(user_file):
-    with pytest.raises(UserError, match="needs the data column 'level'.*data.columns=\\{level: YOUR_COLUMN\\}"):
+    # the advice is a change that works (issue 32: `data.columns={answer: X}` was refused, "no format reads")
+    with pytest.raises(UserError, match="needs the data column 'level'.*name that parameter of .*:by_level after"):
         build_rewards([], [parse_reward_fn(f"{user_file}:by_level")], RewardOptions(), columns=["prompt", "answer"])
-    with pytest.raises(UserError, match="numeric_match needs the data column 'answer'"):
+    with pytest.raises(
+        UserError, match="numeric_match needs the data column 'answer'.*--set grpo.answer_column=solution$"
+    ):
         build_rewards([parse_builtin("numeric_match")], [], RewardOptions(), columns=["prompt", "solution"])
+    fixed = build_rewards([parse_builtin("numeric_match")], [], RewardOptions(answer_column="solution"),
+                          columns=["prompt", "solution"])  # fmt: skip
+    assert fixed[0].needs == ("solution",)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +185,7 @@ def test_bad_files_are_one_line(tmp_path, user_file):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(UserError, match="importing broken.py failed: ModuleNotFoundError"):
         build_rewards([], [parse_reward_fn(f"{broken}:f")], RewardOptions())
-    with pytest.raises(UserError, match="GRPO needs a reward"):
+    with pytest.raises(UserError, match="--method grpo needs a reward"):
         build_rewards([], [], RewardOptions())
 
 

@@ -1,4 +1,4 @@
-"""SIGINT / SIGTERM: the step in progress finishes, a checkpoint is saved, the run says how to resume and exits
+"""SIGINT / SIGTERM / SIGHUP: the step in progress finishes, a checkpoint is saved, the run says how to resume and exits
 130 / 143; a second Ctrl-C aborts at once; a signal before training stops at once; the ranks stop together."""
 
 from __future__ import annotations
@@ -111,6 +111,24 @@ def test_sigterm_finishes_the_step_saves_and_resume_is_exact(tiny_model, tmp_pat
     assert resumed["train_loss"] == pytest.approx(sum(losses(baseline)) / STEPS, rel=1e-6)
     assert resumed["train_loss_steps"] == whole["train_loss_steps"] == resumed["global_step"] == STEPS
     assert resumed["first_loss"] == whole["first_loss"] and resumed["last_loss"] == whole["last_loss"]
+
+
+def test_sighup_is_answered_like_sigterm(tiny_model, tmp_path, baseline, monkeypatch, capsys):
+    """Issue 32: a closed terminal or SSH session (SIGHUP) killed the run at once — no checkpoint, run.json left
+    `running`. Now: the step finishes, a checkpoint is saved, `interrupted` with exit 129, and resume is exact."""
+    handler = signal.getsignal(signal.SIGHUP)
+    assert train_cli(tiny_model, tmp_path, "hup", monkeypatch, SendAt(2, signal.SIGHUP)) == 129
+    run = tmp_path / "hup"
+    line = error_line(capsys)
+    assert line.startswith("interrupted by SIGHUP: stopped after step 2; kept ") and f"--resume {run}" in line
+    assert signal.getsignal(signal.SIGHUP) == handler  # put back
+    status = RunDir(run).read_status()
+    assert (status.state, status.step, status.signal) == ("interrupted", 2, "SIGHUP")
+    assert checkpoint_problem(run / "checkpoints" / "checkpoint-2") is None
+    monkeypatch.undo()
+    assert cli.main(["train", "--resume", str(run), "--no-wandb"]) == 0
+    assert losses(run) == losses(baseline)
+    assert_same_adapter(run, baseline)
 
 
 def test_an_interrupt_in_the_second_epoch_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys):
