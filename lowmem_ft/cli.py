@@ -9,6 +9,7 @@ are accepted before or after any command (`lowmem_ft.console` says what each sho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 
@@ -89,11 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if debug:
             raise
+        _end_progress_bars()
         print(f"lowmem-ft {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"lowmem-ft {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars still open (an error mid-training): the bar's line ends, and the error line starts a
+    line of its own instead of being written over the bar (tqdm redraws its line with a carriage return)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        with contextlib.suppress(Exception):  # a bar that cannot close must not hide the error being reported
+            bar.close()
 
 
 if __name__ == "__main__":

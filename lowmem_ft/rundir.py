@@ -629,12 +629,14 @@ class RunDir:
         )
         raise UserError(f"{flag} {self.path}: the run finished ({done}); nothing to continue — to train further, {how}")
 
-    def continuation(self) -> str:
-        """What the directory holds to go on from, and the command that does (the end of a run's last line)."""
+    def continuation(self, flags: str = "") -> str:
+        """What the directory holds to go on from, and the command that does (the end of a run's last line);
+        `flags`: what the command needs beyond the run directory (GRPO's --reward-fn, never in the recipe)."""
         point = self.resume_point()
         if point.checkpoint is None:
             return f"no checkpoint kept; start the run again with the same command (it reuses {self.path})"
-        return f"kept {point.checkpoint} (step {point.step}); continue with: lowmem-ft train --resume {self.path}"
+        more = f" {flags}" if flags else ""
+        return f"kept {point.checkpoint} (step {point.step}); continue with: lowmem-ft train --resume {self.path}{more}"
 
     def checkpoint_size(self) -> int:
         """Bytes of the newest complete checkpoint (0 when there is none): what the next save will take."""

@@ -206,10 +206,12 @@ def _print_done(m: dict, run_dir) -> None:
 def _method_line(m: dict) -> str:
     """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
     its last logged step; a GRPO run's mean reward at its first and last logged steps."""
-    got = m.get("method_metrics") or {}
+    got = {k: v for k, v in (m.get("method_metrics") or {}).items() if isinstance(v, int | float)}
     trend = m.get("reward_trend")
     if trend:
-        return f", reward {trend[0]:.4g} → {trend[1]:.4g}" + (f", KL {got['kl']:.4g}" if "kl" in got else "")
+        first, last = (f"{v:.4g}" if isinstance(v, int | float) else "none" for v in trend)  # a round unscored: none
+        unscored = f", {m['unscored_completions']} completions unscored" if m.get("unscored_completions") else ""
+        return f", reward {first} → {last}" + (f", KL {got['kl']:.4g}" if "kl" in got else "") + unscored
     shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
              ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
     return "".join(f", {name} {value:.4g}" for name, value in shown)

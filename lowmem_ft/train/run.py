@@ -30,6 +30,7 @@ from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir, RunStatus
 from lowmem_ft.train.distributed.ranks import lost_peer, set_timeout
+from lowmem_ft.train.methods.rewards import RewardFailed, reward_flags
 
 log = logging.getLogger(__name__)
 
@@ -518,6 +519,7 @@ class FineTune:
             },
             # GRPO: the mean reward at the first and the last logged step (the done line's trend)
             "reward_trend": [logged[0]["reward"], logged[-1]["reward"]] if logged and "reward" in logged[0] else None,
+            "unscored_completions": getattr(self.trainer, "unscored_rows", None),  # GRPO: rows no reward scored
             "wall_seconds": round(self.elapsed, 2),
             "tokens_per_second": progress.tokens_per_second(self.output.metrics, history),
             "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
@@ -592,13 +594,15 @@ class FineTune:
         if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: abort at once
             exc = Interrupted(f"aborted by a second SIGINT during step {(step or 0) + 1}", signal.SIGINT)
         if isinstance(exc, Interrupted):
-            exc = Interrupted(f"{exc}; {self.run.continuation()}", exc.signum)
+            exc = Interrupted(f"{exc}; {self.run.continuation(reward_flags(self.reward_fns))}", exc.signum)
             self._end("interrupted", step=step, reason=str(exc), signal=signal.Signals(exc.signum).name)
             return exc
         if not isinstance(exc, DiskFull) and is_disk_full(exc):
             exc = self._disk_full(exc)
         if self.world_size > 1 and lost_peer(exc):  # another rank died or hung: the launcher names which
             exc = UserError(f"rank {self.rank} lost the other ranks at a collective ({_first_line(exc)})")
+        if isinstance(exc, RewardFailed):  # at a step: the run stops, its last checkpoint kept, and says how to go on
+            exc = RewardFailed(f"{exc}; {self.run.continuation(reward_flags(self.reward_fns))}")
         if isinstance(exc, UserError):
             self._end("failed", step=step, reason=str(exc))
             return exc

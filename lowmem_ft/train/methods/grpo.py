@@ -32,6 +32,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.train.methods.rewards import RewardFailed
 from lowmem_ft.train.resilience.trainer import MemorySafe
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,16 @@ def _templated(records: list, tokenizer, label: str, skipped: list[str], skip_ba
     return out
 
 
+def unscored_problem(names: list[str], step: int, first: int, count: int, rows: int, prompts) -> str:
+    """The line for completions no reward scored (every function returned None: "does not apply")."""
+    from lowmem_ft.train.methods.rewards import row_of
+
+    return (
+        f"{count} of {rows} completions at step {step} have no reward (every reward returned None: "
+        f"{', '.join(names)}), the first completion {first}{row_of(prompts, first)}"
+    )
+
+
 def reward_functions(recipe, user: list, columns: list[str]) -> list:
     """The run's reward functions: the recipe's built-ins, then the command line's `--reward-fn` files."""
     from lowmem_ft.train.methods.rewards import RewardOptions, build_rewards, parse_builtin
@@ -203,6 +214,22 @@ class MemorySafeGRPOTrainer(MemorySafe, GRPOTrainer):
             "grpo.steps_per_generation, grpo.num_generations or grpo.max_completion_length (or plan with --vram), "
             "then continue with --resume"
         )
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (each function's values checked where it is called, `rewards.CheckedReward`), then the
+        round's unscored rows (`unscored_problem`): said once, counted; a round with none scored stops the run."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        unscored = torch.isnan(rewards).all(dim=1)
+        if bool(unscored.any()):
+            self.unscored_rows = getattr(self, "unscored_rows", 0) + int(unscored.sum())
+            first = int(unscored.nonzero()[0][0])
+            line = unscored_problem(self.reward_func_names, self.state.global_step + 1, first, int(unscored.sum()),
+                                    rewards.shape[0], prompts if first < len(prompts) else None)  # fmt: skip
+            if bool(unscored.all()):
+                raise RewardFailed(line + "; no completion of the round has a reward, so nothing can be learned")
+            if self.unscored_rows == int(unscored.sum()):  # the first round with one: said once, counted after
+                log.warning("%s; TRL gives them no advantage (counted in metrics.json as unscored_completions)", line)
+        return rewards
 
     def _generate_and_score_completions(self, inputs):
         with self.monitor.paused():  # generate and the scoring passes are marked as phases, not per forward

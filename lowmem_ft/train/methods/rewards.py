@@ -175,6 +175,8 @@ def load_user_function(spec: RewardSpec) -> Callable:
     sys.modules[module_name] = module  # TRL's async rollouts pickle reward functions by module
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as exc:  # sys.exit at import would end lowmem-ft with its code and nothing printed
+        raise UserError(f"--reward-fn {spec.label}: importing {path.name} called sys.exit({exc.code!r})") from None
     except Exception as exc:  # the user's code: any failure is theirs to fix, said in one line
         raise UserError(f"--reward-fn {spec.label}: importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, spec.name, None)
@@ -184,6 +186,15 @@ def load_user_function(spec: RewardSpec) -> Callable:
     if not callable(fn):
         raise UserError(f"--reward-fn {spec.label}: {spec.name!r} in {path.name} is not a function")
     return fn
+
+
+def reward_flags(specs: Sequence[RewardSpec]) -> str:
+    """The `--reward-fn` flags that name `specs` again (weights included): a GRPO run's resume command needs them,
+    since a reward from a file is never recorded in its recipe."""
+    import shlex
+
+    entries = [f"{s.path}:{s.name}" + (f":{s.weight:g}" if s.weight != 1.0 else "") for s in specs if s.path]
+    return " ".join(f"--reward-fn {shlex.quote(e)}" for e in entries)
 
 
 def columns_needed(fn: Callable) -> tuple[str, ...]:
@@ -220,32 +231,55 @@ class CheckedReward:
         self.__name__ = getattr(self.fn, "__name__", self.label)  # TRL's metric key: rewards/<name>/mean
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
+        state = kwargs.get("trainer_state")  # TRL passes the trainer's state: the step in progress is global_step + 1
+        at = f" at step {state.global_step + 1}" if getattr(state, "global_step", None) is not None else ""
         try:
             out = self.fn(prompts=prompts, completions=completions, **kwargs)
         except UserError:
             raise
+        except SystemExit as exc:  # sys.exit in a reward would end lowmem-ft with its code and no word
+            raise RewardFailed(
+                f"reward {self.label} called sys.exit({exc.code!r}){at}; a reward returns numbers"
+            ) from None
         except Exception as exc:  # the reward's own bug: name it, keep the message, no traceback
-            raise RewardFailed(f"reward {self.label} raised {type(exc).__name__}: {exc}") from exc
-        return self.check(out, len(completions))
+            raise RewardFailed(f"reward {self.label} raised {type(exc).__name__}{at}: {exc}") from exc
+        return self.check(out, len(completions), at, prompts)
 
-    def check(self, out: Any, expected: int) -> list[float | None]:
+    def check(self, out: Any, expected: int, at: str = "", prompts: Sequence | None = None) -> list[float | None]:
+        """The reward's values, or one line naming it, the step (`at`) and the row: a non-list, the wrong length, a
+        value that is not a number, or one that is not finite (NaN, inf: TRL would train on it — a NaN as if the
+        reward did not apply, an inf turning the group's advantages into NaN). None is "does not apply" (TRL's
+        documented form); a row no reward scores is the trainer's check (`grpo.unscored_problem`)."""
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) and not hasattr(out, "tolist"):
             raise RewardFailed(
-                f"reward {self.label} returned a {type(out).__name__}, not a list of {expected} numbers "
+                f"reward {self.label} returned a {type(out).__name__}{at}, not a list of {expected} numbers "
                 "(one per completion)"
             )
         values = out.tolist() if hasattr(out, "tolist") else list(out)
         if len(values) != expected:
             raise RewardFailed(
-                f"reward {self.label} returned {len(values)} values for {expected} completions (one per completion)"
+                f"reward {self.label} returned {len(values)} values for {expected} completions{at} (one per completion)"
             )
         for i, v in enumerate(values):
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
                 raise RewardFailed(
-                    f"reward {self.label} returned {v!r} ({type(v).__name__}) for completion {i}: "
-                    "each reward is a number, or None where it does not apply"
+                    f"reward {self.label} returned {v!r} ({type(v).__name__}) for completion {i}{at}"
+                    f"{row_of(prompts, i)}: each reward is a number, or None where it does not apply"
+                )
+            if v is not None and not math.isfinite(v):
+                raise RewardFailed(
+                    f"reward {self.label} returned {v!r} for completion {i}{at}{row_of(prompts, i)}: a reward must be "
+                    "a finite number (None where it does not apply)"
                 )
         return [None if v is None else float(v) for v in values]
+
+
+def row_of(prompts: Sequence | None, i: int) -> str:
+    """The row a completion answers, as a short quote of its prompt (the last message's text for a conversation)."""
+    if not prompts or i >= len(prompts):
+        return ""
+    text = " ".join(completion_text(prompts[i][-1:] if isinstance(prompts[i], list) else prompts[i]).split())
+    return f" (prompt {text[:60] + '…' if len(text) > 60 else text!r})"
 
 
 def build_rewards(

@@ -123,6 +123,16 @@ def scalar(completions, **kwargs):
 
 def maybe(completions, **kwargs):
     return [None, 1, 2.5][: len(completions)]
+
+def nan(completions, **kwargs):
+    return [1.0, float("nan")][: len(completions)]
+
+def inf(completions, **kwargs):
+    return [float("-inf"), 1.0][: len(completions)]
+
+def leaves(completions, **kwargs):
+    import sys
+    sys.exit(3)
 """
 
 
@@ -160,8 +170,12 @@ def test_a_missing_column_is_refused_before_training(user_file):
     [
         ("raises", r"reward .*my_rewards.py:raises raised ZeroDivisionError: division by zero$"),
         ("short", r"reward .*:short returned 1 values for 2 completions"),
-        ("words", r"reward .*:words returned 'good' \(str\) for completion 0: each reward is a number"),
+        ("words", r"reward .*:words returned 'good' \(str\) for completion 0 \(prompt 'q'\): each reward is a number"),
         ("scalar", r"reward .*:scalar returned a float, not a list of 2 numbers"),
+        # issue 32: non-finite values were trained on, and sys.exit ended lowmem-ft with its code and no word
+        ("nan", r"reward .*my_rewards.py:nan returned nan for completion 1 \(prompt 'q'\): a reward must be a finite"),
+        ("inf", r"reward .*:inf returned -inf for completion 0 \(prompt 'q'\): a reward must be a finite number"),
+        ("leaves", r"reward .*my_rewards.py:leaves called sys.exit\(3\); a reward returns numbers$"),
     ],
 )
 def test_a_bad_reward_is_one_line_naming_it(user_file, name, message):
@@ -169,6 +183,31 @@ def test_a_bad_reward_is_one_line_naming_it(user_file, name, message):
     with pytest.raises(RewardFailed, match=message) as info:
         call(reward, ["a", "b"])
     assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_a_bad_reward_names_the_step_in_progress(user_file):
+    """TRL passes the trainer's state: the line names the step the bad value came at (global_step + 1)."""
+    from types import SimpleNamespace
+
+    [reward] = build_rewards([], [parse_reward_fn(f"{user_file}:nan")], RewardOptions())
+    state = SimpleNamespace(global_step=6)
+    with pytest.raises(RewardFailed, match=r"returned nan for completion 1 at step 7 \(prompt 'two'\)"):
+        reward(prompts=["one", [{"role": "user", "content": "two"}]], completions=["a", "b"], trainer_state=state)
+
+
+def test_a_reward_file_that_exits_at_import_is_one_line(tmp_path):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(UserError, match=r"--reward-fn .*exits.py:f: importing exits.py called sys.exit\(3\)$"):
+        build_rewards([], [parse_reward_fn(f"{exits}:f")], RewardOptions())
+
+
+def test_the_resume_command_names_the_reward_files_again():
+    from lowmem_ft.train.methods.rewards import reward_flags
+
+    specs = [RewardSpec("f", 1.0, "r.py"), RewardSpec("g", 2.5, "my dir/r.py"), RewardSpec("format")]
+    assert reward_flags(specs) == "--reward-fn r.py:f --reward-fn 'my dir/r.py:g:2.5'"
+    assert parse_reward_fn("my dir/r.py:g:2.5") == specs[1]
 
 
 def test_none_is_allowed_and_numbers_become_floats(user_file):
