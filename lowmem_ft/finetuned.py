@@ -42,6 +42,11 @@ def open_run(run_dir: str | Path, base: str | None = None, trust_remote_code: bo
     full = recipe.adapter.kind == "full"
     weights = run.weights(full)
     if not weights.is_dir():
+        if run.finished() is not None:  # completed, its weights since removed: --resume refuses a finished run
+            raise UserError(
+                f"{path} has no {weights.name}/: the run completed but its weights are gone (moved or deleted); "
+                "put them back, or train the run again"
+            )
         raise UserError(
             f"{path} has no {weights.name}/ (the run did not finish); "
             f"finish it with `lowmem-ft train --resume {path}` or pick another run"

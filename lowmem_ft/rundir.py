@@ -240,10 +240,12 @@ class RunDir:
             why = run.restartable()
             if why is None:
                 run.unlock()
-                raise UserError(
-                    f"run directory {run.path} already exists; pick another --name or continue it with "
-                    f"--resume {run.path}"
+                # a finished run cannot be continued (`refuse_finished`): --resume is advice only for one that is not
+                done = run.finished()
+                go_on = (
+                    f"it holds a finished run ({done})" if done is not None else f"continue it with --resume {run.path}"
                 )
+                raise UserError(f"run directory {run.path} already exists; pick another --name, or {go_on}")
             log.warning("run directory %s: %s; starting it again", run.path, why)
             run.clear()
         return run

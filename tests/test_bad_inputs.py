@@ -134,7 +134,8 @@ def _runs(run: Path, root: Path) -> None:
     (_run_copy(run, r / "recipe-invalid") / "recipe.yaml").write_text("model: [unclosed\n")
     with (_run_copy(run, r / "recipe-unknown-key", interrupted=True) / "recipe.yaml").open("a") as handle:
         handle.write("surprise:\n  key: 1\n")
-    shutil.rmtree(_run_copy(run, r / "unfinished") / "adapter")
+    shutil.rmtree(_run_copy(run, r / "unfinished", checkpoints=True, interrupted=True) / "adapter")
+    shutil.rmtree(_run_copy(run, r / "adapter-gone") / "adapter")  # completed, then its adapter/ removed
     (_run_copy(run, r / "adapter-config-not-json") / "adapter" / "adapter_config.json").write_text("{nope")
     (_run_copy(run, r / "adapter-config-list") / "adapter" / "adapter_config.json").write_text("[]")
     _edit_json(_run_copy(run, r / "adapter-not-lora") / "adapter" / "adapter_config.json", peft_type="PREFIX_TUNING")
@@ -446,6 +447,9 @@ RUNS = [
     # adapters
     ("generate {runs}/unfinished --prompt hi", ["has no adapter/", "did not finish", "--resume"]),
     ("merge {runs}/unfinished --output {tmp}/m", ["has no adapter/", "did not finish"]),
+    # issue 32: a completed run refuses --resume, so its missing adapter/ is not advised to be resumed
+    ("generate {runs}/adapter-gone --prompt hi", ["has no adapter/", "the run completed", "train the run again"]),
+    ("merge {runs}/adapter-gone --output {tmp}/m", ["has no adapter/", "the run completed", "put them back"]),
     ("generate {runs}/adapter-config-not-json --prompt hi", ["adapter_config.json", "not valid JSON"]),
     ("merge {runs}/adapter-config-not-json --output {tmp}/m", ["adapter_config.json", "not valid JSON"]),
     ("generate {runs}/adapter-config-list --prompt hi", ["adapter_config.json", "expected a JSON object"]),

@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     flags.add_set(
         s, "override one recipe key, repeatable (e.g. --set 'data.mix=[{path: a.jsonl, weight: 3}, {path: b.csv}]')"
     )
+    flags.add_key_flags(
+        s, "--method", note="; dpo / orpo / simpo / kto profile each pair's longer row, grpo the prompts, as train does"
+    )
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
     s.set_defaults(func=run)
 
@@ -95,7 +98,8 @@ def _recipe(args: argparse.Namespace):
     model = {"name_or_path": args.model} if args.model else {}
     if args.trust_remote_code:
         model["trust_remote_code"] = True
-    recipe = resolve(args.recipe, merge(parse_overrides(args.overrides), {"data": data, "model": model}))
+    keys, _ = flags.key_overrides(args)
+    recipe = resolve(args.recipe, merge(merge(parse_overrides(args.overrides), keys), {"data": data, "model": model}))
     if not recipe.model.name_or_path:
         raise UserError("no model given; pass --model HUB_ID_OR_PATH (its tokenizer counts the tokens)")
     return recipe
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if vision is not None:  # image chats: tokens with their image tokens, images per sample, pixel sizes
         return _print_vision(args, vision.describe(recipe))
     tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template)
+    if recipe.training.method != "sft":
+        return _method_stats(args, recipe, tokenizer)
     data = load_training_data(recipe, tokenizer)
     profile = data.profile()
     cuts = [(n, *profile.over(n)) for n in _candidates(profile, args.max_len)]
@@ -175,6 +181,34 @@ def _print_vision(args: argparse.Namespace, described: dict) -> int:
     )
     print(f"  pixels per image (as given): p50 {px['p50']}, p99 {px['p99']}, max {px['max']}")
     print("\n".join(vision_lines(described)))
+    return 0
+
+
+def _method_stats(args: argparse.Namespace, recipe, tokenizer) -> int:
+    """Preference pairs (each pair's longer row: prompt + the longer answer) or GRPO prompts, profiled as `train
+    --method M --vram` sizes its lengths from them (`lowmem_ft.data.prepare.length_profile`)."""
+    from lowmem_ft.data.prepare import length_profile
+
+    method = recipe.training.method
+    profile = length_profile(recipe, tokenizer=tokenizer)
+    one, what = {"grpo": ("prompt", "the prompt"), "kto": ("completion", "prompt + completion")}.get(
+        method, ("pair", "prompt + the longer answer")
+    )
+    cuts = [(n, *profile.over(n)) for n in _candidates(profile, args.max_len)]
+    label = args.source or recipe.data.path
+    if args.json:
+        out = {"file": label, "method": method, "measured": f"{one}: {what}", **profile.to_dict(),
+               "cuts": [{"max_len": n, "samples_over": s, "tokens_cut": t} for n, s, t in cuts]}  # fmt: skip
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{label}: {profile.count} {one}s for --method {method}, {profile.total_tokens} tokens")
+    print(f"tokens per {one} ({what}): p50 {profile.p50}  p90 {profile.p90}  p99 {profile.p99}  max {profile.max}  "
+          f"mean {profile.mean}")  # fmt: skip
+    limit = "grpo.max_prompt_length" if method == "grpo" else "memory.max_seq_len"
+    print(f"\nwhat {limit} would cut:")
+    print(f"  {'max_len':>8} {'over':>8} {'% over':>8}")
+    for n, samples, _ in cuts:
+        print(f"  {n:>8} {samples:>8} {100 * samples / max(profile.count, 1):>7.1f}%")
     return 0
 
 

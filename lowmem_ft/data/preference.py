@@ -289,7 +289,7 @@ def tokenize_pairs(records: list[dict], fmt: str, tokenizer, fit: PairFit, *, wh
     if not rows:
         raise UserError(
             f"{where}: no pair fits memory.max_seq_len={fit.max_len} ({report.dropped} dropped, {len(skipped)} "
-            "skipped); raise --seq-len or set training.dpo.prompt_truncation to keep_end"
+            "skipped); raise --seq-len or --set preference.prompt_truncation=keep_end"
         )
     return Dataset.from_list(rows), report, skipped
 

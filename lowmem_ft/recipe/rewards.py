@@ -62,7 +62,8 @@ def parse_reward_fn(entry: str) -> RewardSpec:
         try:
             weight, head = float(last), rest
         except ValueError:
-            if not last.isidentifier():
+            # `ok.py:const:abc`: a file, a function, then a weight that is not a number (not a file `ok.py:const`)
+            if not last.isidentifier() or rest.rpartition(":")[0].endswith(".py"):
                 raise UserError(f"{where}: weight {last!r} is not a number") from None
     path, _, name = head.rpartition(":")
     if not path or not name or not name.isidentifier():

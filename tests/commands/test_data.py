@@ -169,3 +169,35 @@ def test_stats_count_tokens_with_the_chat_template_asked_for(zoo_models, capsys)
     assert zephyr != llama2 > 0
     assert main(["data", "stats", alpaca, "--model", model, "--chat-template", "nope"]) == 2
     assert "data.chat_template='nope' is neither a known template" in capsys.readouterr().err
+
+
+PAIRS = "tests/data/fixtures/preference/pairs_chat.jsonl"
+KTO = "tests/data/fixtures/preference/kto_chat.jsonl"
+PROMPTS = "tests/data/fixtures/grpo/gsm8k_mini.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("source", "method", "extra", "unit"),
+    [(PAIRS, "dpo", [], "pair"), (PAIRS, "simpo", [], "pair"), (KTO, "kto", [], "completion"),
+     (PROMPTS, "grpo", ["--column", "prompt=question"], "prompt")],
+)  # fmt: skip
+def test_stats_profiles_preference_and_grpo_data(tiny_model, capsys, source, method, extra, unit):
+    """Issue 32: preference data could not be profiled, and the refusal advised `--method dpo`, which `data stats`
+    did not take. Now the advice works, and the profile is the one `train --method M --vram` sizes lengths from."""
+    from lowmem_ft.data.prepare import length_profile
+    from lowmem_ft.recipe.load import resolve
+
+    assert main(["data", "stats", source, "--model", tiny_model, *extra]) == 2  # as SFT data: refused...
+    if method != "grpo":
+        assert f"--method {'kto' if method == 'kto' else 'dpo'}" in capsys.readouterr().err  # ...saying what works
+    capsys.readouterr()
+    assert main(["data", "stats", source, "--model", tiny_model, "--method", method, "--json", *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    columns = {"columns": {"prompt": "question"}} if extra else {}
+    recipe = resolve(None, {"model": {"name_or_path": tiny_model}, "training": {"method": method},
+                            "data": {"path": source, **columns}})  # fmt: skip
+    expected = length_profile(recipe)
+    assert out["method"] == method and out["measured"].startswith(unit)
+    assert (out["count"], out["max"], out["p99"]) == (expected.count, expected.max, expected.p99)
+    assert main(["data", "stats", source, "--model", tiny_model, "--method", method, *extra]) == 0
+    assert f" {unit}s for --method {method}" in capsys.readouterr().out

@@ -48,7 +48,7 @@ DPO_LOSS_TYPES = (
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """What a preference run needs beyond an SFT recipe (declared as recipe keys under training.dpo)."""
+    """What a preference run needs beyond an SFT recipe (declared as recipe keys under preference.)."""
 
     method: Method = "dpo"
     loss_type: str = "sigmoid"
