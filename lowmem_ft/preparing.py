@@ -108,11 +108,31 @@ def resume(path: str | Path, overrides: dict | None = None, lock: bool = False) 
         run.lock()  # a run still going is said as such, before its checkpoints are looked at
     run.refuse_finished()  # continuing would train past its last step and rewrite its weights
     recipe = run.read_recipe(overrides)
+    refuse_method_change(run, recipe, overrides or {})
     run.resumable()
     check_inputs(recipe, run.path)
     # the plan of the original run (prediction, VRAM, margin) carries on
     choice = run.read_choice() or Choice("recipe", str(run.recipe_file), recipe.model.name_or_path)
     return run, recipe, choice.resumed(str(run.recipe_file))
+
+
+def refuse_method_change(run: RunDir, recipe: Recipe, overrides: dict) -> None:
+    """A resume continues the run's own checkpoint with its own method: `--method` (or training.method) naming
+    another would continue an SFT checkpoint as DPO (its optimizer state, its step count, its data order) while the
+    banner says the run resumed — refused in one line, with the way that works (a new run from the adapter)."""
+    given = (overrides.get("training") or {}).get("method") if isinstance(overrides.get("training"), dict) else None
+    if given is None:
+        return
+    saved = run.read_recipe({"model": {"trust_remote_code": recipe.model.trust_remote_code}}).training.method
+    if given != saved:
+        run.unlock()
+        kept = run.last_checkpoint()
+        start = (f": lowmem-ft train --method {given} --adapter {kept} --data ... --vram ..." if kept is not None
+                 else " once it has a checkpoint")  # fmt: skip
+        raise UserError(
+            f"--resume {run.path}: the run trains --method {saved}, not {given}; a resume continues its checkpoint "
+            f"as it was — to train {given} from where it got to, start a new run from its adapter{start}"
+        )
 
 
 def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan, overrides: dict) -> tuple[Recipe, Choice]:

@@ -574,6 +574,135 @@ def test_the_catalogue_left_nothing_behind(world):
     assert list((Path(world["run"]) / "checkpoints").glob("merged")) == []
 
 
+# -- the second catalogue (issue 32): the methods' surfaces ------------------------------------------------------
+# Preference pairs and KTO samples, GRPO rewards and rounds, host RAM, names, adapter variants, compressed data and
+# resumes, each refused in one line (exit 2, no traceback) before any weight is read or any rank launched.
+PAIRS = str(ROOT / "tests" / "data" / "fixtures" / "preference" / "pairs_chat.jsonl")
+KTO_DATA = str(ROOT / "tests" / "data" / "fixtures" / "preference" / "kto_chat.jsonl")
+PROMPTS = str(ROOT / "tests" / "data" / "fixtures" / "grpo" / "gsm8k_mini.jsonl")
+
+
+def _method_inputs(root: Path, run: Path) -> None:
+    import gzip
+
+    d = root / "methods"
+    d.mkdir()
+    rows = {
+        "no-prompt.jsonl": [{"chosen": "Yes, gladly.", "rejected": "No."}] * 2,
+        "identical.jsonl": [{"prompt": "Hi?", "chosen": "Hello.", "rejected": "Hello."}],
+        "no-rejected.jsonl": [{"prompt": "Hi?", "chosen": "Hello."}],
+        "mixed-sides.jsonl": [{"prompt": "Hi?", "chosen": "Hello.", "rejected": [{"role": "assistant", "content": "x"}]}],
+        "kto-all-true.jsonl": [{"prompt": "Hi?", "completion": f"Hello {i}.", "label": True} for i in range(4)],
+        "kto-all-false.jsonl": [{"prompt": "Hi?", "completion": f"Go {i}.", "label": False} for i in range(4)],
+        "kto-label-text.jsonl": [{"prompt": "Hi?", "completion": "Hello.", "label": "yes"}],
+        "solution.jsonl": [{"prompt": "1 + 1?", "solution": "#### 2"}] * 4,
+        "prompts.jsonl": [{"prompt": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(8)],
+    }  # fmt: skip
+    for name, records in rows.items():
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (d / "ok.py").write_text("def const(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    good = gzip.compress(Path(CHAT).read_bytes())
+    (d / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
+    _run_copy(run, d / "interrupted-sft", checkpoints=True, interrupted=True)
+    shutil.copytree(run, root / "reused" / "done")  # a completed run, under the name a new run asks for
+
+
+@pytest.fixture(scope="session")
+def method_world(world, finished_run) -> dict[str, str]:
+    root = Path(world["tmp"])
+    _method_inputs(root, Path(finished_run))
+    return {**world, "m": str(root / "methods"), "pairs": PAIRS, "kto": KTO_DATA, "prompts": PROMPTS}
+
+
+MTRAIN = "train --vram 8 --model {model} --no-wandb --set training.output_dir={tmp}/train-out"
+GRPO = MTRAIN + " --method grpo --data {m}/prompts.jsonl"
+GRPO_ = MTRAIN + " --method grpo --data {prompts}"
+LONG = "n" * 300
+
+METHOD_CASES = [
+    # preference pairs and KTO samples
+    (MTRAIN + " --method dpo --data {m}/no-prompt.jsonl", ["no-prompt.jsonl:1", "share no prompt text", "data.columns"]),
+    (MTRAIN + " --method dpo --data {m}/identical.jsonl", ["identical.jsonl:1", "identical"]),
+    (MTRAIN + " --method orpo --data {m}/no-rejected.jsonl", ["no-rejected.jsonl:1", "missing field 'rejected'"]),
+    (MTRAIN + " --method simpo --data {m}/mixed-sides.jsonl", ["mixed-sides.jsonl:1", "both be strings or both"]),
+    (MTRAIN + " --method kto --data {m}/kto-all-true.jsonl", ["every label is true", "drop the label column"]),
+    (MTRAIN + " --method kto --data {m}/kto-all-false.jsonl", ["every label is false", "label true"]),
+    (MTRAIN + " --method kto --data {m}/kto-label-text.jsonl", ["kto-label-text.jsonl:1", "must be a boolean"]),
+    (MTRAIN + " --method kto --data {kto} --set memory.micro_batch_size=1",
+     ["--method kto needs memory.micro_batch_size of at least 2", "--set memory.micro_batch_size=1"]),
+    ("train --recipe 8gb --model {model} --method kto --data {kto} --no-wandb",
+     ["--method kto", "at least 2", "(recipe 8gb)", "--set memory.micro_batch_size=2"]),
+    (PLAN + " --method kto --set memory.micro_batch_size=1", ["--method kto needs memory.micro_batch_size"]),
+    ("data stats {pairs} --model {model}", ["this is preference data", "--method dpo"]),
+    ("data stats {kto} --model {model}", ["unpaired preference (KTO) data", "--method kto"]),
+    ("data stats {m}/kto-all-true.jsonl --model {model} --method kto", ["every label is true"]),
+    # GRPO: rewards and rounds
+    (GRPO, ["--method grpo needs a reward", "--set grpo.rewards=[NAME]", "--reward-fn path.py:name"]),
+    (GRPO + " --gpus 2", ["--method grpo needs a reward"]),
+    (GRPO + " --reward-fn {m}/ok.py:const:abc", ["--reward-fn", "weight 'abc' is not a number"]),
+    (GRPO + " --reward-fn {m}/missing.py:f", ["--reward-fn", "no such file"]),
+    (GRPO + " --reward-fn {m}/exits.py:f", ["importing exits.py called sys.exit(3)"]),
+    (GRPO + " --reward-fn {m}/ok.py:nope", ["ok.py has no 'nope'", "it defines: const"]),
+    (MTRAIN + " --data {data} --reward-fn {m}/ok.py:const", ["--reward-fn is for --method grpo", "method is sft"]),
+    (GRPO + " --set grpo.rewards=[nope]", ["unknown reward 'nope'", "exact_match"]),
+    (GRPO + " --set grpo.rewards=[{m}/ok.py]", ["names a Python file", "--reward-fn"]),
+    (GRPO + " --set grpo.use_vllm=true --set grpo.rewards=[format]", ["'grpo.use_vllm' is not supported"]),
+    (GRPO.replace("--vram 8", "--recipe 8gb") + " --set grpo.rewards=[format] --set grpo.num_generations=3",
+     ["not whole prompt groups of grpo.num_generations 3", "--set grpo.steps_per_generation=3"]),
+    (PLAN + " --method grpo --gpus 2 --strategy fsdp", ["--method grpo --strategy fsdp", "--strategy ddp"]),
+    (GRPO_ + " --set grpo.rewards=[format]", ["missing field 'prompt'", "data.columns={{prompt: question}}"]),
+    (MTRAIN + " --method grpo --data {m}/solution.jsonl --set grpo.rewards=[numeric_match]",
+     ["numeric_match needs the data column 'answer'", "--set grpo.answer_column=solution"]),
+    # host RAM
+    (PLAN + " --host-ram 2", ["--host-ram 2", "not above the 4 GB host margin", "memory.host_margin_gb"]),
+    (PLAN + " --host-ram 4", ["--host-ram 4", "not above the 4 GB host margin"]),
+    ("train --vram 8 --recipe 8gb --host-ram 2 --model {model} --data {data} --no-wandb", ["--host-ram 2", "margin"]),
+    (MTRAIN + " --data {data} --host-ram 1", ["--host-ram 1", "not above the 4 GB host margin"]),
+    (PLAN + " --host-ram 8 --set memory.host_margin_gb=9", ["--host-ram 8", "not above the 9 GB host margin"]),
+    (PLAN + " --method dpo --host-ram 3", ["--host-ram 3", "host margin"]),
+    # names
+    (MTRAIN + " --data {data} --name " + LONG, ["argument --name", "300 bytes", "255 bytes"]),
+    (MTRAIN + " --data {data} --name " + "é" * 200, ["argument --name", "400 bytes"]),
+    # adapter variants
+    (PLAN + " --set adapter.init=svd", ["'adapter.init'"]),
+    # compressed data
+    (MTRAIN + " --data {m}/cut.jsonl.gz", ["cut.jsonl.gz"]),
+    (MTRAIN + " --method kto --data {m}/cut.jsonl.gz", ["cut.jsonl.gz"]),
+    (MTRAIN + " --method grpo --data {m}/cut.jsonl.gz --set grpo.rewards=[format]", ["cut.jsonl.gz"]),
+    (MTRAIN + " --method dpo --data {m}/cut.jsonl.gz", ["cut.jsonl.gz"]),
+    # runs: a resume that changes the method, a name a completed run holds
+    ("train --resume {m}/interrupted-sft --method dpo --data {pairs}",
+     ["--resume", "the run trains --method sft, not dpo", "--adapter", "checkpoint-2"]),
+    ("train --vram 8 --model {model} --data {data} --no-wandb --set training.output_dir={tmp}/reused --name done",
+     ["already exists", "holds a finished run"]),
+]  # fmt: skip
+
+
+def test_the_methods_catalogue_is_at_least_40_cases():
+    assert len(METHOD_CASES) >= 40, len(METHOD_CASES)
+
+
+@pytest.mark.parametrize(("argv", "words"), [pytest.param(a, w, id=f"methods:{i}") for i, (a, w) in
+                                             enumerate(METHOD_CASES)])  # fmt: skip
+def test_a_bad_input_to_the_methods_is_one_line(argv, words, method_world, capsys, caplog):
+    caplog.set_level(logging.WARNING)
+    code = main(argv.format(**method_world).split())
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert "Traceback" not in out + err
+    assert code == 2, (code, err)
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("lowmem-ft") and ": error: " in line, line
+    for word in words:
+        assert word.format(**method_world) in line, (word, line)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not (Path(method_world["tmp"]) / "train-out").exists() or not any(
+        (Path(method_world["tmp"]) / "train-out").rglob("*.safetensors")
+    )  # refused before any weight was written
+
+
 # -- the console a user sees: real processes ----------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("argv", "words"),

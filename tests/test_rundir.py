@@ -36,7 +36,7 @@ def test_new_runs_are_named_and_never_overwritten(tmp_path):
     assert run.path.parent == tmp_path and run.name.startswith("Qwen2.5-7B-") and run.path.is_dir()
     run.recipe_file.write_text("x")
     run.unlock()
-    with pytest.raises(UserError, match="already exists; pick another --name or continue it with --resume"):
+    with pytest.raises(UserError, match="already exists; pick another --name, or continue it with --resume"):
         RunDir.new(tmp_path, run.name, "m")
     empty = RunDir.new(tmp_path, "empty", "m")
     empty.unlock()

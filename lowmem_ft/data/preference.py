@@ -70,6 +70,11 @@ def _text_pair(record: dict[str, Any]) -> dict[str, Any]:
     split = extract_prompt({"chosen": chosen, "rejected": rejected})
     if not split["chosen"].strip() or not split["rejected"].strip():
         raise BadLine("one answer is the other's prefix: nothing is left of it after the shared prompt")
+    if not split["prompt"].strip():  # TRL would train the pair on an empty prompt: answers to no question
+        raise BadLine(
+            "'chosen' and 'rejected' share no prompt text and there is no 'prompt' column: map the question with "
+            "data.columns={prompt: COLUMN}"
+        )
     return {"prompt": split["prompt"], "chosen": split["chosen"], "rejected": split["rejected"]}
 
 
@@ -291,7 +296,26 @@ def tokenize_pairs(records: list[dict], fmt: str, tokenizer, fit: PairFit, *, wh
             f"{where}: no pair fits memory.max_seq_len={fit.max_len} ({report.dropped} dropped, {len(skipped)} "
             "skipped); raise --seq-len or --set preference.prompt_truncation=keep_end"
         )
+    if fmt == "kto":
+        check_labels([row["label"] for row in rows], where)
     return Dataset.from_list(rows), report, skipped
+
+
+def check_labels(labels: list[bool], where: str) -> None:
+    """KTO data holds good and bad completions: with one label only, KTO's loss has one of its two terms, and the
+    run says nothing of it — refused in one line (good completions alone are SFT data)."""
+    from lowmem_ft.errors import UserError
+
+    if len(set(labels)) > 1:
+        return
+    if labels[0]:
+        raise UserError(
+            f"{where}: every label is true ({len(labels)} completions): KTO learns from good and bad completions; "
+            "to learn from good ones only, drop the label column and train SFT on the prompt / completion rows"
+        )
+    raise UserError(
+        f"{where}: every label is false ({len(labels)} completions): KTO needs good completions too (label true)"
+    )
 
 
 def describe_fit(report: FitReport, max_len: int) -> str:

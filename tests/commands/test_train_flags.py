@@ -136,7 +136,8 @@ def test_debug_after_the_command_shows_the_traceback(console_env, capsys):
 
 
 def test_train_refuses_a_plan_over_the_host_ram_before_loading(tiny_model, chat_data, tmp_path, monkeypatch, capsys):
-    """Host budget 0 (--host-ram 4 less the 4 GB margin) and offloading fixed on: one line, exit 2, nothing loaded."""
+    """--host-ram 4, not above the 4 GB host margin, with offloading fixed on: one line, exit 2, nothing loaded
+    (issue 32: a budget of 0 or below is said as such, before any plan, not as a plan over a negative budget)."""
 
     def not_loaded(*a, **k):
         raise AssertionError("the model was loaded")
@@ -147,5 +148,5 @@ def test_train_refuses_a_plan_over_the_host_ram_before_loading(tiny_model, chat_
             str(runs), "--no-wandb", "--set", "memory.activation_offloading=true"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "over the 0.0 GB host budget (--host-ram 4 − margin 4" in err
-    assert "what fits: --host-ram 5" in err and not runs.exists()
+    assert err.count("\n") == 1 and "--host-ram 4: not above the 4 GB host margin (memory.host_margin_gb)" in err
+    assert "give --host-ram above 4" in err and not runs.exists()

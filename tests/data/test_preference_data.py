@@ -53,6 +53,8 @@ def test_implicit_prompt_is_the_shared_turns():
         ({"prompt": "Hi?", "chosen": "Hello.", "rejected": [{"role": "assistant", "content": "x"}]}, "both"),
         ({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
          "share no prompt turn"),
+        # issue 32: string pairs that share no text and have no prompt column trained on an empty prompt
+        ({"chosen": "Yes, gladly.", "rejected": "No."}, "share no prompt text and there is no 'prompt' column"),
     ],
 )  # fmt: skip
 def test_bad_pairs_are_one_line(record, says):

@@ -184,3 +184,23 @@ def test_every_method_plans_on_two_devices(method, strategy, capsys):
 
     plan = json.loads(out)
     assert plan["fits"] and plan["gpus"] == 2, plan
+
+
+@pytest.mark.parametrize("vram", [6, 8, 12, 24])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_planner_never_gives_kto_a_micro_batch_of_one(vram, gpus):
+    """TRL 1.16's KTOTrainer refuses a per-device batch of 1 (its KL term pairs each completion with another of the
+    micro batch): the planner's least is 2 (`least_micro_batch`), from the 8gb tier's 1 too; one it cannot fit is
+    one line, not a plan TRL refuses after the launch."""
+    from lowmem_ft.choosing import choose_recipe
+    from lowmem_ft.memory.preference import least_micro_batch, micro_batch_problem
+
+    assert least_micro_batch("kto") == 2 and least_micro_batch("dpo") == 1
+    assert micro_batch_problem("kto", 1, "recipe 8gb") is not None and micro_batch_problem("kto", 2, "x") is None
+    overrides = {"model": {"name_or_path": "meta-llama/Llama-3.1-8B"}, "training": {"method": "kto"}}
+    try:
+        recipe, choice = choose_recipe(vram_gb=vram, recipe=None, overrides=overrides, gpus=gpus)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert recipe.memory.micro_batch_size >= 2 and choice.plan.setup.micro_batch_size >= 2
