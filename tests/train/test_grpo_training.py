@@ -225,3 +225,42 @@ def test_grpo_on_two_cpu_processes(zoo_models, tmp_path, capfd):
     assert out.count("done: 2 steps") == 1 and "--reward-fn" in json.loads((run / "launch.json").read_text())["command"]
     for name in ("memory.jsonl", "memory.rank1.jsonl"):
         assert any(r.get("phase") == "generation" for r in _records(run, name)), name
+
+
+TURNS_BAD = """
+def late_nan(completions, trainer_state=None, **kwargs):
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [float("nan") if step >= 1 else 1.0 for _ in completions]
+
+def never(completions, **kwargs):
+    return [None] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_goes_bad_stops_the_run_at_its_step_with_the_checkpoint_kept(zoo_models, tmp_path, capsys):
+    """Issue 32: a reward that returned NaN was trained on to the end; one that returned None everywhere ended in a
+    crash of the done line. Now the bad value stops the run at the step it came at, in one line naming the function,
+    the step and the row, with the last checkpoint kept and the resume command naming the --reward-fn again."""
+    from lowmem_ft.rundir import RunDir
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(TURNS_BAD)
+    base = ["train", "--vram", "8", "--method", "grpo", "--model", zoo_models["llama3"], "--data", GSM8K,
+            "--set", "data.columns={prompt: question}", "--output-dir", str(tmp_path), *TINY_ROUND,
+            "--set", "training.save_steps=1"]  # fmt: skip
+    assert main([*base, "--name", "nan", "--reward-fn", f"{rewards}:late_nan:2"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
+    run = tmp_path / "nan"
+    assert f"reward {rewards}:late_nan returned nan for completion 0 at step 2 (prompt '" in line, line
+    assert line.endswith(
+        f"kept {run}/checkpoints/checkpoint-1 (step 1); continue with: lowmem-ft train --resume {run} "
+        f"--reward-fn {rewards}:late_nan:2"
+    ), line
+    status = RunDir(run).read_status()
+    assert status.state == "failed" and status.step == 1 and not (run / "adapter").exists()
+
+    assert main([*base, "--name", "none", "--reward-fn", f"{rewards}:never"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
+    assert "completions at step 1 have no reward (every reward returned None: never)" in line, line
+    assert "nothing can be learned" in line and "no checkpoint kept" in line
