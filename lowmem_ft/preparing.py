@@ -89,6 +89,13 @@ def prepare(request: TrainRequest) -> Prepared:
     if request.launched:  # refused before a new run directory is made
         from lowmem_ft.train.distributed.launch import plan_launch
 
+        if request.vram_gb is None and not request.resume and recipe.training.method != "sft":
+            # not planned, so the data was not read yet: the method's rows (pairs, KTO labels, GRPO prompts) are
+            # checked here, once, not by every rank after the launch
+            from lowmem_ft.data import length_profile
+
+            length_profile(recipe)
+
         plan = plan_launch(recipe, gpus=request.gpus, nodes=request.nodes, strategy=request.strategy,
                            offload=request.offload, accelerate_args=list(request.accelerate_args), planned=choice)  # fmt: skip
     resumed = run is not None

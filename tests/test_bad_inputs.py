@@ -634,6 +634,11 @@ METHOD_CASES = [
     ("train --recipe 8gb --model {model} --method kto --data {kto} --no-wandb",
      ["--method kto", "at least 2", "(recipe 8gb)", "--set memory.micro_batch_size=2"]),
     (PLAN + " --method kto --set memory.micro_batch_size=1", ["--method kto needs memory.micro_batch_size"]),
+    # several processes, a recipe as given (not planned): the rows are checked before accelerate launch
+    ("train --recipe 24gb --model {model} --method dpo --data {m}/no-prompt.jsonl --gpus 2 --no-wandb "
+     "--set training.output_dir={tmp}/train-out", ["no-prompt.jsonl:1", "share no prompt text"]),
+    ("train --recipe 24gb --model {model} --method kto --data {kto} --gpus 2 --no-wandb --set "
+     "memory.micro_batch_size=1 --set training.output_dir={tmp}/train-out", ["--method kto", "at least 2"]),
     ("data stats {pairs} --model {model}", ["this is preference data", "--method dpo"]),
     ("data stats {kto} --model {model}", ["unpaired preference (KTO) data", "--method kto"]),
     ("data stats {m}/kto-all-true.jsonl --model {model} --method kto", ["every label is true"]),

@@ -238,3 +238,18 @@ def test_each_warning_is_said_once_per_command(tiny_model, tmp_path, monkeypatch
         assert any("only the command line can grant" in m for m in said), said
         assert any(m.startswith(f"skipped {data}:4: invalid JSON") for m in said), said
         assert set(said.values()) == {1}, said
+
+
+def test_an_error_closes_the_open_progress_bars_before_its_line(capsys):
+    """Issue 32: an error raised mid-training (a failing reward, a full disk) was written onto the progress bar's
+    line. The CLI closes the open bars first, so the bar's line ends and the error starts a line of its own."""
+    from tqdm import tqdm
+
+    from lowmem_ft import cli
+
+    bar = tqdm(total=3)
+    bar.update(1)
+    assert bar in tqdm._instances
+    cli._end_progress_bars()
+    assert bar not in tqdm._instances
+    assert capsys.readouterr().err.endswith("\n")
