@@ -10,9 +10,11 @@ case fails before any model is loaded; the few that reach the planner or the tok
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -684,6 +686,52 @@ METHOD_CASES = [
 ]  # fmt: skip
 
 
+_KEY = re.compile(r"(?<![\w./-])(model|adapter|optimizer|memory|data|training|logging|preference|grpo)\.([a-z_]+)\b")
+_SET = re.compile(r"--set ([a-z_]+\.[a-z_]+=[^\s;,)]+)")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z-]*)")
+_FILES = ("json", "jsonl", "yaml", "py", "png", "safetensors", "pt", "gz")
+
+
+def assert_the_advice_works(line: str, command: str) -> None:
+    """Issue 32: every key a refusal names is a recipe key, every `--set KEY=VALUE` it advises with a concrete value
+    parses and validates, and every flag it names exists on the command that printed it or on `train` (whose
+    command lines the advice quotes: `continue with: lowmem-ft train --resume ...`). For the methods' catalogue,
+    whose lines quote no unknown key or flag of the user's (the first catalogue's do, by design)."""
+    from lowmem_ft.cli import build_parser
+    from lowmem_ft.recipe.load import parse_overrides, resolve
+    from lowmem_ft.recipe.schema import KEYS
+
+    for section, name in _KEY.findall(line):
+        if name not in _FILES:
+            assert f"{section}.{name}" in KEYS, (f"{section}.{name}", line)
+    for item in _SET.findall(line):
+        if not re.search(r"[A-Z]|\.\.\.|…", item.partition("=")[2]):  # placeholders (NAME, COLUMN) are not values
+            resolve(None, parse_overrides([item]))
+    parser = build_parser()
+    own = parser.commands[command]
+    if command == "data":
+        own = next(a for a in own._actions if isinstance(a, argparse._SubParsersAction)).choices["stats"]
+    known = {o for p in (own, parser.commands["train"]) for a in p._actions for o in a.option_strings}
+    for flag in _FLAG.findall(line):
+        assert flag in known, (flag, line)
+
+
+@pytest.mark.parametrize(
+    ("line", "command"),
+    [
+        ("GRPO needs a reward: name a built-in with training.grpo.rewards or --reward (exact_match)", "train"),
+        ("no pair fits; raise --seq-len or set training.dpo.prompt_truncation to keep_end", "train"),
+        ("reward numeric_match needs the data column 'answer'; map it with --column answer=X", "train"),
+        ("fix it with --set memory.micro_batch_size=-3", "plan"),
+    ],
+)
+def test_the_advice_check_catches_advice_that_does_not_work(line, command):
+    """The issue's advice that did not work fails the check: unknown keys, a flag no command has, a flag on another
+    command than the one that printed it, a value the key refuses."""
+    with pytest.raises(Exception):  # noqa: B017, PT011 — an AssertionError or the recipe's own UserError
+        assert_the_advice_works(line, command)
+
+
 def test_the_methods_catalogue_is_at_least_40_cases():
     assert len(METHOD_CASES) >= 40, len(METHOD_CASES)
 
@@ -703,6 +751,7 @@ def test_a_bad_input_to_the_methods_is_one_line(argv, words, method_world, capsy
     for word in words:
         assert word.format(**method_world) in line, (word, line)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert_the_advice_works(line, argv.split()[0])
     assert not (Path(method_world["tmp"]) / "train-out").exists() or not any(
         (Path(method_world["tmp"]) / "train-out").rglob("*.safetensors")
     )  # refused before any weight was written
