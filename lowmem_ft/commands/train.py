@@ -7,6 +7,7 @@ import argparse
 from typing import get_args
 
 from lowmem_ft.commands import flags
+from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
 
 
