@@ -84,7 +84,7 @@ class GrpoShape:
     # until the new one is made, beside the next generation and scoring (devkit/harness/grpo.py measures that)
     frees_spent_round: bool = True
     # TRL's own GRPOTrainer casts a quantized model's adapter to bf16 (`_adapter_cast`); lowmem-ft undoes that and
-    # trains it in fp32 (train/run.py `_keep_adapters_fp32`); devkit/harness/grpo.py runs TRL's as it is
+    # trains it in fp32 (train/model.py `keep_adapters_fp32`); devkit/harness/grpo.py runs TRL's as it is
     adapter_bf16: bool = False
 
     def rows(self, s: Setup) -> int:

@@ -418,7 +418,7 @@ class TrainingSection:
         "prompt/completion/label samples. The preference section holds their settings. grpo: online RL on TRL's "
         "GRPOTrainer (completions generated per prompt, scored by reward functions); the grpo section holds its "
         "settings.",
-        flag=Flag("--method", "what is learned: sft (default), dpo, orpo, simpo, kto, grpo", metavar="METHOD"),
+        flag=Flag("--method", "what is learned: %(choices)s (default sft)", metavar="METHOD"),
     )
     epochs: float = _f(
         1.0,

@@ -365,3 +365,33 @@ def trainable_summary(model) -> dict[str, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return {"trainable_params": trainable, "total_params": total}
+
+
+def keep_adapters_fp32(model, recipe: Recipe) -> None:
+    """Undo TRL's bf16 cast of trainable weights on quantized models (SFTTrainer.__init__, "When using QLoRA").
+
+    lowmem-ft keeps LoRA weights in fp32, as peft's autocast_adapter_dtype makes them: updates of size lr × grad
+    can fall below bf16's resolution, and the memory model counts adapters at 4 bytes per parameter.
+    """
+    import torch
+
+    if recipe.adapter.kind != "lora":
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def forget_bnb_overrides(model) -> None:
+    """Drop this model's embeddings from bitsandbytes' process-wide `GlobalOptimManager`: transformers' Trainer
+    registers every nn.Embedding there (32-bit optimizer states, trainer.py `create_optimizer`) and nothing
+    unregisters them, so each finished run's embedding would stay alive in a process that goes on (generate after
+    train, tests, the GPU check)."""
+    import sys
+
+    optim = sys.modules.get("bitsandbytes.optim")
+    if optim is None:
+        return
+    mine = {id(m) for m in model.modules()}
+    manager = optim.GlobalOptimManager.get_instance()
+    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]

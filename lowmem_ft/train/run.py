@@ -1,25 +1,23 @@
 """Running a fine-tune, read as the recipe it runs: `build()` builds, `fit()` trains, `finalize()` saves.
 
 Like torchtune's recipes, building is a list of steps in an order whose comments say why. What each step needs lives
-in a library module: the device (`device`), W&B (`tracking`), the trainer arguments (`args`), data
-(`lowmem_ft.data.prepare`), model (`model`), memory policy and observation (`guard`, `monitor`), the OOM-safe
-trainer (`trainer`), and every file of the run directory (`lowmem_ft.rundir.RunDir`).
+in a library module: the device (`device`), W&B (`tracking`), the trainer arguments (`args`), model (`model`),
+memory policy and observation (`guard`, `monitor`), and every file of the run directory (`lowmem_ft.rundir.RunDir`).
+What differs between methods — their TRL config, data and trainer class — the run's `Method` says
+(`lowmem_ft.train.methods`): `FineTune` never asks which method it runs.
 
-Around the three steps, `FineTune.recorded` keeps the run's record: the run directory locked, run.json's status
-(running → completed, interrupted or failed with the one-line reason), SIGINT/SIGTERM answered by a checkpoint
-after the step in progress (`interrupt`), and every way a run can end said in one line — what was kept and how to
-go on (`--resume`, or the same command again when nothing was kept).
+Around the three steps, `FineTune.recorded` keeps the run's record (`lowmem_ft.train.ending.RunRecord`): the run
+directory locked, run.json's status (running → completed, interrupted or failed with the one-line reason),
+SIGINT/SIGTERM answered by a checkpoint after the step in progress (`interrupt`), and every way a run can end said
+in one line — what was kept and how to go on (`--resume`, or the same command again when nothing was kept).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
-import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,11 @@ from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import Interrupted, UserError
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
-from lowmem_ft.rundir import RunDir, RunStatus
-from lowmem_ft.train.distributed.ranks import lost_peer, set_timeout
-from lowmem_ft.train.methods.rewards import RewardFailed, reward_flags
+from lowmem_ft.rundir import RunDir
+from lowmem_ft.train import methods
+from lowmem_ft.train.distributed.ranks import set_timeout
+from lowmem_ft.train.ending import RunRecord, resume_point
+from lowmem_ft.train.methods.rewards import reward_flags
 
 log = logging.getLogger(__name__)
 
@@ -54,36 +54,6 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "missing"
     return out
-
-
-def _keep_adapters_fp32(model, recipe: Recipe) -> None:
-    """Undo TRL's bf16 cast of trainable weights on quantized models (SFTTrainer.__init__, "When using QLoRA").
-
-    lowmem-ft keeps LoRA weights in fp32, as peft's autocast_adapter_dtype makes them: updates of size lr × grad
-    can fall below bf16's resolution, and the memory model counts adapters at 4 bytes per parameter.
-    """
-    import torch
-
-    if recipe.adapter.kind != "lora":
-        return
-    for param in model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()
-
-
-def _forget_bnb_overrides(model) -> None:
-    """Drop this model's embeddings from bitsandbytes' process-wide `GlobalOptimManager`: transformers' Trainer
-    registers every nn.Embedding there (32-bit optimizer states, trainer.py `create_optimizer`) and nothing
-    unregisters them, so each finished run's embedding would stay alive in a process that goes on (generate after
-    train, tests, the GPU check)."""
-    import sys
-
-    optim = sys.modules.get("bitsandbytes.optim")
-    if optim is None:
-        return
-    mine = {id(m) for m in model.modules()}
-    manager = optim.GlobalOptimManager.get_instance()
-    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
 
 
 def launched_rank() -> int:
@@ -121,22 +91,13 @@ class FineTune:
         if self.is_main:
             run.lock()
             run.clear_staging()
-        self.checkpoint, self.resume_step = self._resume_point() if resume else (None, None)
+        self.checkpoint, self.resume_step = resume_point(run) if resume else (None, None)
         self.callbacks = list(callbacks or [])
         self.stop = StopOnSignal()
-        self.status: RunStatus | None = None
-
-    def _resume_point(self) -> tuple[Path, int]:
-        """The newest complete checkpoint and its step, said with what was skipped and how the run before ended; a
-        UserError when there is none."""
-        run = self.run
-        point = run.resumable()
-        before = run.read_status()
-        if before is not None:  # running: it had no time to record its end (killed, or the machine went down)
-            ended = "stopped without recording how" if before.state == "running" else before.describe()
-            log.info("%s: the run before this one %s", run.path, ended)
-        (log.warning if point.skipped else log.info)("%s", point.describe())
-        return point.checkpoint, point.step
+        self.method = methods.get(recipe.training.method)
+        self.record = RunRecord(
+            run, self.rank, self.world_size, self.stop, lambda: getattr(self, "trainer", None), reward_flags(reward_fns)
+        )
 
     # -- build -------------------------------------------------------------------------------------------------------
     def build(self) -> FineTune:
@@ -174,51 +135,31 @@ class FineTune:
         self.tracking = tracking.configure(self.recipe, self.run.path)
 
     def _setup_args(self) -> None:
-        from lowmem_ft.train.args import Batching, batching, sft_config
+        from lowmem_ft.train.args import sft_config
 
-        self.grpo = self.recipe.training.method == "grpo"
-        self.batching = batching(self.recipe) if not self.grpo else Batching(False)
-        self.args = sft_config(
-            self.recipe,
-            self.run.checkpoints,
-            self.run.name,
-            trackers=self.tracking.active,
-            packed=self.batching.packed,
-        )
-        if self.grpo:
-            from lowmem_ft.train.methods.grpo import grpo_config
-
-            self.args = grpo_config(self.args, self.recipe)
-        elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.methods.preference import method_config
-
-            self.args = method_config(self.args, self.recipe)
+        self.batching = self.method.batching(self.recipe)
+        sft_args = sft_config(self.recipe, self.run.checkpoints, self.run.name, trackers=self.tracking.active,
+                              packed=self.batching.packed)  # fmt: skip
+        self.args = self.method.config(sft_args, self.recipe)  # the method's TRL config, from the SFT one
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
         set_timeout(self.recipe.training.rank_timeout_s)  # a hung rank fails the others after it, CPU ranks too
 
     def _setup_data(self) -> None:
-        from lowmem_ft.data.prepare import pack, prepare_datasets
+        from lowmem_ft.data.prepare import pack
         from lowmem_ft.train.model import load_tokenizer
         from lowmem_ft.vision.setup import vision_of
 
         self.tokenizer = load_tokenizer(self.recipe)
-        self.vision = vision_of(self.recipe) if self.recipe.training.method == "sft" else None
+        self.vision = vision_of(self.recipe) if self.method.images else None
         if self.vision is not None:  # image chats (lowmem_ft.vision): its own reading and collator
             self.train_ds, self.eval_ds, self.data_summary = self.vision.prepare(self.recipe, self.tokenizer)
             self.args.remove_unused_columns = False  # the collator reads the image files column
-        elif self.grpo:
-            from lowmem_ft.train.methods.grpo import prepare_data, reward_functions
-
-            self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
-            # before any weight is read: a missing reward or a column a reward needs is one line now
-            self.rewards = reward_functions(self.recipe, self.reward_fns, self.data_summary["columns"])
-        elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.methods.preference import prepare_data
-
-            self.train_ds, self.eval_ds, self.data_summary = prepare_data(self.recipe, self.tokenizer)
+            self.trainer_kwargs: dict[str, Any] = {}
         else:
-            self.train_ds, self.eval_ds, self.data_summary = prepare_datasets(self.recipe, self.tokenizer)
+            data = self.method.prepare_data(self.recipe, self.tokenizer, self.reward_fns)
+            self.train_ds, self.eval_ds, self.data_summary = data.train, data.eval, data.summary
+            self.trainer_kwargs = data.trainer_kwargs  # what the method's trainer takes beside the common arguments
         self.data_summary["batching"] = self.batching.to_dict()
         if self.batching.packed:  # TRL's own preparation is skipped (`args.sft_config`), its packing with it
             self.train_ds = pack(self.train_ds, self.recipe.memory.max_seq_len)
@@ -257,64 +198,38 @@ class FineTune:
         # On the CPU the monitor counts live tensor bytes exactly and compares them with the memory model's CPU form
         # of this run's setup (the plan's figure, in run.json, is the CUDA one) — with or without --vram.
         longest = self.data_summary.get("prompt_fit", {}).get("longest", 0)  # GRPO: the plan's P
-        exact = (
-            ExactMemory.for_recipe(
-                self.recipe,
-                eval_batch_size(self.recipe),
-                self.args.world_size,
-                config=self.model.config,
-                prompt_len=longest,
-            )  # fmt: skip
-            if self.args.device.type == "cpu"
-            else None
-        )
+        cpu = self.args.device.type == "cpu"
+        exact = ExactMemory.for_recipe(self.recipe, eval_batch_size(self.recipe), self.args.world_size,
+                                       config=self.model.config, prompt_len=longest) if cpu else None  # fmt: skip
         # under `train --gpus` each rank writes its own device's file (memory.jsonl on rank 0, memory.rank{R}.jsonl)
         self.monitor = MemoryMonitor(
-            self.run.memory_file(self.args.process_index),
-            predicted_peak_gb=self.choice.predicted_peak_gb,
-            target=self.target,
-            exact=exact,
-            use_wandb=self.tracking.enabled,
-            rank=self.args.process_index,
+            self.run.memory_file(self.args.process_index), predicted_peak_gb=self.choice.predicted_peak_gb,
+            target=self.target, exact=exact, use_wandb=self.tracking.enabled, rank=self.args.process_index,
             world_size=self.args.world_size,
-        )
-        self.guard = MemoryGuard(
-            m.micro_batch_size,
-            m.gradient_accumulation,
-            m.gradient_checkpointing,
-            eval_batch_size(self.recipe),
-            recorder=self.monitor,
-            target=self.target,
-        )
+        )  # fmt: skip
+        self.guard = MemoryGuard(m.micro_batch_size, m.gradient_accumulation, m.gradient_checkpointing,
+                                 eval_batch_size(self.recipe), recorder=self.monitor, target=self.target)  # fmt: skip
         self.monitor.watch(self.guard.watch)
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train.losses import install_loss_head
+        from lowmem_ft.train.model import keep_adapters_fp32
         from lowmem_ft.train.observe import progress, tracking
         from lowmem_ft.train.observe.totals import RunTotals
         from lowmem_ft.train.resilience.early import ProveEarly
-        from lowmem_ft.train.resilience.trainer import MemorySafeSFTTrainer
 
         m = self.recipe.memory
         self.totals = RunTotals()  # the whole run's loss across resumes, kept in every checkpoint
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
-        trainer_class, extra, shown = MemorySafeSFTTrainer, {}, progress.SFT_SHOWN
-        if self.grpo:
-            from lowmem_ft.train.methods.grpo import GRPO_SHOWN, MemorySafeGRPOTrainer
-
-            trainer_class, extra = MemorySafeGRPOTrainer, {"reward_funcs": self.rewards}
-            shown = GRPO_SHOWN
-        elif self.recipe.training.method != "sft":
-            from lowmem_ft.train.methods.preference import trainer_for
-
-            trainer_class, extra = trainer_for(self.recipe)
+        trainer_class, extra = self.method.trainer(self.recipe)
         if self.vision is not None:  # the batch's images → pixel values, at the run's resolution cap
             extra["data_collator"] = self.vision.collator(self.recipe, self.tokenizer)
             if self.monitor.exact is not None:  # the pixel values the trainer holds are the run's too
                 self.monitor.exact.pixels_held = extra["data_collator"].pixels_held
         self.trainer = trainer_class(
             **extra,
+            **self.trainer_kwargs,
             model=self.model,
             args=self.args,
             train_dataset=self.train_ds,
@@ -337,54 +252,30 @@ class FineTune:
         self.early = ProveEarly(self.trainer)
         self.trainer.add_callback(self.early)
         # the banner after the trackers' callbacks (W&B's run exists when it prints), before the bar starts drawing
-        self.trainer.add_callback(self._banner())
-        progress.install(self.trainer, self.monitor, self.target, shown)
-        _keep_adapters_fp32(self.trainer.model, self.recipe)
-        if m.chunked_loss and not self.grpo:  # GRPO's loss is TRL's own (`memory.grpo.method_setup`)
+        self.trainer.add_callback(
+            _banner(
+                self.recipe,
+                self.choice,
+                self.model,
+                self.run,
+                self.args.world_size,
+                self.method,
+                self.vision,
+                self.data_summary,
+            )  # fmt: skip
+        )
+        progress.install(self.trainer, self.monitor, self.target, self.method.shown)
+        keep_adapters_fp32(self.trainer.model, self.recipe)
+        if m.chunked_loss and self.method.chunked_loss:  # not where the trainer's loss is its own (GRPO)
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
             install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
 
-    def _banner(self):
-        """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
-        from lowmem_ft.train.model import trainable_summary
-        from lowmem_ft.train.observe.banner import PlanBanner, RunView, machine_ram_gb
-
-        plan = self.choice.plan
-        host = plan.host_gb if plan is not None else (self.run.read_plan() or {}).get("host_gb")
-        counts = trainable_summary(self.model)
-        view = RunView(
-            self.recipe.training.method, self.recipe, self.choice, counts["trainable_params"], counts["total_params"],
-            world_size=self.args.world_size, host_gb=host, machine_ram_gb=machine_ram_gb(),
-            run_dir=str(self.run.path), images=self.vision.banner(self.data_summary) if self.vision else "",
-        )  # fmt: skip
-        return PlanBanner(view, tensorboard_dir=str(self.run.tensorboard))
-
     def _write_run_files(self) -> None:
-        from lowmem_ft.train.model import trainable_summary
-
         if not self.is_main:
             return
-        info: dict[str, Any] = {
-            "name": self.run.name,
-            "model": self.recipe.model.name_or_path,
-            "data": self.data_summary,
-            "choice": self.choice.to_dict(),
-            "allocator": self.allocator,
-            "resumed_from": str(self.checkpoint) if self.checkpoint else None,
-            "versions": _versions(),
-            **trainable_summary(self.model),
-        }
-        if self.eval_ds is not None:
-            info["eval"] = {
-                "records": len(self.eval_ds),
-                "batch_size": self.args.per_device_eval_batch_size,
-                "batch_size_from": self.choice.reasons.get("eval_batch_size")
-                or ("recipe" if self.recipe.memory.eval_batch_size else "micro_batch_size"),
-                "eval_steps": self.args.eval_steps,
-                "save_steps": self.args.save_steps,
-                "best_by": "eval_loss",
-            }
+        info = _run_info(self.recipe, self.run, self.choice, self.model, self.args, self.data_summary, self.eval_ds)
+        info |= {"allocator": self.allocator, "resumed_from": str(self.checkpoint) if self.checkpoint else None}
         self.run.write_recipe(self.recipe)
         self.run.write_info(info)
         self.run.write_data_report(self.data_summary)
@@ -416,21 +307,11 @@ class FineTune:
         return self.output
 
     def _report(self, said=log.warning) -> None:
-        """The memory report at the end of `fit`, which runs in a `finally` and so must never hide why fit ended:
-        nothing when no memory was recorded (fit failed before the first step), and a report that fails is logged."""
-        from lowmem_ft.report import write_report
-
-        if not self.run.memory_file().is_file():
-            return
-        try:
-            _, memory_summary = write_report(self.run.path)
-        except Exception as exc:  # noqa: BLE001 — raising here would replace the exception fit is ending with
-            said("memory report not written: %s: %s", type(exc).__name__, exc)
-            return
-        print(memory_summary)
+        _memory_report(self.run, said)
 
     # -- finalize ------------------------------------------------------------------------------------------------------
     def finalize(self) -> RunResult:
+        from lowmem_ft.train.model import forget_bnb_overrides
         from lowmem_ft.train.observe import tracking
 
         trainer = self.trainer
@@ -444,9 +325,9 @@ class FineTune:
         metrics = self._metrics(history)
         if self.is_main:
             self.run.write_metrics(metrics, history)
-            self._write_card()
+            _write_card(self.run, self.recipe.adapter.kind == "full")
         tracking.finish(self.tracking, self.run if self.is_main else None)
-        _forget_bnb_overrides(self.trainer.model)
+        forget_bnb_overrides(self.trainer.model)
         return RunResult(self.run.path, metrics, history, model=self.trainer.model, is_main=self.is_main)
 
     def _save_weights(self) -> None:
@@ -469,6 +350,7 @@ class FineTune:
 
     def _interrupted(self):
         """Metrics and log history of the steps done, and the interruption to raise (`recorded` adds what was kept)."""
+        from lowmem_ft.train.model import forget_bnb_overrides
         from lowmem_ft.train.observe import tracking
 
         history = self.trainer.state.log_history
@@ -477,46 +359,18 @@ class FineTune:
         if self.is_main:
             self.run.write_metrics(metrics, history)
         tracking.finish(self.tracking, self.run if self.is_main else None)
-        _forget_bnb_overrides(self.trainer.model)
+        forget_bnb_overrides(self.trainer.model)
         return Interrupted(f"interrupted by {self.stop.name}: stopped after step {step}", self.stop.stopped_by)
 
-    def _write_card(self) -> None:
-        """The model card of the saved weights (replacing peft's placeholder): what `--push-to-hub` uploads. The
-        weights are saved already, so a card that cannot be written is a warning, not a failed run."""
-        from lowmem_ft.hub import write_card
-
-        weights = self.run.weights(self.recipe.adapter.kind == "full")
-        try:
-            write_card(self.run, weights)
-        except Exception as exc:  # anything in the run's records the card cannot render
-            log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
-
     def _metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Final metrics of the whole run, across resumes: the mean training loss and time (`totals`), the trainer's
-        rates of the last call, first/last loss, throughput, and with eval data the best evaluation and what was
-        kept."""
+        """Final metrics of the whole run, across resumes (`totals.final_metrics`)."""
         from lowmem_ft.train.observe import progress, tracking
+        from lowmem_ft.train.observe.totals import final_metrics
 
         logged = [h for h in history if "loss" in h]
-        # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
-        whole = self.totals.whole_run(self.output.metrics)
-        metrics = {
-            **self.output.metrics,
-            "train_loss": whole.mean_loss,
-            "train_loss_steps": whole.steps,
-            "train_runtime": round(whole.seconds, 4),
-            "global_step": self.trainer.state.global_step,
-            "first_loss": logged[0]["loss"] if logged else None,
-            "last_loss": logged[-1]["loss"] if logged else None,
-            "first_loss_step": logged[0].get("step") if logged else None,
-            "last_loss_step": logged[-1].get("step") if logged else None,
-            # the preference methods' own figures at the last logged step (TRL's names: rewards/margins, ...)
-            "method_metrics": {
-                k: v
-                for k, v in (logged[-1] if logged else {}).items()
-                if k.startswith(("rewards/", "log_odds", "completions/mean_length", "clip_ratio/region"))
-                or k in ("kl", "reward", "reward_std")
-            },
+        return final_metrics(self.trainer, self.output.metrics, history, self.totals) | {
+            # the method's own figures at the last logged step (TRL's names: rewards/margins, ...)
+            "method_metrics": methods.own_figures(self.method, logged[-1] if logged else {}),
             # GRPO: the mean reward at the first and the last logged step (the done line's trend)
             "reward_trend": [logged[0]["reward"], logged[-1]["reward"]] if logged and "reward" in logged[0] else None,
             "unscored_completions": getattr(self.trainer, "unscored_rows", None),  # GRPO: rows no reward scored
@@ -525,114 +379,81 @@ class FineTune:
             "early_checks": self.early.costs,  # what showing the eval's and the save's memory at step 1 cost
             "wandb_mode": tracking.current_mode(self.tracking),  # offline after an unreachable server
         }
-        evals = [h for h in history if "eval_loss" in h]
-        if evals:
-            best = min(evals, key=lambda h: h["eval_loss"])
-            # what load_best_model_at_end loaded, hence what finalize saved to adapter/ (or model/)
-            best_dir = self.trainer.state.best_model_checkpoint
-            metrics |= {
-                "last_eval_loss": evals[-1]["eval_loss"],
-                "last_eval_perplexity": evals[-1]["eval_perplexity"],
-                "best_eval_loss": best["eval_loss"],
-                "best_eval_perplexity": best["eval_perplexity"],
-                "best_step": best["step"],
-                "best_checkpoint": best_dir,
-                "saved_weights": f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step",
-            }
-        return metrics
 
     # -- the run's record ----------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def recorded(self) -> Iterator[None]:
-        """Around build, fit and finalize: run.json's status (running → completed / interrupted / failed), the
-        signal handlers, and every ending as one line; the run directory unlocked at the end."""
-        self.stop.install()
-        if self.is_main:
-            self.run.reserve()  # room to record the end on a disk that fills meanwhile
-        # under --gpus every rank records its own status (rank 0 in run.json): the launcher reads them all to say
-        # which rank ended the launch and how (`lowmem_ft.train.distributed.launch.settle`)
-        self.status = RunStatus.running()
-        if self.world_size > 1:
-            self.status.rank = self.rank
-        self._record(self.status)
-        try:
-            yield
-        except BaseException as exc:
-            ending = self._ending(exc)
-            if ending is exc:
-                raise
-            raise ending from None
-        else:
-            self._end("completed", step=self.trainer.state.global_step)
-        finally:
-            self.stop.uninstall()
-            if self.is_main:
-                self.run.release_reserve()
-            self.run.unlock()
-
-    def _record(self, status: RunStatus) -> None:
-        try:
-            self.run.write_rank_status(self.rank, status)
-        except OSError as exc:  # a full disk: the run's end is said on the console all the same
-            log.warning("could not record the run's status (%s) in %s: %s", status.state, self.run.info_file, exc)
-
-    def _end(self, state: str, **info: Any) -> None:
-        if self.status is None:
-            return
-        if state != "completed":  # what --resume would continue from
-            kept = self.run.last_checkpoint()
-            info["checkpoint"] = str(kept) if kept is not None else None
-        self._record(self.status.ended(state, **info))
-
-    def _ending(self, exc: BaseException) -> BaseException:
-        """Record how the run ended and return the error to raise: one line (with what was kept and how to go on)
-        for everything but a bug."""
-        from lowmem_ft.train.resilience.checkpoints import DiskFull, is_disk_full
-
-        trainer = getattr(self, "trainer", None)
-        step = trainer.state.global_step if trainer is not None else None
-        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: abort at once
-            exc = Interrupted(f"aborted by a second SIGINT during step {(step or 0) + 1}", signal.SIGINT)
-        if isinstance(exc, Interrupted):
-            exc = Interrupted(f"{exc}; {self.run.continuation(reward_flags(self.reward_fns))}", exc.signum)
-            self._end("interrupted", step=step, reason=str(exc), signal=signal.Signals(exc.signum).name)
-            return exc
-        if not isinstance(exc, DiskFull) and is_disk_full(exc):
-            exc = self._disk_full(exc)
-        if self.world_size > 1 and lost_peer(exc):  # another rank died or hung: the launcher names which
-            exc = UserError(f"rank {self.rank} lost the other ranks at a collective ({_first_line(exc)})")
-        if isinstance(exc, RewardFailed):  # at a step: the run stops, its last checkpoint kept, and says how to go on
-            exc = RewardFailed(f"{exc}; {self.run.continuation(reward_flags(self.reward_fns))}")
-        if isinstance(exc, UserError):
-            self._end("failed", step=step, reason=str(exc))
-            return exc
-        self._end("failed", step=step, reason=f"{type(exc).__name__}: {_first_line(exc)}"[:500])
-        return exc
-
-    def _disk_full(self, exc: BaseException):
-        """A full disk outside a checkpoint save (memory log, final weights, run files): the same one line."""
-        from lowmem_ft.train.resilience.checkpoints import Saver
-
-        trainer = getattr(self, "trainer", None)
-        saver = trainer.saver if trainer is not None else Saver(self.run)
-        if trainer is not None and not saver.needed:
-            saver.needed = saver.expected_bytes(trainer)
-        return saver.disk_full(f"writing {_filename(exc) or self.run.path}")
+    def recorded(self):
+        """Around build, fit and finalize: the run's status and every ending as one line (`ending.RunRecord`)."""
+        return self.record.around()
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+def _banner(recipe: Recipe, choice: Choice, model, run: RunDir, world_size: int, method: methods.Method, vision,
+            data_summary: dict):  # fmt: skip
+    """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
+    from lowmem_ft.train.model import trainable_summary
+    from lowmem_ft.train.observe.banner import PlanBanner, RunView, machine_ram_gb
+
+    plan = choice.plan
+    host = plan.host_gb if plan is not None else (run.read_plan() or {}).get("host_gb")
+    counts = trainable_summary(model)
+    view = RunView(
+        recipe.training.method, recipe, choice, counts["trainable_params"], counts["total_params"],
+        world_size=world_size, host_gb=host, machine_ram_gb=machine_ram_gb(), run_dir=str(run.path),
+        batch=method.batch_text(recipe, world_size), images=vision.banner(data_summary) if vision else "",
+    )  # fmt: skip
+    return PlanBanner(view, tensorboard_dir=str(run.tensorboard))
 
 
-def _filename(exc: BaseException | None) -> str | None:
-    """The file a failed write names, on the exception or one it came from."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "filename", None):
-            return str(exc.filename)
-        exc = exc.__cause__ or exc.__context__
-    return None
+def _run_info(recipe: Recipe, run: RunDir, choice: Choice, model, args, data_summary: dict, eval_ds) -> dict[str, Any]:
+    """run.json's record of what building decided: the data, the choice, the versions, the parameter counts and,
+    with eval data, how it is evaluated."""
+    from lowmem_ft.train.model import trainable_summary
+
+    info: dict[str, Any] = {
+        "name": run.name,
+        "model": recipe.model.name_or_path,
+        "data": data_summary,
+        "choice": choice.to_dict(),
+        "versions": _versions(),
+        **trainable_summary(model),
+    }
+    if eval_ds is not None:
+        info["eval"] = {
+            "records": len(eval_ds),
+            "batch_size": args.per_device_eval_batch_size,
+            "batch_size_from": choice.reasons.get("eval_batch_size")
+            or ("recipe" if recipe.memory.eval_batch_size else "micro_batch_size"),
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+            "best_by": "eval_loss",
+        }
+    return info
+
+
+def _memory_report(run: RunDir, said=log.warning) -> None:
+    """The memory report at the end of `fit`, which runs in a `finally` and so must never hide why fit ended:
+    nothing when no memory was recorded (fit failed before the first step), and a report that fails is logged."""
+    from lowmem_ft.report import write_report
+
+    if not run.memory_file().is_file():
+        return
+    try:
+        _, memory_summary = write_report(run.path)
+    except Exception as exc:  # noqa: BLE001 — raising here would replace the exception fit is ending with
+        said("memory report not written: %s: %s", type(exc).__name__, exc)
+        return
+    print(memory_summary)
+
+
+def _write_card(run: RunDir, full: bool) -> None:
+    """The model card of the saved weights (replacing peft's placeholder): what `--push-to-hub` uploads. The
+    weights are saved already, so a card that cannot be written is a warning, not a failed run."""
+    from lowmem_ft.hub import write_card
+
+    weights = run.weights(full)
+    try:
+        write_card(run, weights)
+    except Exception as exc:  # anything in the run's records the card cannot render
+        log.warning("model card not written to %s (%s: %s)", weights, type(exc).__name__, exc)
 
 
 def train(

@@ -32,6 +32,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.train.methods import MethodData
 from lowmem_ft.train.methods.rewards import RewardFailed
 from lowmem_ft.train.resilience.trainer import MemorySafe
 
@@ -273,3 +274,47 @@ class MemorySafeGRPOTrainer(MemorySafe, GRPOTrainer):
         sizes = [p["completion_ids"].shape[0] for p in parts]
         spans = [(sum(sizes[:k]), n) for k, n in enumerate(sizes)]
         return parts, piece_weights(self.loss_type, parts, rows), (0, rows, spans)
+
+
+class GRPO:
+    """GRPO as a `lowmem_ft.train.methods.Method`: prompts (never packed), the recipe's and the command line's
+    reward functions checked against the data's columns before any weight is read, TRL's own loss."""
+
+    name = "grpo"
+    shown = GRPO_SHOWN
+    # TRL's names: rewards/<function>/mean, completions/mean_length, clip_ratio/region_mean, kl, reward, reward_std
+    logged = ("rewards/*", "completions/mean_length", "clip_ratio/region_mean", "kl", "reward", "reward_std")
+    traced = False  # a round generates: the tracer runs SFT steps only
+    takes_rewards = True
+    images = False
+    chunked_loss = False  # TRL computes GRPO's loss from its own log-probs (`lowmem_ft.memory.grpo.method_setup`)
+
+    def batching(self, recipe):
+        from lowmem_ft.train.args import Batching
+
+        return Batching(False)
+
+    def batch_text(self, recipe, world_size: int) -> str:
+        """A step's batch on the banner: completions per step, and the round one generate call makes."""
+        g, mem = recipe.grpo, recipe.memory
+        effective = mem.micro_batch_size * mem.gradient_accumulation * world_size
+        rows = mem.micro_batch_size * (g.steps_per_generation or mem.gradient_accumulation) * world_size
+        return (
+            f"{effective} completions per step; a round generates {rows} ({rows // g.num_generations} prompts × "
+            f"{g.num_generations}), up to {g.max_completion_length} tokens each"
+        )
+
+    def config(self, sft_args, recipe) -> GRPOConfig:
+        return grpo_config(sft_args, recipe)
+
+    def prepare_data(self, recipe, tokenizer, reward_fns: list) -> MethodData:
+        train_ds, eval_ds, summary = prepare_data(recipe, tokenizer)
+        # before any weight is read: a missing reward or a column a reward needs is one line now
+        rewards = reward_functions(recipe, reward_fns, summary["columns"])
+        return MethodData(train_ds, eval_ds, summary, {"reward_funcs": rewards})
+
+    def trainer(self, recipe) -> tuple[type, dict[str, Any]]:
+        return MemorySafeGRPOTrainer, {}
+
+
+METHODS = {"grpo": GRPO()}

@@ -33,6 +33,8 @@ from typing import Any, Literal
 import torch
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
+from lowmem_ft.train.methods import MethodData
+from lowmem_ft.train.observe.progress import SFT_SHOWN
 from lowmem_ft.train.resilience.trainer import MemorySafe
 
 log = logging.getLogger(__name__)
@@ -317,6 +319,43 @@ def trainer_for(recipe) -> tuple[type, dict[str, Any]]:
     if settings.method == "kto":
         return MemorySafeKTOTrainer, {"keep_ref_adapter": bool(recipe.adapter.name_or_path)}
     raise NotImplementedError(f"training.method={settings.method} is not wired yet")
+
+
+class Preference:
+    """DPO, ORPO, SimPO or KTO as a `lowmem_ft.train.methods.Method`: pairs (KTO: labelled completions) batched as
+    SFT samples are, trained on TRL's trainer of the method, which computes its own loss."""
+
+    shown = SFT_SHOWN  # TRL's token accuracy, as for SFT
+    logged = ("rewards/*", "log_odds*", "kl")  # TRL's names: rewards/margins, log_odds_ratio, KTO's kl
+    traced = False  # the tracer runs SFT steps; a reference pass is not traced yet
+    takes_rewards = False
+    images = False
+    # installed when the recipe sets memory.chunked_loss; the planner never turns it on for these runs, whose
+    # trainers compute their own loss (TRL's fused head, full logits: `lowmem_ft.memory.preference.method_setup`)
+    chunked_loss = True
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def batching(self, recipe):
+        from lowmem_ft.train.args import batching
+
+        return batching(recipe)
+
+    def batch_text(self, recipe, world_size: int) -> str:
+        return ""  # sequences per step, as the banner says by default
+
+    def config(self, sft_args, recipe):
+        return method_config(sft_args, recipe)
+
+    def prepare_data(self, recipe, tokenizer, reward_fns: list) -> MethodData:
+        return MethodData(*prepare_data(recipe, tokenizer))
+
+    def trainer(self, recipe) -> tuple[type, dict[str, Any]]:
+        return trainer_for(recipe)
+
+
+METHODS = {name: Preference(name) for name in ("dpo", "orpo", "simpo", "kto")}
 
 
 def prepare_preference_datasets(recipe, tokenizer, fmt: str, fit) -> tuple[Any, Any, dict[str, Any]]:

@@ -74,6 +74,7 @@ class RunView:
     run_dir: str = ""
     trackers: tuple[str, ...] = ()  # "W&B offline: <dir>", "TensorBoard: <dir>", …
     images: str = ""  # image chats: images per batch, tokens per image, the resolution cap (`lowmem_ft.vision`)
+    batch: str = ""  # what a step's batch is, where the method says it (GRPO's round); else sequences per step
 
     def lines(self) -> list[str]:
         r = self.recipe
@@ -87,11 +88,8 @@ class RunView:
             f"  weights  {weights_text(r)}",
             f"  adapter  {self._adapter()}",
             f"  batch    {mem.micro_batch_size} micro × {mem.gradient_accumulation} accumulation × {devices} = "
-            + (
-                self._round(effective) + steps
-                if self.method == "grpo"
-                else f"{effective} sequences per step, ≤ {mem.max_seq_len} tokens each{steps}"
-            ),  # fmt: skip
+            + (self.batch or f"{effective} sequences per step, ≤ {mem.max_seq_len} tokens each")
+            + steps,
             f"  savers   {', '.join(savers_on(r)) or 'none'}",
             f"  memory   {self._memory()}",
         ]
@@ -103,15 +101,6 @@ class RunView:
         out.append(f"  run      {self.run_dir}")
         out.extend(f"  tracker  {t}" for t in self.trackers)
         return out
-
-    def _round(self, effective: int) -> str:
-        """GRPO's batch: completions per step, and the round one generate call makes."""
-        g, mem = self.recipe.grpo, self.recipe.memory
-        rows = mem.micro_batch_size * (g.steps_per_generation or mem.gradient_accumulation) * self.world_size
-        return (
-            f"{effective} completions per step; a round generates {rows} ({rows // g.num_generations} prompts × "
-            f"{g.num_generations}), up to {g.max_completion_length} tokens each"
-        )
 
     def _how(self) -> str:
         c = self.choice

@@ -90,3 +90,39 @@ def logged_totals(history: list[dict[str, Any]]) -> Totals:
             span = row["step"] - last
             steps, loss, last = steps + span, loss + row["loss"] * span, row["step"]
     return Totals(steps, loss)
+
+
+def final_metrics(trainer, output_metrics: dict[str, Any], history: list[dict[str, Any]], totals: RunTotals):
+    """The common final metrics of a run, across resumes: the mean training loss and time (`totals`), the trainer's
+    rates of the last call, first/last loss, and with eval data the best evaluation and what was kept."""
+    from pathlib import Path
+
+    logged = [h for h in history if "loss" in h]
+    # transformers' train_loss and train_runtime cover this call only: after --resume, the resumed steps
+    whole = totals.whole_run(output_metrics)
+    metrics = {
+        **output_metrics,
+        "train_loss": whole.mean_loss,
+        "train_loss_steps": whole.steps,
+        "train_runtime": round(whole.seconds, 4),
+        "global_step": trainer.state.global_step,
+        "first_loss": logged[0]["loss"] if logged else None,
+        "last_loss": logged[-1]["loss"] if logged else None,
+        "first_loss_step": logged[0].get("step") if logged else None,
+        "last_loss_step": logged[-1].get("step") if logged else None,
+    }
+    evals = [h for h in history if "eval_loss" in h]
+    if evals:
+        best = min(evals, key=lambda h: h["eval_loss"])
+        # what load_best_model_at_end loaded, hence what finalize saved to adapter/ (or model/)
+        best_dir = trainer.state.best_model_checkpoint
+        metrics |= {
+            "last_eval_loss": evals[-1]["eval_loss"],
+            "last_eval_perplexity": evals[-1]["eval_perplexity"],
+            "best_eval_loss": best["eval_loss"],
+            "best_eval_perplexity": best["eval_perplexity"],
+            "best_step": best["step"],
+            "best_checkpoint": best_dir,
+            "saved_weights": f"best checkpoint ({Path(best_dir).name})" if best_dir else "last step",
+        }
+    return metrics

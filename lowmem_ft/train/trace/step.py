@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.recipe.schema import Recipe
+from lowmem_ft.train import methods
 from lowmem_ft.train.trace.layers import Layers
 
 log = logging.getLogger(__name__)
@@ -444,7 +445,7 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     if recipe.model.trust_remote_code:
         raise UserError("cannot trace a model that runs its own code (--trust-remote-code): trace needs a model class "
                         "transformers ships")  # fmt: skip
-    if recipe.training.method != "sft":
+    if not methods.get(recipe.training.method).traced:
         raise UserError(f"--verify traces supervised fine-tuning steps; training.method={recipe.training.method} is "
                         "not traced yet (plan without --verify)")  # fmt: skip
     started = time.perf_counter()
@@ -504,9 +505,9 @@ def _host_table_bytes(model) -> int:
 
 
 def _forget(model) -> None:
-    from lowmem_ft.train.run import _forget_bnb_overrides
+    from lowmem_ft.train.model import forget_bnb_overrides
 
-    _forget_bnb_overrides(model)
+    forget_bnb_overrides(model)
 
 
 def with_batch(recipe: Recipe, rows: int, seq: int) -> Recipe:
