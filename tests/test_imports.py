@@ -142,3 +142,64 @@ def _violations(layer: str, forbidden: tuple[str, ...]) -> list[str]:
 )
 def test_layers_import_only_downstream(layer, forbidden):
     assert _violations(layer, forbidden) == []
+
+
+# -- the rooms of `train` -------------------------------------------------------------------------------------------
+TRAIN_ROOMS = {
+    # measuring is a yardstick for every room: it knows the memory model, not the trainer it measures
+    "lowmem_ft.train.measure": ("lowmem_ft.train",),
+    # a method knows the trainer's parts, never the run that builds it nor the commands
+    "lowmem_ft.train.methods": ("lowmem_ft.train.run", "lowmem_ft.train.ending", "lowmem_ft.train.distributed"),
+    # observers observe: no policy (resilience) and no method imported
+    "lowmem_ft.train.observe": ("lowmem_ft.train.resilience", "lowmem_ft.train.methods", "lowmem_ft.train.run"),
+}
+
+
+@pytest.mark.parametrize(("room", "forbidden"), sorted(TRAIN_ROOMS.items()))
+def test_train_rooms_import_only_what_they_may(room, forbidden):
+    found = [
+        f"{name} imports {target}"
+        for name in MODULES
+        if name == room or name.startswith(room + ".")
+        for target in sorted(GRAPH[name])
+        if any(target == f or target.startswith(f + ".") for f in forbidden)
+        and not (target == room or target.startswith(room + "."))
+    ]
+    assert found == []
+
+
+def room(name: str) -> str:
+    """A module's room: a sub-package of `train` (`lowmem_ft.train.trace`), else its package (`unit`)."""
+    parts = name.split(".")
+    if parts[:2] == ["lowmem_ft", "train"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    return unit(name)
+
+
+def private_imports(source: str, name: str) -> list[str]:
+    """`from lowmem_ft.x import _name` in `source` (module `name`) where x lies in another room: one room reaching
+    into another's private names (dunders aside)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lowmem_ft") and not node.level:
+            found += [
+                f"{name} imports {node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__") and room(node.module) != room(name)
+            ]
+    return found
+
+
+def test_no_module_imports_another_rooms_private_names():
+    """Within one package (memory/, data/) a `_name` is shared by its modules; across rooms it is not."""
+    found = [f for name, path in MODULES.items() for f in private_imports(path.read_text(encoding="utf-8"), name)]
+    assert found == []
+
+
+def test_the_private_import_check_sees_one():
+    """What trace/step.py did with run.py's `_forget_bnb_overrides` is found; a package's own `_name` is not."""
+    line = "from lowmem_ft.train.run import _forget_bnb_overrides\n"
+    assert private_imports(line, "lowmem_ft.train.trace.step") == [
+        "lowmem_ft.train.trace.step imports lowmem_ft.train.run._forget_bnb_overrides"
+    ]
+    assert private_imports("from lowmem_ft.memory.static import _x\n", "lowmem_ft.memory.estimate") == []

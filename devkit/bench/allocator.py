@@ -33,14 +33,14 @@ MODES = {"default": {}, "expandable": {"expandable_segments": True}}
 def replayed(log: list, capacity: int | None = None) -> dict[str, dict[str, list[int]] | str]:
     """mode → phase mark → the peaks (requested, allocated, reserved) within the window that mark closes; with a
     `capacity`, also the default allocator held to it ("capacity"; "out of memory" when it fails)."""
-    from lowmem_ft.train.measure.allocator import Allocator, OutOfMemory
+    from lowmem_ft.train.measure.allocator import Allocator, ReplayOutOfMemory
 
     modes = dict(MODES, **({"capacity": {"capacity": capacity}} if capacity else {}))
     out = {}
     for mode, kw in modes.items():
         try:
             windows = Allocator(**kw).replay(log)
-        except OutOfMemory as exc:
+        except ReplayOutOfMemory as exc:
             out[mode] = f"out of memory: {exc}"
             continue
         out[mode] = {k: [w.requested, w.allocated, w.reserved] for k, w in windows.items() if k != "total"}

@@ -60,7 +60,7 @@ NO_LIMIT = 1 << 62  # max_split_size's default (SIZE_MAX: no limit)
 _SPACE = 1 << 50  # an expandable segment's address space (the driver reserves 1 1/8 of the card; unbounded here)
 
 
-class OutOfMemory(Exception):
+class ReplayOutOfMemory(Exception):
     """The replay asked for more than `capacity` with nothing left to release (torch's OutOfMemoryError)."""
 
 
@@ -234,7 +234,7 @@ class Allocator:
                 if self.current.reserved + grow > self.capacity:
                     self._release_cached()
             if self.current.reserved + grow > self.capacity:
-                raise OutOfMemory(
+                raise ReplayOutOfMemory(
                     f"tried to allocate {grow} B with {self.current.reserved} B reserved of {self.capacity} B"
                 )
         if self.expandable_segments:

@@ -308,7 +308,7 @@ class ExactMemory:
 def labelled_positions(kwargs: dict) -> int | None:
     """The positions a forward's loss is taken on: `shift_labels` ≠ -100, else `labels[:, 1:]` ≠ -100 (the shift
     `lowmem_ft.train.losses.token_log_probs` applies); None without labels (every position, the upper bound)."""
-    from lowmem_ft.train.losses import IGNORE_INDEX
+    from lowmem_ft.data.chat import IGNORE  # the label masks' -100, as `lowmem_ft.train.losses` reads them
 
     shifted = kwargs.get("shift_labels")
     if shifted is None:
@@ -316,4 +316,4 @@ def labelled_positions(kwargs: dict) -> int | None:
         if labels is None:
             return None
         shifted = labels[..., 1:]
-    return int((shifted != IGNORE_INDEX).sum())
+    return int((shifted != IGNORE).sum())

@@ -7,7 +7,7 @@ model's output."""
 import pytest
 import torch
 
-from lowmem_ft.train.measure.allocator import Allocator, OutOfMemory
+from lowmem_ft.train.measure.allocator import Allocator, ReplayOutOfMemory
 from lowmem_ft.train.measure.peak import PeakMemory
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -123,7 +123,7 @@ def test_capacity_releases_whole_cached_segments_before_failing():
     assert a.current.reserved == 44 * MiB
     a.malloc(30 * MiB)  # no cached block holds it; 44 + 30 > 60: the whole 24 MiB segment is released, 20 + 30 ≤ 60
     assert a.current.reserved == 50 * MiB and a.peak.reserved == 50 * MiB
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(ReplayOutOfMemory):
         a.malloc(20 * MiB)  # the 16 MiB rest is too small, 50 + 20 > 60, and the split segment cannot be released
     assert keep.allocated
 
