@@ -10,6 +10,7 @@ back (`prepare_launched`). The command only parses, calls this, and trains or la
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,23 +143,18 @@ def refuse_method_change(run: RunDir, recipe: Recipe, overrides: dict) -> None:
         )
 
 
-def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan, overrides: dict) -> tuple[Recipe, Choice]:
-    """--verify: the plan's step traced at full size before any weight is read; over the budget, planned again."""
-    from lowmem_ft.recipe.load import merge
-    from lowmem_ft.train.trace.verify import margin_override, verified
+def planned(
+    request: TrainRequest, check: Callable[[Recipe], None], say: Callable[[str], None] = print, show=None
+) -> tuple[Recipe, Choice]:
+    """The recipe `request` asks for and the record of why: the one choosing path of `train` and `plan`.
 
-    if request.vram_gb is None or request.gpus * request.nodes > 1:
-        raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")
-    print(f"tracing the training step of the plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
-    again = lambda margin: plan(merge(overrides, margin_override(margin)))  # noqa: E731
-    recipe, choice, _ = verified(recipe, choice, again, print)
-    return recipe, choice
-
-
-def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
-    """The recipe for a new run and the record of why: planned for --vram from the data's length profile (its inputs
-    checked before the data is read), else the recipe as given (checked, and its length within the model's)."""
-    profile = None
+    With --vram, the data's token-length profile (when the recipe has data) is read after the recipe planning starts
+    from is checked — the --vram above its margin, then `check` (train: every input the run reads and writes;
+    plan: the model's config and the data) — and the planner gets the same arguments either way: the world size over
+    `gpus` × `nodes` (the plan is per device), each node's host RAM holding its own `gpus` processes. `--verify`
+    traces the plan's step at full size and plans again while it is over the budget; `say` prints its progress and
+    `show(recipe, choice)` each plan it traces (plan's table)."""
+    profile, overrides, why = None, request.overrides, None
 
     def plan(overrides: dict, profile_=None) -> tuple[Recipe, Choice]:
         return choose_recipe(
@@ -173,24 +169,53 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
             offload=request.offload or None,  # not given: the planner may offload as its last step
         )
 
-    overrides = request.overrides
     if request.vram_gb is not None:  # image chats: the resolution cap is chosen with the plan (`choose_cap`)
-        overrides, profile, why = _data_profile(request, plan)
+        overrides, profile, why = _data_profile(request, check, plan)
         if why:
             log.info("images: %s", why)
     recipe, choice = plan(overrides)
+    if request.vram_gb is not None and why:  # the image cap's reason, beside the planner's own (`plan` prints it)
+        choice.reasons["vision.max_pixels"] = why
     if request.verify:
-        recipe, choice = _verify(request, recipe, choice, plan, overrides)
+        recipe, choice = _verify(request, recipe, choice, plan, overrides, say, show)
+    return recipe, choice
+
+
+def _verify(request: TrainRequest, recipe: Recipe, choice: Choice, plan, overrides, say, show) -> tuple[Recipe, Choice]:
+    """--verify: the plan's step traced at full size before any weight is read; over the budget, planned again."""
+    from lowmem_ft.recipe.load import merge
+    from lowmem_ft.train.trace.verify import margin_override, verified
+
+    if request.vram_gb is None or request.gpus * request.nodes > 1:
+        raise UserError("--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)")
+    show = show or (lambda recipe, choice: None)
+    show(recipe, choice)
+    say(f"tracing the training step of the plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
+
+    def again(margin: float) -> tuple[Recipe, Choice]:
+        new_recipe, new_choice = plan(merge(overrides, margin_override(margin)))
+        show(new_recipe, new_choice)
+        return new_recipe, new_choice
+
+    recipe, choice, _ = verified(recipe, choice, again, say)
+    return recipe, choice
+
+
+def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
+    """The recipe for a new run and the record of why (`planned`, every input checked), then what `train` does with
+    a recipe as given: its length checked within the model's positions; over the host RAM refused (no guard steps
+    down from an OOM-killed host); over the VRAM budget warned about (the guard steps down if memory runs out)."""
+    recipe, choice = planned(request, check_inputs)
     if request.vram_gb is None:  # not planned: the recipe's length as given, within the model's positions
         check_inputs(recipe)
         length, model = recipe.memory.max_seq_len, recipe.model.name_or_path
         origin = origin_of("memory.max_seq_len", request.overrides, request.origins)
         where = asked("memory.max_seq_len", length, origin, request.recipe)
         check_positions(length, model_positions(model), model, where)
-    elif choice.plan is not None and not choice.plan.host_fits:  # no guard steps down from an OOM-killed host
+    elif choice.plan is not None and not choice.plan.host_fits:
         why = choice.reasons.get("host_ram") or choice.plan.unfit_reason()
         raise UserError(f"recipe {request.recipe}: {why}")
-    elif choice.fits is False:  # --recipe R --vram N: used as given; the guard steps down if memory runs out
+    elif choice.fits is False:  # --recipe R --vram N: used as given
         log.warning(
             "recipe %s is predicted to need %.1f GB, over the --vram %g budget of %.1f GB (margin %g GB); drop "
             "--recipe to let the planner choose, or see `lowmem-ft plan --vram %g --model %s --recipe %s`",
@@ -200,18 +225,32 @@ def choose(request: TrainRequest) -> tuple[Recipe, Choice]:
     return recipe, choice
 
 
-def _data_profile(request: TrainRequest, plan) -> tuple[dict, Any, str | None]:
+def _data_profile(request: TrainRequest, check: Callable[[Recipe], None], plan) -> tuple[dict, Any, str | None]:
     """(overrides, the data's token-length profile, why the image cap) for the planner to choose max_seq_len
     (tokenized once, cached for training), after the inputs of the recipe planning starts from are checked: the
-    model, data and output directory are the ones the planned recipe keeps. Image chats: with their image tokens, at
-    the resolution cap chosen with the plan (`lowmem_ft.vision.setup.choose_cap`)."""
+    model, data and output directory are the ones the planned recipe keeps. No profile when the recipe has no data
+    (`plan` without --data). Image chats: with their image tokens, at the resolution cap chosen with the plan
+    (`lowmem_ft.vision.setup.choose_cap`)."""
     from lowmem_ft.choosing import start_recipe, target_for
     from lowmem_ft.vision.setup import choose_cap
 
     start = start_recipe(request.vram_gb, request.recipe, request.overrides, request.origins)
     target_for(request.vram_gb, start)  # --vram above the recipe's margin, before the data is tokenized
-    check_inputs(start)
+    check(start)
+    if not (start.data.path or start.data.mix):
+        return request.overrides, None, None
     return choose_cap(start, request.overrides, plan)
+
+
+def check_plan_inputs(recipe: Recipe) -> None:
+    """What `plan` reads: the model's config (no weights: a Hub id from the offline catalog will do) and, when the
+    recipe has data, every source of it (resolved, nothing read yet)."""
+    from lowmem_ft.checks import check_model
+    from lowmem_ft.data import check_source
+
+    check_model(recipe.model.name_or_path, "model", weights=False)
+    if recipe.data.path or recipe.data.mix:
+        check_source(recipe)
 
 
 def check_inputs(recipe: Recipe, run_dir: Path | None = None, flag: str = "--resume") -> None:

@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
         note="; max_seq_len is sized from its token lengths (p99), as train --vram does (needs the tokenizer)",
     )
     p.add_argument("--recipe", metavar="NAME_OR_FILE", help="check this recipe instead of planning from the tier")
-    p.add_argument("--gpus", type=flags.count, default=1, metavar="N", help="GPUs to train on; the plan is per device")
+    p.add_argument("--gpus", type=flags.count, default=1, metavar="N", help="GPUs per node; the plan is per device")
+    p.add_argument("--nodes", type=flags.count, default=1, metavar="N",
+                   help="machines, each with --gpus GPUs and its own host RAM (as train --nodes)")  # fmt: skip
     p.add_argument(
         "--strategy",
         default="auto",
@@ -65,7 +67,7 @@ def check_output_file(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lowmem_ft.checks import check_model
-    from lowmem_ft.choosing import choose_recipe, start_recipe
+    from lowmem_ft.preparing import TrainRequest, check_plan_inputs, planned
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
 
     output = Path(args.output) if args.output else None
@@ -73,37 +75,19 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(output)
     check_model(args.model, "--model", weights=False)  # planning reads config.json only
     keys, origins = flags.key_overrides(args)
-    overrides = merge(parse_overrides(args.overrides), keys)
-    profile, cap_why = None, None
-
-    def plan(overrides: dict, profile_=None):
-        return choose_recipe(
-            vram_gb=args.vram,
-            recipe=args.recipe,
-            overrides=overrides,
-            origins=origins,
-            profile=profile_ or profile,
-            gpus=args.gpus,
-            strategy=args.strategy,
-            offload=args.offload,
-        )
-
-    if args.data:
-        from lowmem_ft.data import check_source
-        from lowmem_ft.vision.setup import choose_cap
-
-        start = start_recipe(args.vram, args.recipe, overrides, origins)
-        check_source(start)
-        # image chats: with their image tokens, at the resolution cap chosen with the plan
-        overrides, profile, cap_why = choose_cap(start, overrides, plan)
-    try:
-        recipe, choice = plan(overrides)
+    request = TrainRequest(
+        overrides=merge(parse_overrides(args.overrides), keys), origins=origins, vram_gb=args.vram,
+        recipe=args.recipe, gpus=args.gpus, nodes=args.nodes, strategy=args.strategy, offload=bool(args.offload),
+        verify=args.verify,
+    )  # fmt: skip
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print  # stdout stays JSON
+    show = None if args.json else lambda recipe, choice: print_plan(choice.plan, recipe)
+    try:  # the same path as train's: same checks, same refusals, same planner arguments (`preparing.planned`)
+        recipe, choice = planned(request, check_plan_inputs, say, show)
     except UserError as exc:
         if args.json:  # nothing fits (the device or the host RAM): the JSON says so too, the line goes to stderr
             print(json.dumps({"model": args.model, "fits": False, "unfit_reason": str(exc)}, indent=2))
         raise
-    if args.verify:
-        recipe, choice = verify(args, recipe, choice, lambda keys: plan(merge(overrides, keys)))
     fits = choice.plan.fits
     if output is not None and fits:
         try:
@@ -114,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
 
     vision = vision_of(recipe)  # image chats: the resolution cap chosen and the image tokens per sample
     described = vision.describe(recipe) if vision is not None else None
-    if described and cap_why:
-        described["why"] = cap_why
+    if described and choice.reasons.get("vision.max_pixels"):
+        described["why"] = choice.reasons["vision.max_pixels"]
     if args.json:
         print(json.dumps(choice.plan_record(recipe) | ({"vision": described} if described else {}), indent=2))
     else:
-        if not getattr(args, "printed", False):
+        if not args.verify:  # --verify showed each plan it traced, the chosen one last
             print_plan(choice.plan, recipe)
         if described:
             print("\n".join(vision_lines(described)))
@@ -149,28 +133,6 @@ def version_note() -> None:
         names = ", ".join(f"{name} {now or 'missing'} (checked {want})" for name, (want, now) in found.items())
         print(f"note: the memory model was checked against other library versions: {names}; --verify measures the "
               "installed ones", file=sys.stderr)  # fmt: skip
-
-
-def verify(args: argparse.Namespace, recipe, choice, plan_again):
-    """--verify: trace the plan (printed first), step down while the trace is over the budget."""
-    from lowmem_ft.train.trace.verify import margin_override, verified
-
-    if args.gpus > 1:
-        raise UserError("--verify traces one device's step; plan with --gpus 1, or drop --verify")
-    if not args.json:
-        print_plan(choice.plan, recipe)
-    say = (lambda line: print(line, file=sys.stderr)) if args.json else print  # stdout stays JSON
-    say(f"tracing the training step of this plan at full size on the CPU (no weights): {recipe.model.name_or_path}")
-
-    def again(margin_gb: float):
-        new_recipe, new_choice = plan_again(margin_override(margin_gb))
-        if not args.json:
-            print_plan(new_choice.plan, new_recipe)
-        return new_recipe, new_choice
-
-    recipe, choice, _ = verified(recipe, choice, again, say)
-    args.printed = True
-    return recipe, choice
 
 
 def print_grpo(result, r) -> None:

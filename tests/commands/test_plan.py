@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lowmem_ft.cli import main
 from lowmem_ft.recipe.load import resolve
 
@@ -160,3 +162,32 @@ def test_plan_shows_pissa_start_up_beside_an_unchanged_step_peak(capsys, monkeyp
     assert main([*argv, "--set", "adapter.init=pissa"]) == 0
     out = capsys.readouterr().out
     assert "pissa init: SVD of gate_proj (once)" in out and "start-up peak" in out
+
+
+def test_plan_with_nodes_plans_what_train_would(tiny_model, chat_data, tmp_path, monkeypatch, capsys):
+    """`plan` and `train` choose by one path (`preparing.planned`): the same flags give the same plan, --nodes
+    included (8 devices over 2 machines, each machine's host RAM holding its own 4 processes)."""
+    from lowmem_ft.cli import build_parser
+    from lowmem_ft.commands.train import request_of
+    from lowmem_ft.preparing import choose
+
+    monkeypatch.chdir(tmp_path)  # training.output_dir (runs/) checked writable here
+    flags = ["--vram", "8", "--model", tiny_model, "--data", chat_data, "--gpus", "4", "--nodes", "2",
+             "--host-ram", "16", "--offload"]  # fmt: skip
+    assert main(["plan", *flags, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["gpus"] == 8 and planned["offload"] is True
+    recipe, choice = choose(request_of(build_parser().parse_args(["train", *flags])))
+    assert json.loads(json.dumps(choice.plan_record(recipe))) == planned
+    # the same GPUs on one machine hold twice the processes in its host RAM
+    assert main(["plan", *flags[:6], "--gpus", "8", "--host-ram", "16", "--offload", "--json"]) == 0
+    one_node = json.loads(capsys.readouterr().out)
+    assert one_node["host_need_gb"] == pytest.approx(2 * planned["host_need_gb"], rel=1e-3)
+
+
+def test_verify_refuses_several_devices_in_one_line(capsys):
+    argv = ["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--gpus", "2", "--verify"]
+    assert main(argv) == 2
+    assert (
+        "--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)" in capsys.readouterr().err
+    )
