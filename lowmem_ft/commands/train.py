@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from lowmem_ft.preparing import prepare, prepare_launched
+    from lowmem_ft.train.observe.progress import done_line
     from lowmem_ft.train.run import train
 
     if args.no_wandb:  # the explicit flag beats a WANDB_MODE in the environment (launched ranks inherit it)
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         ready = prepare_launched(args.run_dir, args.trust_remote_code)
         result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed, reward_fns=rewards)
         if result.is_main:
-            _print_done(result.metrics, ready.run.path)
+            print(done_line(result.metrics, ready.run.path))
         return 0
     request = request_of(args)
     # an upload that cannot happen fails now, before any data or model work, not after training
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         _launch(ready, tuple(args.reward_fns))
     else:
         result = train(ready.recipe, ready.run, choice=ready.choice, resume=ready.resumed, reward_fns=rewards)
-        _print_done(result.metrics, result.run_dir)
+        print(done_line(result.metrics, result.run_dir))
     if evaluation is not None:
         _evaluate(args, ready.run.path, evaluation)
     if hub_repo is not None:  # once, from this process, after every rank finished
@@ -197,42 +198,6 @@ def _hub_preflight(args: argparse.Namespace):
     from lowmem_ft.hub import preflight
 
     return preflight(args.push_to_hub, private=args.hub_private)
-
-
-def _print_done(m: dict, run_dir) -> None:
-    speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
-    print(f"done: {m['global_step']} steps, {_loss_line(m)}{_method_line(m)}{speed}; run directory {run_dir}")
-
-
-def _method_line(m: dict) -> str:
-    """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
-    its last logged step; a GRPO run's mean reward at its first and last logged steps."""
-    got = {k: v for k, v in (m.get("method_metrics") or {}).items() if isinstance(v, int | float)}
-    trend = m.get("reward_trend")
-    if trend:
-        first, last = (f"{v:.4g}" if isinstance(v, int | float) else "none" for v in trend)  # a round unscored: none
-        unscored = f", {m['unscored_completions']} completions unscored" if m.get("unscored_completions") else ""
-        return f", reward {first} → {last}" + (f", KL {got['kl']:.4g}" if "kl" in got else "") + unscored
-    shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
-             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
-    return "".join(f", {name} {value:.4g}" for name, value in shown)
-
-
-def _loss_line(m: dict) -> str:
-    """The logged training loss at its first and last logged steps — or the one logged step, beside the run's mean
-    (`train_loss`), when the run was shorter than training.logging_steps."""
-    first, last = m.get("first_loss"), m.get("last_loss")
-    if first is None:
-        mean = m.get("train_loss")
-        return "no loss logged" + (f" (mean {mean:.4f})" if isinstance(mean, int | float) else "")
-    at = m.get("first_loss_step"), m.get("last_loss_step")
-    if at[0] is None or at[0] != at[1]:
-        steps = f" (steps {at[0]} → {at[1]})" if at[0] is not None else ""
-        return f"loss {first:.4f} → {last:.4f}{steps}"
-    mean = m.get("train_loss")
-    return f"loss {first:.4f} at step {at[0]}, the only logged step" + (
-        f" (mean over the run {mean:.4f})" if isinstance(mean, int | float) else ""
-    )
 
 
 def _launch(ready, reward_fns: tuple[str, ...] = ()) -> None:

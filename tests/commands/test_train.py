@@ -215,7 +215,7 @@ def test_resume_of_a_run_without_a_complete_checkpoint(capsys, tmp_path):
 def test_done_line_says_which_steps_its_losses_are_from():
     """A run shorter than training.logging_steps logs one loss: the done line says so instead of 'loss a → a', and
     a run with no logged loss is a line too, not a format error on None."""
-    from lowmem_ft.commands.train import _loss_line
+    from lowmem_ft.train.observe.progress import loss_line as _loss_line
 
     two = {"first_loss": 6.2, "last_loss": 5.75, "first_loss_step": 1, "last_loss_step": 30, "train_loss": 6.0}
     assert _loss_line(two) == "loss 6.2000 → 5.7500 (steps 1 → 30)"

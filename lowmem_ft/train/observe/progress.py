@@ -1,5 +1,6 @@
 """What a run prints while it trains: the progress bar with the memory in use, a compact line per logging step, and
-the done line's throughput — or nothing but the summary with `--quiet`.
+the done line (`done_line`: steps, loss, the method's own figures, throughput) — or nothing but the summary with
+`--quiet`.
 
 The Trainer's own tqdm bar (`ProgressCallback`) stays: `MemoryProgress` is that callback with a postfix such as
 `mem 5.21/23.00 GB` — the most memory any sample of the step held (`monitor.used_gb`: the allocator's high-water
@@ -163,3 +164,41 @@ def install(trainer, monitor: MemoryMonitor, target: Target | None, shown: Mappi
         trainer.pop_callback(PrinterCallback)
     elif bar is not None:
         trainer.add_callback(MemoryProgress(monitor, target, shown))
+
+
+# -- the done line ---------------------------------------------------------------------------------------------------
+def done_line(m: dict, run_dir) -> str:
+    """The line `train` ends with: steps, loss, the method's own figures, throughput, where the run is."""
+    speed = f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
+    return f"done: {m['global_step']} steps, {loss_line(m)}{method_line(m)}{speed}; run directory {run_dir}"
+
+
+def method_line(m: dict) -> str:
+    """A preference run's reward margin and accuracy (chosen over rejected), ORPO's log odds ratio, KTO's KL, at
+    its last logged step; a GRPO run's mean reward at its first and last logged steps."""
+    got = {k: v for k, v in (m.get("method_metrics") or {}).items() if isinstance(v, int | float)}
+    trend = m.get("reward_trend")
+    if trend:
+        first, last = (f"{v:.4g}" if isinstance(v, int | float) else "none" for v in trend)  # a round unscored: none
+        unscored = f", {m['unscored_completions']} completions unscored" if m.get("unscored_completions") else ""
+        return f", reward {first} → {last}" + (f", KL {got['kl']:.4g}" if "kl" in got else "") + unscored
+    shown = [(name, got[key]) for key, name in (("rewards/margins", "reward margin"),
+             ("rewards/accuracies", "accuracy"), ("log_odds_ratio", "log odds ratio"), ("kl", "KL")) if key in got]  # fmt: skip
+    return "".join(f", {name} {value:.4g}" for name, value in shown)
+
+
+def loss_line(m: dict) -> str:
+    """The logged training loss at its first and last logged steps — or the one logged step, beside the run's mean
+    (`train_loss`), when the run was shorter than training.logging_steps."""
+    first, last = m.get("first_loss"), m.get("last_loss")
+    if first is None:
+        mean = m.get("train_loss")
+        return "no loss logged" + (f" (mean {mean:.4f})" if isinstance(mean, int | float) else "")
+    at = m.get("first_loss_step"), m.get("last_loss_step")
+    if at[0] is None or at[0] != at[1]:
+        steps = f" (steps {at[0]} → {at[1]})" if at[0] is not None else ""
+        return f"loss {first:.4f} → {last:.4f}{steps}"
+    mean = m.get("train_loss")
+    return f"loss {first:.4f} at step {at[0]}, the only logged step" + (
+        f" (mean over the run {mean:.4f})" if isinstance(mean, int | float) else ""
+    )
