@@ -226,6 +226,7 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
 
         start = grpo_setup(start)
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
+        kw["loss_by"] = "grpo"
     elif recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
         from lowmem_ft.memory.preference import method_setup
 
@@ -234,6 +235,7 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
         # planner must not swap in the chunked loss, which these runs have not been checked with
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
         kw |= {"method": recipe.training.method, "reference": recipe.preference.reference}
+        kw["loss_by"] = recipe.training.method
     return Request(start, target, **beside, **kw)
 
 

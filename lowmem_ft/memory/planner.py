@@ -99,6 +99,9 @@ class Request:
     length_reason: str = ""
     method: str = "sft"  # training.method: a preference step's terms (`memory.preference.method_estimate`)
     reference: str = "auto"  # preference.reference
+    # the method whose TRL trainer computes the loss (GRPO, the preference methods): loss_impl is kept as the recipe
+    # has it (in `fixed`, though the user did not set it) and its reason line says why; "" for SFT
+    loss_by: str = ""
 
     @property
     def effective_batch(self) -> int:

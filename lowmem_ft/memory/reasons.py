@@ -11,6 +11,7 @@ from typing import Protocol
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Setup, eval_peak_bytes
+from lowmem_ft.memory.preference import rows_per_micro_batch
 from lowmem_ft.memory.target import Target
 
 
@@ -23,6 +24,7 @@ class Request(Protocol):
     eval_batch_size: int
     fixed: frozenset[str]
     length_reason: str
+    loss_by: str
 
 
 def knob_reasons(
@@ -31,12 +33,12 @@ def knob_reasons(
     """One line per knob, the long-context savers' (`savers`) after the chunked loss's."""
     start, fixed = request.start, request.fixed
 
-    method = getattr(request, "method", "sft")
-
     def why(key: str, text: str) -> str:
-        if key == "loss_impl" and method != "sft":  # fixed by request_for, not by the user
+        if key == "loss_impl" and request.loss_by:  # fixed by the method's trainer, not by the user
             state = "on" if s.loss_impl == "chunked" else "off"
-            return f"{state}, as the recipe has it: --method {method}'s loss is its TRL trainer's (not planned)"
+            return (
+                f"{state}, as the recipe has it: --method {request.loss_by}'s loss is its TRL trainer's (not planned)"
+            )
         return "set by you (--set)" if key in fixed else text
 
     if s.adapter == "full":
@@ -47,13 +49,19 @@ def knob_reasons(
         quantization = f"{s.quantization}: 16-bit weights do not fit"
     else:
         quantization = f"{s.quantization}: 16-bit fits only with slower savings"
-    eff = s.micro_batch_size * accumulation
-    batch = f"accumulation {accumulation} keeps the effective batch {eff}"
+    # the planner speaks rows; a paired method's recipe speaks pairs, two rows each (`memory.preference`)
+    per = rows_per_micro_batch(getattr(request, "method", "sft"), 1)  # type: ignore[arg-type]
+    unit = " pairs" if per > 1 else ""
+    eff = s.micro_batch_size * accumulation // per
+    batch = f"accumulation {accumulation} keeps the effective batch {eff}{unit}"
     if "gradient_accumulation" in fixed:
-        wanted = start.micro_batch_size * request.gradient_accumulation
+        wanted = start.micro_batch_size * request.gradient_accumulation // per
         batch = f"accumulation {accumulation} (set by you) " + (
-            f"keeps the effective batch {eff}" if eff == wanted else f"makes the effective batch {eff}, not {wanted}"
+            f"keeps the effective batch {eff}{unit}"
+            if eff == wanted
+            else f"makes the effective batch {eff}{unit}, not {wanted}"
         )
+    micro = f"{s.micro_batch_size // per} pairs ({s.micro_batch_size} rows)" if per > 1 else f"{s.micro_batch_size}"
     chunked = s.loss_impl == "chunked"
     return {
         "quantization": why("quantization", quantization),
@@ -73,9 +81,7 @@ def knob_reasons(
         ),
         "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
         **savers,
-        "micro_batch_size": why(
-            "micro_batch_size", f"{s.micro_batch_size}: largest that fits with the fewest savings; {batch}"
-        ),
+        "micro_batch_size": why("micro_batch_size", f"{micro}: largest that fits with the fewest savings; {batch}"),
         "max_seq_len": request.length_reason or f"{s.max_seq_len} tokens",
     }
 

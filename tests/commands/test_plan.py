@@ -191,3 +191,19 @@ def test_verify_refuses_several_devices_in_one_line(capsys):
     assert (
         "--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo", "orpo", "simpo", "kto", "grpo"])
+def test_every_reason_line_is_true_for_every_method(method, capsys):
+    """With no knob set, no line says the user set it (GRPO's chunked_loss said `set by you (--set)`), the loss a
+    method's trainer computes says so, and a paired method's micro batch is said in the recipe's pairs."""
+    assert main(["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--method", method, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    reasons = record["reasons"]
+    assert not [line for line in reasons.values() if "set by you" in line]
+    trainers_loss = f"--method {method}'s loss is its TRL trainer's"
+    assert (trainers_loss in reasons["chunked_loss"]) == (method != "sft")
+    b = record["recipe"]["memory"]["micro_batch_size"]
+    said = {"dpo": f"{b} pairs ({2 * b} rows):", "orpo": f"{b} pairs ({2 * b} rows):",
+            "simpo": f"{b} pairs ({2 * b} rows):", "grpo": f"{b} completions per micro-step"}  # fmt: skip
+    assert reasons["micro_batch_size"].startswith(said.get(method, f"{b}:"))
