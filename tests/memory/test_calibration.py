@@ -18,18 +18,34 @@ TERMS = ("records", "linears", "static", "activations", "transients", "recompute
 def _constants(tree: ast.Module) -> dict[str, ast.expr]:
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                for name in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(name, ast.Name) and name.id.isupper() and not name.id.startswith("_"):
-                        out[name.id] = node.value
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for target in targets:
+            for name in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(name, ast.Name) and name.id.isupper() and not name.id.startswith("_"):
+                    out[name.id] = node.value
     return out
+
+
+def _declared_with_source(tree: ast.Module) -> set[str]:
+    """The constants whose declaration carries their `Source`: `NAME: Annotated[type, Source(...)] = value`."""
+    return {
+        node.target.id
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.annotation, ast.Subscript)
+        and ast.unparse(node.annotation).startswith("Annotated[")
+        and "Source(" in ast.unparse(node.annotation)
+    }
 
 
 def test_every_constant_says_where_it_comes_from():
     defined = set(_constants(ast.parse(Path(calibration.__file__).read_text(encoding="utf-8"))))
     defined -= {"VERSIONS", "SOURCES"}
     assert defined == set(calibration.SOURCES)
+    # each one declared once, its source beside its value (not in a table joined to it by name)
+    assert _declared_with_source(ast.parse(Path(calibration.__file__).read_text(encoding="utf-8"))) == defined
     assert calibration.VERSIONS is CHECKED
     for name, source in calibration.SOURCES.items():
         assert source.kind in ("code", "measured", "code+measured", "assumed"), name
