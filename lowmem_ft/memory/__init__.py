@@ -1,2 +1,37 @@
-"""The memory model: architecture description, per-component peak estimate, the target, and the planner over `Setup`
-variants (pure arithmetic: no torch, no recipe)."""
+"""The memory model: pure arithmetic over an architecture description (no torch, no recipe), so `plan` is instant and
+the same numbers serve the planner, the monitor's "predicted" line and the report.
+
+It reads in five layers; a module imports only from its own layer or the ones above it (`LAYERS`, enforced by
+tests/memory/test_layers.py):
+
+1. describe — what is trained, and where: `families` (one `Family` record per model_type), `blocks` (a decoder
+   block's shape from a config dict), `layout` (checked against a local model's weights), `arch` (the
+   `Architecture` read from config.json), `records` (the `Setup` of knobs, a named `Component`, an `Estimate`),
+   `target` (VRAM, margin and budget).
+2. constants — `calibration`: every number the terms use, each declared with its `Source` (read from a library's
+   code, or measured, and how).
+3. terms — one concern each, bytes per component at each moment of the step: `linears` (what LoRA adapts and
+   keeps), `dora`, `savers` (each memory saver's terms), `static` (weights, trainable tensors, gradients, optimizer
+   states), `activations` (what a layer keeps for backward), `experts` (MoE), `loss` (logits and loss),
+   `recompute` (the checkpointed backward's moment), `transients` (in flight at the forward and backward peaks),
+   `evaluation` (eval forwards), `overheads` (CUDA context, cuBLAS, allocator), `adapter_init` (PiSSA / OLoRA's
+   start-up moment).
+4. compose — the terms summed into a peak: `estimate` (the components of a `Setup`, phase by phase), `sharding`
+   (per device under DDP / ZeRO / FSDP), `host` (host RAM as a limit), `inference` (generation memory).
+5. methods and search — what a method adds and the planner over `Setup` variants: `preference` (DPO / ORPO /
+   SimPO / KTO's reference pass and rows), `grpo` (a GRPO step's phases), `long_context` (the savers as knobs),
+   `reasons` (each knob's reason line), `planner` (the fastest setup that fits), `grpo_plan` (a GRPO round that
+   fits).
+"""
+
+# layer → its modules, top to bottom (the map above)
+LAYERS: dict[str, tuple[str, ...]] = {
+    "describe": ("families", "blocks", "layout", "arch", "records", "target"),
+    "constants": ("calibration",),
+    "terms": (
+        "linears", "dora", "savers", "static", "activations", "experts", "loss", "recompute", "transients",
+        "evaluation", "overheads", "adapter_init",
+    ),
+    "compose": ("estimate", "sharding", "host", "inference"),
+    "methods and search": ("preference", "grpo", "long_context", "reasons", "planner", "grpo_plan"),
+}  # fmt: skip
