@@ -22,6 +22,7 @@ from lowmem_ft.memory.host import host_over
 from lowmem_ft.memory.long_context import KNOBS as LONG_CONTEXT_KNOBS
 from lowmem_ft.memory.planner import Plan, Request, Requested, check, longest_length, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
+from lowmem_ft.method_planning import planning
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
 from lowmem_ft.recipe.schema import KEYS, Recipe
 
@@ -220,23 +221,14 @@ def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     """The planner's request starting from `recipe`: its setup, and the figures the request carries beside it."""
     values = planner_values(recipe)
     beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
-    start = setup_from_recipe(recipe)
-    if recipe.training.method == "grpo":  # b completions; TRL's own loss, no dropout (lowmem_ft.memory.grpo)
-        from lowmem_ft.memory.grpo import method_setup as grpo_setup
-
-        start = grpo_setup(start)
+    method = planning(recipe.training.method)  # the planner speaks rows: 2 per pair (lowmem_ft.method_planning)
+    start = method.setup(setup_from_recipe(recipe))
+    if method.trainer_loss:
+        # the method's trainer computes its own loss (TRL's fused head for DPO and GRPO, full logits for ORPO /
+        # SimPO): the planner must not swap in the chunked loss, which these runs have not been checked with
         kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
-        kw["loss_by"] = "grpo"
-    elif recipe.training.method != "sft":  # the planner speaks rows: 2 per pair (lowmem_ft.memory.preference)
-        from lowmem_ft.memory.preference import method_setup
-
-        start = method_setup(recipe.training.method, start)  # type: ignore[arg-type]
-        # the method's trainer computes its own loss (TRL's fused head for DPO, full logits for ORPO / SimPO): the
-        # planner must not swap in the chunked loss, which these runs have not been checked with
-        kw["fixed"] = frozenset(kw.get("fixed", frozenset())) | {"loss_impl"}
-        kw |= {"method": recipe.training.method, "reference": recipe.preference.reference}
-        kw["loss_by"] = recipe.training.method
-    return Request(start, target, **beside, **kw)
+        kw["loss_by"] = method.name
+    return Request(start, target, **beside, **kw, **method.request(recipe))
 
 
 def grpo_shape(recipe: Recipe, prompt_len: int = 0):
@@ -268,29 +260,24 @@ def apply_plan(recipe: Recipe, p: Plan) -> Recipe:
         if key.planned is not None:
             name = key.planned.name
             value = getattr(p, name) if name in BESIDE_SETUP else getattr(p.setup, name)
-            method = recipe.training.method
-            if name in ("micro_batch_size", "lora_dropout", "loss_impl") and method != "sft":
-                value = (
-                    value if (method, name) == ("grpo", "micro_batch_size") else _preference_value(recipe, name, value)
-                )
+            if name in ("micro_batch_size", "lora_dropout", "loss_impl"):
+                value = _method_value(recipe, name, value)
             sections.setdefault(key.section, {})[key.name] = key.planned.from_planner(value)
     return replace(recipe, **{section: replace(getattr(recipe, section), **v) for section, v in sections.items()})
 
 
-def _preference_value(recipe: Recipe, name: str, planned: Any) -> Any:
-    """A preference plan's knob back in the recipe's terms: rows → pairs (a pair is two rows; one row holds no
-    pair), and the dropout and loss the method's trainer fixes (`memory.preference.method_setup`) left as given."""
+def _method_value(recipe: Recipe, name: str, planned: Any) -> Any:
+    """A planned knob back in the recipe's terms: rows → the method's samples (a pair is two rows; one row holds no
+    pair), and the dropout and loss a method's trainer fixes (`method_planning`) left as given."""
+    method = planning(recipe.training.method)
     if name != "micro_batch_size":
-        return getattr(setup_from_recipe(recipe), name)
-    from lowmem_ft.memory.preference import rows_per_micro_batch
-
-    per = rows_per_micro_batch(recipe.training.method, 1)  # type: ignore[arg-type]
-    if planned < per:  # the planner searches whole pairs: only a micro batch the user fixed gets here
+        return getattr(setup_from_recipe(recipe), name) if method.trainer_loss else planned
+    if planned < method.rows_per_sample:  # the planner searches whole pairs: only a micro batch the user fixed
         raise UserError(
-            f"--method {recipe.training.method}: one pair (2 rows: chosen and rejected) does not fit the budget; "
+            f"--method {method.name}: one pair (2 rows: chosen and rejected) does not fit the budget; "
             "lower --seq-len, or a larger --vram"
         )
-    return planned // per
+    return method.samples(planned)
 
 
 # -- the record of the choice -----------------------------------------------------------------------------------
@@ -536,8 +523,8 @@ def plan_setup(
     except UserError:
         # a length the user did not fix is lowered until the step fits: the data's p99, or for a preference run
         # (one pair is 2 rows, with the reference pass) the recipe's own length too
-        pairs = recipe.training.method in ("dpo", "orpo", "simpo", "kto")
-        lowerable = from_data or (pairs and "max_seq_len" not in fixed and not seq_len)
+        lowers = planning(recipe.training.method).lowers_length
+        lowerable = from_data or (lowers and "max_seq_len" not in fixed and not seq_len)
         fit = max_seq_len(arch, request, limit=length) if lowerable else 0
         if not fit:
             raise
@@ -634,7 +621,7 @@ def _choose_recipe(vram_gb, recipe, overrides, origins, seq_len, profile, gpus, 
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(arch, _adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)
-    if start.training.method == "grpo":
+    if planning(start.training.method).rounds:
         return _choose_grpo(arch, start, target, recipe, overrides, profile, strategy, offload, vram_gb)
     fixed = fixed_knobs(overrides) | (ADAPTER_KNOBS if start.adapter.name_or_path else frozenset())
     planned = plan_setup(

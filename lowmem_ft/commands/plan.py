@@ -67,6 +67,7 @@ def check_output_file(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lowmem_ft.checks import check_model
+    from lowmem_ft.method_planning import planning
     from lowmem_ft.preparing import TrainRequest, check_plan_inputs, planned
     from lowmem_ft.recipe.load import dump, merge, parse_overrides
 
@@ -107,10 +108,8 @@ def run(args: argparse.Namespace) -> int:
             print_plan(choice.plan, recipe)
         if described:
             print("\n".join(vision_lines(described)))
-        if recipe.training.method == "grpo":
-            print_grpo(choice.plan, recipe)
-        elif recipe.training.method != "sft":
-            print_preference(choice.plan, recipe)
+        for line in planning(recipe.training.method).lines(choice.plan, recipe):  # a method's own lines
+            print(f"  {line}")
         if output is not None and fits:
             print(f"recipe written to {output} (lowmem-ft train --recipe {output} --data ...)")
     if not fits:  # only a recipe as given (--recipe) can come back over a budget: the planner's plans fit
@@ -133,31 +132,6 @@ def version_note() -> None:
         names = ", ".join(f"{name} {now or 'missing'} (checked {want})" for name, (want, now) in found.items())
         print(f"note: the memory model was checked against other library versions: {names}; --verify measures the "
               "installed ones", file=sys.stderr)  # fmt: skip
-
-
-def print_grpo(result, r) -> None:
-    """A GRPO step's phases, each one's predicted peak, the largest marked (`lowmem_ft.memory.grpo_plan`)."""
-    from lowmem_ft.memory.grpo_plan import phase_lines
-
-    g = r.grpo
-    rows = r.memory.micro_batch_size * (g.steps_per_generation or r.memory.gradient_accumulation)
-    print(f"  GRPO phases (a round of {rows} completions, {g.num_generations} per prompt, up to "
-          f"{g.max_completion_length} tokens each):")  # fmt: skip
-    for line in phase_lines(result.estimate):
-        print(f"    {line}")
-
-
-def print_preference(result, r) -> None:
-    """The preference run's rows and reference strategy, with why (`lowmem_ft.memory.preference`)."""
-    from lowmem_ft.memory.arch import load_architecture
-    from lowmem_ft.memory.preference import plan_lines
-
-    arch = load_architecture(r.model.name_or_path, r.model.trust_remote_code)
-    for line in plan_lines(
-        arch, result.estimate.setup, r.training.method, given=r.preference.reference,
-        budget_bytes=result.budget_gb * 1e9, policy_peak_bytes=result.estimate.peak_bytes,
-    ):  # fmt: skip
-        print(f"  {line}")
 
 
 def print_plan(result, r) -> None:
