@@ -22,10 +22,11 @@ before it; each child appends its result as one JSON line to `$OUT/results.jsonl
 - `context`: the planner's longest trainable context at 24 GB for Llama-3.1-8B (`planner_longest_context`), at most
   `CONTEXT_LIMIT` tokens, one optimizer step of `lowmem-ft train` at that length.
 
-Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times): install
-~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a point 15 s + 1.5 s per billion, train
-40 s + 3 s per billion, context 40 s + 4 s per billion — about 500 s for everything. The orchestrator starts a step
-only when that much time is left before `--deadline` (450 s by default, counted from the start of gpu_check.sh)
+Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times; each is a
+setting, `devkit.gpu.settings`): install ~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a
+point 15 s + 1.5 s per billion, train 40 s + 3 s per billion, context 40 s + 4 s per billion — about 500 s for
+everything. The orchestrator starts a step only when that much time is left before `--deadline` (450 s by default,
+`LOWMEM_GPU_DEADLINE_S`, counted from the start of gpu_check.sh)
 and records it as skipped otherwise, so the kit ends inside the device tool's 10-minute call; the run order puts
 the small model's tiers, the train run and the context run before the remaining points.
 """
@@ -48,13 +49,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from devkit.gpu.settings import SETTINGS
 from devkit.harness.estimator import Point, measure_cuda, predict, run_point
 
 GB = 1e9
 RESULTS = "results.jsonl"
 REPORT = "estimator_gpu.md"
 RUNS_TAR = "runs.tar"
-RESERVE_S = 10  # kept back from the deadline for the last report
 # Run order: the small model first (every tier early), the train and context runs as soon as their model exists.
 MODELS = ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-1.5B")
 TRAIN_MODEL, CONTEXT_MODEL, RUN_VRAM = "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", 24
@@ -522,7 +523,7 @@ class Check:
     def child(self, step: str, args: list[str], need_s: float) -> str:
         """Run `python -m devkit.gpu.check ARGS` if `need_s` seconds are left; returns "ok", "exit N", "timeout"
         or "skipped"."""
-        left = self.remaining() - RESERVE_S
+        left = self.remaining() - SETTINGS.reserve_s
         if left < need_s:
             self.note(step, "skipped", detail=f"{left:.0f} s left, needs ~{need_s:.0f} s")
             return "skipped"
@@ -552,7 +553,11 @@ class Check:
         append(self.results, {"kind": "env", **env_record(self.scratch)})
         self.note("env", "ok")
         if "probe" in self.only:
-            status = self.child("probe", ["probe", "--results", str(self.results), *(["--smoke"] * self.smoke)], 20)
+            status = self.child(
+                "probe",
+                ["probe", "--results", str(self.results), *(["--smoke"] * self.smoke)],
+                SETTINGS.probe.seconds(),
+            )
             if status == "exit 3":  # the preflight failed: every step would fail the same way
                 print(self.report(), flush=True)
                 print("gpu_check: stopped after the preflight (see results.jsonl: probe.preflight)", file=sys.stderr)
@@ -569,7 +574,7 @@ class Check:
             params_b = 0.0 if self.smoke else approx_params(config) / 1e9
             model_dir = self.scratch / name.replace("/", "--")
             args = ["checkpoint", "--results", str(self.results), "--name", name, "--dir", str(model_dir)]
-            ok = self.child(f"checkpoint {name}", args, 10 + 2.5 * params_b) == "ok"
+            ok = self.child(f"checkpoint {name}", args, SETTINGS.checkpoint.seconds(params_b)) == "ok"
             if ok and name == train_model and "train" in self.only:
                 self.run_train(model_dir, params_b)
             if ok and name == context_model and "context" in self.only:
@@ -598,7 +603,9 @@ class Check:
         for group in groups:
             label = ", ".join(f"{spec['vram']} GB" for spec in group)
             args = ["point", "--results", str(self.results), "--name", name, "--dir", str(model_dir)]
-            self.child(f"point {name} @ {label}", [*args, "--points", json.dumps(group)], 15 + 1.5 * params_b)
+            self.child(
+                f"point {name} @ {label}", [*args, "--points", json.dumps(group)], SETTINGS.point.seconds(params_b)
+            )
 
     def cli_args(self, kind: str, model_dir: Path, data: tuple[int, int, int], tail: list[str]) -> list[str]:
         runs = self.scratch / "runs"
@@ -616,7 +623,7 @@ class Check:
     def run_train(self, model_dir: Path, params_b: float) -> None:
         data = SMOKE_TRAIN_DATA if self.smoke else TRAIN_DATA
         tail = ["--set", "training.max_steps=2", "--set", "memory.gradient_accumulation=2"]
-        self.child("train", self.cli_args("train", model_dir, data, tail), 40 + 3 * params_b)
+        self.child("train", self.cli_args("train", model_dir, data, tail), SETTINGS.train.seconds(params_b))
 
     def run_context(self, model_dir: Path, params_b: float) -> None:
         vram = 8 if self.smoke else RUN_VRAM
@@ -629,7 +636,7 @@ class Check:
         self.child(
             f"context ({seq} tokens)",
             self.cli_args("context", model_dir, (2, seq + 64, seq + 256), tail),
-            40 + 4 * params_b,
+            SETTINGS.context.seconds(params_b),
         )
 
 
@@ -717,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="every step, as gpu_check.sh runs it")
     r.add_argument("--out", required=True)
     r.add_argument("--cpu-smoke", action="store_true")
-    r.add_argument("--deadline", type=float, default=450.0, help="seconds from $GPU_CHECK_T0 (default 450)")
+    r.add_argument("--deadline", type=float, default=SETTINGS.deadline_s,
+                   help=f"seconds from $GPU_CHECK_T0 (default {SETTINGS.deadline_s:g}, LOWMEM_GPU_DEADLINE_S)")  # fmt: skip
     r.add_argument("--only", default="probe,points,train,context", help="steps to run (comma-separated)")
     r.add_argument("--models", default=",".join(MODELS), help="catalog ids, in run order (default: all four)")
     p = sub.add_parser("probe")

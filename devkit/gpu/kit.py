@@ -28,9 +28,11 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from devkit.gpu.settings import SETTINGS
+
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / ".gpukit"
-LIMIT_BYTES = 64 * 2**20  # the device tool: "the working tree that travels", carried paths included
+LIMIT_BYTES = SETTINGS.travel_bytes  # the device tool: "the working tree that travels" (`devkit.gpu.settings`)
 PYTHON = "3.12"  # the device image's python3
 PLATFORMS = (  # pip matches manylinux tags exactly; bitsandbytes 0.50 is manylinux_2_24, regex manylinux_2_17
     "manylinux_2_28_x86_64",
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if total > LIMIT_BYTES:
         print(f"devkit.gpu.kit: {total / 2**20:.1f} MiB would travel, over the {LIMIT_BYTES / 2**20:.0f} MiB limit")
         return 2
-    print(f"carry it: device run(command='bash scripts/gpu_check.sh', carry=['{KIT.name}'], timeout_s=600)")
+    print(f"carry it: device run(command='bash scripts/gpu_check.sh', carry=['{KIT.name}'], "
+          f"timeout_s={SETTINGS.command_s})")  # fmt: skip
     return 0
 
 
