@@ -205,3 +205,15 @@ def test_the_private_import_check_sees_one():
         "lowmem_ft.train.trace.step imports lowmem_ft.train.run._forget_bnb_overrides"
     ]
     assert private_imports("from lowmem_ft.memory.static import _x\n", "lowmem_ft.memory.estimate") == []
+
+
+def test_the_train_map_names_every_room_and_module():
+    """`lowmem_ft/train/__init__.py` is the package's map: each sub-package and each module is named in it."""
+    import lowmem_ft.train as train
+
+    where = PACKAGE / "train"
+    rooms = {p.name for p in where.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in where.rglob("*.py") if p.stem != "__init__"}
+    assert rooms and modules
+    assert [r for r in sorted(rooms) if f"`{r}/`" not in train.__doc__] == []
+    assert [m for m in sorted(modules) if f"`{m}`" not in train.__doc__ and f"{m}." not in train.__doc__] == []
