@@ -12,8 +12,9 @@ and its memory-safe trainer class; adding one is a module here and a line in `RE
 The registry names its modules instead of importing them: the method modules import TRL and torch, and
 `--method`'s choices (`names`) are read by commands that must stay quick to start.
 
-What is planned for a method (rows per sample, its phases, the losses it fixes) is the memory model's, upstream of
-training: `lowmem_ft.memory.preference`, `lowmem_ft.memory.grpo`, read by `lowmem_ft.choosing`.
+How a method is planned (rows per sample, its phases, the loss and dropout its trainer fixes) is decided upstream of
+training, torch-free: `lowmem_ft.method_planning`, keyed by the same names, over the memory model's
+`lowmem_ft.memory.preference` and `lowmem_ft.memory.grpo`.
 """
 
 from __future__ import annotations

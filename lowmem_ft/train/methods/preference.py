@@ -39,7 +39,7 @@ from lowmem_ft.train.resilience.trainer import MemorySafe
 
 log = logging.getLogger(__name__)
 
-Method = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+PreferenceName = Literal["sft", "dpo", "orpo", "simpo", "kto"]  # training.method of a preference run
 Reference = Literal["auto", "adapter_disabled", "copy", "precomputed"]
 # TRL 1.16 dpo_config.py `loss_type`'s documented values
 DPO_LOSS_TYPES = (
@@ -52,7 +52,7 @@ DPO_LOSS_TYPES = (
 class PreferenceSettings:
     """What a preference run needs beyond an SFT recipe (declared as recipe keys under preference.)."""
 
-    method: Method = "dpo"
+    method: PreferenceName = "dpo"
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
