@@ -2,7 +2,7 @@
 the same numbers serve the planner, the monitor's "predicted" line and the report.
 
 It reads in five layers; a module imports only from its own layer or the ones above it (`LAYERS`, enforced by
-tests/memory/test_layers.py):
+tests/memory/test_map.py):
 
 1. describe — what is trained, and where: `families` (one `Family` record per model_type), `blocks` (a decoder
    block's shape from a config dict), `layout` (checked against a local model's weights), `arch` (the
