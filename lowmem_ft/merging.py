@@ -136,7 +136,7 @@ def choose(plan: MergePlan, requested: str) -> tuple[str, str]:
     )
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -151,7 +151,7 @@ def clear_dead_staging(output: Path) -> list[Path]:
     removed = []
     for staged in output.parent.glob(f".{output.name}.partial-*"):
         pid = staged.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(staged, ignore_errors=True)
             removed.append(staged)
     return removed

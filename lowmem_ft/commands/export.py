@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _qtype_of(p, quant: str) -> str:
-    from lowmem_ft.export.gguf_file import _qtype
+    from lowmem_ft.export.gguf_file import tensor_qtype
 
-    return _qtype(p.ref.shape, quant)
+    return tensor_qtype(p.ref.shape, quant)
 
 
 def _require(module: str, what: str) -> None:

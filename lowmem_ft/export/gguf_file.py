@@ -43,7 +43,7 @@ class Planned:
     nbytes: int
 
 
-def _qtype(shape: tuple[int, ...], quant: str) -> str:
+def tensor_qtype(shape: tuple[int, ...], quant: str) -> str:
     import gguf
 
     if len(shape) < 2:
@@ -79,7 +79,7 @@ def plan_tensors(model_dir: Path, config, quant: str) -> list[Planned]:
         mapped = names.get_name(stem)
         if mapped is None:
             raise UserError(f"{model_dir}: tensor {ref.name} has no GGUF name for {family.arch} in the gguf package")
-        qtype = _qtype(ref.shape, quant)
+        qtype = tensor_qtype(ref.shape, quant)
         out.append(Planned(ref, f"{mapped}.{suffix}", qtype, nbytes(ref.shape, qtype)))
     return out
 
@@ -216,9 +216,9 @@ def write_gguf(
 
 def clear_dead_partials(output: Path) -> None:
     """Remove `.NAME.partial-PID` files that exports to `output` killed on the way left behind."""
-    from lowmem_ft.merging import _alive
+    from lowmem_ft.merging import process_alive
 
     for staged in output.parent.glob(f".{output.name}.partial-*"):
         pid = staged.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             staged.unlink(missing_ok=True)

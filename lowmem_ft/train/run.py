@@ -96,7 +96,12 @@ class FineTune:
         self.stop = StopOnSignal()
         self.method = methods.get(recipe.training.method)
         self.record = RunRecord(
-            run, self.rank, self.world_size, self.stop, lambda: getattr(self, "trainer", None), reward_flags(reward_fns)
+            run,
+            self.rank,
+            self.world_size,
+            self.stop,
+            lambda: getattr(self, "trainer", None),
+            reward_flags(self.reward_fns),
         )
 
     # -- build -------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ the image's pixel size with the processor's own rule, never measured. Qwen2-VL /
 (`image_processing_pil_qwen2_vl.py` `smart_resize`, transformers 5.24): the image is resized to multiples of
 patch × merge (28) with min_pixels ≤ h·w ≤ max_pixels keeping the aspect ratio, cut in 14×14 patches, and every
 2×2 patches merge into one token (`Qwen2_5_VLProcessor.replace_image_token`: grid_t·grid_h·grid_w // merge²).
-Checked against the processor on the zoo checkpoint (tests/vision/test_families.py).
+Checked against the processor on the zoo checkpoint (tests/vision/test_vision_families.py).
 """
 
 from __future__ import annotations
