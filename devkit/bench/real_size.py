@@ -241,7 +241,9 @@ Explained, not a memory-model error:
 
 - **static** +6.3 MB on the long rows (+0.8 MB at 2,048 tokens): the trace's warm-up micro batches (steps 1.1 and
   2.1) are 8 tokens long, where the model counts the loader's batches at the plan's length.
-- Qwen/Qwen-7B (Qwen v1): refused — its config names its own code (`auto_map`); transformers ships no class for it.
+- Qwen v1 (Qwen-1_8B / 7B / 14B / 72B): loaded as the native Qwen2 (`lowmem_ft.native.qwen_v1`), traced like any
+  Qwen2 row; the 1.8B rows at +0.48–0.49 % are its eval phase at 16–32 rows (the largest gap of the Qwen v1 rows), and
+  the 7B 8 GB eval −1.40 % (not the row's peak) is not located. 72B has no plan up to 40 GB; 14B none at 8 GB.
 
 Open, under-predicted (the unsafe side):
 
