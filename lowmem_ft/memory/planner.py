@@ -30,7 +30,7 @@ from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Estimate, Setup, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.host import host_need_gb, host_over
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
-from lowmem_ft.memory.reasons import choose_eval_batch, knob_reasons
+from lowmem_ft.memory.reasons import choose_eval_batch, frozen_experts_note, knob_reasons, partial_targets_note
 from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 from lowmem_ft.memory.sharding import (
     OFFLOAD_OPTIMIZERS,
@@ -405,7 +405,7 @@ def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
         return request, ""
     adapted = arch.adapter_modules(list(s.lora_targets))
     if adapted:
-        return request, _partial_targets(arch, s.lora_targets, adapted) + _frozen_experts(arch)
+        return request, partial_targets_note(arch, s.lora_targets, adapted) + frozen_experts_note(arch)
     if "lora_targets" in request.fixed:
         raise UserError(
             f"adapter.target_modules {list(s.lora_targets)} match no linear layer of {arch.name}; "
@@ -413,27 +413,6 @@ def _lora_targets(arch: Architecture, request: Request) -> tuple[Request, str]:
         )
     why = f"; targets all linear layers ({', '.join(arch.linear_names)}): the recipe's names are absent"
     return replace(request, start=replace(s, lora_targets=("all-linear",))), why
-
-
-def _frozen_experts(arch: Architecture) -> str:
-    """The adapter line's note on a mixture of experts: LoRA goes on its nn.Linear layers, the experts stay frozen
-    (lowmem_ft.train.model.adapter_modules keeps peft from turning the names into expert target_parameters)."""
-    if arch.moe is None:
-        return ""
-    return f"; the {arch.moe.experts} experts per layer and the router stay frozen (LoRA on nn.Linear layers only)"
-
-
-def _partial_targets(arch: Architecture, targets: tuple[str, ...], adapted: list[str]) -> str:
-    """The adapter line's note when some target names are not this model's (the recipes' Llama names on Phi-2 or
-    StarCoder2 match the attention only): which are absent and which linears stay frozen, or "" when none is."""
-    absent = [t for t in targets if t != "all-linear" and not arch.adapter_modules([t])]
-    frozen = [name for name in arch.linear_names if name not in adapted]
-    if not absent or not frozen:
-        return ""
-    return (
-        f"; adapts {', '.join(adapted)} only: {', '.join(absent)} are absent, so {', '.join(frozen)} stay frozen "
-        "(--set adapter.target_modules=all-linear adapts them too)"
-    )
 
 
 def plan(arch: Architecture, request: Request, hint: bool = True) -> Plan:

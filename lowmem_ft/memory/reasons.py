@@ -97,3 +97,24 @@ def choose_eval_batch(arch: Architecture, request: Request, s: Setup) -> tuple[i
     need = {n: eval_peak_bytes(arch, s, n) / GB for n in {min(64, b * f) for f in (8, 4, 2, 1)}}
     chosen = max((n for n, gb in need.items() if gb <= request.target.budget_gb), default=b)
     return chosen, f"{chosen}: eval forward needs {need[chosen]:.2f} GB (no gradients or saved activations)"
+
+
+def frozen_experts_note(arch: Architecture) -> str:
+    """The adapter line's note on a mixture of experts: LoRA goes on its nn.Linear layers, the experts stay frozen
+    (lowmem_ft.train.model.adapter_modules keeps peft from turning the names into expert target_parameters)."""
+    if arch.moe is None:
+        return ""
+    return f"; the {arch.moe.experts} experts per layer and the router stay frozen (LoRA on nn.Linear layers only)"
+
+
+def partial_targets_note(arch: Architecture, targets: tuple[str, ...], adapted: list[str]) -> str:
+    """The adapter line's note when some target names are not this model's (the recipes' Llama names on Phi-2 or
+    StarCoder2 match the attention only): which are absent and which linears stay frozen, or "" when none is."""
+    absent = [t for t in targets if t != "all-linear" and not arch.adapter_modules([t])]
+    frozen = [name for name in arch.linear_names if name not in adapted]
+    if not absent or not frozen:
+        return ""
+    return (
+        f"; adapts {', '.join(adapted)} only: {', '.join(absent)} are absent, so {', '.join(frozen)} stay frozen "
+        "(--set adapter.target_modules=all-linear adapts them too)"
+    )

@@ -146,6 +146,9 @@ def arch_record(arch) -> dict[str, Any]:
     from lowmem_ft.memory import arch as arch_mod
 
     record = json.loads(json.dumps(dataclasses.asdict(arch), default=_listed))
+    for key, unused in ARCH_ADDED_SINCE_RECORDED.items():  # fields added since, where they hold their unused value
+        if key in record and record[key] == unused:
+            del record[key]
     for prop in ("norm_params", "block_linear_params", "block_params", "embedding_params", "lm_head_params",
                  "final_norm_params", "linear_params", "total_params", "linear_names", "chunked_loss_refusal",
                  "chunked_loss_exact"):  # fmt: skip
@@ -178,6 +181,8 @@ def estimate_record(est, rounded: bool = False) -> dict[str, Any]:
 # `Setup` fields added after the grid was recorded, with the value that means "not used": a setup that leaves one
 # there is recorded without it (the grid's setups use none of them), so its old record stays the one to match.
 ADDED_SINCE_RECORDED = {"use_dora": False, "adapter_init": "default"}
+# Architecture fields added since the grid was recorded (a vision-language tower, `lowmem_ft.memory.vision`)
+ARCH_ADDED_SINCE_RECORDED = {"vision": None}
 
 
 def setup_record(arch, fields: dict[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def test_plan_verify_on_a_zoo_model_prints_traced_against_predicted(zoo_models, 
 def test_verify_refuses_several_gpus_in_one_line(tiny_model, capsys):
     assert main(["plan", "--model", tiny_model, "--vram", "8", "--gpus", "2", "--verify"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--verify traces one device's step" in err[0]
+    assert len(err) == 1 and "--verify traces the plan for one device" in err[0]
 
 
 def test_train_verify_without_vram_is_refused_in_one_line(tiny_model, chat_data, tmp_path, capsys):
