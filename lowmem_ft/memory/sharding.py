@@ -27,7 +27,9 @@ from lowmem_ft.memory.estimate import (
     Setup,
     _trainable_tensors,  # the estimate's own list of trainable tensors, so both count the same parameters
     estimate,
+    layer_moments,
     optimizer_state_bytes,
+    phase_peak_bytes,
     trainer_fp32_states,
     weight_bytes,
 )
@@ -403,3 +405,56 @@ def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, 
     elif strat == "ddp" and fits:
         why += " — the model fits whole on each device, so only gradients are all-reduced"
     return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")
+
+
+# -- FSDP2 per rank, phase by phase (CPU form) ----------------------------------------------------------------------
+# What torch's `fully_shard` (torch 2.13, torch/distributed/fsdp/_fully_shard/) holds beside a rank's shards, one
+# decoder layer per unit and the rest (embeddings, final norm, lm_head) in the root unit, eager, one stream:
+# - the root unit is gathered from the first forward to the end of the backward (_fsdp_state.py `_lazy_init`: "For
+#   the root, do not reshard after forward"), and its gradients (a full fine-tune's embeddings / lm_head) stay
+#   unsharded until its post-backward reduce-scatter;
+# - forward: a layer's flat all-gather buffer (N × its padded shard = the unit's bytes) is kept until the next unit's
+#   copy-out, and the last layer's until the root's post-forward (`wait_for_unshard` → `AllGatherState`,
+#   `_post_forward` "Free the last all-gather result"): at the head, root + 1 unit; inside layer k, its gathered
+#   parameters + layer k−1's buffer, 2 units;
+# - backward: each unit's pre-backward gathers the unit that runs next (`_backward_prefetch`; the root's prefetches
+#   the last layer): at the head, root + 1 unit; inside layer k, layer k and layer k−1 gathered, layer k's
+#   unsharded gradients, and layer k+1's reduce-scatter input (N × padded gradient shard, kept until the next
+#   reduce-scatter: `ReduceScatterState`);
+# - the optimizer steps on the shards only: its temporaries are 1/N of a single device's.
+# Measured exactly, per rank, in `benchmarks/fsdp_grid.md` (`python -m devkit.bench.fsdp_grid`).
+FSDP2_HEAD_UNITS = {"forward": 1, "backward": 1}
+FSDP2_LAYER_UNITS = {"forward": 2, "backward": 2}
+FSDP2_LAYER_RS_BUFFERS = 1  # the previous layer's reduce-scatter input, in backward
+
+
+def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int) -> dict[str, float]:
+    """Each rank's live tensor bytes at the peak of each phase under FSDP2 on `gpus` ranks (CPU form, like
+    `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step".
+
+    The single device's phases with the static states replaced by the rank's shards, plus what FSDP2 gathers at
+    the phase's two candidate moments (the LM head's and a decoder layer's, `estimate.layer_moments`)."""
+    est = estimate(arch, s)
+    states = states_of(arch, s)
+    whole, rank = per_device(states, "fsdp", 1), per_device(states, "fsdp", gpus)
+    shards = rank.weights + rank.gradients + rank.optimizer - (whole.weights + whole.gradients + whole.optimizer)
+    root = states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
+    root_fwd = states.resident_unit_bytes
+    unit = states.unit_bytes
+    unit_grads = states.largest_unit_trainable_params * states.grad_bytes_per_param
+    static = est.phases["static"]
+    layer = dict(zip(("forward", "backward"), layer_moments(arch, est), strict=True))
+    out = {"static": static + shards}
+    for phase in ("forward", "backward"):
+        head_moment = phase_peak_bytes(arch, s, phase) + shards
+        layer_moment = layer[phase] + shards + FSDP2_LAYER_UNITS[phase] * unit
+        if phase == "forward":
+            head_moment += root_fwd + FSDP2_HEAD_UNITS[phase] * unit
+            layer_moment += root_fwd
+        else:
+            head_moment += root + FSDP2_HEAD_UNITS[phase] * unit
+            layer_moment += root + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
+        out[phase] = max(head_moment, layer_moment)
+    step_temporaries = est.phases["optimizer step"] - static
+    out["optimizer step"] = out["static"] + step_temporaries / gpus
+    return out

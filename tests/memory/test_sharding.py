@@ -145,3 +145,28 @@ def test_invalid_combinations():
         per_device(qlora_70b(), "zero2", 2, offload_params=True)
     with pytest.raises(ValueError, match="DDP"):
         per_device(qlora_70b(), "ddp", 2, offload_optimizer=True)
+
+
+def test_fsdp2_rank_phases_shard_the_states_and_add_the_gathered_units():
+    from lowmem_ft.memory.arch import Architecture
+    from lowmem_ft.memory.estimate import Setup, estimate, phase_peak_bytes
+    from lowmem_ft.memory.sharding import fsdp2_phase_bytes, states_of
+
+    arch = Architecture.from_config(
+        {"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+        name="llama",
+    )  # fmt: skip
+    s = Setup(adapter="lora", quantization="none", device="cpu", micro_batch_size=2, max_seq_len=128)
+    states, est = states_of(arch, s), estimate(arch, s)
+    two, four = fsdp2_phase_bytes(arch, s, 2), fsdp2_phase_bytes(arch, s, 4)
+    whole = states.frozen_weight_bytes + states.trainable_params * (
+        states.weight_bytes_per_param + states.grad_bytes_per_param + states.optimizer_bytes_per_param
+    )
+    # static: every state divided by the ranks, nothing gathered
+    assert two["static"] == pytest.approx(est.phases["static"] - whole / 2)
+    assert two["static"] - four["static"] == pytest.approx(whole / 4)
+    # at the LM head (the LoRA forward's peak): the root unit and the last layer's all-gather buffer on top
+    extra = states.resident_unit_bytes + states.unit_bytes
+    assert two["forward"] == pytest.approx(phase_peak_bytes(arch, s, "forward") - whole / 2 + extra)
+    assert two["optimizer step"] > two["static"]

@@ -120,9 +120,13 @@ def check(recipe: Recipe, plan: LaunchPlan) -> None:
     if s in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
         raise UserError(f"--strategy {s} needs DeepSpeed, which is not installed: pip install deepspeed")
     if plan.cpu and s != "ddp":
+        # accelerate 1.16: an FSDP / DeepSpeed config with use_cpu goes to the one-process launcher
+        # (commands/launch.py `launch_command`: `elif args.use_fsdp and not args.cpu`), and AcceleratorState turns
+        # FSDP on only for accelerator process groups (state.py: a CPU run is MULTI_CPU, whose branch never sets
+        # DistributedType.FSDP; DeepSpeed: `ACCELERATE_USE_DEEPSPEED ... and not cpu`). docs/fsdp.md says more.
         raise UserError(
-            f"--strategy {s} needs CUDA GPUs: without them accelerate runs plain DDP CPU processes "
-            "(it ignores FSDP on the CPU and DeepSpeed needs an accelerator); use --strategy ddp"
+            f"--strategy {s} needs CUDA GPUs: accelerate runs FSDP and DeepSpeed only on accelerators (on the CPU "
+            "it makes the processes plain gloo ranks and drops the sharding); use --strategy ddp"
         )
     if s != "ddp" and m.quantization == "int8":
         raise UserError(

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 # Objects whose contents are code or process-wide state, never a run's tensors: the walk from `roots` stops there.
@@ -125,11 +125,16 @@ class PeakMemory(TorchDispatchMode):
     # label, 0), in the order they happen — the input of `lowmem_ft.train.measure.allocator` (key: the storage's id while it
     # lives). None (the default) records nothing and costs one test per new storage.
     log: list[tuple[str, object, int]] | None = None
+    # Count storages that change size in place (`UntypedStorage.resize_`, which no dispatch mode sees): FSDP2
+    # gathers a unit into parameters whose storages it grows and shrinks so (torch/distributed/fsdp/_fully_shard/
+    # _fsdp_param.py `alloc_storage` / `free_storage`). Done as torch's own `MemTracker._track_resize` does it
+    # (torch/distributed/_tools/mem_tracker.py): `resize_` is wrapped while the mode is active, for every caller.
+    storage_resizes: bool = False
 
     def __post_init__(self):
         super().__init__()
         self._live: dict[int, _Ref] = {}  # id of a live storage → its reference
-        self._resized = 0  # the log's keys for resized storages' new blocks: -1, -2, ...
+        self._resized_key = 0  # the log's keys for resized storages' new blocks: -1, -2, ...
         self._window_peak = 0
         self._kernels: dict[Any, Callable] = {}
         self._depth = 0
@@ -137,6 +142,14 @@ class PeakMemory(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def _track(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # a wrapper without storage of its own (a DTensor: FSDP2's sharded parameters, their gradients and
+            # optimizer states): its inner tensors hold the bytes, and ops on it run below this mode
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner)
+            return
         if self._cpu_only:
             if not tensor.is_cpu:  # meta tensors too
                 return
@@ -153,9 +166,9 @@ class PeakMemory(TorchDispatchMode):
                 return
             self.live_bytes += nbytes - ref.nbytes  # resized in place
             if self.log is not None:  # resizing allocates the new size, copies, then frees the old (as on CUDA)
-                self._resized -= 1  # a key no live storage's id can be
-                self.log += (("+", self._resized, nbytes), ("-", ref.log_key, ref.nbytes))
-                ref.log_key = self._resized
+                self._resized_key -= 1  # a key no live storage's id can be
+                self.log += (("+", self._resized_key, nbytes), ("-", ref.log_key, ref.nbytes))
+                ref.log_key = self._resized_key
             ref.nbytes = nbytes
         else:
             # The callback runs when the storage's Python object is freed, before its id can be reused; torch keeps
@@ -171,6 +184,30 @@ class PeakMemory(TorchDispatchMode):
             self._window_peak = self.live_bytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """After `storage.resize_(n)`: count its new size (a storage first seen here is new)."""
+        if self._cpu_only and storage.device.type != "cpu":
+            return
+        nbytes = storage.nbytes()
+        ref = self._live.get(id(storage))
+        if ref is None:
+            ref = _Ref(storage, self._freed)
+            ref.key, ref.nbytes, ref.log_key = id(storage), 0, id(storage)
+            self._live[ref.key] = ref
+            if self.log is not None:
+                self.log.append(("+", ref.key, 0))
+        if ref.nbytes == nbytes:
+            return
+        self.live_bytes += nbytes - ref.nbytes
+        if self.log is not None:
+            self._resized_key -= 1
+            self.log += (("+", self._resized_key, nbytes), ("-", ref.log_key, ref.nbytes))
+            ref.log_key = self._resized_key
+        ref.nbytes = nbytes
+        if self.live_bytes > self._window_peak:
+            self._window_peak = self.live_bytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _freed(self, ref: _Ref) -> None:
         self.live_bytes -= ref.nbytes
@@ -213,6 +250,16 @@ class PeakMemory(TorchDispatchMode):
         if self._depth > 1:  # re-entered to run a Python kernel (`__torch_dispatch__`): already counting
             return super().__enter__()
         self._kernels = python_cpu_kernels()  # the run's libraries are imported by now
+        if self.storage_resizes:
+            self._resize = torch.UntypedStorage.resize_
+            original, counted = self._resize, self._storage_resized
+
+            def resize_(storage, size):
+                out = original(storage, size)
+                counted(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_
         with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
             warnings.simplefilter("ignore")
             for obj in self._existing():
@@ -227,6 +274,8 @@ class PeakMemory(TorchDispatchMode):
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
+            if self.storage_resizes:
+                torch.UntypedStorage.resize_ = self._resize
             self._live.clear()  # stop counting: let go of the references (and their callbacks)
         return super().__exit__(*exc)
 

@@ -88,3 +88,29 @@ def test_bitsandbytes_cpu_optimizer_kernels_are_counted():
             before = pm.live_bytes
             optimizer.step()
         assert pm.peak_bytes - before == pytest.approx(copies * 4 * n, rel=0.01)
+
+
+def test_storage_resizes_are_counted_when_asked():
+    # FSDP2 gathers a unit by growing its parameters' storages in place (`alloc_storage` / `free_storage`), which
+    # no dispatch mode sees; `storage_resizes` counts them, and `resize_` is torch's own again afterwards
+    original = torch.UntypedStorage.resize_
+    t = torch.empty(0)
+    with PeakMemory(device="cpu", storage_resizes=True) as pm:
+        start = pm.live_bytes
+        t.untyped_storage().resize_(2 * MB)
+        grown = pm.live_bytes - start
+        t.untyped_storage().resize_(0)
+    assert grown == 2 * MB
+    assert pm.peak_bytes - start == 2 * MB and pm.live_bytes == start
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_wrapper_tensors_count_their_inner_storage():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with PeakMemory(device="cpu") as pm:
+        start = pm.live_bytes
+        pair = TwoTensor(torch.ones(250_000), torch.ones(250_000))  # a wrapper of two 1 MB tensors, as a DTensor
+        doubled = pair * 2  # runs below the mode on the inner tensors; the wrapper it returns holds 2 MB
+    assert doubled.a.numel() == 250_000
+    assert pm.live_bytes - start == 4 * MB

@@ -1,0 +1,197 @@
+"""FSDP2 on CPU ranks, every rank measured exactly: the yardstick of the per-device plan (`memory.sharding`).
+
+Why a harness and not `lowmem-ft train --gpus N --strategy fsdp`: accelerate 1.16 cannot run FSDP on the CPU. Its
+launcher sends an FSDP config with `use_cpu` to the one-process `simple_launcher` (commands/launch.py
+`launch_command`: `elif args.use_fsdp and not args.cpu`), and in the processes `AcceleratorState` turns the FSDP
+plugin on only for accelerator process groups: with `cpu=True`, `_prepare_backend` makes the run MULTI_CPU (gloo)
+and the branch that sets `DistributedType.FSDP` (state.py, under `elif self.distributed_type in [MULTI_GPU, …]`)
+is never reached — checked: `Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`
+under torchrun on 2 processes reports `DistributedType.MULTI_CPU` and no plugin. torch itself runs FSDP2 on gloo,
+so this harness shards with `torch.distributed.fsdp.fully_shard` directly, as accelerate's FSDP2 path does
+(accelerate utils/fsdp_utils.py `fsdp2_prepare_model`: one `fully_shard` per decoder layer class of
+`_no_split_modules`, then the root), while the product path stays on accelerate.
+
+One grid point = N processes (`torch.multiprocessing`, spawn) on one gloo group. Each rank builds the model through
+`lowmem_ft.train.model.build_model` (the path `train` uses), installs TRL's fused LM head as `SFTTrainer` does,
+shards it, creates the optimizer the way transformers' Trainer does, and runs `measure.peak.measured_step`'s two
+optimizer steps under `PeakMemory` with `storage_resizes` on (FSDP2 gathers a unit by growing its parameters'
+storages in place) — every rank its own exact live tensor bytes per phase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+from devkit.harness.estimator import Point, recipe_for, trainer_batches
+
+PHASES = ("static", "forward", "backward", "optimizer step")
+
+
+@dataclass
+class FsdpPoint:
+    family: str
+    adapter: str  # full | lora
+    ranks: int
+    checkpointing: bool
+    batch: int = 2
+    seq: int = 128
+    optimizer: str = "adamw_torch"
+    # rank → phase → (peak bytes within the phase, live bytes at its end), as `devkit.harness.estimator.measure`
+    phases: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+    def point(self) -> Point:
+        """The single-device harness's point of the same setup (its recipe and prediction)."""
+        return Point(self.family, self.adapter, self.optimizer, self.checkpointing, self.batch, self.seq)
+
+
+def shard(model, mesh) -> int:
+    """`fully_shard` each decoder layer, then the root, as accelerate's `fsdp2_prepare_model` does with
+    TRANSFORMER_BASED_WRAP; returns the number of layer units."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return len(layers)
+
+
+def _rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: str, warmup_seq: int) -> None:
+    """One rank of a point: build, shard, two measured optimizer steps; writes `rank{r}.json` to `out`."""
+    import torch
+    from torch import distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import TrainingArguments
+    from trl.trainer.utils import add_fused_lm_head
+
+    from lowmem_ft.train.args import OPTIM_NAMES
+    from lowmem_ft.train.measure.peak import STEPS, PeakMemory, fused_head_loss, measured_step, trainer_optimizer
+    from lowmem_ft.train.model import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = build_model(recipe_for(Path(model_dir), p.point()))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer.__init__ does
+        model.train()
+        shard(model, mesh)
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer], use_cpu=True)
+        optimizer = trainer_optimizer(model, args)
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        gen = torch.Generator().manual_seed(1 + rank)  # each rank its own micro batches, as a sampler gives them
+        with PeakMemory(roots=[model, optimizer.state], storage_resizes=True) as pm:
+            pm.mark("static")
+            lengths = [p.seq if s == (2, 2) else warmup_seq for s in STEPS]
+            batches = trainer_batches(base.config.vocab_size, p.batch, lengths, gen)
+            measured_step(pm, batches, partial(fused_head_loss, model), optimizer, trainable)
+            phases = {m.label: (m.peak_bytes, m.live_bytes) for m in pm.marks}
+            phases["peak"] = (pm.peak_bytes, pm.live_bytes)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(phases))
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: str) -> None:
+    """One rank of `sharded_loss`: the loss of the same batch on every rank, and after one optimizer step."""
+    import torch
+    from torch import distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        model = _built(model_dir, p)
+        shard(model, init_device_mesh("cpu", (world,)))
+        Path(out, f"loss{rank}.json").write_text(json.dumps(_two_losses(model, p)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _built(model_dir: str, p: FsdpPoint):
+    import torch
+    from trl.trainer.utils import add_fused_lm_head
+
+    from lowmem_ft.train.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(recipe_for(Path(model_dir), p.point()))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+    model.train()
+    return model
+
+
+def _two_losses(model, p: FsdpPoint) -> list[float]:
+    """The loss of one fixed batch, one SGD step (lr 1e-2: plain arithmetic, the same on shards and whole), and
+    the loss of the same batch again: equal losses before and after say the gathered weights and the reduced
+    gradients are the whole model's."""
+    import torch
+
+    from lowmem_ft.train.measure.peak import fused_head_loss
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    batch = next(trainer_batches(base.config.vocab_size, p.batch, [p.seq], torch.Generator().manual_seed(7)))
+    optimizer = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+    first, _ = fused_head_loss(model, batch)
+    first.backward()
+    optimizer.step()
+    with torch.no_grad():
+        second, _ = fused_head_loss(model, batch)
+    return [first.item(), second.item()]
+
+
+def sharded_loss(model_dir: Path, p: FsdpPoint) -> tuple[list[float], dict[int, list[float]]]:
+    """(the whole model's [loss, loss after one step], each rank's under FSDP2 on `p.ranks` ranks) for one batch
+    given to every rank: sharding must change neither (data parallelism averages equal gradients)."""
+    import torch.multiprocessing as mp
+
+    whole = _two_losses(_built(str(model_dir), p), p)
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rendezvous")
+        mp.start_processes(
+            _loss_rank, args=(p.ranks, str(model_dir), p, init, tmp), nprocs=p.ranks, start_method="spawn"
+        )
+        return whole, {r: json.loads(Path(tmp, f"loss{r}.json").read_text()) for r in range(p.ranks)}
+
+
+def measure(model_dir: Path, p: FsdpPoint, warmup_seq: int = 8) -> dict[int, dict[str, tuple[int, int]]]:
+    """Run point `p` on `p.ranks` CPU processes; rank → phase → (peak, live at end)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rendezvous")
+        mp.start_processes(
+            _rank,
+            args=(p.ranks, str(model_dir), p, init, tmp, warmup_seq),
+            nprocs=p.ranks,
+            start_method="spawn",
+        )
+        return {
+            r: {k: tuple(v) for k, v in json.loads(Path(tmp, f"rank{r}.json").read_text()).items()}
+            for r in range(p.ranks)
+        }
+
+
+def phase_measurements(phases: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """One rank's measured peak per phase of the steady-state step (micro-step 2.2: states and accumulated
+    gradients exist), as `devkit.harness.estimator.phase_measurements` reads a single device."""
+    return {
+        "static": phases["backward 2.1"][1],
+        "forward": phases["forward 2.2"][0],
+        "backward": phases["backward 2.2"][0],
+        "optimizer step": phases["optimizer 2"][0],
+    }
+
+
+def to_json(p: FsdpPoint) -> dict:
+    return asdict(p)
