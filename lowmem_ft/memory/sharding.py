@@ -418,7 +418,7 @@ def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, 
 #   `_post_forward` "Free the last all-gather result"): at the head, root + 1 unit; inside layer k, its gathered
 #   parameters + layer k−1's buffer, 2 units;
 # - backward: each unit's pre-backward gathers the unit that runs next (`_backward_prefetch`; the root's prefetches
-#   the last layer): at the head, root + 1 unit; inside layer k, layer k and layer k−1 gathered, layer k's
+#   the last layer): at the head, root + 1 unit (the root's gradients not yet written); inside layer k, layer k and layer k−1 gathered, layer k's
 #   unsharded gradients, and layer k+1's reduce-scatter input (N × padded gradient shard, kept until the next
 #   reduce-scatter: `ReduceScatterState`);
 # - the optimizer steps on the shards only: its temporaries are 1/N of a single device's.
@@ -452,7 +452,10 @@ def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int) -> dict[str, floa
             head_moment += root_fwd + FSDP2_HEAD_UNITS[phase] * unit
             layer_moment += root_fwd
         else:
-            head_moment += root + FSDP2_HEAD_UNITS[phase] * unit
+            # the root's unsharded gradients do not exist yet at the head's peak (the lm_head gradient is written
+            # as its backward ends), and do inside the layers' backward (measured: the full fine-tunes of
+            # benchmarks/fsdp_grid.md land 3.6-7 % high with them at the head, within 0.1 % without)
+            head_moment += root_fwd + FSDP2_HEAD_UNITS[phase] * unit
             layer_moment += root + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
         out[phase] = max(head_moment, layer_moment)
     step_temporaries = est.phases["optimizer step"] - static
