@@ -9,7 +9,8 @@ states to host memory, where they still count, per process and per node.
 Inputs are bytes for the whole model (`ModelStates`), so the same functions serve QLoRA (4-bit frozen base, fp32
 LoRA) and DeepSpeed's own full fine-tune model. `tests/memory/test_sharding.py` reproduces the numbers of
 DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
-(deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, deepspeedai/DeepSpeed master).
+(deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, deepspeedai/DeepSpeed master). `fsdp2_phase_bytes` is the
+per-rank, per-phase form for torch's `fully_shard`, measured rank by rank on CPU ranks (benchmarks/fsdp_grid.md).
 """
 
 from __future__ import annotations

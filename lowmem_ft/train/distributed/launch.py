@@ -97,18 +97,21 @@ def plan_launch(
         strategy, offload = planned.strategy, planned.offload
         reason = planned.reasons.get("strategy", reason)
     elif strategy == "auto":
-        strategy, reason = auto_strategy(recipe, offload)
+        strategy, reason = auto_strategy(recipe, offload, cpu)
     plan = LaunchPlan(gpus, nodes, strategy, offload, cpu, reason, list(accelerate_args or []))
     check(recipe, plan)
     return plan
 
 
-def auto_strategy(recipe: Recipe, offload: bool) -> tuple[str, str]:
+def auto_strategy(recipe: Recipe, offload: bool, cpu: bool = False) -> tuple[str, str]:
     """Without --vram there is no budget to plan against: DDP unless offload asks for sharding or a full fine-tune
     replicates 16+ B/param. With --vram the planner's per-device choice is used instead (see `plan_launch`).
+    On the CPU accelerate runs DDP only (`check`), so a full fine-tune stays on DDP there.
     """
     if offload:
         return "fsdp", "offload asked: FSDP offloads parameters and optimizer states to host memory"
+    if recipe.adapter.kind == "full" and cpu:
+        return "ddp", "full fine-tune on CPU processes: accelerate shards (FSDP) only on GPUs, see docs/fsdp.md"
     if recipe.adapter.kind == "full":
         return "fsdp", "full fine-tune: weights, gradients and optimizer states sharded over the devices"
     return "ddp", "adapters: the base model and the LoRA states fit whole on each device"

@@ -156,3 +156,13 @@ def test_unsupported_combinations(recipe, change, plan, message):
 def test_run_dir_must_be_prepared(capsys, tmp_path):
     err = _one_line_error(capsys, main(["train", "--run-dir", str(tmp_path)]))
     assert "not a prepared run" in err
+
+
+def test_auto_strategy_shards_a_full_fine_tune_only_where_accelerate_can(monkeypatch):
+    full = resolve(None, {"adapter": {"kind": "full"}, "model": {"quantization": "none"}})
+    assert launch.auto_strategy(full, offload=False, cpu=False)[0] == "fsdp"
+    strategy, reason = launch.auto_strategy(full, offload=False, cpu=True)
+    assert strategy == "ddp" and "GPUs" in reason
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 0)
+    assert launch.plan_launch(full, gpus=2).strategy == "ddp"  # not refused on the CPU
+    assert launch.auto_strategy(full, offload=True, cpu=True)[0] == "fsdp"  # offload still asks for sharding
