@@ -49,6 +49,12 @@ class FsdpPoint:
         return Point(self.family, self.adapter, self.optimizer, self.checkpointing, self.batch, self.seq)
 
 
+def _vocab(base) -> int:
+    """Token ids the model embeds (its input embedding's rows: a vision-language config keeps `vocab_size` in
+    its text config)."""
+    return base.get_input_embeddings().num_embeddings
+
+
 def shard(model, mesh) -> int:
     """`fully_shard` each decoder layer, then the root, as accelerate's `fsdp2_prepare_model` does with
     TRANSFORMER_BASED_WRAP; returns the number of layer units."""
@@ -92,7 +98,7 @@ def _rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: s
         with PeakMemory(roots=[model, optimizer.state], storage_resizes=True) as pm:
             pm.mark("static")
             lengths = [p.seq if s == (2, 2) else warmup_seq for s in STEPS]
-            batches = trainer_batches(base.config.vocab_size, p.batch, lengths, gen)
+            batches = trainer_batches(_vocab(base), p.batch, lengths, gen)
             measured_step(pm, batches, partial(fused_head_loss, model), optimizer, trainable)
             phases = {m.label: (m.peak_bytes, m.live_bytes) for m in pm.marks}
             phases["peak"] = (pm.peak_bytes, pm.live_bytes)
@@ -140,7 +146,7 @@ def _two_losses(model, p: FsdpPoint) -> list[float]:
     from lowmem_ft.train.measure.peak import fused_head_loss
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    batch = next(trainer_batches(base.config.vocab_size, p.batch, [p.seq], torch.Generator().manual_seed(7)))
+    batch = next(trainer_batches(_vocab(base), p.batch, [p.seq], torch.Generator().manual_seed(7)))
     optimizer = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1e-2)
     first, _ = fused_head_loss(model, batch)
     first.backward()
