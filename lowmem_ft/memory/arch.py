@@ -518,9 +518,11 @@ def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
     conversion = conversion_for(config)
     if conversion is None:
         return config, source
-    return conversion.native_config(
-        config, name_or_path
-    ), f"{source}, {conversion.family} loaded as {conversion.native_model_type}"
+    native = conversion.native_model_type
+    if first_time("native checkpoint", name_or_path):
+        log.info("%s: a %s checkpoint, planned and loaded as transformers' %s (none of its own code is run)",
+                 name_or_path, conversion.family, native)  # fmt: skip
+    return conversion.native_config(config, name_or_path), f"{source}, {conversion.family} loaded as {native}"
 
 
 def _raw_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
