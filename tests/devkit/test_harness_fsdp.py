@@ -8,7 +8,7 @@ import pytest
 from devkit.bench.fsdp_grid import predicted
 from devkit.harness.estimator import write_model
 from devkit.harness.fsdp import PHASES, FsdpPoint, measure, phase_measurements, sharded_loss
-from devkit.zoo import NAMES, build, estimator_config
+from devkit.zoo import build, estimator_config
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,16 @@ def test_sharded_loss_is_the_whole_models(llama3, adapter):
         assert losses == pytest.approx(whole, rel=1e-5), r
 
 
+# One zoo family per quirk FSDP2's sharding meets: tied (llama3) and untied, biased (qwen2.5) heads, fused qkv (phi3),
+# sliding windows (mistral), softcapping (gemma2), a multimodal wrapper (gemma3-vision). The other families share
+# these model classes (qwen-v1 loads as Qwen2); all of them passed once when the harness was written (its note).
+QUIRKS = ("llama3", "qwen2.5", "phi3", "mistral", "gemma2", "gemma3-vision")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", NAMES)
-def test_sharded_lora_loss_on_every_family(tmp_path, family):
-    # the zoo's tiny replicas (tied / untied heads, fused qkv, sliding windows, softcapping) through FSDP2
+@pytest.mark.parametrize("family", QUIRKS)
+def test_sharded_lora_loss_across_the_zoos_quirks(tmp_path, family):
+    # the zoo's tiny replicas through FSDP2
     whole, ranks = sharded_loss(build(family, tmp_path / family), FsdpPoint(family, "lora", 2, False, batch=2, seq=16))
     for r, losses in ranks.items():
         assert losses == pytest.approx(whole, rel=1e-5), r
