@@ -74,9 +74,7 @@ def _k_quant(quant: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    from lowmem_ft.export.gguf_file import QUANTS, nbytes, plan_tensors
+    from lowmem_ft.export.gguf_file import QUANTS, model_config, nbytes, plan_tensors
     from lowmem_ft.export.plan import check_fits, free_disk, make_plan
     from lowmem_ft.finetuned import open_run
     from lowmem_ft.memory.inference import human
@@ -98,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(output.parent, "--output")
 
     try:
-        config = AutoConfig.from_pretrained(model_dir)
+        config = model_config(model_dir)
     except (ValueError, OSError) as exc:  # a model_type transformers does not know (remote code), a broken config
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{model_dir}: its config does not load ({first}); GGUF export maps the families "

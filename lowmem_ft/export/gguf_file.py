@@ -61,6 +61,19 @@ def nbytes(shape: tuple[int, ...], qtype: str) -> int:
     return count // block * size
 
 
+def model_config(model_dir: Path):
+    """The transformers config of the model whose shards are exported: its own, or for a checkpoint of its own layout
+    (Qwen v1) the native architecture's (`lowmem_ft.native`), which the tensors are exported as."""
+    from transformers import AutoConfig
+
+    from lowmem_ft import native
+
+    conversion = native.checkpoint_conversion(str(model_dir))
+    if conversion is not None:
+        return native.transformers_config(str(model_dir), conversion)
+    return AutoConfig.from_pretrained(model_dir)
+
+
 def plan_tensors(model_dir: Path, config, quant: str) -> list[Planned]:
     """Every tensor the GGUF will hold, named and typed, from the safetensors headers (no weight read)."""
     import gguf
@@ -149,9 +162,8 @@ def write_gguf(
 ) -> list[Planned]:
     """Write the merged model as one GGUF file at `output` (atomically: module docstring); returns its tensors."""
     import gguf
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = model_config(model_dir)
     family = family_of(config)
     planned = plan_tensors(model_dir, config, quant)
     adapter = Adapter(adapter_dir) if adapter_dir is not None else None

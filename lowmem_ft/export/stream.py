@@ -104,16 +104,22 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class TensorRef:
-    name: str
+    name: str  # the native model's name
     shape: tuple[int, ...]
     file: Path
     stored_bytes: int = 0  # in the shard (its dtype)
+    key: str = ""  # the name in the shard when it differs (a checkpoint of its own layout: `lowmem_ft.native`)
+    row0: int = 0  # its first row there (Qwen v1's fused c_attn holds q, k and v)
 
 
 def tensors(model_dir: Path) -> list[TensorRef]:
-    """Every tensor of the model's safetensors shards, from their headers alone."""
+    """Every tensor of the model's safetensors shards, from their headers alone, under the native model's names (a
+    checkpoint `lowmem_ft.native` loads natively: its tensors mapped as its loader maps them)."""
     from safetensors import safe_open
 
+    from lowmem_ft import native
+
+    conversion = native.checkpoint_conversion(str(model_dir))
     refs = []
     for file in shard_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
@@ -121,7 +127,11 @@ def tensors(model_dir: Path) -> list[TensorRef]:
                 sliced = f.get_slice(key)
                 shape = tuple(sliced.get_shape())
                 size = DTYPE_BYTES.get(sliced.get_dtype(), 4)
-                refs.append(TensorRef(key, shape, file, _prod(shape) * size))
+                if conversion is None:
+                    refs.append(TensorRef(key, shape, file, _prod(shape) * size))
+                    continue
+                for name, row0, part in conversion.native_tensors(key, shape):
+                    refs.append(TensorRef(name, part, file, _prod(part) * size, key, row0))
     return refs
 
 
@@ -151,10 +161,11 @@ def merged_blocks(ref: TensorRef, adapter: Adapter | None, whole: bool = False) 
     lora = adapter.loras.get(ref.name) if adapter is not None else None
     dora = lora is not None and lora.magnitude is not None
     with safe_open(str(ref.file), framework="pt") as f:
-        sliced = f.get_slice(ref.name)
+        sliced = f.get_slice(ref.key or ref.name)
         blocks = [slice(0, ref.shape[0] if ref.shape else 1)] if whole or not ref.shape else row_blocks(ref.shape)
         for rows in blocks:
-            block = sliced[rows].float() if ref.shape else sliced[:].float()
+            stored = slice(ref.row0 + rows.start, ref.row0 + rows.stop)  # its rows in the stored tensor
+            block = sliced[stored].float() if ref.shape else sliced[:].float()
             delta = adapter.delta(ref.name, rows) if adapter is not None else None
             if delta is not None:
                 block = block + delta

@@ -39,6 +39,9 @@ class Conversion(Protocol):
     def tokenizer(self, files: CheckpointFiles) -> Any:
         """A fast tokenizer rebuilt from the checkpoint's own files (no repository code)."""
 
+    def native_tensors(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
+        """(native name, first row in the stored tensor, shape) of each native tensor stored tensor `key` holds."""
+
     def loaded(self, model: Any, files: CheckpointFiles) -> None:
         """Settings the repository's code applied at run time, set on the loaded native model (e.g. stop tokens)."""
 

@@ -35,6 +35,7 @@ when none is given (`qwen_generation_utils.make_context`, and `finetune.py` of t
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 from lowmem_ft.errors import UserError
@@ -61,6 +62,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+# v1 tensor names → Qwen2's, applied in this order (transformers' loader and `native_tensors` alike); c_attn's rows
+# are q, k, v in this order (QWenAttention.forward: `mixed_x_layer.split(self.split_size, dim=2)`)
+RENAMES = (
+    (r"^transformer\.wte\.", "model.embed_tokens."),
+    (r"^transformer\.ln_f\.", "model.norm."),
+    (r"^transformer\.h\.", "model.layers."),
+    (r"\.ln_1\.", ".input_layernorm."),
+    (r"\.ln_2\.", ".post_attention_layernorm."),
+    (r"\.attn\.c_proj\.", ".self_attn.o_proj."),
+    (r"\.mlp\.w1\.", ".mlp.up_proj."),
+    (r"\.mlp\.w2\.", ".mlp.gate_proj."),
+    (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+)
+FUSED_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 class QwenV1:
@@ -120,20 +137,25 @@ class QwenV1:
         from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 
         return [
-            WeightRenaming(r"^transformer\.wte\.", "model.embed_tokens."),
-            WeightRenaming(r"^transformer\.ln_f\.", "model.norm."),
-            WeightRenaming(r"^transformer\.h\.", "model.layers."),
-            WeightRenaming(r"\.ln_1\.", ".input_layernorm."),
-            WeightRenaming(r"\.ln_2\.", ".post_attention_layernorm."),
-            WeightRenaming(r"\.attn\.c_proj\.", ".self_attn.o_proj."),
-            WeightRenaming(r"\.mlp\.w1\.", ".mlp.up_proj."),
-            WeightRenaming(r"\.mlp\.w2\.", ".mlp.gate_proj."),
-            WeightRenaming(r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+            *(WeightRenaming(pattern, replacement) for pattern, replacement in RENAMES),
             WeightConverter(
                 source_patterns="attn.c_attn",
-                target_patterns=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                target_patterns=[f"self_attn.{p}" for p in FUSED_QKV],
                 operations=[Chunk(dim=0)],
             ),
+        ]
+
+    def native_tensors(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
+        """(native name, first row in the stored tensor, shape) of each native tensor that stored tensor `key`
+        holds — the same mapping as `weight_transforms`, for readers of the shards themselves (GGUF export)."""
+        for pattern, replacement in RENAMES:
+            key = re.sub(pattern, replacement, key)
+        if ".attn.c_attn." not in key:
+            return [(key, 0, shape)]
+        rows = shape[0] // len(FUSED_QKV)
+        return [
+            (key.replace(".attn.c_attn.", f".self_attn.{p}."), i * rows, (rows, *shape[1:]))
+            for i, p in enumerate(FUSED_QKV)
         ]
 
     def loaded(self, model: Any, files) -> None:

@@ -260,3 +260,27 @@ def test_the_model_card_of_an_adapter_says_how_to_load_it(v1_dir):
     text = "\n".join(_usage("me/qwen-adapter", str(v1_dir), merged=False))
     assert "Qwen (v1) checkpoint" in text and "lowmem-ft merge" in text and "AutoPeftModelForCausalLM" not in text
     assert "AutoModelForCausalLM.from_pretrained('me/merged')" in "\n".join(_usage("me/merged", str(v1_dir), True))
+
+
+@pytest.mark.slow
+def test_a_lora_run_exports_to_gguf_as_qwen2(v1_dir, tmp_path, capsys):
+    """export reads the v1 shards under the native names (c_attn's rows as q, k, v): the GGUF's logits are the merged
+    model's, loaded natively with the adapter merged (f16, to the type's rounding)."""
+    from peft import PeftModel
+
+    from lowmem_ft.cli import main
+    from lowmem_ft.train.model import load_model
+    from tests.export.roundtrip import TEXTS, gguf_model, logits, rounded
+    from tests.train.tiny_runs import tiny_run
+
+    data = str(Path(__file__).parents[2] / "examples" / "chat.jsonl")
+    tiny_run(str(v1_dir), data, tmp_path, "v1", "training.max_steps=1", "model.quantization=none",
+             "logging.wandb_mode=disabled")  # fmt: skip
+    out = tmp_path / "v1.gguf"
+    assert main(["export", str(tmp_path / "v1"), "--to", "gguf", "--quant", "f16", "--output", str(out)]) == 0
+    base = load_model(_recipe(str(v1_dir)), device="cpu")
+    merged = PeftModel.from_pretrained(base, str(tmp_path / "v1" / "adapter")).merge_and_unload().eval()
+    from lowmem_ft.data.tokenize import load_tokenizer
+
+    ids = load_tokenizer(str(v1_dir))(TEXTS[0], return_tensors="pt")["input_ids"]
+    torch.testing.assert_close(logits(gguf_model(out), ids), logits(rounded(merged, "f16"), ids), atol=2e-5, rtol=1e-5)
