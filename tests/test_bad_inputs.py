@@ -547,6 +547,11 @@ def test_the_catalogue_is_at_least_150_cases():
 def test_bad_input_is_one_line_naming_the_cause(argv, words, world, capsys, caplog):
     if "--device cuda" in argv and _has_cuda():
         pytest.skip("a no-GPU case")
+    _one_line_error(argv, words, world, capsys, caplog)
+
+
+def _one_line_error(argv: str, words, world: dict, capsys, caplog) -> str:
+    """Run `argv`: exit 2, no traceback, one `lowmem-ft ...: error:` line holding every word, no warning; the line."""
     caplog.set_level(logging.WARNING)
     code = main(argv.format(**world).split())
     out, err = capsys.readouterr()
@@ -560,6 +565,7 @@ def test_bad_input_is_one_line_naming_the_cause(argv, words, world, capsys, capl
         assert word.format(**world) in line, (word, line)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [], warnings
+    return line
 
 
 def _has_cuda() -> bool:
@@ -739,18 +745,7 @@ def test_the_methods_catalogue_is_at_least_40_cases():
 @pytest.mark.parametrize(("argv", "words"), [pytest.param(a, w, id=f"methods:{i}") for i, (a, w) in
                                              enumerate(METHOD_CASES)])  # fmt: skip
 def test_a_bad_input_to_the_methods_is_one_line(argv, words, method_world, capsys, caplog):
-    caplog.set_level(logging.WARNING)
-    code = main(argv.format(**method_world).split())
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert "Traceback" not in out + err
-    assert code == 2, (code, err)
-    assert len(lines) == 1, err
-    line = lines[0]
-    assert line.startswith("lowmem-ft") and ": error: " in line, line
-    for word in words:
-        assert word.format(**method_world) in line, (word, line)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    line = _one_line_error(argv, words, method_world, capsys, caplog)
     assert_the_advice_works(line, argv.split()[0])
     assert not (Path(method_world["tmp"]) / "train-out").exists() or not any(
         (Path(method_world["tmp"]) / "train-out").rglob("*.safetensors")
