@@ -9,6 +9,8 @@ outputs, so the comparison does not depend on anything outside the memory model.
 
 Regenerate (only when a number is meant to change, and say which and why in the commit):
     PYTHONPATH=. python tests/memory/golden_grid.py --write
+It recomputes every record over the setups the file already holds, and samples setups only for a model it does not
+hold yet (from that model's own seed), so a new catalog model adds its record and moves no other.
 """
 
 from __future__ import annotations
@@ -293,12 +295,17 @@ def generation_record(arch) -> dict[str, Any]:
     return out
 
 
-def build() -> dict[str, Any]:
-    rng = random.Random(20)
+def build(recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every record, over the setups already recorded for a model (`recorded`, the file's content) and a fresh sample
+    for a model the file does not hold yet, drawn from that model's own random stream: adding a model to the catalog
+    leaves every other model's setups as they are."""
     golden: dict[str, Any] = {"models": {}, "plans": {}}
     for name, spec in models().items():
         arch = architecture(spec)
-        points = setups(rng, moe=arch.moe is not None)
+        if recorded and name in recorded["models"]:
+            points = [p["fields"] for p in recorded["models"][name]["setups"]]
+        else:
+            points = setups(random.Random(f"20:{name}"), moe=arch.moe is not None)
         golden["models"][name] = {
             "spec": spec,
             "arch": arch_record(arch),
@@ -346,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write {GOLDEN.name}")
     args = parser.parse_args(argv)
-    golden = normalized(build())
+    golden = normalized(build(load() if GOLDEN.exists() else None))
     setups_n = sum(len(m["setups"]) for m in golden["models"].values())
     plans_n = sum(len(p) for p in golden["plans"].values())
     print(f"{len(golden['models'])} models, {setups_n} setups, {plans_n} plans, {count_numbers(golden)} numbers")
