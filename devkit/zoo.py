@@ -120,8 +120,7 @@ class Family:
     hub_layout: str = ""
     # a multimodal checkpoint: config key → the special token it names (Gemma3Config's boi_token_index, ...)
     image_tokens: dict[str, str] = field(default_factory=dict)
-    # preprocessor_config.json as the Hub ships it beside the weights; None: a text checkpoint (or Gemma-3's, whose
-    # tiny tower the text tests never run)
+    # preprocessor_config.json as the Hub ships it beside the weights; None: a text checkpoint
     preprocessor: dict[str, Any] | None = None
 
 
@@ -186,6 +185,26 @@ QWEN_VL_PREPROCESSOR = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen2_5_VLProcessor",
+}
+# google/gemma-3-4b-it's preprocessor_config.json (the same in gemma-3-12b-it / -27b-it): 896×896 per image, the
+# pan-and-scan keys null (Gemma3Processor's defaults: off). The zoo's copy resizes to its tiny tower's 28×28.
+GEMMA3_PREPROCESSOR = {
+    "do_convert_rgb": None,
+    "do_normalize": True,
+    "do_pan_and_scan": None,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Gemma3ImageProcessor",
+    "image_seq_length": 256,
+    "image_std": [0.5, 0.5, 0.5],
+    "pan_and_scan_max_num_crops": None,
+    "pan_and_scan_min_crop_size": None,
+    "pan_and_scan_min_ratio_to_activate": None,
+    "processor_class": "Gemma3Processor",
+    "resample": 2,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 896, "width": 896},
 }
 # every linear dimension a multiple of 64: bitsandbytes' CPU inference path repacks NF4 weights per 64-block
 TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -359,6 +378,7 @@ FAMILIES: dict[str, Family] = {
             "TRL's copy of Gemma-3 (the Hub's gemma-3-4b-it template renders images as <start_of_image>)",
             lambda c, last: c.strip() + "<end_of_turn>",
             image_tokens=dict(zip(GEMMA3_IMAGE_KEYS, GEMMA3_IMAGE_TOKENS, strict=True)),
+            preprocessor={**GEMMA3_PREPROCESSOR, "image_seq_length": 4, "size": {"height": 28, "width": 28}},
         ),
         Family(
             # Qwen2.5-VL-7B-Instruct: the qwen2 decoder (qkv bias, untied, M-RoPE over 3 sections) under
@@ -593,6 +613,12 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out)
     if family.preprocessor:
         (out / "preprocessor_config.json").write_text(json.dumps(family.preprocessor, indent=2) + "\n")
+        if "image_seq_length" in family.preprocessor:  # Gemma-3's processor_config.json: the tokens per image
+            processor = {
+                "image_seq_length": family.preprocessor["image_seq_length"],
+                "processor_class": "Gemma3Processor",
+            }
+            (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return out
 
 

@@ -5,7 +5,7 @@ predicted by the memory model, not measured on a GPU.
 
 Pure arithmetic (the planner, `lowmem_ft.choosing.choose_recipe`, on the offline catalog's config; no GPU, no
 weights): each sample is 256 text tokens plus its images at the cap's most tokens per image (an image as large as
-the cap allows: `lowmem_ft.vision.families.QwenVLImages.max_tokens`), so memory.max_seq_len = 256 + images × tokens.
+the cap allows: `lowmem_ft.vision.qwen_vl.QwenVLImages.max_tokens`), so memory.max_seq_len = 256 + images × tokens.
 Caps: 256 tokens per image (200,704 pixels), 1,280 (1,003,520: the planner's default, Qwen's model card's) and 16,384
 (12,845,056: the checkpoint's own preprocessor_config.json). Each cell is the planner's choice: weights, micro batch,
 the savers it turned on, the predicted peak with CUDA overheads. The vision tower's weights are counted (676.6 M of
@@ -21,7 +21,7 @@ from pathlib import Path
 from lowmem_ft.choosing import choose_recipe
 from lowmem_ft.errors import UserError
 from lowmem_ft.train.observe.banner import savers_on
-from lowmem_ft.vision.families import QwenVLImages
+from lowmem_ft.vision.qwen_vl import QwenVLImages
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 TEXT = 256

@@ -8,14 +8,17 @@ the loss on the assistant's text only.
 
 The conversation is rendered and masked by the text path (`lowmem_ft.data.chat`: the template's markers, TRL's
 training version, or turn by turn), so image rows get exactly the assistant masks text rows get. The template renders
-one placeholder per image (Qwen2.5-VL: `<|image_pad|>`); each is then repeated as many times as the processor will
-make tokens of that image (`lowmem_ft.vision.families`, from the image's pixel size and `vision.max_pixels`), and
-every repeated position is -100: image tokens are never labels. The collator turns the images into pixel values
-with the checkpoint's own image processor at the same cap and checks that it made the token count the sample holds.
+one placeholder per image (Qwen2.5-VL: `<|image_pad|>`, Gemma-3: `<start_of_image>`); each is replaced in the text by
+what the family's processor puts there (`ImageArithmetic.expansion`: Qwen's pad repeated once per token, Gemma-3's
+newlines, image markers and 256 soft tokens per crop), from the image's pixel size and `vision.max_pixels`, before
+the text is tokenized, as the processor does; every token inside an expansion is -100: image tokens are never
+labels. The collator turns the images into pixel values with the checkpoint's own image processor at the same cap and
+checks that it made the token count the sample holds.
 
 Our own reading rather than TRL's `DataCollatorForVisionLanguageModeling`: that collator needs the model's
 processor class, and Qwen2/2.5-VL's loads its video processor, which needs torchvision (not loadable beside the CPU
-build of torch); the PIL image processor transformers ships (`Qwen2VLImageProcessorPil`) needs nothing more.
+build of torch); the PIL image processors transformers ships (`Qwen2VLImageProcessorPil`, `Gemma3ImageProcessorPil`)
+need nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from lowmem_ft.data.chat import IGNORE, Renderer, SampleError, chat_template_for, labels_for, samples
 from lowmem_ft.errors import UserError
-from lowmem_ft.vision.families import QwenVLImages, VisionFamily
+from lowmem_ft.vision.families import ImageArithmetic
 from lowmem_ft.vision.images import BadImage, ImageFile, open_image
 
 log = logging.getLogger(__name__)
@@ -143,47 +146,57 @@ def _check_record(record: dict) -> tuple[list[dict], list[str]]:
     return messages, images
 
 
-def _expand(ids: list[int], labels: list[int], image_id: int, counts: list[int]) -> tuple[list[int], list[int]]:
-    """Each image placeholder repeated as many times as its image makes tokens, none of them labels."""
-    out_ids: list[int] = []
-    out_labels: list[int] = []
-    k = 0
-    for token, label in zip(ids, labels, strict=True):
-        if token == image_id:
-            out_ids += [image_id] * counts[k]
-            out_labels += [IGNORE] * counts[k]
-            k += 1
-        else:
-            out_ids.append(token)
-            out_labels.append(label)
-    if k != len(counts):
-        raise BadImage(f"the chat template rendered {k} image placeholder(s) for {len(counts)} image(s)")
-    return out_ids, out_labels
+def _expand(text: str, spans: list[tuple[int, int]], placeholder: str, expansions: list[str]):
+    """(text, spans, image spans): each image placeholder the template rendered replaced by the text the processor
+    puts there (`ImageArithmetic.expansion`), as the processor does before it tokenizes; the loss spans moved with
+    it, and the character spans of the expansions (their tokens are never labels)."""
+    out, images, last = [], [], 0
+    starts: list[tuple[int, int]] = []  # (where a placeholder ended in `text`, its growth)
+    for expansion in expansions:
+        at = text.index(placeholder, last)
+        out.append(text[last:at])
+        begin = sum(len(piece) for piece in out)
+        out.append(expansion)
+        images.append((begin, begin + len(expansion)))
+        last = at + len(placeholder)
+        starts.append((last, len(expansion) - len(placeholder)))
+    out.append(text[last:])
+
+    def shifted(position: int) -> int:
+        return position + sum(grow for end, grow in starts if end <= position)
+
+    moved = [(shifted(start), shifted(end)) for start, end in spans]
+    return "".join(out), moved, images
 
 
 def tokenize_row(
-    record: dict, base: Path, tokenizer, render: Renderer, family: VisionFamily, images: QwenVLImages,
-    max_pixels: int,
+    record: dict, base: Path, tokenizer, render: Renderer, images: ImageArithmetic, max_pixels: int,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The samples of one row (one, or one per trained turn where the template is not prefix-stable). Raises
     BadImage / SampleError."""
     messages, names = _check_record(record)
     files: list[ImageFile] = [open_image(name, base) for name in names]
     counts = [images.tokens(f.height, f.width, max_pixels) for f in files]
-    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
+    expansions = [images.expansion(f.height, f.width, max_pixels) for f in files]
     out = []
     for text, spans in samples({"messages": messages}, render):
+        k = text.count(images.placeholder)  # a sample cut at an earlier turn holds the images before it
+        if k > len(files):
+            raise BadImage(f"the chat template rendered {k} image placeholder(s) for {len(files)} image(s)")
+        text, spans, image_spans = _expand(text, spans, images.placeholder, expansions[:k])
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        labels = labels_for(enc["input_ids"], enc["offset_mapping"], text, spans, render.template.masking)
-        k = enc["input_ids"].count(image_id)  # a sample cut at an earlier turn holds the images before it
-        ids, labels = _expand(enc["input_ids"], labels, image_id, counts[:k])
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        labels = labels_for(ids, offsets, text, spans, render.template.masking)
+        for i, (start, end) in enumerate(offsets):  # an image's tokens are never labels (train_on_prompt too)
+            if any(begin <= start and end <= stop for begin, stop in image_spans):
+                labels[i] = IGNORE
         out.append({"input_ids": ids, "labels": labels, "images": [f.path for f in files[:k]],
                     "image_tokens": counts[:k], "pixels": [f.width * f.height for f in files[:k]]})  # fmt: skip
     return out
 
 
 def load_vision_data(
-    path: str | Path, tokenizer, family: VisionFamily, images: QwenVLImages, *, max_pixels: int, max_seq_len: int,
+    path: str | Path, tokenizer, images: ImageArithmetic, *, max_pixels: int, max_seq_len: int,
     skip_bad_lines: bool = False,
 ) -> VisionData:  # fmt: skip
     """Every row of a JSONL file of image conversations, tokenized; one line naming the row for a bad one (or, with
@@ -198,7 +211,7 @@ def load_vision_data(
         try:
             if isinstance(record, str):
                 raise BadImage(record)
-            for sample in tokenize_row(record, path.parent, tokenizer, render, family, images, max_pixels):
+            for sample in tokenize_row(record, path.parent, tokenizer, render, images, max_pixels):
                 if len(sample["input_ids"]) > max_seq_len:  # never cut inside its image tokens: dropped, counted
                     data.too_long += 1
                 elif any(label != IGNORE for label in sample["labels"]):
@@ -223,14 +236,17 @@ def load_vision_data(
 
 class VisionCollator:
     """Right-padded ids and labels, and the batch's images as the checkpoint's image processor makes them (at
-    `max_pixels`), concatenated as the model takes them (pixel_values rows of all images, one image_grid_thw each)."""
+    `max_pixels`), as the model takes them (`ImageArithmetic.process`: Qwen-VL's pixel_values rows of all images with
+    one image_grid_thw each; Gemma-3's one pixel square per crop, and its token_type_ids)."""
 
-    def __init__(self, image_processor, pad_token_id: int, images: QwenVLImages, max_pixels: int, files="images"):
+    def __init__(self, image_processor, pad_token_id: int, images: ImageArithmetic, max_pixels: int,
+                 files: str = "images", image_token_id: int = -1):  # fmt: skip
         self.image_processor = image_processor
         self.files = files  # the column of image paths (`image_files` in a trainer's dataset: TRL reads `images`)
         self.pad = pad_token_id
-        self.size = {"shortest_edge": images.min_pixels, "longest_edge": max_pixels}
-        self.merge = images.merge_size
+        self.images = images
+        self.max_pixels = max_pixels
+        self.image_token_id = image_token_id
         self.made: deque = deque(maxlen=256)  # weak references to the pixel values of the batches made, newest last
 
     def pixels_held(self) -> int:
@@ -254,15 +270,13 @@ class VisionCollator:
             labels[i, :n] = torch.tensor(f["labels"])
             mask[i, :n] = 1
         batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        batch |= self.images.text_inputs(ids, self.image_token_id)
         paths = [p for f in features for p in f[self.files]]
         if paths:
-            pixels = self.image_processor(images=[load_rgb(p) for p in paths], size=self.size, return_tensors="pt")
-            made = (pixels["image_grid_thw"].prod(-1) // self.merge**2).tolist()
+            inputs, made = self.images.process(self.image_processor, [load_rgb(p) for p in paths], self.max_pixels)
             expected = [t for f in features for t in f["image_tokens"]]
             if made != expected:  # the arithmetic and the processor disagree: a bug, never trained through
                 raise RuntimeError(f"image processor made {made} tokens per image, the data holds {expected}")
-            batch["pixel_values"] = pixels["pixel_values"]
-            batch["image_grid_thw"] = pixels["image_grid_thw"]
-        if "pixel_values" in batch:
+            batch |= inputs
             self.made.append(weakref.ref(batch["pixel_values"]))
         return batch

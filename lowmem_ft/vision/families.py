@@ -1,86 +1,38 @@
-"""What lowmem-ft knows about each vision-language family: how many tokens an image becomes, and which special
-tokens stand for it. One `VisionFamily` per transformers `model_type`; pure arithmetic (the memory model reads it).
+"""What lowmem-ft knows about each vision-language family it trains on images: one `VisionFamily` per transformers
+`model_type`, whose `images` class is that family's processor arithmetic (`lowmem_ft.vision.qwen_vl`,
+`lowmem_ft.vision.gemma3`), and the one line that refuses any other VLM by its family name. Pure arithmetic (the
+memory model and `plan` read it).
 
-The one idea: an image's token count is decided by the processor before the model sees it, so it is computed from
-the image's pixel size with the processor's own rule, never measured. Qwen2-VL / Qwen2.5-VL
-(`image_processing_pil_qwen2_vl.py` `smart_resize`, transformers 5.24): the image is resized to multiples of
-patch × merge (28) with min_pixels ≤ h·w ≤ max_pixels keeping the aspect ratio, cut in 14×14 patches, and every
-2×2 patches merge into one token (`Qwen2_5_VLProcessor.replace_image_token`: grid_t·grid_h·grid_w // merge²).
-Checked against the processor on the zoo checkpoint (tests/vision/test_vision_families.py).
+An arithmetic class (`ImageArithmetic`) says how many tokens an image becomes (`tokens`), the text the chat
+template's placeholder expands to (`expansion`), the resolution caps the planner may choose (`caps`), and how the
+checkpoint's image processor is called (`process`); a new family is one module and one line in `VISION_FAMILIES`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.vision.gemma3 import Gemma3Images
+from lowmem_ft.vision.qwen_vl import QwenVLImages
 
 
-@dataclass(frozen=True)
-class QwenVLImages:
-    """Qwen2-VL / Qwen2.5-VL's image processor (preprocessor_config.json), as numbers."""
+class ImageArithmetic(Protocol):
+    placeholder: str  # what the chat template renders once per image
+    image_token: str  # what the image's features replace in the decoder's sequence
+    max_pixels: int  # the checkpoint's own cap
 
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280  # the class default; Qwen2.5-VL's preprocessor_config.json says 12,845,056
-    channels: int = 3
-
-    @classmethod
-    def from_preprocessor(cls, config: dict[str, Any]) -> QwenVLImages:
-        """From a preprocessor_config.json dict (its `min_pixels` / `max_pixels`, or `size` in the newer form)."""
-        size = config.get("size") or {}
-        return cls(
-            patch_size=int(config.get("patch_size", 14)),
-            merge_size=int(config.get("merge_size", 2)),
-            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
-            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
-        )
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_values(self) -> int:
-        """Numbers in one row of pixel_values: channels × temporal patch × patch × patch (1176)."""
-        return self.channels * self.temporal_patch_size * self.patch_size**2
-
-    def resized(self, height: int, width: int, max_pixels: int | None = None) -> tuple[int, int]:
-        """`smart_resize` (image_processing_pil_qwen2_vl.py): the (height, width) the processor resizes to."""
-        factor, low, high = self.factor, self.min_pixels, max_pixels or self.max_pixels
-        if max(height, width) / min(height, width) > 200:
-            raise ValueError(
-                f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
-            )
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        if h_bar * w_bar > high:
-            beta = math.sqrt((height * width) / high)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < low:
-            beta = math.sqrt(low / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
-
-    def patches(self, height: int, width: int, max_pixels: int | None = None) -> int:
-        """Rows of pixel_values for one image: grid_h × grid_w patches (grid_t 1 for a still image)."""
-        h, w = self.resized(height, width, max_pixels)
-        return (h // self.patch_size) * (w // self.patch_size)
-
-    def tokens(self, height: int, width: int, max_pixels: int | None = None) -> int:
-        """Image tokens in the decoder's sequence for one image: patches // merge²."""
-        return self.patches(height, width, max_pixels) // self.merge_size**2
-
-    def max_tokens(self, max_pixels: int | None = None) -> int:
-        """The most tokens one image can become under `max_pixels` (any aspect ratio)."""
-        return (max_pixels or self.max_pixels) // self.factor**2
+    def tokens(self, height: int, width: int, max_pixels: int | None = None) -> int: ...
+    def max_tokens(self, max_pixels: int | None = None) -> int: ...
+    def expansion(self, height: int, width: int, max_pixels: int | None = None) -> str: ...
+    def default_cap(self) -> tuple[int, str]: ...
+    def cap_why(self, cap: int) -> str: ...
+    def caps(self, ceiling: int) -> list[int]: ...
+    def with_cap(self, config: dict[str, Any], cap: int) -> dict[str, Any]: ...
+    def at_cap(self, cap: int) -> ImageArithmetic: ...
+    def process(self, processor, images: list, cap: int) -> tuple[dict[str, Any], list[int]]: ...
+    def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -89,14 +41,19 @@ class VisionFamily:
 
     model_type: str
     name: str  # for messages
-    image_token: str  # the placeholder the chat template renders once per image and the processor repeats
-    image_token_key: str  # the config key of its id
+    arithmetic: type  # its `ImageArithmetic`, built `from_preprocessor(preprocessor_config, config)`
+    # True: trained on images only when the data has them (Gemma-3 trains as text on text data, as before)
+    text_too: bool = False
+
+    def images(self, preprocessor: dict[str, Any], config: dict[str, Any] | None = None) -> ImageArithmetic:
+        """The checkpoint's image arithmetic, from its preprocessor_config.json and config.json dicts."""
+        return self.arithmetic.from_preprocessor(preprocessor, config or {})
 
 
-# model_type → family. Qwen2-VL shares the processor and the tokens (processing_qwen2_vl.py); only Qwen2.5-VL's
-# tower is described by the memory model (`lowmem_ft.memory.vision`), so Qwen2-VL is refused until it is.
+# model_type → family
 VISION_FAMILIES = {
-    "qwen2_5_vl": VisionFamily("qwen2_5_vl", "Qwen2.5-VL", "<|image_pad|>", "image_token_id"),
+    "qwen2_5_vl": VisionFamily("qwen2_5_vl", "Qwen2.5-VL", QwenVLImages),
+    "gemma3": VisionFamily("gemma3", "Gemma-3", Gemma3Images, text_too=True),
 }
 # the multimodal model_types transformers 5.24 knows, by family name, for the refusal
 KNOWN_VLMS = {
@@ -118,8 +75,3 @@ def vision_family(model_type: str, model: str = "") -> VisionFamily:
         f"model '{model}': lowmem-ft does not train {name} on images yet (vision-language training supports "
         f"{trained}); use a {trained} checkpoint"
     )
-
-
-def image_arithmetic(preprocessor: dict[str, Any]) -> QwenVLImages:
-    """The image-token arithmetic of a preprocessor_config.json."""
-    return QwenVLImages.from_preprocessor(preprocessor)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.vision.families import QwenVLImages, VisionFamily, image_arithmetic, vision_family
+from lowmem_ft.vision.families import ImageArithmetic, VisionFamily, vision_family
 from lowmem_ft.vision.images import BadImage, open_image
 
 
@@ -19,7 +19,7 @@ from lowmem_ft.vision.images import BadImage, open_image
 class ImagePrompt:
     tokenizer: Any
     family: VisionFamily
-    images: QwenVLImages
+    images: ImageArithmetic
     processor: Any
     paths: list[str]
 
@@ -34,7 +34,7 @@ class ImagePrompt:
         saved = Path(run.weights_dir) / "preprocessor_config.json"
         if not saved.is_file():
             raise UserError(f"--image: {run.weights_dir} has no preprocessor_config.json (not an image run)")
-        images = image_arithmetic(json.loads(saved.read_text(encoding="utf-8")))
+        images = family.images(json.loads(saved.read_text(encoding="utf-8")), config)
         checked = []
         for path in paths:
             try:
@@ -44,30 +44,29 @@ class ImagePrompt:
         return cls(tokenizer, family, images, AutoImageProcessor.from_pretrained(saved.parent), checked)
 
     def encode(self, messages: list[dict[str, Any]]):
-        """input_ids, attention_mask, pixel_values and image_grid_thw of the conversation with its images."""
+        """input_ids, attention_mask and the image inputs (`ImageArithmetic.process`) of the conversation."""
         import torch
 
         from lowmem_ft.vision.images import load_rgb
 
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        size = {"shortest_edge": self.images.min_pixels, "longest_edge": self.images.max_pixels}
-        pixels = self.processor(images=[load_rgb(p) for p in self.paths], size=size, return_tensors="pt")
-        counts = (pixels["image_grid_thw"].prod(-1) // self.images.merge_size**2).tolist()
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        pad = self.tokenizer.convert_tokens_to_ids(self.family.image_token)
-        expanded: list[int] = []
-        k = 0
-        for token in ids:
-            if token == pad and k < len(counts):
-                expanded += [pad] * counts[k]
-                k += 1
-            else:
-                expanded.append(token)
-        if k != len(counts):
-            raise UserError(f"--image: the chat template rendered {k} image placeholder(s) for {len(counts)} image(s)")
-        input_ids = torch.tensor([expanded])
-        return _Batch(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                      pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])  # fmt: skip
+        cap = self.images.max_pixels  # the saved preprocessor_config.json's: the cap the run trained at
+        inputs, counts = self.images.process(self.processor, [load_rgb(p) for p in self.paths], cap)
+        pieces = text.split(self.images.placeholder)
+        if len(pieces) - 1 != len(counts):
+            raise UserError(
+                f"--image: the chat template rendered {len(pieces) - 1} image placeholder(s) for {len(counts)} image(s)"
+            )
+        sizes = [open_image(p, Path.cwd()) for p in self.paths]
+        expanded = pieces[0] + "".join(
+            self.images.expansion(f.height, f.width, cap) + piece for f, piece in zip(sizes, pieces[1:], strict=True)
+        )
+        input_ids = torch.tensor([self.tokenizer(expanded, add_special_tokens=False)["input_ids"]])
+        image_id = self.tokenizer.convert_tokens_to_ids(self.images.image_token)
+        if int((input_ids == image_id).sum()) != sum(counts):  # the arithmetic and the processor disagree: a bug
+            raise RuntimeError(f"image processor made {counts} tokens per image, the prompt holds another count")
+        extra = self.images.text_inputs(input_ids, image_id)
+        return _Batch(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **extra, **inputs)
 
 
 class _Batch(dict):

@@ -2,10 +2,10 @@
 (`vision.max_pixels`) and why, the data and its collator. `plan`, `train` and `data` all ask `vision_of(recipe)`,
 so they agree on the cap and on every sample's image tokens.
 
-The cap: `vision.max_pixels` when the recipe sets it, else the smaller of the checkpoint's own
-(preprocessor_config.json; Qwen2.5-VL ships 12,845,056 pixels = 16,384 tokens per image) and `DEFAULT_MAX_PIXELS`,
-1280·28·28 — the cap Qwen's model card recommends ("min_pixels = 256*28*28, max_pixels = 1280*28*28", Qwen2.5-VL-7B-
-Instruct README). An image at the shipped cap can make one sample's logits alone 16,384 × 152,064 × 4 bytes = 9.3 GB
+The cap: `vision.max_pixels` when the recipe sets it, else the family's default (`ImageArithmetic.default_cap`):
+for Qwen-VL the smaller of the checkpoint's own (preprocessor_config.json; Qwen2.5-VL ships 12,845,056 pixels =
+16,384 tokens per image) and 1280·28·28, the cap Qwen's model card recommends (`lowmem_ft.vision.qwen_vl`); Gemma-3
+has none (every image is 256 tokens, `lowmem_ft.vision.gemma3`). An image at the shipped cap can make one sample's logits alone 16,384 × 152,064 × 4 bytes = 9.3 GB
 in fp32; at 1280 tokens they are 0.7 GB. The planner then sizes `memory.max_seq_len` from the data's lengths *with*
 their image tokens (`profile`); samples longer than it are dropped and counted, never cut inside an image.
 
@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.vision.families import KNOWN_VLMS, QwenVLImages, VisionFamily, image_arithmetic, vision_family
-
-DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+from lowmem_ft.vision.families import KNOWN_VLMS, VISION_FAMILIES, ImageArithmetic, VisionFamily, vision_family
 
 
 @dataclass(frozen=True)
 class VisionSetup:
     family: VisionFamily
-    images: QwenVLImages  # the checkpoint's processor, as numbers
+    images: ImageArithmetic  # the checkpoint's processor, as numbers
     max_pixels: int  # the cap this run resizes to
     why: str  # how the cap was chosen, for the plan and the banner
 
@@ -46,7 +44,7 @@ class VisionSetup:
                 "vision-language training reads one JSONL file of messages + images: pass --data FILE.jsonl"
             )
         return load_vision_data(
-            path, tokenizer, self.family, self.images, max_pixels=self.max_pixels,
+            path, tokenizer, self.images, max_pixels=self.max_pixels,
             max_seq_len=recipe.memory.max_seq_len if recipe.memory.max_seq_len else 1 << 30,
             skip_bad_lines=recipe.data.skip_bad_lines,
         )  # fmt: skip
@@ -94,19 +92,20 @@ class VisionSetup:
         """The banner's images line: images per sample, image tokens per sample and the cap (`prepare`'s summary)."""
         v = summary["vision"]
         n, t = v["images_per_sample"], v["image_tokens_per_sample"]
+        cap = (
+            f"≤ {self.max_tokens_per_image} tokens per image at vision.max_pixels {self.max_pixels}"
+            if len(self.images.caps(self.max_pixels)) > 1
+            else f"{self.max_tokens_per_image} tokens per image at most, fixed by the checkpoint"
+        )
         return (
             f"{n['p50']} per sample at p50 ({n['max']} at most), {t['p50']} image tokens per sample at p50 "
-            f"({t['max']} at most); ≤ {self.max_tokens_per_image} tokens per image at vision.max_pixels "
-            f"{self.max_pixels}"
+            f"({t['max']} at most); {cap}"
         )
 
     def save_preprocessor(self, recipe, directory: Path) -> None:
         """The checkpoint's preprocessor_config.json with this run's cap, beside the saved weights: what loads the
         image processor for them resizes images as training did."""
-        config = dict(_preprocessor(recipe.model.name_or_path))
-        config["max_pixels"] = self.max_pixels
-        if isinstance(config.get("size"), dict) and "longest_edge" in config["size"]:
-            config["size"] = {**config["size"], "longest_edge": self.max_pixels}
+        config = self.images.with_cap(_preprocessor(recipe.model.name_or_path), self.max_pixels)
         (Path(directory) / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n", "utf-8")
 
     def collator(self, recipe, tokenizer):
@@ -115,7 +114,9 @@ class VisionSetup:
         from lowmem_ft.vision.data import VisionCollator
 
         processor = AutoImageProcessor.from_pretrained(recipe.model.name_or_path)
-        return VisionCollator(processor, tokenizer.pad_token_id, self.images, self.max_pixels, files="image_files")
+        image_token_id = tokenizer.convert_tokens_to_ids(self.images.image_token)
+        return VisionCollator(processor, tokenizer.pad_token_id, self.images, self.max_pixels, files="image_files",
+                              image_token_id=image_token_id)  # fmt: skip
 
 
 def vision_lines(described: dict[str, Any]) -> list[str]:
@@ -132,15 +133,10 @@ def vision_lines(described: dict[str, Any]) -> list[str]:
     return lines
 
 
-# Caps the planner tries, in tokens per image (× factor² pixels: 784 on Qwen2.5-VL), largest first: the model card's
-# 1280 and steps down to 64 (Qwen's min_pixels is 4 tokens; below 64 tokens a photo's detail is mostly gone).
-CAP_TOKENS = (1280, 1024, 768, 512, 384, 256, 128, 64)
-
-
 def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
-    """The resolution cap the planner trains at, chosen with the plan: the largest of `CAP_TOKENS` (within the
-    checkpoint's own cap) at which the plan's `memory.max_seq_len` keeps every sample whole with its image tokens, else
-    the smallest. `plan(overrides, profile)` plans as `choose_recipe` does. Returns (overrides with
+    """The resolution cap the planner trains at, chosen with the plan: the largest of the family's caps
+    (`ImageArithmetic.caps`: Qwen-VL's `CAP_TOKENS` within the checkpoint's own cap; Gemma-3's one) at which the
+    plan's `memory.max_seq_len` keeps every sample whole with its image tokens, else the smallest. `plan(overrides, profile)` plans as `choose_recipe` does. Returns (overrides with
     vision.max_pixels set, the length profile at that cap, why); the overrides and None as they were for a text model,
     a recipe that sets vision.max_pixels, or no data."""
     from dataclasses import replace
@@ -151,15 +147,16 @@ def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
     if vision is None or start.vision.max_pixels or not start.data.path:
         return overrides, run_profile(start), None
     tokenizer = _tokenizer(start)
-    area = vision.images.factor**2
-    caps = [t * area for t in CAP_TOKENS if t * area <= vision.max_pixels] or [vision.max_pixels]
+    caps = vision.images.caps(vision.max_pixels)
     for i, cap in enumerate(caps):
         at_cap = replace(vision, max_pixels=cap)
         profile = at_cap.profile(replace(start, vision=replace(start.vision, max_pixels=cap)), tokenizer)
         chosen = merge(overrides, {"vision": {"max_pixels": cap}})
         recipe, _ = plan(chosen, profile)
         if recipe.memory.max_seq_len >= profile.max:
-            why = f"vision.max_pixels {cap} (≤ {at_cap.max_tokens_per_image} tokens per image)"
+            why = vision.images.cap_why(cap)
+            if len(caps) == 1:
+                return chosen, profile, vision.why
             if i:
                 larger = caps[i - 1]
                 why += (
@@ -169,11 +166,10 @@ def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
             else:
                 why += f": {vision.why.split(': ', 1)[-1]}; every sample fits whole"
             return chosen, profile, why
-    why = (
-        f"vision.max_pixels {cap} (≤ {at_cap.max_tokens_per_image} tokens per image), the smallest tried: samples "
-        f"longer than the plan's {recipe.memory.max_seq_len} tokens are dropped and counted"
-    )
-    return chosen, profile, why
+    dropped = f"samples longer than the plan's {recipe.memory.max_seq_len} tokens are dropped and counted"
+    if len(caps) == 1:
+        return chosen, profile, f"{vision.why}; {dropped}"
+    return chosen, profile, f"{vision.images.cap_why(cap)}, the smallest tried: {dropped}"
 
 
 def _tokenizer(recipe):
@@ -219,7 +215,8 @@ def _preprocessor(model: str) -> dict[str, Any]:
 
 def vision_of(recipe) -> VisionSetup | None:
     """The run's vision side when the recipe's model is a vision-language checkpoint lowmem-ft trains on images;
-    None for a text model. Any other VLM (but Gemma-3, trained as text) is one line naming its family."""
+    None for a text model, and for Gemma-3 on data without images (trained as text, as before). Any other VLM is one
+    line naming its family."""
     from lowmem_ft.memory.arch import load_config_dict
 
     model = recipe.model.name_or_path
@@ -228,21 +225,29 @@ def vision_of(recipe) -> VisionSetup | None:
     except UserError:  # a Hub id read from the cache while offline: the config transformers finds there, if any
         config = _cached_config(model, recipe.model.trust_remote_code)
     model_type = str(config.get("model_type", ""))
-    if model_type not in KNOWN_VLMS and model_type not in ("qwen2_5_vl",):
-        return None
-    if model_type == "gemma3":  # trained as text (its tower loaded, never run), as before
+    if model_type not in KNOWN_VLMS and model_type not in VISION_FAMILIES:
         return None
     family = vision_family(model_type, model)
-    images = image_arithmetic(_preprocessor(model))
+    if family.text_too and not _has_images(recipe.data.path):
+        return None
+    images = family.images(_preprocessor(model), config)
     asked = recipe.vision.max_pixels
     if asked:  # set by the user, or by the planner (`choose_cap`: the plan says why)
-        why = f"vision.max_pixels {asked} (≤ {images.max_tokens(asked)} tokens per image)"
-        return VisionSetup(family, images, asked, why)
-    cap = min(images.max_pixels, DEFAULT_MAX_PIXELS)
-    why = (
-        f"vision.max_pixels {cap} (≤ {images.max_tokens(cap)} tokens per image): the checkpoint's {images.max_pixels} "
-        f"would let one image become {images.max_tokens()} tokens"
-        if cap < images.max_pixels
-        else f"vision.max_pixels {cap}: the checkpoint's own (≤ {images.max_tokens(cap)} tokens per image)"
-    )
+        return VisionSetup(family, images, asked, images.cap_why(asked))
+    cap, why = images.default_cap()
     return VisionSetup(family, images, cap, why)
+
+
+def _has_images(path: str | None) -> bool:
+    """Whether a JSONL data file has a row with images (an `images` list, or one name)."""
+    if not path or not str(path).endswith(".jsonl") or not Path(path).is_file():
+        return False
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("images"):
+                return True
+    return False

@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL checkpoint (built once per session) and image-chat data in the shape users bring: a JSONL
+"""The tiny Qwen2.5-VL and Gemma-3 checkpoints (built once per session) and image-chat data in the shape users bring: a JSONL
 file with `messages` + `images`, the images in a folder beside it."""
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def qwen_vl(tmp_path_factory) -> str:
     from devkit.zoo import build
 
     return str(build("qwen2.5-vl", tmp_path_factory.mktemp("zoo") / "qwen2.5-vl"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_vl(tmp_path_factory) -> str:
+    from devkit.zoo import build
+
+    return str(build("gemma3-vision", tmp_path_factory.mktemp("zoo") / "gemma3-vision"))
 
 
 def write_images(folder: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.vision.data import VisionCollator, load_vision_data
-from lowmem_ft.vision.families import VISION_FAMILIES, QwenVLImages
+from lowmem_ft.vision.qwen_vl import QwenVLImages
 from tests.vision.conftest import ROWS, write_rows
 
 
@@ -21,7 +21,7 @@ def _load(model: str, path: Path, **kwargs):
     tokenizer = AutoTokenizer.from_pretrained(model)
     images = QwenVLImages.from_preprocessor(json.loads((Path(model) / "preprocessor_config.json").read_text()))
     args = {"max_pixels": images.max_pixels, "max_seq_len": 1024} | kwargs
-    return tokenizer, images, load_vision_data(path, tokenizer, VISION_FAMILIES["qwen2_5_vl"], images, **args)
+    return tokenizer, images, load_vision_data(path, tokenizer, images, **args)
 
 
 def _answers(messages: list[dict]) -> list[str]:

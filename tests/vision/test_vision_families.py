@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.vision.families import QwenVLImages, vision_family
+from lowmem_ft.vision.families import vision_family
+from lowmem_ft.vision.qwen_vl import QwenVLImages
 
 SIZES = [(48, 64), (480, 640), (1080, 1920), (28, 28), (10, 700), (3000, 4000), (57, 113)]
 
@@ -34,8 +35,8 @@ def test_tokens_per_image_are_the_processors(qwen_vl, max_pixels):
 
 
 def test_other_vlms_are_one_line_naming_their_family():
-    assert vision_family("qwen2_5_vl").image_token == "<|image_pad|>"
-    with pytest.raises(UserError, match=r"does not train Gemma-3 on images yet .* supports Qwen2.5-VL"):
-        vision_family("gemma3", "google/gemma-3-4b-it")
+    assert vision_family("qwen2_5_vl").name == "Qwen2.5-VL" and vision_family("gemma3").name == "Gemma-3"
+    with pytest.raises(UserError, match=r"does not train Qwen2-VL on images yet .* supports Qwen2.5-VL, Gemma-3"):
+        vision_family("qwen2_vl", "Qwen/Qwen2-VL-7B-Instruct")
     with pytest.raises(UserError, match=r"does not train model_type 'fancy_vlm' on images"):
         vision_family("fancy_vlm")
