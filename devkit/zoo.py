@@ -186,6 +186,18 @@ QWEN_VL_PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen2_5_VLProcessor",
 }
+# Qwen3-VL-8B-Instruct's preprocessor_config.json: 16×16 patches, 2×2 merged, 65,536 to 16,777,216 pixels (64 to
+# 16,384 tokens)
+QWEN3_VL_PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
 # google/gemma-3-4b-it's preprocessor_config.json (the same in gemma-3-12b-it / -27b-it): 896×896 per image, the
 # pan-and-scan keys null (Gemma3Processor's defaults: off). The zoo's copy resizes to its tiny tower's 28×28.
 GEMMA3_PREPROCESSOR = {
@@ -415,6 +427,74 @@ FAMILIES: dict[str, Family] = {
             lambda c, last: c + "<|im_end|>",
             image_tokens=QWEN_VL_IMAGE_TOKENS,
             preprocessor=QWEN_VL_PREPROCESSOR,
+            tags=("vision",),
+        ),
+        Family(
+            # Qwen2-VL-7B-Instruct: the same decoder and processor as Qwen2.5-VL's; its tower has LayerNorms, a plain
+            # fc1/fc2 MLP (embed_dim × mlp_ratio) and no window attention, and names its width `embed_dim`.
+            "qwen2-vl",
+            {
+                "model_type": "qwen2_vl",
+                "text_config": {
+                    "model_type": "qwen2_vl_text",
+                    **TINY,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 2688,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                },
+                "vision_config": {
+                    "model_type": "qwen2_vl_vision",
+                    "depth": 2,
+                    "embed_dim": 64,
+                    "mlp_ratio": 2,
+                    "num_heads": 2,
+                    "hidden_size": 64,
+                },
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            replace(QWEN_TOKENS, extra=(*QWEN_TOKENS.extra, *QWEN_VL_IMAGE_TOKENS.values())),
+            lambda: QWEN_VL,
+            "Qwen2-VL-7B-Instruct's chat_template.json (the same as Qwen2.5-VL's: devkit/zoo.py QWEN_VL)",
+            lambda c, last: c + "<|im_end|>",
+            image_tokens=QWEN_VL_IMAGE_TOKENS,
+            preprocessor={**QWEN_VL_PREPROCESSOR, "processor_class": "Qwen2VLProcessor"},
+            tags=("vision",),
+        ),
+        Family(
+            # Qwen3-VL-8B-Instruct: the qwen3 decoder (q/k norms, interleaved M-RoPE, deepstack features added to its
+            # first layers) beside a tower of 16×16 patches with learned position embeddings and deepstack mergers;
+            # its processor is Qwen2-VL's at patch 16 (32-pixel merged tokens, min 65,536 pixels). The zoo uses
+            # Qwen2.5-VL's template copy, which renders an image as the Hub's Qwen3-VL template does
+            # (<|vision_start|><|image_pad|><|vision_end|>) but lacks its tool and reasoning branches.
+            "qwen3-vl",
+            {
+                "model_type": "qwen3_vl",
+                "text_config": {
+                    "model_type": "qwen3_vl_text",
+                    **TINY,
+                    "num_key_value_heads": 2,
+                    "head_dim": 16,
+                    "vocab_size": 2688,
+                    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                },
+                "vision_config": {
+                    "model_type": "qwen3_vl",
+                    "depth": 2,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_heads": 2,
+                    "out_hidden_size": 64,
+                    "num_position_embeddings": 16,
+                    "deepstack_visual_indexes": [0, 1],
+                },
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            replace(QWEN_TOKENS, extra=(*QWEN_TOKENS.extra, *QWEN_VL_IMAGE_TOKENS.values())),
+            lambda: QWEN_VL,
+            "Qwen2.5-VL-7B-Instruct's chat_template.json (lowmem-ft's copy, devkit/zoo.py QWEN_VL)",
+            lambda c, last: c + "<|im_end|>",
+            image_tokens=QWEN_VL_IMAGE_TOKENS,
+            preprocessor=QWEN3_VL_PREPROCESSOR,
             tags=("vision",),
         ),
         Family(

@@ -28,7 +28,7 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
-from lowmem_ft.memory.vision import VisionTower, qwen2_5_vl_tower
+from lowmem_ft.memory.vision import VisionTower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,10 @@ NOT_CAUSAL_LM = {"mistral3", "llava", "llava_next", "llava_onevision", "qwen2_vl
                  "paligemma", "idefics3", "smolvlm", "aya_vision", "internvl", "glm4v", "cohere2_vision"}  # fmt: skip
 
 
+# model_type → its vision tower's count (`lowmem_ft.memory.vision`); the decoder is `<model_type>_text`
+QWEN_VL_TOWERS = {"qwen2_vl": qwen2_vl_tower, "qwen2_5_vl": qwen2_5_vl_tower, "qwen3_vl": qwen3_vl_tower}
+
+
 def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the text model's config, the tower fields) of a config.json that nests its text model in `text_config`.
 
@@ -291,15 +295,15 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
         text = {"model_type": "gemma3_text", **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
         hidden = int(_with_class_defaults(text)["hidden_size"])
         return text, _gemma3_tower({**SIGLIP_DEFAULTS, **(config.get("vision_config") or {})}, hidden)
-    if wrapper == "qwen2_5_vl":  # the Hub's config.json keeps the text fields at its top; transformers 5 nests them
+    if wrapper in QWEN_VL_TOWERS:  # Qwen2/2.5-VL's Hub config.json keeps the text fields at its top; Qwen3-VL nests
         text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")}, **text}
         text = {
             **text,
-            "model_type": "qwen2_5_vl_text",
+            "model_type": f"{wrapper}_text",
             "tie_word_embeddings": config.get("tie_word_embeddings", False),
         }
-        hidden = int(text["hidden_size"])
-        return text, qwen2_5_vl_tower(dict(config.get("vision_config") or {}), hidden)
+        hidden = int(_with_class_defaults(text)["hidden_size"])
+        return text, QWEN_VL_TOWERS[wrapper](dict(config.get("vision_config") or {}), hidden)
     if wrapper == "llama4":
         return {**text, "model_type": text.get("model_type", "llama4_text")}, {}
     if wrapper in NOT_CAUSAL_LM:

@@ -93,8 +93,15 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     # whole model (tests/memory/test_vision.py)
     "qwen2_5_vl_text": Family(block="llama", described=True, native=True, sliding="use_sliding_window",
                               qkv_bias_always=True, o_bias_key=""),
+    # Qwen2-VL's decoder (modeling_qwen2_vl.py Qwen2VLTextModel): the same Qwen2 block
+    "qwen2_vl_text": Family(block="llama", described=True, native=True, sliding="use_sliding_window",
+                            qkv_bias_always=True, o_bias_key=""),
     "qwen3": Family(**_LLAMA_CHECKED, native=True, chunked_loss_verified=True, sliding="use_sliding_window",
                     qk_norm="always", class_defaults=_HEAD_DIM_128),
+    # Qwen3-VL's decoder (modeling_qwen3_vl.py Qwen3VLTextModel): Qwen3's block (q/k norms, no biases), interleaved
+    # M-RoPE and the deepstack additions change no weight
+    "qwen3_vl_text": Family(block="llama", described=True, native=True, qk_norm="always",
+                            class_defaults=_HEAD_DIM_128),
     "gemma": Family(**_LLAMA_CHECKED, **_GEMMA, native=True, class_defaults={"head_dim": 256}),
     "gemma2": Family(**_LLAMA_CHECKED, **_GEMMA, native=True, chunked_loss_verified=True, norms_per_layer=4,
                      sliding="alternate",

@@ -52,7 +52,9 @@ class VisionFamily:
 
 # model_type → family
 VISION_FAMILIES = {
+    "qwen2_vl": VisionFamily("qwen2_vl", "Qwen2-VL", QwenVLImages),
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", "Qwen2.5-VL", QwenVLImages),
+    "qwen3_vl": VisionFamily("qwen3_vl", "Qwen3-VL", QwenVLImages),
     "gemma3": VisionFamily("gemma3", "Gemma-3", Gemma3Images, text_too=True),
 }
 # the multimodal model_types transformers 5.24 knows, by family name, for the refusal

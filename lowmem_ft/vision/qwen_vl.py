@@ -37,11 +37,14 @@ class QwenVLImages:
     channels: int = 3
     placeholder: str = "<|image_pad|>"  # what the chat template renders once per image
     image_token: str = "<|image_pad|>"  # what the image's features replace, repeated once per token
+    # the model takes `mm_token_type_ids` (1 at image tokens) for its M-RoPE positions and refuses images without
+    # them: Qwen2-VL and Qwen3-VL (modeling_qwen2_vl.py / modeling_qwen3_vl.py `get_rope_index`, transformers 5.24);
+    # Qwen2.5-VL's forward has no such input
+    token_types: bool = False
 
     @classmethod
     def from_preprocessor(cls, config: dict[str, Any], model_config: dict[str, Any] | None = None) -> QwenVLImages:
         """From a preprocessor_config.json dict (its `min_pixels` / `max_pixels`, or `size` in the newer form)."""
-        del model_config  # every number is the processor's
         size = config.get("size") or {}
         return cls(
             patch_size=int(config.get("patch_size", 14)),
@@ -49,6 +52,7 @@ class QwenVLImages:
             temporal_patch_size=int(config.get("temporal_patch_size", 2)),
             min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
             max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
+            token_types=(model_config or {}).get("model_type") in ("qwen2_vl", "qwen3_vl"),
         )
 
     @property
@@ -137,6 +141,6 @@ class QwenVLImages:
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}, made
 
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
-        """Inputs the model needs beside input_ids that follow from them: none (M-RoPE positions are the model's)."""
-        del input_ids, image_token_id
-        return {}
+        """Inputs the model needs beside input_ids that follow from them: Qwen2-VL's and Qwen3-VL's
+        mm_token_type_ids (the processor's `create_mm_token_type_ids`: 1 at the image tokens)."""
+        return {"mm_token_type_ids": (input_ids == image_token_id).int()} if self.token_types else {}

@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL and Gemma-3 checkpoints (built once per session) and image-chat data in the shape users bring: a JSONL
+"""The tiny vision-language checkpoints (built once per session) and image-chat data in the shape users bring: a JSONL
 file with `messages` + `images`, the images in a folder beside it."""
 
 from __future__ import annotations
@@ -49,6 +49,21 @@ def gemma3_vl(tmp_path_factory) -> str:
     from devkit.zoo import build
 
     return str(build("gemma3-vision", tmp_path_factory.mktemp("zoo") / "gemma3-vision"))
+
+
+@pytest.fixture(scope="session")
+def vl_checkpoint(tmp_path_factory):
+    """name → the tiny checkpoint directory of zoo family `name`, built once per session."""
+    from devkit.zoo import build
+
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build(name, tmp_path_factory.mktemp("zoo") / name))
+        return built[name]
+
+    return get
 
 
 def write_images(folder: Path) -> None:

@@ -36,7 +36,7 @@ def test_tokens_per_image_are_the_processors(qwen_vl, max_pixels):
 
 def test_other_vlms_are_one_line_naming_their_family():
     assert vision_family("qwen2_5_vl").name == "Qwen2.5-VL" and vision_family("gemma3").name == "Gemma-3"
-    with pytest.raises(UserError, match=r"does not train Qwen2-VL on images yet .* supports Qwen2.5-VL, Gemma-3"):
-        vision_family("qwen2_vl", "Qwen/Qwen2-VL-7B-Instruct")
+    with pytest.raises(UserError, match=r"does not train Llama-3.2-Vision on images yet .* supports Qwen2-VL, "):
+        vision_family("mllama", "meta-llama/Llama-3.2-11B-Vision-Instruct")
     with pytest.raises(UserError, match=r"does not train model_type 'fancy_vlm' on images"):
         vision_family("fancy_vlm")
