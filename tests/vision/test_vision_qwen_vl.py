@@ -124,3 +124,17 @@ def test_train_on_images_fits_its_prediction(vl_checkpoint, tmp_path, capsys, na
         and plan["vision"]["data"]["image_tokens_per_sample"] == per_sample
     )
     assert per_sample["max"] == (12 if name == "qwen2-vl" else 70 + 77)  # red + green: 2×2 + 2×4; 14×20/4 + 14×22/4
+
+
+@pytest.mark.parametrize(
+    ("model", "cap"), [("Qwen/Qwen2-VL-7B-Instruct", 1280 * 28 * 28), ("Qwen/Qwen3-VL-8B-Instruct", 1280 * 32 * 32)]
+)
+def test_plan_of_the_hub_checkpoint_offline_names_the_cap(capsys, model, cap):
+    """From the offline catalog's config.json and preprocessor_config.json: 1280 tokens per image, not the 16,384
+    the shipped max_pixels allows."""
+    from lowmem_ft.cli import main
+
+    assert main(["plan", "--vram", "24", "--model", model, "--json"]) == 0
+    vision = json.loads(capsys.readouterr().out)["vision"]
+    assert vision["max_pixels"] == cap and vision["max_tokens_per_image"] == 1280
+    assert "would let one image become 16384 tokens" in vision["why"]
