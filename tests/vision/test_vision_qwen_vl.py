@@ -92,7 +92,8 @@ def test_ids_labels_and_loss_are_the_plain_computation(vl_checkpoint, vlm_data, 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_train_on_images_fits_its_prediction(vl_checkpoint, tmp_path, capsys, name):
     """`train --vram 8` on image chats: the loss falls, the adapter is on the language model only, every training
-    phase's exact live bytes are within 8 % of the memory model, and `plan` names the image tokens per sample."""
+    phase's exact live bytes are within 8 % of the memory model, `generate --image` runs and encodes its prompt as
+    computed by hand, and `plan` names the image tokens per sample."""
     from lowmem_ft.cli import main
     from tests.vision.test_vision_train import _argv
 
@@ -116,6 +117,11 @@ def test_train_on_images_fits_its_prediction(vl_checkpoint, tmp_path, capsys, na
     for s in phases:
         assert abs(s["peak_live_gb"] / s["predicted_peak_live_gb"] - 1) <= 0.08, s
 
+    image = str(tmp_path / "img" / "green.jpg")
+    argv = ["generate", str(run), "--prompt", "What colour is it?", "--image", image, "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    _generate_encodes_as_by_hand(run, model, image)
+
     capsys.readouterr()
     assert main(["plan", "--vram", "8", "--model", model, "--data", str(data), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -124,6 +130,32 @@ def test_train_on_images_fits_its_prediction(vl_checkpoint, tmp_path, capsys, na
         and plan["vision"]["data"]["image_tokens_per_sample"] == per_sample
     )
     assert per_sample["max"] == (12 if name == "qwen2-vl" else 70 + 77)  # red + green: 2×2 + 2×4; 14×20/4 + 14×22/4
+
+
+def _generate_encodes_as_by_hand(run: Path, base: str, image: str) -> None:
+    """`generate --image`'s prompt (`ImagePrompt.encode`, the run's saved processor at its cap) = the template with
+    <|image_pad|> repeated grid_t·h·w / 4 times, mm_token_type_ids 1 exactly there, the processor's pixel values."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from lowmem_ft.vision.generate import ImagePrompt
+
+    tok = AutoTokenizer.from_pretrained(run / "adapter")
+    config = json.loads((Path(base) / "config.json").read_text())
+    saved = json.loads((run / "adapter" / "preprocessor_config.json").read_text())
+    family = VISION_FAMILIES[config["model_type"]]
+    processor = AutoImageProcessor.from_pretrained(run / "adapter")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    ours = ImagePrompt(tok, family, family.images(saved, config), processor, [image]).encode(messages)
+    pixels = processor(images=[np.asarray(Image.open(image).convert("RGB"))], return_tensors="pt")
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(pixels["image_grid_thw"][0].prod()) // 4))
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    torch.testing.assert_close(ours["input_ids"], ids)
+    torch.testing.assert_close(ours["mm_token_type_ids"], (ids == tok.convert_tokens_to_ids("<|image_pad|>")).int())
+    torch.testing.assert_close(ours["pixel_values"], pixels["pixel_values"])
 
 
 @pytest.mark.parametrize(
