@@ -28,7 +28,7 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
-from lowmem_ft.memory.vision import VisionTower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
+from lowmem_ft.memory.vision import VisionTower, gemma3_tower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -265,9 +265,6 @@ def unchecked_family(arch) -> str | None:
 
 
 # -- configs that nest the text model -------------------------------------------------------------------------------
-# transformers' SiglipVisionConfig defaults (configuration_siglip.py): Gemma-3's vision_config names only some keys.
-SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
-                   "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
 # Multimodal model_types whose text model sits in `text_config` and that AutoModelForCausalLM (what lowmem-ft's
 # loader calls) cannot build in transformers 5.24: "Unrecognized configuration class ... for AutoModelForCausalLM"
 # (checked with `AutoConfig.for_model(t)` → `AutoModelForCausalLM.from_config`).
@@ -283,9 +280,9 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
     """(the text model's config, the tower fields) of a config.json that nests its text model in `text_config`.
 
     What AutoModelForCausalLM loads decides: Gemma-3 (`gemma3`) → Gemma3ForConditionalGeneration, the text model
-    plus the SigLIP vision tower and projector, whose weights are counted (`_gemma3_tower`); the embeddings tie as
-    the top-level config says (modeling_utils.py reads `self.config.tie_word_embeddings`; Gemma3Config default
-    true). Llama-4 (`llama4`) → Llama4ForCausalLM, the text model alone (a mixture of experts: `_experts`). Anything
+    plus the SigLIP vision tower and projector, whose weights are counted (`memory.vision.gemma3_tower`); the
+    embeddings tie as the top-level config says (modeling_utils.py reads `self.config.tie_word_embeddings`;
+    Gemma3Config default true). Llama-4 (`llama4`) → Llama4ForCausalLM, the text model alone (a mixture of experts: `_experts`). Anything
     else is refused: the memory model cannot describe what would be loaded.
     """
     wrapper = str(config.get("model_type", ""))
@@ -294,7 +291,7 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
     if wrapper == "gemma3":
         text = {"model_type": "gemma3_text", **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
         hidden = int(_with_class_defaults(text)["hidden_size"])
-        return text, _gemma3_tower({**SIGLIP_DEFAULTS, **(config.get("vision_config") or {})}, hidden)
+        return text, gemma3_tower(dict(config.get("vision_config") or {}), hidden)
     if wrapper in QWEN_VL_TOWERS:  # Qwen2/2.5-VL's Hub config.json keeps the text fields at its top; Qwen3-VL nests
         text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")}, **text}
         text = {
@@ -319,27 +316,6 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
         f"{model}: model_type {wrapper!r} is a multimodal checkpoint lowmem-ft cannot plan ({why}); "
         "fine-tune a text-only checkpoint of the model"
     )
-
-
-def _gemma3_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
-    """Gemma-3's vision weights, loaded with the text model and never run by text training: a SigLIP vision model
-    (modeling_siglip.py: a patch Conv2d with bias, position embeddings, layers of LayerNorm → q/k/v/out_proj →
-    LayerNorm → fc1/fc2, all with biases, a post LayerNorm, and the attention-pooling head when `vision_use_head`)
-    and Gemma3MultiModalProjector (a vision × text `mm_input_projection_weight` and an RMSNorm of vision width)."""
-    h, inter, layers = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["num_hidden_layers"])
-    patch, channels = int(vision["patch_size"]), int(vision["num_channels"])
-    patches = (int(vision["image_size"]) // patch) ** 2
-    attention = [Linear(n, h, h, True) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
-    mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]
-    linears = (attention + mlp) * layers
-    norms = (2 * layers + 1) * 2 * h  # layer_norm1/2 per layer, post_layernorm: LayerNorm weight and bias
-    params = channels * patch * patch * h + h + patches * h + sum(lin.params for lin in linears) + norms
-    if vision.get("vision_use_head", True):  # SiglipMultiheadAttentionPoolingHead: probe, nn.MultiheadAttention
-        head_mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]  # (its out_proj a Linear too)
-        linears += (Linear("out_proj", h, h, True), *head_mlp)
-        params += h + 3 * h * h + 3 * h + sum(lin.params for lin in linears[-3:]) + 2 * h
-    params += h * text_hidden + h  # the projector
-    return {"tower_params": params, "tower_linears": tuple(linears)}
 
 
 # -- mixtures of experts ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The vision tower of a vision-language model, for the memory model: its weights, and what running it frozen
 leaves alive. Pure arithmetic over config.json (no torch). Qwen2-VL's and Qwen3-VL's towers are variants of the one
-below (`qwen2_vl_tower`, `qwen3_vl_tower`).
+below (`qwen2_vl_tower`, `qwen3_vl_tower`); Gemma-3's SigLIP tower and projector are counted by `gemma3_tower`.
 
 Qwen2.5-VL (modeling_qwen2_5_vl.py, transformers 5.24): `model.visual` is a Conv3d patch embedding without bias
 (channels × temporal_patch × patch² → hidden), `depth` blocks of RMSNorm → qkv (hidden → 3·hidden, bias) → proj
@@ -145,3 +145,31 @@ def qwen3_vl_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
         deepstack=len(vision.get("deepstack_visual_indexes", (8, 16, 24))),
     )
     return {"tower_params": tower.params, "tower_linears": tower.linears, "vision": tower}
+
+
+# transformers' SiglipVisionConfig defaults (configuration_siglip.py): Gemma-3's vision_config names only some keys.
+SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
+                   "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
+
+
+def gemma3_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """Gemma-3's vision weights, loaded with the text model: run frozen when it trains on images (no graph, as
+    Qwen2.5-VL's above), never run by text training. A SigLIP vision model
+    (modeling_siglip.py: a patch Conv2d with bias, position embeddings, layers of LayerNorm → q/k/v/out_proj →
+    LayerNorm → fc1/fc2, all with biases, a post LayerNorm, and the attention-pooling head when `vision_use_head`)
+    and Gemma3MultiModalProjector (a vision × text `mm_input_projection_weight` and an RMSNorm of vision width)."""
+    vision = {**SIGLIP_DEFAULTS, **vision}
+    h, inter, layers = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["num_hidden_layers"])
+    patch, channels = int(vision["patch_size"]), int(vision["num_channels"])
+    patches = (int(vision["image_size"]) // patch) ** 2
+    attention = [Linear(n, h, h, True) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]
+    linears = (attention + mlp) * layers
+    norms = (2 * layers + 1) * 2 * h  # layer_norm1/2 per layer, post_layernorm: LayerNorm weight and bias
+    params = channels * patch * patch * h + h + patches * h + sum(lin.params for lin in linears) + norms
+    if vision.get("vision_use_head", True):  # SiglipMultiheadAttentionPoolingHead: probe, nn.MultiheadAttention
+        head_mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]  # (its out_proj a Linear too)
+        linears += (Linear("out_proj", h, h, True), *head_mlp)
+        params += h + 3 * h * h + 3 * h + sum(lin.params for lin in linears[-3:]) + 2 * h
+    params += h * text_hidden + h  # the projector
+    return {"tower_params": params, "tower_linears": tuple(linears)}
