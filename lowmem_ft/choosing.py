@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lowmem_ft import calibrated
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup, estimate
 from lowmem_ft.memory.host import host_over
@@ -362,7 +363,8 @@ def target_for(vram_gb: float, recipe: Recipe, gpus: int = 1, nodes: int = 1) ->
             f"nothing is left to train in; the smallest sensible --vram is {smallest:g} (margin + "
             f"{CUDA_CONTEXT_BYTES / GB:g} GB CUDA context)"
         )
-    return Target(vram_gb, margin, gpus, checked_host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes)
+    added, said = calibrated.for_this_device()  # this GPU's calibration: only ever added to the margin
+    return Target(vram_gb, margin, gpus, checked_host_ram_gb(recipe), recipe.memory.host_margin_gb, nodes, added, said)
 
 
 def checked_host_ram_gb(recipe: Recipe) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +93,17 @@ TEST_HOST_RAM_GB = 512.0
 @pytest.fixture(autouse=True)
 def _a_fixed_host_ram(monkeypatch):
     monkeypatch.setattr("lowmem_ft.choosing.detected_host_ram_gb", lambda: TEST_HOST_RAM_GB)
+
+
+# This GPU's calibration (`lowmem_ft.calibrated`) is read from a directory that does not exist (a test that records
+# one points it at its own tmp_path): a developer's real calibration in ~/.cache would move every plan a test checks
+# on a GPU machine.
+_CALIBRATIONS = Path(tempfile.gettempdir()) / "lowmem-ft-tests-no-calibration" / str(os.getpid())
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration_of_the_machine(monkeypatch):
+    monkeypatch.setattr("lowmem_ft.calibrated.calibration_dir", lambda: _CALIBRATIONS)
 
 
 @pytest.fixture(autouse=True)

@@ -161,7 +161,10 @@ def print_plan(result, r) -> None:
     if (startup := est.startup_peak_gb) is not None:  # adapter.init pissa / olora: a moment before step 1
         over = " — OVER THE BUDGET" if startup > result.budget_gb else ""
         table.add_row("start-up peak", f"{startup:.2f}", f"once, at adapter.init; the step's peak is unchanged{over}")
-    table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", f"margin {result.margin_gb:g} GB")
+    margin = f"margin {result.margin_gb:g} GB" + (
+        f" + {c:.2f} GB calibrated" if (c := result.target.calibration_gb) else ""
+    )
+    table.add_row("budget (VRAM − margin)", f"{result.budget_gb:.2f}", margin)
     table.add_row("headroom", f"{result.headroom_gb:.2f}", "fits" if result.headroom_gb >= 0 else "DOES NOT FIT")
     host = [c for c in est.components if c.phase == "host" and c.bytes > 0]
     if host:

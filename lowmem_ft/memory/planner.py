@@ -123,6 +123,12 @@ class Plan:
     share: DeviceShare | None = None  # the per-device split of the model states (gpus > 1)
     changeable: frozenset[str] = frozenset()  # the knobs the planner was allowed to change
 
+    def __post_init__(self):  # a calibration of this GPU (or why a stale one is ignored) is a reason of every plan
+        if (t := self.target).calibration and "safety_margin_gb" not in self.reasons:
+            added = f" + {t.calibration_gb:.2f} GB" if t.calibration_gb else ""
+            why = f"{t.margin_gb:g} GB (memory.safety_margin_gb){added}; {t.calibration}"
+            object.__setattr__(self, "reasons", {**self.reasons, "safety_margin_gb": why})
+
     @property
     def vram_gb(self) -> float:
         return self.target.vram_gb
@@ -162,7 +168,7 @@ class Plan:
         if self.headroom_gb < 0:
             why.append(
                 f"predicted peak {self.estimate.peak_gb:.2f} GB over the budget of {self.budget_gb:.2f} GB "
-                f"(--vram {self.vram_gb:g} − margin {self.margin_gb:g})"
+                f"(--vram {self.vram_gb:g} − margin {self.margin_gb + self.target.calibration_gb:g})"
             )
         if not self.host_fits:
             why.append(host_over(self.estimate, self.target))

@@ -13,7 +13,8 @@ The rooms (tests/test_imports.py holds what each may import):
   the memory policy (`guard`, `early`), whole-or-absent checkpoints (`checkpoints`), stopping on a signal
   (`interrupt`).
 - `observe/` — what a run shows: the memory monitor (`monitor`), the progress and done lines (`progress`), the
-  `banner`, the trackers (`tracking`), the whole run's `totals`. Observers observe; the guard decides.
+  `banner`, the trackers (`tracking`), the whole run's `totals`, and what a GPU run's first steps teach about the
+  device (`calibrating`, into `lowmem_ft.calibrated`). Observers observe; the guard decides.
 - `savers/` — long-context memory savers applied to a built model (`apply`): token `tiles`, recomputed LoRA
   (`lora_recompute`), input embeddings in host memory (`host_embeddings`).
 - `measure/` — the yardsticks of the memory model: exact peak bytes (`peak`), a CPU run's exact memory beside its

@@ -215,6 +215,32 @@ class FineTune:
         self.guard = MemoryGuard(m.micro_batch_size, m.gradient_accumulation, m.gradient_checkpointing,
                                  eval_batch_size(self.recipe), recorder=self.monitor, target=self.target)  # fmt: skip
         self.monitor.watch(self.guard.watch)
+        if not cpu and self.is_main and self.args.world_size == 1:
+            self._watch_calibration()
+
+    def _watch_calibration(self) -> None:
+        """On a GPU: the first steps' peaks beside the prediction, recorded as this GPU's calibration, which later
+        plans and runs on it add to their margin (`observe.calibrating`, `lowmem_ft.calibrated`)."""
+        from lowmem_ft.calibrated import this_device
+        from lowmem_ft.choosing import setup_from_recipe
+        from lowmem_ft.memory.arch import load_architecture
+        from lowmem_ft.memory.estimate import estimate
+        from lowmem_ft.train.observe.calibrating import STEPS, CalibrationRecorder
+
+        key = this_device()
+        if key is None:  # a GPU NVML does not see (another vendor's): no device to key a calibration by
+            return
+        r, plan = self.recipe, self.choice.plan
+        # a resumed run or a recipe without --vram has no plan of its own: the same prediction, made here
+        est = plan.estimate if plan is not None else estimate(load_architecture(r.model.name_or_path,
+                                                                                r.model.trust_remote_code),
+                                                              setup_from_recipe(r))  # fmt: skip
+        what = {"model": r.model.name_or_path, "quantization": r.model.quantization, "adapter": r.adapter.kind,
+                "micro_batch_size": r.memory.micro_batch_size, "max_seq_len": r.memory.max_seq_len,
+                "gradient_checkpointing": r.memory.gradient_checkpointing,
+                "vram_gb": self.target.vram_gb if self.target is not None else None}  # fmt: skip
+        steps = min(STEPS, self.args.max_steps) if self.args.max_steps > 0 else STEPS
+        self.monitor.watch(CalibrationRecorder(key, est, what, steps).watch)
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train.losses import install_loss_head

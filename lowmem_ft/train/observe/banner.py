@@ -93,6 +93,8 @@ class RunView:
             f"  savers   {', '.join(savers_on(r)) or 'none'}",
             f"  memory   {self._memory()}",
         ]
+        if self.choice.target is not None and self.choice.target.calibration:  # used, or why a stale one is not
+            out.append(f"  margin   {self.choice.target.calibration}")
         if self.images:
             out.insert(4, f"  images   {self.images}")
         host = self._host()
@@ -127,7 +129,8 @@ class RunView:
             return "not planned (no --vram): the recipe as given, the guard steps down if memory runs out"
         t = c.target
         per = " per device" if t.gpus > 1 else ""
-        budget = f"the {t.budget_gb:.2f} GB budget{per} ({t.vram_gb:g} GB − {t.margin_gb:g} GB margin)"
+        calibrated = f" − {t.calibration_gb:.2f} GB calibrated" if t.calibration_gb else ""
+        budget = f"the {t.budget_gb:.2f} GB budget{per} ({t.vram_gb:g} GB − {t.margin_gb:g} GB margin{calibrated})"
         if c.predicted_peak_gb is None:
             return f"no prediction against {budget}"
         verdict = "fits" if c.predicted_peak_gb <= t.budget_gb else "OVER the budget: the guard steps down"

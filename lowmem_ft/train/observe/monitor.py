@@ -5,8 +5,9 @@ evaluation and each checkpoint save — and reset the CUDA peak counter at every
 is the highest allocation *since the previous sample*: the phase that peaked is known, not guessed.
 
 Figures in decimal GB (1e9 bytes, as `--vram 24` and the memory model speak; every `*_gb` key in memory.jsonl):
-- `allocated_gb`, `reserved_gb`, `peak_gb`: torch's caching allocator (`torch.cuda.memory_allocated`,
-  `memory_reserved`, `max_memory_allocated`); `fragmentation_gb` = reserved − allocated.
+- `allocated_gb`, `reserved_gb`, `peak_gb`, `peak_reserved_gb`: torch's caching allocator
+  (`torch.cuda.memory_allocated`, `memory_reserved`, `max_memory_allocated`, `max_memory_reserved`);
+  `fragmentation_gb` = reserved − allocated.
 - `device_used_gb`, `device_total_gb`: NVML, which also sees the CUDA context, other processes and memory torch's
   allocator does not own (bitsandbytes' paged optimizer states live in CUDA unified memory).
 - `rss_gb`: host resident set size (psutil) — the only figure without CUDA, so the same code runs on the CPU.
@@ -97,11 +98,13 @@ class MemoryReader:
             allocated = cuda.memory_allocated(self.device)
             reserved = cuda.memory_reserved(self.device)
             peak = cuda.max_memory_allocated(self.device)
+            peak_reserved = cuda.max_memory_reserved(self.device)
             cuda.reset_peak_memory_stats(self.device)
             out |= {
                 "allocated_gb": allocated / GB,
                 "reserved_gb": reserved / GB,
                 "peak_gb": max(peak, allocated) / GB,
+                "peak_reserved_gb": max(peak_reserved, reserved) / GB,
                 "fragmentation_gb": (reserved - allocated) / GB,
             }
             if self._nvml is not None:
