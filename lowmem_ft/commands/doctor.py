@@ -42,6 +42,12 @@ def add_parser(sub) -> None:
     p.add_argument("--output-dir", default="runs", help="where runs will be written, for the disk check (default runs)")
     p.add_argument("--require-gpu", action="store_true", help="count a missing CUDA GPU as a failure")
     p.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this GPU's CUDA context, cuBLAS workspaces and allocator (under a minute, no training) and "
+        "record the calibration plan and train add to their safety margin on it; needs a CUDA GPU",
+    )
     p.set_defaults(func=run)
 
 
@@ -273,7 +279,41 @@ def _print_table(checks: list[Check]) -> None:
     rich_console().print(table)
 
 
+def calibrate(as_json: bool = False) -> int:
+    """`doctor --calibrate`: measure this GPU's overheads (`lowmem_ft.train.measure.cuda_overheads`), record them
+    (`lowmem_ft.calibrated`) and print each term measured beside the model's, and what plans here now add."""
+    import torch
+
+    from lowmem_ft.calibrated import GB, TERMS, load, record, this_device
+    from lowmem_ft.errors import UserError
+    from lowmem_ft.train.measure.cuda_overheads import measurement_of, read
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU visible"
+        raise UserError(f"doctor --calibrate measures a CUDA GPU and there is none here ({build}); run it on the GPU")
+    key = this_device()
+    if key is None:
+        raise UserError("doctor --calibrate: NVML does not see the GPU torch uses (calibrations are kept by its NVML "
+                        "name and driver); check nvidia-smi and CUDA_VISIBLE_DEVICES")  # fmt: skip
+    m = measurement_of(read())
+    path = record(key, m)
+    calibration, line = load(key)
+    if as_json:
+        print(json.dumps({"device": asdict(key), "file": str(path), "measured": m.measured, "model": m.model,
+                          "added_gb": calibration.added_gb if calibration else 0.0, "line": line}, indent=2))  # fmt: skip
+        return 0
+    print(f"calibration of {key.device} (driver {key.driver}, torch {key.torch}, CUDA {key.cuda}):")
+    for term in TERMS:
+        got, model = m.measured[term], m.model[term]
+        print(f"  {term:24} measured {got / GB:6.3f} GB   model {model / GB:6.3f} GB   {(got - model) / GB:+.3f} GB")
+    print(f"recorded in {path}")
+    print(line)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return calibrate(args.json)
     checks = run_checks(args.output_dir, args.require_gpu)
     failed = [c for c in checks if c.status == FAIL]
     if args.json:

@@ -18,7 +18,8 @@ The rooms (tests/test_imports.py holds what each may import):
 - `savers/` — long-context memory savers applied to a built model (`apply`): token `tiles`, recomputed LoRA
   (`lora_recompute`), input embeddings in host memory (`host_embeddings`).
 - `measure/` — the yardsticks of the memory model: exact peak bytes (`peak`), a CPU run's exact memory beside its
-  prediction (`exact`), the CUDA caching allocator replayed (`allocator`). They know the memory model, not the trainer.
+  prediction (`exact`), the CUDA caching allocator replayed (`allocator`), a GPU's context, workspaces and allocator
+  measured without training (`cuda_overheads`, `doctor --calibrate`). They know the memory model, not the trainer.
 - `trace/` — the real step at full size without weights (`step`), fewer layers extrapolated (`layers`), `--verify`
   against the plan (`verify`).
 - `distributed/` — several processes: the launch (`launch`) and the ranks of one run (`ranks`).

@@ -90,3 +90,45 @@ def test_doctor_names_the_checked_versions_and_warns_when_installed_differ(monke
     check = doctor.check_versions()
     assert check.status == doctor.WARN and "transformers" in check.detail and "(checked 5.0.0)" in check.detail
     assert "plan --verify" in check.fix
+
+
+def test_calibrate_without_cuda_says_so_in_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: --calibrate measures it")
+    assert main(["doctor", "--calibrate"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "doctor --calibrate measures a CUDA GPU and there is none here" in err
+
+
+def test_calibrate_records_what_the_device_measured(monkeypatch, capsys, tmp_path):
+    """On a simulated device, with the readings a GPU gave: each term beside the model's, recorded where the next
+    `plan` reads it. (The readings themselves need a GPU: `lowmem_ft.train.measure.cuda_overheads.read`, run by the
+    GPU kit.)"""
+    from devkit.simulated_gpu import SimulatedGPU
+    from lowmem_ft import calibrated
+    from lowmem_ft.memory.calibration import ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+    from lowmem_ft.train.measure import cuda_overheads
+
+    monkeypatch.setattr("lowmem_ft.calibrated.calibration_dir", lambda: tmp_path)
+    SimulatedGPU(name="NVIDIA H100 80GB HBM3").install(monkeypatch)
+    readings = cuda_overheads.Readings(used=int(2.1e9), reserved=int(1.5e9), workspace=8 * 2**20,
+                                       reserved_peak=int(1.5e9), allocated_peak=int(1.2e9), step_start=int(0.7e9))  # fmt: skip
+    monkeypatch.setattr(cuda_overheads, "read", lambda: readings)
+    assert main(["doctor", "--calibrate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured"] == {
+        "CUDA context": 0.6e9,
+        "cuBLAS workspaces": 8 * 2**20,
+        "reserved over allocated": 0.3e9,
+    }
+    assert report["model"]["reserved over allocated"] == pytest.approx(ALLOCATOR_FRACTION * 0.5e9)
+    # added: the context over the model's and the allocator's excess; the workspace measured below the model's
+    assert CUBLAS_WORKSPACE_BYTES > 8 * 2**20
+    added = (0.6e9 - CUDA_CONTEXT_BYTES) + (0.3e9 - ALLOCATOR_FRACTION * 0.5e9)
+    assert report["added_gb"] == pytest.approx(added / 1e9)
+    assert calibrated.for_this_device()[0] == pytest.approx(added / 1e9, abs=1e-3)
+    assert report["file"] == str(tmp_path / "nvidia-h100-80gb-hbm3.json")
+    assert main(["doctor", "--calibrate"]) == 0  # the table form; a second measurement is kept beside the first
+    out = capsys.readouterr().out
+    assert "reserved over allocated" in out and "2 measurements" in " ".join(out.split())
