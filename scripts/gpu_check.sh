@@ -3,9 +3,10 @@
 # kit here (python -m devkit.gpu.kit), then call the device tool once:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpukit"], timeout_s=600)
 # It installs the carried wheels, runs every step under a 450 s deadline (devkit/gpu/check.py) and leaves in $OUT:
-# results.jsonl, estimator_gpu.md, runs.tar, gpu_check.log, nvidia-smi.txt. Here, every step at toy sizes on the CPU:
+# results.jsonl, estimator_gpu.md, runs.tar, calibration.json, gpu_check.log, nvidia-smi.txt. Here, every step at
+# toy sizes on the CPU:
 #   bash scripts/gpu_check.sh --cpu-smoke [--out DIR]
-# Other options go to `python -m devkit.gpu.check run` (--deadline S, --only probe,points,train,context).
+# Other options go to `python -m devkit.gpu.check run` (--deadline S, --only probe,points,train,context,calibrate).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export GPU_CHECK_T0=${GPU_CHECK_T0:-$(date +%s)}

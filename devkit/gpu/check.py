@@ -21,6 +21,9 @@ before it; each child appends its result as one JSON line to `$OUT/results.jsonl
   sampler's); measured peaks against the run's plan.json.
 - `context`: the planner's longest trainable context at 24 GB for Llama-3.1-8B (`planner_longest_context`), at most
   `CONTEXT_LIMIT` tokens, one optimizer step of `lowmem-ft train` at that length.
+- `calibrate`: `lowmem-ft doctor --calibrate` (`devkit.gpu.calibration`), last, so the steps above measure the memory
+  model uncalibrated; then every calibration the call recorded (the doctor's and the train run's own, as any GPU run
+  records one) is copied to `$OUT/calibration.json` and printed.
 
 Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times; each is a
 setting, `devkit.gpu.settings`): install ~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a
@@ -583,6 +586,11 @@ class Check:
                 self.run_points(name, model_dir, params_b)
             shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if "calibrate" in self.only:  # last: the grid above is the memory model alone, uncalibrated
+            self.child("calibrate", ["calibrate", "--results", str(self.results)], SETTINGS.calibrate.seconds())
+        from devkit.gpu.calibration import summary
+
+        print(summary(self.out), flush=True)  # the doctor's and the train run's measurements of this GPU
         print(self.report(), flush=True)
         return 0
 
@@ -726,11 +734,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cpu-smoke", action="store_true")
     r.add_argument("--deadline", type=float, default=SETTINGS.deadline_s,
                    help=f"seconds from $GPU_CHECK_T0 (default {SETTINGS.deadline_s:g}, LOWMEM_GPU_DEADLINE_S)")  # fmt: skip
-    r.add_argument("--only", default="probe,points,train,context", help="steps to run (comma-separated)")
+    r.add_argument("--only", default="probe,points,train,context,calibrate", help="steps to run (comma-separated)")
     r.add_argument("--models", default=",".join(MODELS), help="catalog ids, in run order (default: all four)")
     p = sub.add_parser("probe")
     p.add_argument("--results", required=True)
     p.add_argument("--smoke", action="store_true")
+    sub.add_parser("calibrate").add_argument("--results", required=True)
     c = sub.add_parser("checkpoint")
     for x in (c, pt := sub.add_parser("point")):
         x.add_argument("--results", required=True)
@@ -757,6 +766,10 @@ def main(argv: list[str] | None = None) -> int:
         return Check(out, args.cpu_smoke, args.deadline, t0, only, args.models.split(",")).run()
     if args.step == "probe":
         return probe(Path(args.results), args.smoke)
+    if args.step == "calibrate":
+        from devkit.gpu.calibration import calibrate
+
+        return calibrate(Path(args.results))
     elif args.step == "checkpoint":
         import torch
 

@@ -42,6 +42,7 @@ class GpuSettings:
     point: StepTime = StepTime(15, 1.5)
     train: StepTime = StepTime(40, 3)
     context: StepTime = StepTime(40, 4)
+    calibrate: StepTime = StepTime(30)  # doctor --calibrate: imports, CUDA start-up, a small Llama's six steps
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> GpuSettings:

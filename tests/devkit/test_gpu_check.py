@@ -92,6 +92,9 @@ def test_cpu_smoke_runs_every_step_end_to_end(tmp_path):
     assert context["plan"]["setup"]["max_seq_len"] == gpu_check.SMOKE_CONTEXT_LIMIT
     with tarfile.open(out / "runs.tar") as archive:
         assert {"train/plan.json", "train/memory.jsonl", "context/plan.json"} <= set(archive.getnames())
+    calibration = next(r for r in records if r["kind"] == "calibration")  # no CUDA here: said, not failed
+    assert "doctor --calibrate measures a CUDA GPU and there is none here" in calibration["error"]
+    assert "calibration: none recorded" in run.stdout and not (out / "calibration.json").exists()
     report = (out / "estimator_gpu.md").read_text()
     assert "CPU smoke run — NOT GPU figures" in report
     assert report.count("| tiny-qwen2 |") == 6  # harness and per-phase rows

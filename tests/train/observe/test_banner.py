@@ -52,6 +52,22 @@ def test_other_methods_devices_and_unplanned_runs_read_alike():
     assert "nothing offloaded to host memory; host budget 26.0 GB (30.0 GB available − 4 GB margin)" in text
 
 
+def test_a_calibrated_gpu_is_said_under_the_memory_line():
+    """The calibration's line (`lowmem_ft.calibrated`) and what it took from the budget; a stale one is said too."""
+    said = "calibrated on this GPU: +0.41 GB reserved over allocated (NVIDIA H100 80GB HBM3, 2 measurements)"
+    choice = Choice("plan", "8gb", "org/model", Target(8, 0.75, calibration_gb=0.41, calibration=said),
+                    predicted_peak_gb=6.4, fits=True)  # fmt: skip
+    lines = RunView("sft", _recipe(), choice, 1, 2).lines()
+    memory = lines.index(next(line for line in lines if line.startswith("  memory")))
+    assert "of the 6.84 GB budget (8 GB − 0.75 GB margin − 0.41 GB calibrated): fits" in lines[memory]
+    assert lines[memory + 1] == f"  margin   {said}"
+    stale = Choice("plan", "8gb", "org/model", Target(8, 0.75, calibration="the calibration of this GPU is ignored"))
+    assert "  margin   the calibration of this GPU is ignored" in RunView("sft", _recipe(), stale, 1, 2).lines()
+    assert not any(
+        line.startswith("  margin") for line in RunView("sft", _recipe(), Choice("recipe", "x", "m"), 1, 2).lines()
+    )
+
+
 def test_counts_and_savers():
     assert (count(7_615_616_512), count(20_185_088), count(16_384), count(999)) == ("7.62B", "20.19M", "16.38K", "999")
     assert savers_on(_recipe("memory.gradient_checkpointing=false", "optimizer.name=adamw_torch")) == []

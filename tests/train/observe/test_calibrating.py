@@ -151,3 +151,12 @@ def test_without_a_gpu_there_is_nothing_to_calibrate(cache, monkeypatch, capsys)
     monkeypatch.setattr("lowmem_ft.calibrated.this_device", lambda: None)
     assert calibrated.for_this_device() == (0.0, "")
     assert "calibration_gb" not in plan_json(capsys)
+
+
+def test_the_target_takes_a_calibration_only_as_an_addition():
+    from lowmem_ft.memory.target import Target
+
+    t = Target(24, 1.5, calibration_gb=0.41, calibration="calibrated on this GPU: +0.41 GB CUDA context")
+    assert t.budget_gb == pytest.approx(22.09) and Target.from_dict(t.to_dict()) == t  # run.json keeps it
+    with pytest.raises(ValueError, match="would lower the safety margin"):
+        Target(24, 1.5, calibration_gb=-0.2)
