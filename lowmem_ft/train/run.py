@@ -240,7 +240,8 @@ class FineTune:
                 "gradient_checkpointing": r.memory.gradient_checkpointing,
                 "vram_gb": self.target.vram_gb if self.target is not None else None}  # fmt: skip
         steps = min(STEPS, self.args.max_steps) if self.args.max_steps > 0 else STEPS
-        self.monitor.watch(CalibrationRecorder(key, est, what, steps).watch)
+        recorder = CalibrationRecorder(key, est, what, steps, context=self.checkpoint is None)
+        self.monitor.watch(recorder.watch)
 
     def _setup_trainer(self) -> None:
         from lowmem_ft.train.losses import install_loss_head

@@ -44,10 +44,14 @@ class CalibrationRecorder:
         estimate: the run's prediction (CUDA form: its components carry the device overheads).
         plan: what the run was, for the record (model, adapter, batch, length, VRAM target).
         steps: optimizer steps to measure; fewer when the run is shorter.
+        context: measure the CUDA context; False for a resumed run, whose optimizer states are loaded before its
+            first sample (bitsandbytes' paged states would count as context).
     """
 
-    def __init__(self, key: DeviceKey, estimate: Estimate, plan: dict[str, Any], steps: int = STEPS):
+    def __init__(self, key: DeviceKey, estimate: Estimate, plan: dict[str, Any], steps: int = STEPS,
+                 context: bool = True):  # fmt: skip
         self.key, self.estimate, self.plan, self.steps = key, estimate, plan, max(1, steps)
+        self.measure_context = context
         self.context: float | None = None
         self.peaks: dict[str, dict[str, float]] = {}
         self.top: tuple[float, float] = (0.0, 0.0)  # (reserved, allocated) peaks of the sample that reserved most
@@ -57,7 +61,7 @@ class CalibrationRecorder:
         if self.measurement is not None or "peak_reserved_gb" not in sample:  # done, or no CUDA figures
             return
         phase = sample.get("phase")
-        if self.context is None and "device_used_gb" in sample and not self.peaks.get("optimizer"):
+        if self.measure_context and self.context is None and "device_used_gb" in sample and not self.peaks:
             self.context = max(0.0, sample["device_used_gb"] - sample["reserved_gb"]) * GB
         if phase in PHASES:
             seen = self.peaks.setdefault(phase, {"allocated": 0.0, "reserved": 0.0})

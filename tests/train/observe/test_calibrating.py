@@ -145,6 +145,13 @@ def test_the_recorder_measures_the_first_steps_only(tmp_path, cache, monkeypatch
     cpu = CalibrationRecorder(recorder.key, recorder.estimate, {}, 1)
     cpu.watch({"step": 1, "phase": "optimizer", "rss_gb": 1.0})
     assert cpu.measured() is None and cpu.measurement is None
+    # a resumed run measures no context: its optimizer states were loaded before its first sample
+    resumed = CalibrationRecorder(recorder.key, recorder.estimate, {}, 1, context=False)
+    resumed.watch({"step": 1, "phase": "forward", "peak_gb": 2.0, "peak_reserved_gb": 2.5, "reserved_gb": 2.5,
+                   "device_used_gb": 4.0})  # fmt: skip
+    resumed.watch({"step": 1, "phase": "optimizer", "peak_gb": 2.0, "peak_reserved_gb": 2.1, "reserved_gb": 2.1})
+    assert resumed.measurement.measured == {"CUDA context": None, "reserved over allocated": pytest.approx(0.5e9)}
+    assert resumed.measurement.excess("CUDA context") is None
 
 
 def test_without_a_gpu_there_is_nothing_to_calibrate(cache, monkeypatch, capsys):
