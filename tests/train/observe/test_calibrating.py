@@ -21,6 +21,7 @@ from lowmem_ft.train.observe.calibrating import STEPS, CalibrationRecorder
 # imported before a device is simulated: transformers' Trainer imports bitsandbytes, whose CUDA backend would load
 # when torch.cuda says a GPU is there
 from lowmem_ft.train.observe.monitor import MemoryMonitor
+from lowmem_ft.train.run import FineTune
 
 MODEL = "Qwen/Qwen2.5-7B"  # the offline catalog's config: no download, no weights
 MiB = 2**20
@@ -167,3 +168,21 @@ def test_the_target_takes_a_calibration_only_as_an_addition():
     assert t.budget_gb == pytest.approx(22.09) and Target.from_dict(t.to_dict()) == t  # run.json keeps it
     with pytest.raises(ValueError, match="would lower the safety margin"):
         Target(24, 1.5, calibration_gb=-0.2)
+
+
+def test_a_run_on_a_gpu_watches_its_first_steps(tmp_path, cache, monkeypatch):
+    """`FineTune` subscribes the recorder to its monitor on a GPU: with its plan's estimate, or (resumed, or no
+    --vram) the same prediction made from the recipe; a resumed run measures no context."""
+    recipe, choice = choose_recipe(vram_gb=24, recipe=None, overrides={"model": {"name_or_path": MODEL}})
+    SimulatedGPU().install(monkeypatch)
+    for plan, checkpoint in ((choice.plan, None), (None, tmp_path / "checkpoint-2")):
+        monitor = MemoryMonitor(tmp_path / "memory.jsonl", write=False)
+        run = SimpleNamespace(recipe=recipe, choice=SimpleNamespace(plan=plan), target=choice.target,
+                              args=SimpleNamespace(max_steps=2), checkpoint=checkpoint, monitor=monitor)  # fmt: skip
+        FineTune._watch_calibration(run)
+        (watch,) = monitor._watchers
+        recorder = watch.__self__
+        assert recorder.key == calibrated.this_device() and recorder.steps == 2
+        assert recorder.measure_context is (checkpoint is None)
+        assert recorder.plan["model"] == MODEL and recorder.plan["vram_gb"] == 24
+        assert recorder.estimate.peak_gb == pytest.approx(choice.plan.estimate.peak_gb, rel=0.05)
