@@ -257,8 +257,23 @@ def check_versions() -> Check:
     )
 
 
+def check_calibration() -> list[Check]:
+    """This GPU's calibration (`lowmem_ft.calibrated`): what plans here add to their margin, or how to make one;
+    nothing without an NVIDIA GPU."""
+    from lowmem_ft.calibrated import load, this_device
+
+    key = this_device()
+    if key is None:
+        return []
+    calibration, line = load(key)
+    fix = "lowmem-ft doctor --calibrate measures it in under a minute (any GPU run does too)"
+    if calibration is None:
+        return [Check("calibration", WARN if line else OK, line or f"none for {key.device} yet", fix)]
+    return [Check("calibration", OK, line)]
+
+
 def run_checks(output_dir: str = "runs", require_gpu: bool = False) -> list[Check]:
-    checks = [check_python(), *check_torch(), *check_gpus(require_gpu), check_versions()]
+    checks = [check_python(), *check_torch(), *check_gpus(require_gpu), check_versions(), *check_calibration()]
     checks += [check_bnb_4bit(), check_bnb_8bit(), check_attention(), check_wandb(), check_hub()]
     checks.append(check_disk(output_dir))
     return checks

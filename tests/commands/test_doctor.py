@@ -132,3 +132,24 @@ def test_calibrate_records_what_the_device_measured(monkeypatch, capsys, tmp_pat
     assert main(["doctor", "--calibrate"]) == 0  # the table form; a second measurement is kept beside the first
     out = capsys.readouterr().out
     assert "reserved over allocated" in out and "2 measurements" in " ".join(out.split())
+
+
+def test_doctor_says_what_this_gpu_is_calibrated_with(monkeypatch, tmp_path):
+    from devkit.simulated_gpu import SimulatedGPU
+    from lowmem_ft import calibrated
+
+    assert doctor.check_calibration() == [] or torch.cuda.is_available()  # no NVIDIA GPU here: no row
+    monkeypatch.setattr("lowmem_ft.calibrated.calibration_dir", lambda: tmp_path)
+    SimulatedGPU(name="NVIDIA L40S").install(monkeypatch)
+    (none,) = doctor.check_calibration()
+    assert none.status == "ok" and none.detail == "none for NVIDIA L40S yet" and "doctor --calibrate" in none.fix
+    key = calibrated.this_device()
+    m = calibrated.Measurement("doctor", {"CUDA context": 0.7e9}, {"CUDA context": 0.5e9}, {}, {})
+    calibrated.record(key, m)
+    (found,) = doctor.check_calibration()
+    assert found.status == "ok" and found.detail.startswith("calibrated on this GPU: +0.20 GB CUDA context")
+    monkeypatch.setattr(
+        "lowmem_ft.calibrated.this_device", lambda: calibrated.DeviceKey(**{**vars(key), "driver": "1"})
+    )
+    (stale,) = doctor.check_calibration()
+    assert stale.status == "warn" and "ignored" in stale.detail and f"driver {key.driver} (now 1)" in stale.detail
