@@ -51,6 +51,7 @@ def summarize(header: dict[str, Any], samples: list[dict[str, Any]], events: lis
         "vram_gb": header.get("vram_gb"),
         "budget_gb": header.get("budget_gb"),
         "safety_margin_gb": header.get("safety_margin_gb"),
+        **({"calibration_gb": header["calibration_gb"]} if header.get("calibration_gb") else {}),
         "samples": len(samples),
         "events": {},
     }
@@ -197,7 +198,9 @@ def _measured_lines(s: dict[str, Any], predicted: float | None) -> list[str]:
     if s.get("budget_gb") is not None and "headroom_gb" in s:
         lines.append(
             f"  budget {s['budget_gb']:g} GB (VRAM {s.get('vram_gb') or 0:g} − safety margin "
-            f"{s.get('safety_margin_gb') or 0:g}), headroom at the peak {s['headroom_gb']:.2f} GB"
+            f"{s.get('safety_margin_gb') or 0:g}"
+            + (f" − {s['calibration_gb']:g} calibrated on the GPU" if s.get("calibration_gb") else "")
+            + f"), headroom at the peak {s['headroom_gb']:.2f} GB"
         )
     return lines
 

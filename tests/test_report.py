@@ -50,6 +50,11 @@ def test_summary_compares_measured_predicted_budget(tmp_path):
     assert "measured peak 19.60 GB (device used (NVML)) in forward of step 1; allocator peak 18.00 GB" in text
     assert "predicted peak 17.50 GB (measured +12.0%)" in text
     assert "budget 22.5 GB (VRAM 24 − safety margin 1.5), headroom at the peak 2.90 GB" in text
+    # a GPU's calibration took from the budget (lowmem_ft.calibrated): the line's arithmetic says so
+    header, samples, events = load_memory(tmp_path)
+    header = {**header, "calibration_gb": 0.4, "budget_gb": 22.1}
+    text = format_summary(summarize(header, samples, events))
+    assert "budget 22.1 GB (VRAM 24 − safety margin 1.5 − 0.4 calibrated on the GPU), headroom" in text
 
 
 def test_plot_draws_curves_budget_margin_prediction_and_events(tmp_path):

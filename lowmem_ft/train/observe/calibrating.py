@@ -56,9 +56,10 @@ class CalibrationRecorder:
         self.peaks: dict[str, dict[str, float]] = {}
         self.top: tuple[float, float] = (0.0, 0.0)  # (reserved, allocated) peaks of the sample that reserved most
         self.measurement: Measurement | None = None
+        self.done = False  # recorded, or tried and failed: once either way
 
     def watch(self, sample: dict[str, Any]) -> None:
-        if self.measurement is not None or "peak_reserved_gb" not in sample:  # done, or no CUDA figures
+        if self.done or "peak_reserved_gb" not in sample:  # done, or no CUDA figures
             return
         phase = sample.get("phase")
         if self.measure_context and self.context is None and "device_used_gb" in sample and not self.peaks:
@@ -76,8 +77,10 @@ class CalibrationRecorder:
         if not self.peaks:
             return None
         by_name = self.estimate.by_name()
+        predicted = self.estimate.phases  # a GRPO round's or a preference step's phases may be named otherwise
         phases = {
-            name: {**{k: round(v) for k, v in seen.items()}, "predicted": round(self.estimate.phases[PHASES[name]])}
+            name: {k: round(v) for k, v in seen.items()}
+            | ({"predicted": round(predicted[PHASES[name]])} if PHASES[name] in predicted else {})
             for name, seen in self.peaks.items()
         }
         return Measurement(
@@ -89,13 +92,16 @@ class CalibrationRecorder:
         )
 
     def finish(self) -> None:
-        """Record what was measured (once); a failure to write is said, never raised: the run goes on."""
-        if self.measurement is not None or (measurement := self.measured()) is None:
+        """Record what was measured (once); a failure is said, never raised: the run goes on without it."""
+        if self.done:
             return
-        self.measurement = measurement
+        self.done = True
         try:
+            if (measurement := self.measured()) is None:
+                return
+            self.measurement = measurement
             path = record(self.key, measurement)
-        except OSError as exc:
+        except Exception as exc:  # an observer's failure must not end a GPU run (a full disk, a cache not writable)
             log.warning("could not record this GPU's calibration: %s", exc)
             return
         added = ", ".join(

@@ -153,6 +153,15 @@ def test_the_recorder_measures_the_first_steps_only(tmp_path, cache, monkeypatch
     resumed.watch({"step": 1, "phase": "optimizer", "peak_gb": 2.0, "peak_reserved_gb": 2.1, "reserved_gb": 2.1})
     assert resumed.measurement.measured == {"CUDA context": None, "reserved over allocated": pytest.approx(0.5e9)}
     assert resumed.measurement.excess("CUDA context") is None
+    # phases the estimate names otherwise (a GRPO round's) are recorded without a prediction; a failure to record
+    # is a warning, once, never an error in the run
+    grpo = CalibrationRecorder(recorder.key, recorder.estimate, {}, 1)
+    grpo.estimate = SimpleNamespace(phases={"generation": 1.0}, by_name=dict, peak_gb=1.0)
+    monkeypatch.setattr(
+        "lowmem_ft.train.observe.calibrating.record", lambda *a: (_ for _ in ()).throw(OSError(28, "full"))
+    )
+    grpo.watch({"step": 1, "phase": "optimizer", "peak_gb": 2.0, "peak_reserved_gb": 2.1, "reserved_gb": 2.1})
+    assert grpo.done and grpo.measurement.phases == {"optimizer": {"allocated": 2e9, "reserved": 2.1e9}}
 
 
 def test_without_a_gpu_there_is_nothing_to_calibrate(cache, monkeypatch, capsys):
