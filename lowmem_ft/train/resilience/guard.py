@@ -264,7 +264,8 @@ class MemoryGuard(TrainerCallback, ExportableState):
             self._event(
                 "margin",
                 f"memory in use {used:.2f} GB is over the {t.budget_gb:g} GB budget (VRAM {t.vram_gb:g} − safety "
-                f"margin {t.margin_gb:g}) at step {sample['step']} ({sample['phase']}); {what} grew {grew:+.2f} GB "
+                f"margin {t.margin_gb:g}{f' − {t.calibration_gb:g} calibrated' if t.calibration_gb else ''}) at step "
+                f"{sample['step']} ({sample['phase']}); {what} grew {grew:+.2f} GB "
                 f"since step {first['step']}",
                 headroom_gb=round(headroom, 4),
                 grew=what,
