@@ -43,19 +43,13 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Any, Literal
 
+from lowmem_ft.cache import cache_root
+
 GB = 1e9  # decimal, as `--vram` and the memory model speak
 FORMAT = 1  # the file's layout; a file of another format is stale
 KEEP = 8  # measurements kept per device: each new run refines, an old outlier ages out
 Term = Literal["CUDA context", "cuBLAS workspaces", "reserved over allocated"]
 TERMS: tuple[Term, ...] = ("CUDA context", "cuBLAS workspaces", "reserved over allocated")
-
-
-def cache_root() -> Path:
-    """lowmem-ft's cache: $LOWMEM_FT_CACHE, else $XDG_CACHE_HOME/lowmem-ft, else ~/.cache/lowmem-ft."""
-    if env := os.environ.get("LOWMEM_FT_CACHE"):
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "lowmem-ft"
 
 
 @dataclass(frozen=True)

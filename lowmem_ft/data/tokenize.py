@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_ft.cache import cache_root
 from lowmem_ft.console import first_time
 from lowmem_ft.data.chat import (
     ChatTemplate,
@@ -63,12 +64,6 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 7
 BATCH_SIZE = 1000
 STREAM_HEAD = 1000  # samples of a stream tokenized up front: its format and its length profile
-
-
-def cache_root() -> Path:
-    """Where tokenized datasets are kept: $LOWMEM_FT_CACHE, else ~/.cache/lowmem-ft."""
-    env = os.environ.get("LOWMEM_FT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lowmem-ft"
 
 
 @dataclass
