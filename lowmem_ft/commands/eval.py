@@ -3,7 +3,8 @@
 The run is evaluated as trained — the adapter on its base stored as in training, no merge — and with
 `--compare-base` the same loaded model with its adapter switched off (peft's `disable_adapter`: no second copy of
 the base). The batch size is planned from the memory model within `--vram` (`lowmem_ft.evaluate.batch`), never
-found by running into OOM. Scores go to `eval.json` in the run directory and print as a table with the deltas.
+found by running into OOM. Scores go to `eval.json` in the run directory and to the run's trackers
+(`lowmem_ft.evaluate.trackers`), and print as a table with the deltas.
 """
 
 from __future__ import annotations
@@ -98,11 +99,12 @@ def _batch(args, model, run, device: str, max_length: int) -> int:
 def run(args: argparse.Namespace) -> int:
     _require_lm_eval()
     from lowmem_ft.evaluate.scores import deltas, evaluate
-    from lowmem_ft.evaluate.tasks import resolve
+    from lowmem_ft.evaluate.tasks import resolve, task_name
     from lowmem_ft.finetuned import resolve_device
 
     # an unknown task stops here, before any model loads (`train --eval-tasks` resolved them before training)
-    manager, names = getattr(args, "resolved", None) or resolve(args.tasks, args.include_path)
+    manager, specs = getattr(args, "resolved", None) or resolve(args.tasks, args.include_path)
+    names = [task_name(spec) for spec in specs]
     device = resolve_device(args.device)
     model, tokenizer, run_, default_length = _load(args, device)
     model.eval()
@@ -113,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"eval: {', '.join(names)} on {args.target} (batch {batch}, max length {max_length}"
           f"{f', limit {args.limit}' if args.limit else ''})")  # fmt: skip
     kwargs = {"batch_size": batch, "max_length": max_length, "limit": args.limit, "device": device}
-    tuned = evaluate(model, tokenizer, manager, names, **kwargs)
+    tuned = evaluate(model, tokenizer, manager, specs, **kwargs)
     base = None
     if args.compare_base:
         switch = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
         with switch:
-            base = evaluate(model, tokenizer, manager, names, **kwargs)
+            base = evaluate(model, tokenizer, manager, specs, **kwargs)
     _print(tuned, base)
     if run_ is not None:
         record = {"tasks": names, "limit": args.limit, "batch_size": batch, "max_length": max_length,
@@ -128,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         path = run_.run_dir / "eval.json"
         path.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {path}")
+        from lowmem_ft.evaluate import trackers
+
+        scores = trackers.flat(tuned, base, record.get("delta"))
+        sent = trackers.send(run_.recipe, run_.run_dir, scores)
+        if sent:
+            print(f"scores sent to the run's trackers: {', '.join(sent)}")
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 
-def evaluate(model, tokenizer, manager, names: list[str], *, batch_size: int, max_length: int, limit: int | None,
+def evaluate(model, tokenizer, manager, names: list[str | dict], *, batch_size: int, max_length: int, limit: int | None,
              device: str) -> dict[str, dict[str, float]]:  # fmt: skip
     """task → metric → value (lm-eval's `results`, without aliases, sample counts and NaN stderr)."""
     import lm_eval

@@ -103,3 +103,74 @@ def test_unknown_task_is_one_line_with_the_closest(finished_run, task_file, caps
     assert main(["eval", finished_run, "--tasks", "tiny_qz", "--include-path", str(task_file.parent)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lowmem-ft eval: error: --tasks: unknown task 'tiny_qz'; closest: tiny_qa")
+
+
+def test_task_file_data_files_are_read_against_its_own_directory(task_file, tmp_path):
+    """A relative `data_files` in a task file means the file's directory, not the working directory."""
+    import yaml
+
+    from lowmem_ft.evaluate.tasks import resolve, task_name
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "data").mkdir()
+    (task_file.parent / "qa.jsonl").rename(folder / "data" / "qa.jsonl")
+    spec = yaml.safe_load(task_file.read_text())
+    spec["dataset_kwargs"]["data_files"] = {"test": "data/qa.jsonl"}
+    (folder / "tiny_qa.yaml").write_text(yaml.safe_dump(spec))
+    _, specs = resolve(str(folder / "tiny_qa.yaml"), include_defaults=False)
+    assert task_name(specs[0]) == "tiny_qa"
+    assert specs[0]["dataset_kwargs"]["data_files"] == {"test": str(folder / "data" / "qa.jsonl")}
+    assert specs[0]["doc_to_text"] == spec["doc_to_text"]  # the rest of the file as lm-eval loads it
+
+
+@pytest.mark.slow
+def test_scores_reach_the_runs_trackers_with_a_relative_task_file(finished_run, task_file, tmp_path, monkeypatch,
+                                                                  capsys):  # fmt: skip
+    """eval on a run whose recipe logs to TensorBoard and offline W&B, from another working directory, with the
+    task file's data path relative to the task file: the scores in eval.json are in both trackers."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["logging"] |= {"report_to": ["tensorboard", "wandb"], "wandb_mode": "offline"}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    spec = yaml.safe_load(task_file.read_text())
+    spec["dataset_kwargs"]["data_files"] = {"test": "qa.jsonl"}  # beside the task file
+    task_file.write_text(yaml.safe_dump(spec))
+    (run / "wandb" / "offline-run-20260101_000000-trained1").mkdir(parents=True)  # as the training run left it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert main(["eval", str(run), "--tasks", str(task_file), "--limit", "4", "--device", "cpu"]) == 0
+    assert "scores sent to the run's trackers: tensorboard, wandb" in capsys.readouterr().out
+    acc = json.loads((run / "eval.json").read_text())["finetuned"]["tiny_qa"]["acc"]
+
+    (events,) = (run / "tensorboard").glob("events.*")
+    from tensorboardX.proto.event_pb2 import Event
+
+    def scalars(path):
+        import struct
+
+        data, out = path.read_bytes(), {}
+        while data:
+            (length,) = struct.unpack("<Q", data[:8])
+            event = Event.FromString(data[12 : 12 + length])
+            data = data[12 + length + 4 :]
+            out |= {v.tag: v.simple_value for v in event.summary.value}
+        return out
+
+    assert scalars(events)["eval/tiny_qa/acc"] == pytest.approx(acc)
+    # W&B resumed the training run's own run (its id from its folder) and logged the score into it: the offline
+    # run file holds the key and the value's JSON side by side (a summary / history item record)
+    import wandb
+
+    wandb.teardown()  # W&B's service writes the offline run file through to disk when it stops (at exit otherwise)
+    (record,) = (run / "wandb").glob("offline-run-*-trained1/run-trained1.wandb")
+    data = record.read_bytes()
+    at = data.find(b"eval/tiny_qa/acc")
+    assert at >= 0 and json.dumps(acc).encode() in data[at : at + 32]
