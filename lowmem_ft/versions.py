@@ -21,6 +21,7 @@ CHECKED: dict[str, str] = {
     "datasets": "5.2.0",
     "gguf": "0.19.0",  # lowmem_ft.export: its Q8_0 block size and writer layout
     "lm-eval": "0.4.13",  # lowmem_ft.evaluate: HFLM's log-softmax over the whole batch (evaluate/batch.py)
+    "llama-cpp-python": "0.3.36",  # lowmem_ft.export.llama_quant: its quantizer's params struct and memory
 }
 
 
@@ -32,8 +33,8 @@ def installed(package: str) -> str | None:
         return None
 
 
-# Packages of an extra (pyproject.toml `eval`): checked when installed, not missed when absent.
-OPTIONAL = {"lm-eval"}
+# Packages of an extra (pyproject.toml `eval`, `gguf-quants`): checked when installed, not missed when absent.
+OPTIONAL = {"lm-eval", "llama-cpp-python"}
 
 
 def differences() -> dict[str, tuple[str, str | None]]:

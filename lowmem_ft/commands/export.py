@@ -1,13 +1,15 @@
-"""`lowmem-ft export RUN_DIR --to gguf [--quant f16|bf16|q8_0] [--output FILE] [--ollama]`: one GGUF file.
+"""`lowmem-ft export RUN_DIR --to gguf [--quant f16|bf16|q8_0|q4_k_m|…] [--output FILE] [--ollama]`: one GGUF file.
 
 The adapter is merged into the base tensor by tensor as the file is written (`lowmem_ft.export`), so the export
 needs a block of weights in host memory, not the 16-bit model that `merge` loads; the plan (host memory, disk) is
 printed first and the export refused in one line when it does not fit. The file appears whole or not at all.
+K-quants go through llama.cpp's own quantizer on an f16 file written first (`lowmem_ft.export.llama_quant`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from lowmem_ft.commands import flags
@@ -17,7 +19,8 @@ GB = 1e9
 
 
 def add_parser(sub) -> None:
-    from lowmem_ft.export.gguf_file import K_QUANTS, QUANTS
+    from lowmem_ft.export.gguf_file import QUANTS
+    from lowmem_ft.export.llama_quant import LLAMA_QUANTS
 
     p = sub.add_parser(
         "export",
@@ -29,10 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--to", choices=["gguf"], default="gguf", help="the format (gguf)")
     p.add_argument(
         "--quant",
-        choices=[*QUANTS, *K_QUANTS],
+        choices=[*QUANTS, *LLAMA_QUANTS],
         default="q8_0",
         help="weight type: f16 / bf16 (lossless from 16-bit training), q8_0 (half the size, llama.cpp's 8-bit); "
-        "K-quants need llama.cpp's quantizer (default q8_0)",
+        "K-quants (q4_k_m, …) through llama.cpp's quantizer, from the gguf-quants extra (default q8_0)",
     )
     p.add_argument("--output", metavar="FILE", help="the .gguf file to write (default RUN_DIR/<run>-<quant>.gguf)")
     p.add_argument("--ollama", action="store_true", help="also write a Modelfile beside it and print `ollama create`")
@@ -59,51 +62,55 @@ def _local_dir(name_or_path: str) -> Path:
                         f"pass --base PATH") from None  # fmt: skip
 
 
-def _k_quant(quant: str) -> None:
-    import importlib.util
+def _output(args: argparse.Namespace, run_dir: Path) -> Path:
+    """The file to write: named *.gguf, not there yet, in a writable directory."""
+    from lowmem_ft.checks import check_writable
 
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise UserError(
-            f"--quant {quant} needs llama.cpp's quantizer: `pip install llama-cpp-python` (builds from source, "
-            f"needs a C++ compiler and cmake), or export --quant f16 and run llama.cpp's llama-quantize on it"
-        )
-    raise UserError(
-        f"--quant {quant}: K-quants are not written by lowmem-ft yet; export --quant f16 and run "
-        f"`llama-quantize FILE.gguf OUT.gguf {quant.upper()}` (llama.cpp)"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from lowmem_ft.export.gguf_file import QUANTS, model_config, nbytes, plan_tensors
-    from lowmem_ft.export.plan import check_fits, free_disk, make_plan
-    from lowmem_ft.finetuned import open_run
-    from lowmem_ft.memory.inference import human
-
-    if args.quant not in QUANTS:
-        _k_quant(args.quant)
-    _require("gguf", "the GGUF writer")
-    run_ = open_run(args.run_dir, base=args.base)
-    model_dir = run_.weights_dir if run_.full else _local_dir(run_.base)
-    output = Path(args.output) if args.output else run_.run_dir / f"{run_.run_dir.name}-{args.quant}.gguf"
+    output = Path(args.output) if args.output else run_dir / f"{run_dir.name}-{args.quant}.gguf"
     if output.suffix != ".gguf":
         raise UserError(f"--output {output}: name the file *.gguf")
     if output.is_dir():
         raise UserError(f"--output {output} is a directory; name the .gguf file to write")
     if output.exists():
         raise UserError(f"--output {output} exists; remove it or pick another name")
-    from lowmem_ft.checks import check_writable
-
     check_writable(output.parent, "--output")
+    return output
+
+
+def _config(model_dir: Path):
+    from lowmem_ft.export.gguf_file import model_config
 
     try:
-        config = model_config(model_dir)
+        return model_config(model_dir)
     except (ValueError, OSError) as exc:  # a model_type transformers does not know (remote code), a broken config
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{model_dir}: its config does not load ({first}); GGUF export maps the families "
                         f"transformers itself knows") from None  # fmt: skip
-    planned = plan_tensors(model_dir, config, args.quant)  # refuses an unmapped family in one line
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowmem_ft.export import llama_quant
+    from lowmem_ft.export.gguf_file import QUANTS, nbytes, plan_tensors
+    from lowmem_ft.export.plan import check_fits, free_disk, make_plan
+    from lowmem_ft.finetuned import open_run
+    from lowmem_ft.memory.inference import human
+
+    k_quant = args.quant in llama_quant.LLAMA_QUANTS
+    if k_quant:
+        llama_quant.require(args.quant)
+    _require("gguf", "the GGUF writer")
+    run_ = open_run(args.run_dir, base=args.base)
+    model_dir = run_.weights_dir if run_.full else _local_dir(run_.base)
+    output = _output(args, run_.run_dir)
+    config = _config(model_dir)
+    written = "f16" if k_quant else args.quant  # what lowmem-ft writes; llama.cpp quantizes the f16 file
+    planned = plan_tensors(model_dir, config, written)  # refuses an unmapped family in one line
     adapter_bytes = 0 if run_.full else (run_.weights_dir / "adapter_model.safetensors").stat().st_size
     plan = make_plan(planned, args.quant, adapter_bytes, config)
+    if k_quant:  # the output bounded by its Q8_0 size (llama_quant's docstring), the f16 file beside it
+        bound = sum(nbytes(p.ref.shape, _qtype_of(p, "q8_0")) for p in planned)
+        plan = dataclasses.replace(plan, tensor_bytes=bound, intermediate_bytes=plan.tensor_bytes,
+                                   quantizer_bytes=llama_quant.host_bytes(max(p.nbytes for p in planned)))  # fmt: skip
     if args.host_ram is not None:
         budget, host_from = int(args.host_ram * GB), f"--host-ram {args.host_ram:g}"
     else:
@@ -116,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
     what = "full fine-tune" if run_.full else f"base {run_.base} + adapter {run_.weights_dir}"
     print(f"export plan: {what} → {output} ({args.quant}, {config.model_type}, {plan.params:,} params)")
     print(f"  host memory {human(plan.host)} ({plan.describe()}; merged block by block, never the whole model)")
-    print(f"  disk {human(plan.tensor_bytes)} of weights + metadata, written under a hidden name and renamed")
+    if k_quant:
+        print(f"  disk {human(plan.intermediate_bytes)} for the f16 file llama.cpp quantizes + at most "
+              f"{human(plan.tensor_bytes)} for the {args.quant} file (its Q8_0 size), + metadata; renamed when done")  # fmt: skip
+    else:
+        print(f"  disk {human(plan.tensor_bytes)} of weights + metadata, written under a hidden name and renamed")
     trained = run_.recipe.model.quantization
     if not run_.full and trained != "none":
         print(f"  note: the adapter learned against {trained}-rounded weights and is merged into the base's 16-bit "
@@ -126,8 +137,16 @@ def run(args: argparse.Namespace) -> int:
 
     clear_dead_partials(output)
     bar = _progress(len(planned))
-    write_gguf(model_dir, None if run_.full else run_.weights_dir, run_.weights_dir, output, args.quant,
-               run_.run_dir.name, progress=bar)  # fmt: skip
+    adapter_dir = None if run_.full else run_.weights_dir
+
+    def write(path: Path, quant: str) -> None:
+        write_gguf(model_dir, adapter_dir, run_.weights_dir, path, quant, run_.run_dir.name, progress=bar)
+
+    if k_quant:
+        llama_quant.write_quantized(lambda path: write(path, "f16"), output, args.quant,
+                                    on_quantize=lambda: print(f"quantizing to {args.quant} with llama.cpp"))  # fmt: skip
+    else:
+        write(output, args.quant)
     print(f"wrote {output} ({human(output.stat().st_size)})")
     if args.ollama:
         from lowmem_ft.export.ollama import stop_tokens, write_modelfile

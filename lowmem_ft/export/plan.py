@@ -17,6 +17,8 @@ export do.
 
 The disk holds the output once (staged beside it under a hidden name, then renamed): the sum of every tensor's
 bytes in its GGUF type, exact from the safetensors headers, plus the metadata (the tokenizer: `METADATA_BOUND`).
+A K-quant (`llama_quant`) holds the f16 file and llama.cpp's output at once, the output counted at its Q8_0 size
+(a bound: `llama_quant` says why), and its host memory is the larger of the merge's and the quantizer's.
 """
 
 from __future__ import annotations
@@ -41,21 +43,33 @@ class ExportPlan:
     adapter_bytes: int  # adapter file (0 for a full fine-tune)
     block_elements: int  # the largest block in flight
     mapped_bytes: int = 0  # the largest tensor's stored bytes: its shard pages while it is read
+    # a K-quant (`llama_quant`): the f16 file written first and llama.cpp's quantizer over it
+    intermediate_bytes: int = 0  # the f16 file's tensor bytes, on the output's disk until the quantizer is done
+    quantizer_bytes: int = 0  # llama.cpp's quantizer besides this process (`llama_quant.host_bytes`)
 
     @property
     def disk(self) -> int:
-        return self.tensor_bytes + METADATA_BOUND
+        staged = self.intermediate_bytes + METADATA_BOUND if self.intermediate_bytes else 0
+        return self.tensor_bytes + METADATA_BOUND + staged
+
+    @property
+    def merge_host(self) -> int:
+        return 2 * self.adapter_bytes + FIXED_BYTES + self.block_elements * WORK_BYTES + self.mapped_bytes
 
     @property
     def host(self) -> int:
-        return 2 * self.adapter_bytes + FIXED_BYTES + self.block_elements * WORK_BYTES + self.mapped_bytes
+        # the quantizer runs after the merge, in this process, whose own working set stays
+        return max(self.merge_host, FIXED_BYTES + self.quantizer_bytes)
 
     def describe(self) -> str:
         adapter = f"{human(2 * self.adapter_bytes)} adapter + " if self.adapter_bytes else ""
-        return (
+        merge = (
             f"{adapter}{human(FIXED_BYTES)} working set + {human(self.block_elements * WORK_BYTES)} for the block "
             f"of weights in flight + {human(self.mapped_bytes)} of mapped shard pages"
         )
+        if not self.quantizer_bytes:
+            return merge
+        return f"the larger of the merge, {merge}, and llama.cpp's quantizer, {human(self.quantizer_bytes)}"
 
 
 def make_plan(planned, quant: str, adapter_bytes: int, config) -> ExportPlan:

@@ -3,6 +3,7 @@ model's logits, the Modelfile, and the one-line refusals (memory, disk, K-quants
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -119,13 +120,32 @@ def test_disk_too_small_names_what_fits(finished_run, tmp_path, capsys, monkeypa
     assert not (tmp_path / "y.gguf").exists()
 
 
-def test_k_quant_without_llama_cpp_is_one_line(finished_run, tmp_path, capsys):
+def test_k_quant_without_llama_cpp_is_one_line(finished_run, tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("llama_cpp") is not None:
-        pytest.skip("llama-cpp-python is installed here")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find_spec(name, *a)
+    )
     assert main(["export", finished_run, "--quant", "q4_k_m", "--output", str(tmp_path / "x.gguf")]) == 2
-    assert "pip install llama-cpp-python" in _error(capsys)
+    assert "pip install 'lowmem-ft[gguf-quants]'" in _error(capsys)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_k_quant_through_llama_cpp(finished_run, tmp_path, capsys):
+    """--quant q4_k_m: the f16 file written, quantized by llama.cpp, renamed; planned disk holds both files."""
+    import gguf
+
+    out = tmp_path / "q4.gguf"
+    assert main(["export", finished_run, "--quant", "q4_k_m", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "for the f16 file llama.cpp quantizes" in printed and "quantizing to q4_k_m with llama.cpp" in printed
+    assert [p.name for p in tmp_path.iterdir()] == ["q4.gguf"]  # neither the f16 file nor a partial one
+    reader = gguf.GGUFReader(out)
+    assert reader.get_field("general.file_type").contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    # the tiny model's rows (64) are no multiple of 256: llama.cpp's fallbacks for Q4_K / Q6_K, as it documents
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} <= {"Q5_0", "Q8_0", "F16"}
 
 
 def test_unknown_run_dir_is_one_line(tmp_path, capsys):
