@@ -56,6 +56,20 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rope_theta(config, layer_type: str = "full_attention") -> float | None:
+    """The RoPE base of `layer_type`'s layers: `rope_theta`, or transformers 5's `rope_parameters`, flat or — for
+    models whose sliding-window layers rotate at another base (Gemma-3: 1e6 global, 1e4 local) — per layer type."""
+    theta = getattr(config, "rope_theta", None)
+    if theta:
+        return float(theta)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if layer_type in parameters:
+        parameters = parameters[layer_type] or {}
+    elif "full_attention" in parameters:  # per layer type, but not this one
+        return None
+    return parameters.get("rope_theta")
+
+
 def _rope_scaling(config) -> dict:
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     return dict(scaling)
@@ -88,6 +102,9 @@ def _gemma3(writer, config) -> None:
     types = getattr(config, "layer_types", None)
     if types:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    local = rope_theta(config, "sliding_attention") or getattr(config, "rope_local_base_freq", None)
+    if local:  # llama.cpp's Gemma3 defaults the sliding layers' base to 1e4, the global ones' to rope.freq_base
+        writer.add_rope_freq_base_swa(local)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 

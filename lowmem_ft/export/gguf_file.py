@@ -25,12 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from lowmem_ft.errors import UserError
-from lowmem_ft.export.families import GgufFamily, family_of, head_dim
+from lowmem_ft.export.families import GgufFamily, family_of, head_dim, rope_theta
 from lowmem_ft.export.stream import Adapter, TensorRef, merged_blocks, tensors
 
 # --quant → (GGML type of matrices, GGUF general.file_type): gguf.LlamaFileType
 QUANTS = {"f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
-K_QUANTS = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q2_k")
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def _metadata(writer, config, family: GgufFamily, name: str, quant: str) -> None
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    theta = rope_theta(config)  # the global layers' (Gemma-3 gives its sliding ones another: families._gemma3)
     if theta:
         writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config.vocab_size)
@@ -177,11 +176,12 @@ def write_gguf(
     staged = output.parent / f".{output.name}.partial-{os.getpid()}"
     writer = gguf.GGUFWriter(None, family.arch)
     try:
-        # llama.cpp reads Mistral as a Llama; transformers' loader tells them apart by this name (families.py)
-        _metadata(writer, config, family, f"{family.name} {name}" if family.name == "mistral" else name, quant)
-        from lowmem_ft.export.vocab import write_vocab
+        from lowmem_ft.export.vocab import general_name, write_vocab
 
-        write_vocab(writer, tokenizer_dir, config.vocab_size)
+        tokens = write_vocab(writer, tokenizer_dir, config.vocab_size)
+        # llama.cpp reads Mistral as a Llama; transformers' loader tells them apart by this name (families.py)
+        name = general_name(f"{family.name} {name}" if family.name == "mistral" else name, tokens)
+        _metadata(writer, config, family, name, quant)
         for p in planned:
             qtype = gguf.GGMLQuantizationType[p.qtype]
             shape = gguf.quant_shape_to_byte_shape(p.ref.shape, qtype) if p.qtype not in ("F32", "F16") else p.ref.shape
@@ -227,10 +227,11 @@ def write_gguf(
 
 
 def clear_dead_partials(output: Path) -> None:
-    """Remove `.NAME.partial-PID` files that exports to `output` killed on the way left behind."""
+    """Remove `.NAME.partial-PID` files that exports to `output` killed on the way left behind (and a K-quant's
+    f16 file, `.NAME.partial-f16-PID`, with its own staged name)."""
     from lowmem_ft.merging import process_alive
 
-    for staged in output.parent.glob(f".{output.name}.partial-*"):
+    for staged in [*output.parent.glob(f".{output.name}.partial-*"), *output.parent.glob(f"..{output.name}.partial-*")]:
         pid = staged.name.rpartition("-")[2]
         if pid.isdigit() and not process_alive(int(pid)):
             staged.unlink(missing_ok=True)

@@ -36,8 +36,21 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
-def write_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> str:
-    """Add the tokenizer in `tokenizer_dir` to `writer` for an embedding of `vocab_size` rows; returns its kind."""
+# llama.cpp gives Phi-3's special tokens their strip attributes when general.name contains "phi3" or "phi-3",
+# looking these up by text (llama-vocab.cpp, `_contains_any(model_name, {"phi-3", "phi3"})`): a vocabulary without
+# one of them then fails to load ("unordered_map::at"). Found by loading the zoo's Phi-3 export in llama.cpp.
+PHI3_NAMED = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def general_name(name: str, tokens: list[str]) -> str:
+    """`name` for general.name, unless it would make llama.cpp look up Phi-3 tokens this vocabulary lacks."""
+    if re.search(r"phi-?3", name, re.IGNORECASE) and not set(PHI3_NAMED) <= set(tokens):
+        return re.sub(r"(?i)phi-?3", "phi_3", name)
+    return name
+
+
+def write_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> list[str]:
+    """Add the tokenizer in `tokenizer_dir` to `writer` for an embedding of `vocab_size` rows; returns its tokens."""
     import gguf
 
     spec = tokenizer_spec(tokenizer_dir)
@@ -62,7 +75,7 @@ def write_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> str:
     special.add_to_gguf(writer, quiet=True)
     if merges:
         writer.add_token_merges(merges)
-    return "sentencepiece" if sentencepiece else "byte-level BPE"
+    return tokens
 
 
 def tokenizer_spec(tokenizer_dir: Path) -> dict:
