@@ -119,6 +119,17 @@ def _phi3(writer, config) -> None:
         writer.add_sliding_window(config.sliding_window)
 
 
+def _granite(writer, config) -> None:
+    """llama.cpp's GraniteModel.set_gguf_parameters: a Llama with its four multipliers as GGUF scales."""
+    writer.add_rope_dimension_count(head_dim(config))
+    for key, add in (("attention_multiplier", writer.add_attention_scale),
+                     ("embedding_multiplier", writer.add_embedding_scale),
+                     ("residual_multiplier", writer.add_residual_scale),
+                     ("logits_scaling", writer.add_logit_scale)):  # fmt: skip
+        if getattr(config, key, None):
+            add(float(getattr(config, key)))
+
+
 FAMILIES_LIST = [
     GgufFamily("llama", ("llama",), "llama", permute_qk=True, extra_keys=_llama),
     # llama.cpp converts Mistral (v0.1-v0.3 shapes) as a Llama; transformers' loader reads it back as mistral when
@@ -129,6 +140,8 @@ FAMILIES_LIST = [
     GgufFamily("gemma2", ("gemma2",), "gemma2", norm_offset=1.0, extra_keys=_gemma2),
     GgufFamily("gemma3", ("gemma3_text",), "gemma3", norm_offset=1.0, extra_keys=_gemma3),
     GgufFamily("phi3", ("phi3",), "phi3", extra_keys=_phi3),
+    # IBM Granite 3.x: llama.cpp's GraniteModel is its LlamaModel (q/k permuted) plus the multipliers
+    GgufFamily("granite", ("granite",), "granite", permute_qk=True, extra_keys=_granite),
 ]
 FAMILIES: dict[str, GgufFamily] = {t: f for f in FAMILIES_LIST for t in f.model_types}
 

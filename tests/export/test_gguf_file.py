@@ -170,7 +170,21 @@ def test_family_keys(merged_refs, tmp_path):
     assert "rope_freqs.weight" in names and names["rope_freqs.weight"].data.max() == pytest.approx(32.0)
 
 
-@pytest.mark.parametrize("family", ["granite", "gemma3-vision"])
+def test_granite_keys(zoo_models, tmp_path):
+    """Granite's multipliers as llama.cpp's scales (transformers' GGUF loader has no Granite: llama.cpp itself reads
+    the file in test_llama_cpp)."""
+    import gguf
+
+    base = Path(zoo_models["granite"])
+    write_gguf(base, None, base, tmp_path / "g.gguf", "f16", "g")
+    reader = gguf.GGUFReader(tmp_path / "g.gguf")
+    expected = {"granite.attention.scale": 0.0078125, "granite.embedding_scale": 12.0,
+                "granite.residual_scale": 0.22, "granite.logit_scale": 16.0}  # fmt: skip
+    for key, value in expected.items():
+        assert reader.get_field(key).contents() == pytest.approx(value), key
+
+
+@pytest.mark.parametrize("family", ["gemma3-vision"])
 def test_unmapped_family_is_one_line(family, zoo_models, tmp_path):
     base = Path(zoo_models[family])
     with pytest.raises(UserError, match="no tensor mapping for model_type") as err:

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
     reason="llama-cpp-python is not installed (pip install 'lowmem-ft[gguf-quants]': a source build of llama.cpp)",
 )
 
-FAMILIES = ["llama3", "llama-zephyr", "mistral", "qwen2.5", "qwen3", "qwen3-finetune", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["llama3", "llama-zephyr", "mistral", "qwen2.5", "qwen3", "qwen3-finetune", "gemma2", "gemma3", "phi3",
+            "granite"]  # fmt: skip
 
 
 def llama(path: Path, **kwargs):
@@ -87,20 +88,27 @@ def sharpened(source: Path, out: Path, config_changes: dict | None = None, facto
 
 @pytest.fixture(scope="module")
 def adapters(zoo_models, tmp_path_factory):
-    """family → (base, random LoRA adapter on every linear, peft's merged model)."""
+    """family → (base, random LoRA adapter on every linear, peft's merged model), built when first asked for."""
     root = tmp_path_factory.mktemp("llama-cpp")
-    out = {}
-    for family in FAMILIES:
-        base = Path(zoo_models[family])
-        torch.manual_seed(0)
-        adapter = save_adapter(str(base), root / family, targets="all-linear", init_lora_weights=False)
-        out[family] = (base, adapter, merged(base, adapter))
-    return out
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            base = Path(zoo_models[family])
+            torch.manual_seed(0)
+            adapter = save_adapter(str(base), root / family, targets="all-linear", init_lora_weights=False)
+            built[family] = (base, adapter, merged(base, adapter))
+        return built[family]
+
+    return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# llama3 in the fast tier (where llama-cpp-python is installed); the other families in the slow one
+@pytest.mark.parametrize(
+    "family", ["llama3", *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != "llama3")]
+)
 def test_llama_cpp_reads_the_f16_file_as_the_merged_model(family, adapters, tmp_path):
-    base, adapter, model = adapters[family]
+    base, adapter, model = adapters(family)
     path = tmp_path / f"{family}.gguf"
     write_gguf(base, adapter, base, path, "f16", family)
 
@@ -149,6 +157,7 @@ def _quantized(quant: str, base: Path, adapter: Path, path: Path) -> None:
     write_quantized(lambda f16: write_gguf(base, adapter, base, f16, "f16", "x"), path, quant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5", "gemma2"])
 def test_q8_0_in_llama_cpp_agrees_with_the_merged_model(name, sharp, tmp_path):
     """Measured (llama.cpp 0.3.36, CPU): KL 8.5e-3 / 5.9e-3, top-1 agreement 1.000 on 45 / 48 positions."""
@@ -163,6 +172,7 @@ def test_q8_0_in_llama_cpp_agrees_with_the_merged_model(name, sharp, tmp_path):
     assert positions >= 0.5 * len(ids) and agreement >= 0.99
 
 
+@pytest.mark.slow
 def test_q4_k_m_in_llama_cpp_is_the_merged_model_in_k_quant_blocks(sharp, tmp_path):
     """llama.cpp runs the q4_k_m file as transformers runs the same file's blocks dequantized (its GGUF loader):
     the file holds the merged model quantized and nothing else. Against the unquantized merged model the 4-bit
@@ -185,6 +195,7 @@ def test_q4_k_m_in_llama_cpp_is_the_merged_model_in_k_quant_blocks(sharp, tmp_pa
     assert to_merged >= 0.5
 
 
+@pytest.mark.slow
 def test_q4_k_m_is_llama_cpps_k_quant_mix(sharp, tmp_path):
     """The file holds llama.cpp's Q4_K_M choices (Q4_K matrices, Q6_K where its mix says), smaller than q8_0."""
     import gguf
