@@ -4,7 +4,8 @@
 
 A Llama-shaped model of a few hundred million parameters (random bf16 weights, `--hidden`, `--layers`, `--vocab`)
 with a random LoRA adapter (rank 16 on every linear) is written to a temporary directory; then, each in a fresh
-process, (a) `lowmem_ft.export.gguf_file.write_gguf` for each --quant and (b) what `lowmem-ft merge` does on the CPU:
+process, (a) `lowmem_ft.export.gguf_file.write_gguf` for each --quant (a K-quant: the f16 file, then llama.cpp's
+quantizer through `lowmem_ft.export.llama_quant`, in the same process) and (b) what `lowmem-ft merge` does on the CPU:
 the base loaded in bf16, peft's adapter, `merge_and_unload`. Measured on the CPU: the growth of the process's
 anonymous resident memory (RssAnon, /proc/self/status, sampled every 2 ms) and of its file-backed resident pages
 (RssFile: the memory-mapped shards, reclaimable) over their values just before the work, after the imports.
@@ -45,11 +46,18 @@ if args["what"] == "merge":
     sampler = threading.Thread(target=sample); sampler.start()
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(safe_merge=True)
-else:
+elif args["what"] in ("f16", "bf16", "q8_0"):
     from lowmem_ft.export.gguf_file import write_gguf
     before = {key: status(key) for key in peak}
     sampler = threading.Thread(target=sample); sampler.start()
     write_gguf(base, adapter, base, out, args["what"], "bench")
+else:  # a K-quant: the f16 file, then llama.cpp's quantizer in this process (llama-cpp-python)
+    import llama_cpp  # noqa: F401 (its library loaded before the baseline)
+    from lowmem_ft.export.gguf_file import write_gguf
+    from lowmem_ft.export.llama_quant import write_quantized
+    before = {key: status(key) for key in peak}
+    sampler = threading.Thread(target=sample); sampler.start()
+    write_quantized(lambda f16: write_gguf(base, adapter, base, f16, "f16", "bench"), out, args["what"])
 stop.append(1); sampler.join()
 print(json.dumps({"anon": peak["RssAnon:"] - before["RssAnon:"], "file": peak["RssFile:"] - before["RssFile:"]}))
 """
@@ -90,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--quants", default="f16,q8_0")
+    parser.add_argument("--quants", default="f16,q8_0,q4_k_m")  # q4_k_m needs llama-cpp-python
     parser.add_argument("--out", default="benchmarks/export_memory.md")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig
 
     from lowmem_ft.export.gguf_file import plan_tensors
+    from lowmem_ft.export.llama_quant import LLAMA_QUANTS
+    from lowmem_ft.export.llama_quant import make_plan as llama_quant_plan
     from lowmem_ft.export.plan import make_plan
     from lowmem_ft.memory.inference import human
 
@@ -107,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         adapter_bytes = (adapter / "adapter_model.safetensors").stat().st_size
         rows = []
         for quant in args.quants.split(","):
-            plan = make_plan(plan_tensors(base, config, quant), quant, adapter_bytes, config)
+            if quant in LLAMA_QUANTS:  # planned as the command plans it: the f16 merge, then llama.cpp
+                plan = llama_quant_plan(plan_tensors(base, config, "f16"), quant, adapter_bytes, config)
+            else:
+                plan = make_plan(plan_tensors(base, config, quant), quant, adapter_bytes, config)
             got = measure(quant, base, adapter, root / f"{quant}.gguf")
             rows.append((f"export --quant {quant}", human(plan.host), human(got["anon"]), human(got["file"])))
         got = measure("merge", base, adapter, root / "merged")

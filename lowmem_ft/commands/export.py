@@ -9,7 +9,6 @@ K-quants go through llama.cpp's own quantizer on an f16 file written first (`low
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from lowmem_ft.commands import flags
@@ -106,11 +105,8 @@ def run(args: argparse.Namespace) -> int:
     written = "f16" if k_quant else args.quant  # what lowmem-ft writes; llama.cpp quantizes the f16 file
     planned = plan_tensors(model_dir, config, written)  # refuses an unmapped family in one line
     adapter_bytes = 0 if run_.full else (run_.weights_dir / "adapter_model.safetensors").stat().st_size
-    plan = make_plan(planned, args.quant, adapter_bytes, config)
-    if k_quant:  # the output bounded by its Q8_0 size (llama_quant's docstring), the f16 file beside it
-        bound = sum(nbytes(p.ref.shape, _qtype_of(p, "q8_0")) for p in planned)
-        plan = dataclasses.replace(plan, tensor_bytes=bound, intermediate_bytes=plan.tensor_bytes,
-                                   quantizer_bytes=llama_quant.host_bytes(max(p.nbytes for p in planned)))  # fmt: skip
+    # a K-quant: the f16 file and llama.cpp's output, bounded by its Q8_0 size (llama_quant's docstring)
+    plan = (llama_quant.make_plan if k_quant else make_plan)(planned, args.quant, adapter_bytes, config)
     if args.host_ram is not None:
         budget, host_from = int(args.host_ram * GB), f"--host-ram {args.host_ram:g}"
     else:

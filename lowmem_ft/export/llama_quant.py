@@ -8,10 +8,12 @@ runs), writes its output under a second hidden name and renames it when complete
 whatever happens. llama-cpp-python has no wheel on PyPI (it builds llama.cpp from source), so it is the optional
 extra `gguf-quants`, and without it `--quant q4_k_m` is one line saying what to install.
 
-Memory of the quantizer, read from llama-quant.cpp in llama-cpp-python 0.3.36 (not measured): the input is
+Memory of the quantizer, read from llama-quant.cpp in llama-cpp-python 0.3.36: the input is
 memory-mapped and each tensor unmapped once written (file-backed pages: the largest tensor's f16 bytes); its rows
 go through in slabs whose source bytes, fp32 copy and output stay under `max_buf_size`, set here to `SLAB_BYTES`
 (llama.cpp's default is 8 GiB); the loader holds the file's metadata (the tokenizer: `plan.METADATA_BOUND`).
+Measured (`devkit/bench/export_memory.py`, a 221M-parameter bf16 Llama, q4_k_m): predicted 735 MB, the process grew
+526 MB anonymous + 144 MB file-backed at its peak, during the quantizer (the f16 merge alone: 266 + 143 MB).
 Disk: the f16 file and the output at once. The output is at most the Q8_0 file: a K-quant, and llama.cpp's
 fallback for a tensor whose rows are not a multiple of 256 (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0:
 `tensor_type_fallback`), is never wider than Q8_0, and rows not a multiple of 32 stay F16 in both — so the plan
@@ -63,6 +65,21 @@ def host_bytes(largest_f16_tensor: int) -> int:
     from lowmem_ft.export.plan import METADATA_BOUND
 
     return SLAB_BYTES + largest_f16_tensor + METADATA_BOUND
+
+
+def make_plan(planned_f16: list, quant: str, adapter_bytes: int, config):
+    """The export plan of a K-quant (`plan.ExportPlan`) over the f16 tensors `gguf_file.plan_tensors` listed: the
+    merge writes them, the output is counted at its Q8_0 size (module docstring), llama.cpp's quantizer beside."""
+    import dataclasses
+
+    from lowmem_ft.export import plan
+    from lowmem_ft.export.gguf_file import nbytes, tensor_qtype
+
+    merge = plan.make_plan(planned_f16, quant, adapter_bytes, config)
+    bound = sum(nbytes(p.ref.shape, tensor_qtype(p.ref.shape, "q8_0")) for p in planned_f16)
+    largest = max(p.nbytes for p in planned_f16)
+    return dataclasses.replace(merge, tensor_bytes=bound, intermediate_bytes=merge.tensor_bytes,
+                               quantizer_bytes=host_bytes(largest))  # fmt: skip
 
 
 def quantize(source: Path, output: Path, quant: str, threads: int | None = None) -> None:
