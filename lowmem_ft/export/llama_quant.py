@@ -102,7 +102,10 @@ def quantize(source: Path, output: Path, quant: str, threads: int | None = None)
         failed = llama_cpp.llama_model_quantize(str(source).encode(), str(staged).encode(), ctypes.byref(params))
         if failed:
             why = next((m.strip() for m in reversed(messages) if "error" in m.lower() or "failed" in m.lower()), "")
-            raise RuntimeError(f"llama.cpp's quantizer failed on {source} ({why or 'no message'})")
+            raise UserError(
+                f"llama.cpp's quantizer failed on {source} ({why or 'no message'}); --quant f16, bf16 or q8_0 "
+                "are written without it"
+            )
         os.replace(staged, output)
     finally:
         staged.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowmem_ft.errors import UserError
 from lowmem_ft.export.gguf_file import write_gguf
 from tests.export.roundtrip import TEXTS, confident_top1_agreement, kl, logits, rounded
 from tests.saved_adapters import save_adapter
@@ -219,6 +220,6 @@ def test_a_quantizer_failure_leaves_no_file(tmp_path):
     a partial output is left, and nothing is under the final name."""
     from lowmem_ft.export.llama_quant import write_quantized
 
-    with pytest.raises(RuntimeError, match="llama.cpp's quantizer failed"):
+    with pytest.raises(UserError, match="llama.cpp's quantizer failed"):
         write_quantized(lambda f16: f16.write_bytes(b"not a gguf file"), tmp_path / "x.gguf", "q4_k_m")
     assert not list(tmp_path.iterdir())
