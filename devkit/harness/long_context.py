@@ -150,6 +150,6 @@ def run_point(model_dir: Path, p: LongPoint) -> LongPoint:
     p.phases = measure(model_dir, p)
     p.measured = p.phases["peak"][0]
     est = predict(model_dir, p)
-    p.predicted = est.model_peak_bytes
+    p.predicted = est.steady_peak_bytes  # micro-step 2.2 accumulates into the gradients
     p.predicted_phases = est.phases
     return p

@@ -144,7 +144,7 @@ def run_point(model_dir: Path, p: Point) -> MoePoint:
     q.measured = q.phases["peak"][0]
     est = predict(model_dir, q)
     arch = Architecture.from_config(json.loads((model_dir / "lowmem_config.json").read_text()))
-    q.predicted = est.model_peak_bytes
+    q.predicted = est.steady_peak_bytes  # micro-step 2.2 accumulates into the gradients
     q.predicted_phases = est.phases
     fwd, bwd = layer_moments(arch, est)
     q.windows = {"layers forward": (q.phases["layers forward"][0], fwd),

@@ -3,8 +3,10 @@
 The one idea: the peak of a training step is the static state (weights, trainable parameters, their gradients and
 optimizer states) plus the largest of two transient phases — forward/backward (saved activations, the loss's
 working set, a dequantization buffer) and the optimizer step (its temporaries) — plus device overheads and the
-safety margin. Each term is a `Component` that says where its constant comes from, so the same numbers serve
-`plan`, the planner, the monitor's "predicted" line and the report.
+safety margin. The first micro batch of an optimizer step begins without gradients (the Trainer sets them to
+None after each step) and creates them during its backward (`Estimate.first_micro_batch`): with one micro batch
+per step that moment, not the steady state, is the peak. Each term is a `Component` that says where its constant
+comes from, so the same numbers serve `plan`, the planner, the monitor's "predicted" line and the report.
 
 Conventions: "tokens" = micro_batch × max_seq_len; c = bytes of the compute dtype. Every constant is in
 `lowmem_ft.memory.calibration`, which says per constant what it was read from or measured with, and with which
@@ -233,8 +235,46 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     layer_moment = kept + layer_bwd + dequant
     if ends_recomputed_forward(arch, s):  # the head's backward has freed its saved tensors by then
         layer_moment = kept - head_freed_bytes(arch, s) + layer + recomputed_layer_bytes(arch, s, dequant)
-    bwd_peak = max(kept + loss_bwd, layer_moment, attn_bwd, embed_bwd + c * h * t)
-    return fwd_peak, bwd_peak
+    end = embed_bwd + c * h * t
+    bwd_peak = max(kept + loss_bwd, layer_moment, attn_bwd, end)
+    fresh = _first_backward(arch, s, comps, kept, loss_bwd, max(layer_moment, attn_bwd), end)
+    return fwd_peak, bwd_peak, fresh
+
+
+def _first_backward(
+    arch: Architecture, s: Setup, comps: list[Component], kept: float, loss_bwd: float, layer: float, end: float
+) -> float:
+    """The backward's peak above the static state less the gradients, when no gradient exists as it begins: the
+    first micro batch of an optimizer step. Source: transformers 5.24 trainer.py `_inner_training_loop` calls
+    `model.zero_grad()` after each `optimizer.step()`, and torch's `Module.zero_grad(set_to_none=True)` sets every
+    gradient to None (so does lowmem-ft's own step, lowmem_ft/train/resilience/trainer.py).
+
+    The gradients then appear as the backward walks down: none at the loss (a trained head's weight gradient is
+    part of the loss's working set until it ends), the head's and one decoder layer's at the last layer's backward,
+    all but the untied input embedding's at the first layer's, all at the end. The layers' moments rise or fall
+    linearly between the last layer and the first (each frees its saved tensors and adds its gradients), so the
+    two ends bound them; at the first layer the other layers' saved tensors are freed, counted as (L − 1) / L of
+    the layers' total (the first layer keeps less than the mean, so this frees less than it does: an upper bound).
+    `layer` and `end`: the layers' moment and the embedding backward's above the static state (`_forward_backward`).
+
+    Measured with PeakMemory on full fine-tunes, every micro-step at full size (tests/devkit/test_harness_estimator.py):
+    where the loss's backward sets the peak, exact to the steady state's own 0.2 MB; with checkpointing, marks at
+    each layer's backward rose by one layer's gradients less its checkpointed input per layer, as counted here
+    (that run's steady layer moment itself is 20 MB over the measured one, so its bound is too)."""
+    by = {x.name: x.bytes for x in comps}
+    grads = by["gradients"]
+    if not grads:
+        return max(kept + loss_bwd, layer, end)
+    trained = sum(n for n, _ in _trainable_tensors(arch, s))
+    elem = grads / trained if trained else 0.0
+    vh = arch.vocab_size * arch.hidden_size
+    head = elem * vh if s.adapter == "full" else 0.0  # the LM head's weight (the tied embedding's, tied)
+    embed = elem * vh if s.adapter == "full" and not arch.tie_embeddings else 0.0  # written by the last op
+    per_layer = (grads - head - embed) / arch.num_layers
+    layers_kept = by.get("activations, all layers", 0.0)
+    last_layer = layer + head + per_layer
+    first_layer = layer + grads - embed - layers_kept * (arch.num_layers - 1) / arch.num_layers
+    return max(kept + loss_bwd, last_layer, first_layer, end + grads)
 
 
 def estimate(arch: Architecture, s: Setup) -> Estimate:
@@ -244,16 +284,22 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     if attention_note:
         notes.insert(0, f"attention: {attention_note}")
     static = sum(x.bytes for x in comps if x.phase == "static")
-    fwd_peak, bwd_peak = _forward_backward(arch, s, comps)
+    fwd_peak, bwd_peak, fresh_bwd = _forward_backward(arch, s, comps)
     fwd_bwd = max(fwd_peak, bwd_peak)
 
     step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device, trainer_fp32_states(arch, s))
     comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", step_src))
 
-    model_peak = static + max(fwd_bwd, step_temp)
-    phase = "forward/backward" if fwd_bwd >= step_temp else "optimizer step"
     phases = {"static": static, "forward": static + fwd_peak, "backward": static + bwd_peak}
     phases["optimizer step"] = static + step_temp
+    # the first micro batch of an optimizer step runs without gradients (module docstring)
+    grads = sum(x.bytes for x in comps if x.name == "gradients")
+    first = {"forward": static - grads + fwd_peak, "backward": static - grads + fresh_bwd}
+    # One micro batch per step: every micro batch is a first one, so the steady state never holds a whole step's
+    # gradients beside the activations. Several: the later micro batches accumulate into them, and do.
+    fwd_bwd_peak = max(first.values()) if s.gradient_accumulation == 1 else static + fwd_bwd
+    model_peak = max(fwd_bwd_peak, phases["optimizer step"])
+    phase = "forward/backward" if fwd_bwd_peak >= phases["optimizer step"] else "optimizer step"
     # PiSSA / OLoRA: a moment of its own, once before step 1, beside the step's peak (which it does not change)
     if init := adapter_init.startup_component(arch, s):
         comps.append(init)
@@ -261,7 +307,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, sum(n for n, _ in trainable), s, init)
     overheads = device_overheads(s, max(fwd_bwd, step_temp))
     comps += overheads
-    return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases)
+    return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases, first)
 
 
 # -- the phases of a real run (the CPU monitor's prediction) ------------------------------------------------------
@@ -274,11 +320,12 @@ def phase_peak_bytes(
     """Live tensor bytes at the peak of one phase of a training run, for a batch of `s.micro_batch_size` rows ×
     `s.max_seq_len` tokens: what the monitor's exact CPU measurement (`lowmem_ft.train.measure.exact`) is compared with.
 
-    `estimate` gives the steady state, where every static component is alive in every phase. A real run is not
-    always there: transformers' Trainer frees the gradients after each optimizer step (`model.zero_grad()`, set to
-    None), so the first forward of each optimizer step runs without them (`grads=False`), and the optimizer creates
-    its states in its first step (`states=False` before it). The backward always counts the gradients: they are
-    complete when it ends. `eval` is `eval_peak_bytes` (no gradients). `ddp`: one process of several, whose
+    `estimate`'s `phases` are the steady state of an accumulating step, where every static component is alive in
+    every phase. A real run is not always there: transformers' Trainer frees the gradients after each optimizer
+    step (`model.zero_grad()`, set to None), so the first micro batch of each optimizer step runs without them
+    (`grads=False`: its forward has none, its backward creates them as it goes, `Estimate.first_micro_batch`), and
+    the optimizer creates its states in its first step (`states=False` before it). `eval` is `eval_peak_bytes` (no
+    gradients). `ddp`: one process of several, whose
     gradients lowmem-ft's trainer averages with one flat all-reduce before the optimizer step
     (`lowmem_ft.train.resilience.trainer` `_average_gradients`: a flat copy of every gradient, freed before the step). The CPU
     form only (`s.device == "cpu"`): on CUDA the same phases carry device overheads the monitor reads from the
@@ -295,6 +342,8 @@ def phase_peak_bytes(
     gradients = est.by_name()["gradients"]
     if not grads and phase == "forward":
         absent += gradients
+    elif not grads and phase == "backward":
+        return est.first_micro_batch[phase] - absent
     if ddp and phase == "optimizer step":
         return max(est.phases[phase], est.phases["static"] + gradients) - absent
     return est.phases[phase] - absent

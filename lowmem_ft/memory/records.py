@@ -81,11 +81,23 @@ class Estimate:
     overhead_bytes: float  # CUDA context, workspaces, allocator (0 on the CPU)
     peak_phase: str
     notes: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)  # live tensor bytes at each phase's peak (no overheads)
+    # live tensor bytes at each phase's peak (no overheads), every static component alive: the steady state of a
+    # step that accumulates several micro batches
+    phases: dict[str, float] = field(default_factory=dict)
+    # the forward's and the backward's peaks in the first micro batch of an optimizer step, begun without gradients
+    # (the Trainer's zero_grad set them to None); with one micro batch per step, every micro batch's
+    first_micro_batch: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> float:
         return self.model_peak_bytes + self.overhead_bytes
+
+    @property
+    def steady_peak_bytes(self) -> float:
+        """The peak with every static component alive in every phase (`phases`): a micro batch after the first of
+        an accumulating step. `model_peak_bytes` is this with several micro batches per step; with one, lower by
+        what the first micro batch lacks (`first_micro_batch`)."""
+        return max(self.phases.get(p, self.model_peak_bytes) for p in ("forward", "backward", "optimizer step"))
 
     @property
     def peak_gb(self) -> float:

@@ -333,7 +333,9 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
     rest = [c for c in est.components if c.phase != "static"]
     device_static = sum(c.bytes for c in per if c.phase == "static")
     notes = [*est.notes, f"per device: {share.strategy} over {n} devices"]
-    return Estimate(per + rest, est.setup, est.model_peak_bytes - static + device_static, est.overhead_bytes,
+    # the steady state (every static component alive): one micro batch per step frees the single device's
+    # gradients before its forward (`Estimate.first_micro_batch`), not a sharded or bucketed share of them
+    return Estimate(per + rest, est.setup, est.steady_peak_bytes - static + device_static, est.overhead_bytes,
                     est.peak_phase, notes)  # fmt: skip
 
 

@@ -38,12 +38,24 @@ def test_phases_of_a_real_run_drop_what_is_not_alive_yet():
     assert steady == estimate(TINY, CPU).phases["forward"]
     # the first forward of an optimizer step runs without gradients (zero_grad sets them to None) ...
     assert steady - phase_peak_bytes(TINY, CPU, "forward", grads=False) == est["gradients"]
-    # ... the backward ends with them whatever it began with
-    assert phase_peak_bytes(TINY, CPU, "backward", grads=False) == phase_peak_bytes(TINY, CPU, "backward")
+    # ... and its backward creates them as it goes: at the loss's backward, which sets this peak, none exist yet
+    first = phase_peak_bytes(TINY, CPU, "backward", grads=False)
+    assert phase_peak_bytes(TINY, CPU, "backward") - first == est["gradients"]
+    assert first == estimate(TINY, CPU).first_micro_batch["backward"]
     # before the first optimizer step there are no states
     states = est["optimizer states (adamw_torch)"]
     assert steady - phase_peak_bytes(TINY, CPU, "forward", states=False) == states
     assert phase_peak_bytes(TINY, CPU, "eval") == eval_peak_bytes(TINY, CPU, CPU.micro_batch_size)
+
+
+def test_one_micro_batch_per_step_never_holds_the_gradients_beside_the_activations():
+    """The plan's peak: at accumulation 1 every micro batch is a first one (zero_grad set the gradients to None);
+    above 1 the later ones accumulate into the gradients, so the steady state holds them all."""
+    full = replace(CPU, adapter="full")
+    one, two = estimate(TINY, full), estimate(TINY, replace(full, gradient_accumulation=2))
+    grads = one.by_name()["gradients"]
+    assert two.model_peak_bytes == two.steady_peak_bytes == two.phases["backward"]
+    assert one.model_peak_bytes == one.first_micro_batch["backward"] == one.phases["backward"] - grads
 
 
 def test_ddp_optimizer_phase_holds_a_flat_copy_of_the_gradients():

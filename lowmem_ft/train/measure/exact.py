@@ -270,7 +270,8 @@ class ExactMemory:
         return out
 
     def _predict(self, what: RunPhase, batch: tuple[int, int]) -> float:
-        grads = self._grads if what == "forward" else what != "eval"
+        # the backward of a micro batch begun without gradients creates them as it goes (`Estimate.first_micro_batch`)
+        grads = self._grads if what in ("forward", "backward") else what != "eval"
         states = self._states or what == "optimizer step"
         labelled = None if what == "eval" else self._labelled
         key = (what, batch, labelled, grads, states, self._checkpointing)
