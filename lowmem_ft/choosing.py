@@ -205,10 +205,13 @@ def _adapter_reason(p: Plan, recipe: Recipe, origins: dict[str, str] | None) -> 
 
 # -- recipe ⇄ setup ----------------------------------------------------------------------------------------------
 def planner_values(recipe: Recipe) -> dict[str, Any]:
-    """Every recipe key that feeds the planner, by the planner's name, spelled as the planner spells it."""
-    return {
-        key.planned.name: key.planned.to_planner(key.of(recipe)) for key in KEYS.values() if key.planned is not None
-    }
+    """Each key that feeds the planner, as the planner names and spells it; of two keys feeding one knob (chunked_loss,
+    full_logits_loss → loss_impl), the one off its default gives it (a recipe with both on is refused)."""
+    values: dict[str, Any] = {}
+    for key, p in ((k, k.planned) for k in KEYS.values() if k.planned is not None):
+        if p.name not in values or p.to_planner(key.of(recipe)) != p.to_planner(key.default):
+            values[p.name] = p.to_planner(key.of(recipe))
+    return values
 
 
 def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
@@ -220,8 +223,7 @@ def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
 
 def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:
     """The planner's request starting from `recipe`: its setup, and the figures the request carries beside it."""
-    values = planner_values(recipe)
-    beside = {name: value for name, value in values.items() if name in BESIDE_SETUP}
+    beside = {name: value for name, value in planner_values(recipe).items() if name in BESIDE_SETUP}
     method = planning(recipe.training.method)  # the planner speaks rows: 2 per pair (lowmem_ft.method_planning)
     start = method.setup(setup_from_recipe(recipe))
     if method.trainer_loss:

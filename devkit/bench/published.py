@@ -347,6 +347,35 @@ def model_reserved(result: Published, length: int) -> float:
     return estimate(arch, setup_of(result, length)).peak_bytes - CUDA_CONTEXT_BYTES
 
 
+def plan_overrides(result: Published) -> dict:
+    """PEFT's settings as `lowmem-ft plan --set ...` takes them, with the model's own loss over full logits
+    (`memory.full_logits_loss`): every knob given, so the planner changes none."""
+    adapter = (
+        {"kind": "full"}
+        if result.method == "full"
+        else {"kind": "lora", "r": result.r or 16, "alpha": result.lora_alpha or 2 * (result.r or 16), "dropout": 0.0,
+              "target_modules": list(result.target_modules or ()), "use_rslora": result.use_rslora,
+              "use_dora": result.method == "dora"}
+    )  # fmt: skip
+    return {
+        "model": {"name_or_path": "meta-llama/Llama-3.2-3B", "quantization": "none"},
+        "adapter": adapter,
+        "optimizer": {"name": "adamw_torch"},
+        "memory": {"gradient_checkpointing": False, "activation_offloading": False, "micro_batch_size": ROWS,
+                   "gradient_accumulation": 1, "full_logits_loss": True},
+    }  # fmt: skip
+
+
+def plan_reserved(result: Published, length: int) -> float:
+    """`lowmem-ft plan --vram 48 --seq-len LENGTH` at PEFT's settings (`plan_overrides`, an L40S's 48 GB): the
+    plan's predicted peak less the CUDA context, as `model_reserved`."""
+    from lowmem_ft.choosing import choose_recipe
+    from lowmem_ft.memory.calibration import CUDA_CONTEXT_BYTES
+
+    _, choice = choose_recipe(vram_gb=48.0, recipe=None, overrides=plan_overrides(result), seq_len=length)
+    return choice.predicted_peak_gb * GB - CUDA_CONTEXT_BYTES
+
+
 def _gap(pred: float, pub: float) -> str:
     return f"{(pred - pub) / pub:+.2%}"
 
@@ -371,10 +400,12 @@ this does not know: not predicted (`—`). `alloc`: `memory_allocated` after a s
 (published total tokens / samples; no length solved) against the mean of the published `mem allocated avg`: the
 static state plus what the loop keeps alive between steps (the bf16 logits and the KV cache in `outputs`).
 `memory model`: lowmem-ft's own memory model (`lowmem_ft.memory.estimate`, `loss_impl="hf_full"`, on CUDA, less
-its CUDA context) at the longest batch, against the published max.
+its CUDA context) at the longest batch, against the published max. `plan`: what `lowmem-ft plan --vram 48
+--seq-len {lmax}` predicts at PEFT's settings with `--set memory.full_logits_loss=true` (the model's own loss over
+full logits; every knob given, so the planner changes none), less the CUDA context.
 
-| configuration | published (torch / transformers / peft) | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | affine (miss at 4 layers) | trace s |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| configuration | published (torch / transformers / peft) | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | plan max GB | gap | affine (miss at 4 layers) | trace s |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -429,10 +460,10 @@ def render(cache: dict) -> str:
         )
         libs = f"{result.date}: {result.torch} / {result.transformers} / {result.peft}"
         if traced is None:
-            lines.append(f"| {result.label} | {libs} | not traced | | | | | | | | | | | | | |\n")
+            lines.append(f"| {result.label} | {libs} | not traced |" + " |" * 15 + "\n")
             continue
         pmax, pp99 = traced["first"], traced["second"]
-        mm = model_reserved(result, lmax)
+        mm, plan = model_reserved(result, lmax), plan_reserved(result, lmax)
         p99 = (
             f"{pp99 / GB:.2f} | {result.reserved_p99 / GB:.2f} | {_gap(pp99, result.reserved_p99)}"
             if result.empty_cache_every == EMPTY_CACHE_EVERY
@@ -443,7 +474,8 @@ def render(cache: dict) -> str:
             f"| {result.label} | {libs} | {held} | {pmax / GB:.2f} | {result.max_reserved / GB:.2f} | "
             f"{_gap(pmax, result.max_reserved)} | {p99} | {traced['allocated'] / GB:.2f} | "
             f"{result.allocated_avg / GB:.2f} | {_gap(traced['allocated'], result.allocated_avg)} | "
-            f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {affine} | "
+            f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {plan / GB:.2f} | {_gap(plan, result.max_reserved)} | "
+            f"{affine} | "
             f"{traced['seconds']} |\n"
         )
     check = cache.get("whole_check")

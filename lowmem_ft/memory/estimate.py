@@ -300,6 +300,12 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     fwd_bwd_peak = max(first.values()) if s.gradient_accumulation == 1 else static + fwd_bwd
     model_peak = max(fwd_bwd_peak, phases["optimizer step"])
     phase = "forward/backward" if fwd_bwd_peak >= phases["optimizer step"] else "optimizer step"
+    if phase == "forward/backward" and model_peak < static + fwd_bwd:  # the components sum to more than the peak
+        absent = static + fwd_bwd - model_peak
+        notes.append(
+            f"gradients: {absent / GB:.2f} GB of them do not exist at the peak (one micro batch per step: the "
+            "Trainer sets them to None after each step, and the backward's peak comes before it creates them)"
+        )
     # PiSSA / OLoRA: a moment of its own, once before step 1, beside the step's peak (which it does not change)
     if init := adapter_init.startup_component(arch, s):
         comps.append(init)

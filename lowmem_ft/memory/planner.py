@@ -262,7 +262,12 @@ def _options(
         "optimizer": list(dict.fromkeys([start.optimizer, "paged_adamw_8bit"])),
         "gradient_checkpointing": [False, True],
         "activation_offloading": [False, True],
-        "loss_impl": ["trl_fused", "chunked"] if arch.chunked_loss_exact else ["trl_fused"],
+        # the model's own loss over full logits is a choice of how the loss is computed, not a saver: kept
+        "loss_impl": ["hf_full"]
+        if start.loss_impl == "hf_full"
+        else ["trl_fused", "chunked"]
+        if arch.chunked_loss_exact
+        else ["trl_fused"],
         "micro_batch_size": sorted(
             {b for b in (b0 * 2, b0, 8, 4, 2, 1) if least <= b <= max(b0 * 2, 1) and b % step == 0}
         ),

@@ -79,7 +79,10 @@ def knob_reasons(
             "activation_offloading",
             "on: checkpointed layer inputs do not fit on the device" if s.activation_offloading else "off: not needed",
         ),
-        "chunked_loss": why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
+        "chunked_loss": "off: the model's own loss over full logits (memory.full_logits_loss"
+        + (", set by you)" if "loss_impl" in fixed else ")")
+        if s.loss_impl == "hf_full" and not request.loss_by
+        else why("loss_impl", "on: needed to fit" if chunked else "off: the loss fits without it"),
         **savers,
         "micro_batch_size": why("micro_batch_size", f"{micro}: largest that fits with the fewest savings; {batch}"),
         "max_seq_len": request.length_reason or f"{s.max_seq_len} tokens",

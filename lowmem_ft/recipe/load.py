@@ -309,6 +309,14 @@ def validate(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                 "memory.gradient_checkpointing=true; turn checkpointing on or offloading off",
             )
         )
+    if m.chunked_loss and m.full_logits_loss:
+        problems.append(
+            (
+                ("memory.chunked_loss", "memory.full_logits_loss"),
+                "'memory.chunked_loss' and 'memory.full_logits_loss' are two ways to compute the loss; "
+                "turn one of them off",
+            )
+        )
     if a.kind == "full" and recipe.model.quantization != "none":
         problems.append(
             (

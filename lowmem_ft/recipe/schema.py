@@ -283,6 +283,14 @@ class MemorySection:
         # memory.chunked_loss swaps in lowmem-ft's own chunked cross-entropy.
         planner=Planned("loss_impl", lambda on: "chunked" if on else "trl_fused", lambda impl: impl == "chunked"),
     )
+    full_logits_loss: bool = _f(
+        False,
+        "Compute the loss as plain transformers Trainer does: the model's own cross-entropy (ForCausalLMLoss) over "
+        "the full logits, upcast to fp32, instead of TRL's fused LM head. The most memory of the three losses "
+        "(tokens × vocab × (2 + 12) bytes in bf16); the planner prices it and keeps it. Not with chunked_loss.",
+        # lowmem_ft.train.losses.install_loss_head(chunked=False) answers SFTTrainer's loss call over full logits
+        planner=Planned("loss_impl", lambda on: "hf_full" if on else "trl_fused", lambda impl: impl == "hf_full"),
+    )
     eval_batch_size: int = _f(
         0,
         "Samples per evaluation forward; 0 = automatic (the planner's choice under --vram, else micro_batch_size). Eval keeps no "

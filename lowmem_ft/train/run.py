@@ -302,6 +302,8 @@ class FineTune:
             # After the trainer, which patches in TRL's own fused LM head (the `chunked_loss: false` loss): ours
             # answers the same loss call instead.
             install_loss_head(self.trainer.model, chunked=True, chunk_tokens=m.loss_chunk_tokens or None)
+        elif m.full_logits_loss and self.method.chunked_loss:  # the model's own loss over full logits
+            install_loss_head(self.trainer.model, chunked=False)
 
     def _write_run_files(self) -> None:
         if not self.is_main:

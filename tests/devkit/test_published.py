@@ -94,3 +94,17 @@ def test_the_committed_table_is_what_its_cache_renders():
     cache = json.loads(table.with_suffix(".json").read_text())
     assert pub.render(cache) == table.read_text()
     assert cache["lengths"] == list(pub.solve_lengths(pub.held_in(), cache))  # the solve needs no new trace
+
+
+def test_plan_with_the_models_own_loss_prices_the_publishers_step():
+    """`lowmem-ft plan` at PEFT's settings with `memory.full_logits_loss` keeps every knob (the loss included) and
+    predicts what the memory model's full-logits path gives the publisher's step (the table's two columns), for an
+    adapter row and full fine-tuning (accumulation 1: its gradients do not exist at the loss's backward)."""
+    from lowmem_ft.choosing import choose_recipe, setup_from_recipe
+
+    for result in (pub.held_in(), next(r for r in pub.published() if r.method == "full")):
+        recipe, choice = choose_recipe(vram_gb=48.0, recipe=None, overrides=pub.plan_overrides(result), seq_len=704)
+        assert recipe.memory.full_logits_loss and not recipe.memory.chunked_loss
+        assert setup_from_recipe(recipe).loss_impl == "hf_full"
+        assert "memory.full_logits_loss" in choice.plan.reasons["chunked_loss"]
+        assert pub.plan_reserved(result, 704) == pytest.approx(pub.model_reserved(result, 704), abs=1e6)
