@@ -195,8 +195,9 @@ def test_training_with_chunked_loss(tiny_model, chat_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.memory_unchecked(
     reason="the forward, by the full-logits head's entropy and top-1 blocks (fp32, under no_grad), which the "
-    "`hf_full` term (ForCausalLMLoss's working set) does not count: measured 23-34 % (0.15-0.21 MB, about 4.5 B per "
-    "logit) over its prediction on this 2-layer model at 33-49 tokens; the backward is checked in the test"
+    "`hf_full` term (ForCausalLMLoss's working set) does not count: measured 23-34 % (0.15-0.21 MB) over its prediction "
+    "on this 2-layer model at 33-49 tokens, where one block is the whole batch (about 12 B per logit of a block: "
+    "its fp32 copy, log-softmax and softmax); the backward is checked in the test"
 )
 def test_training_with_the_models_own_loss(tiny_model, chat_data, tmp_path):
     """With memory.full_logits_loss, SFTTrainer's loss call reaches the full-logits head and the loss falls; one
