@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 # each import torch, transformers, TRL and peft) costs 100-135 s of wall time on the shared 2-core machine (pytest
 # --durations, -n 0, load average 15), ten times a typical slow test. A scheduling hint only: a wrong count costs time.
 LAUNCHES = {
-    "tests/train/test_launch_faults.py": 8,  # a baseline, a faulty launch and its resume for 3 faults, an interrupt
+    "tests/train/test_launch_faults.py": 6,  # a baseline, one run through 3 faults (4 launches), an interrupt
     "tests/train/test_preference_runs.py": 2,  # the DPO launch and its resume
     "tests/train/test_grpo_training.py": 1,
     "tests/train/test_faults.py": 1,  # Ctrl-C under --gpus (its other runs fork from a pre-imported server)

@@ -445,8 +445,9 @@ class TrainingSection:
     save_total_limit: int = _f(2, "Checkpoints kept on disk (the newest; 0 keeps every one).", ge=0)
     rank_timeout_s: int = _f(
         1800,
-        "Under --gpus: seconds a process waits for the others at a collective before the launch fails (a rank hung "
-        "or gone); transformers' ddp_timeout, whose default this is. Keep it above the longest checkpoint save.",
+        "Under --gpus: seconds a process waits for the others at a training collective before the launch fails (a "
+        "rank hung or gone); transformers' ddp_timeout, whose default this is. Keep it above the longest checkpoint "
+        "save. While the ranks build (imports, data, model) they wait at least 1800 s for the slowest.",
         ge=1,
     )
     eval_steps: int = _f(200, "Evaluate every N optimizer steps when there is eval data.", ge=1)

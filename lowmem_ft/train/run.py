@@ -28,7 +28,7 @@ from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir
 from lowmem_ft.train import methods
-from lowmem_ft.train.distributed.ranks import set_timeout
+from lowmem_ft.train.distributed import ranks
 from lowmem_ft.train.ending import RunRecord, resume_point
 from lowmem_ft.train.methods.rewards import reward_flags
 
@@ -123,6 +123,9 @@ class FineTune:
         self._setup_trainer()
         # The run directory last: it records what building decided (data summary, parameter counts).
         self._write_run_files()
+        # Every rank built before training.rank_timeout_s bounds a collective: until here the ranks waited for the
+        # slowest one's imports and loading, which is not a hang; from here one that stops answering is.
+        ranks.ready(self.recipe.training.rank_timeout_s)
         return self
 
     def _setup_device(self) -> None:
@@ -148,7 +151,7 @@ class FineTune:
         self.args = self.method.config(sft_args, self.recipe)  # the method's TRL config, from the SFT one
         # transformers' process-zero check: under `train --gpus`, only rank 0 writes the run directory
         self.is_main = self.args.process_index == 0
-        set_timeout(self.recipe.training.rank_timeout_s)  # a hung rank fails the others after it, CPU ranks too
+        ranks.building(self.recipe.training.rank_timeout_s)  # CPU ranks too: transformers sets no gloo timeout
 
     def _setup_data(self) -> None:
         from lowmem_ft.data.prepare import pack

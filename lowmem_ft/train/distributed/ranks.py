@@ -4,6 +4,10 @@ One process (no process group) is a world of one, where each of these is free. E
 ranks make it at the same point, or the ones that did wait for the others — until the process group's timeout
 (training.rank_timeout_s), or at once when a rank's process is gone (gloo sees its sockets close): `lost_peer` tells
 those failures from the others.
+
+Two waits, not one: while the ranks build (import the libraries, read the data, load the model) one rank may be
+minutes behind another on a loaded host, and that is not a hang, so building waits up to `SETUP_TIMEOUT_S`; once every
+rank is built (`ready`, a barrier) the training's collectives wait training.rank_timeout_s, which can then be short.
 """
 
 from __future__ import annotations
@@ -30,6 +34,24 @@ def set_timeout(seconds: float) -> None:
     setter = getattr(distributed_c10d, "_set_pg_timeout", None)
     if setter is not None:
         setter(timedelta(seconds=seconds), None)
+
+
+# How long a rank waits for the others while the ranks build: torch's default process-group timeout (30 minutes,
+# torch.distributed.constants.default_pg_timeout) and transformers' default ddp_timeout (1800 s).
+SETUP_TIMEOUT_S = 1800
+
+
+def building(timeout_s: float) -> None:
+    """While the ranks build, a collective waits for the slowest up to the longer of `timeout_s` (the training's)
+    and `SETUP_TIMEOUT_S`: a rank still importing or loading is late, not hung."""
+    set_timeout(max(timeout_s, SETUP_TIMEOUT_S))
+
+
+def ready(timeout_s: float) -> None:
+    """Every rank is built: wait here for the slowest, then let the training's collectives wait `timeout_s`
+    (training.rank_timeout_s) for a rank that stops answering."""
+    barrier()
+    set_timeout(timeout_s)
 
 
 def barrier() -> None:
