@@ -1,5 +1,6 @@
 """How each training method is planned: one `MethodPlanning` record per `training.method`, read by the choosing path
-(`lowmem_ft.choosing`), `plan`'s printout and the CPU yardstick (`lowmem_ft.train.measure.exact`).
+(`lowmem_ft.choosing`), `plan`'s printout and the CPU yardstick (`lowmem_ft.train.measure.exact`). What a method
+takes from the recipe (its data format, a reference) is the recipe's `lowmem_ft.recipe.schema.MethodInputs`.
 
 The one idea: the planner speaks one language — rows of a `Setup`, SFT's loss unless told otherwise — and a method
 is a translation into it and back: its recipe samples as planner rows (a preference pair is two rows), the knobs its
@@ -60,6 +61,9 @@ class MethodPlanning:
     lowers_length: bool = False
     # planned round by round: generation, scoring and training phases (`lowmem_ft.memory.grpo_plan`)
     rounds: bool = False
+    # a step's phases are a preference step's: SFT's at the rows it runs, plus its reference pass and loss
+    # (`lowmem_ft.memory.preference.phase_peak`)
+    preference_step: bool = False
     # the planner's request keys beyond SFT's: the preference method and its reference
     request: Callable[[Any], dict[str, Any]] = lambda recipe: {}
     # what `plan` prints of the method beside the table, from the plan and the recipe
@@ -79,6 +83,7 @@ def _preference(name: str) -> MethodPlanning:
         rows_per_sample=preference.rows_per_micro_batch(name, 1),  # type: ignore[arg-type]
         trainer_loss=True,
         lowers_length=True,
+        preference_step=True,
         request=lambda recipe: {"method": name, "reference": recipe.preference.reference},
         lines=_preference_lines,
     )

@@ -7,15 +7,24 @@ from typing import get_args
 
 import pytest
 
-from lowmem_ft.memory.preference import rows_per_micro_batch
+from lowmem_ft.memory.preference import WITH_REFERENCE, rows_per_micro_batch
 from lowmem_ft.memory.records import Setup
 from lowmem_ft.method_planning import PLANNING, planning
-from lowmem_ft.recipe.schema import Method
+from lowmem_ft.recipe.schema import METHOD_INPUTS, Method
 
 
 def test_every_recipe_method_has_its_planning():
     assert tuple(PLANNING) == get_args(Method)
     assert all(planning(name).name == name for name in PLANNING)
+
+
+def test_every_recipe_method_has_its_inputs_and_they_agree_with_the_memory_model():
+    """What the recipe says of a method (its data, a reference) and how it is planned describe the same step."""
+    assert tuple(METHOD_INPUTS) == get_args(Method)
+    assert {name for name, inputs in METHOD_INPUTS.items() if inputs.reference} == set(WITH_REFERENCE)
+    for name, inputs in METHOD_INPUTS.items():
+        assert planning(name).preference_step == (inputs.data_format in ("preference", "kto")), name
+        assert planning(name).rounds == (inputs.data_format == "prompts"), name
 
 
 @pytest.mark.parametrize("name", ["dpo", "orpo", "simpo", "kto"])

@@ -27,6 +27,7 @@ from lowmem_ft.data.readers import log_skipped
 from lowmem_ft.data.sources import DataSource, check_source, eval_source_of, sources_of
 from lowmem_ft.data.tokenize import Tokenized, tokenize_source
 from lowmem_ft.errors import UserError
+from lowmem_ft.recipe.schema import METHOD_INPUTS
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +265,10 @@ def length_profile(
     data = replace(recipe.data, **{k: v for k, v in given.items() if v is not None})
     m = recipe.model
     tokenizer = tokenizer or load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
-    if recipe.training.method == "grpo":
+    reads = METHOD_INPUTS[recipe.training.method].data_format
+    if reads == "prompts":
         return prompt_profile(replace(recipe, data=data), tokenizer)
-    if recipe.training.method != "sft":
+    if reads is not None:  # pairs or KTO's samples
         return preference_profile(replace(recipe, data=data), tokenizer)
     return load_training_data(replace(recipe, data=data), tokenizer).profile()
 
@@ -290,7 +292,7 @@ def preference_profile(recipe, tokenizer) -> LengthProfile:
     from lowmem_ft.data.preference import PairFit, tokenize_pairs
     from lowmem_ft.data.readers import RecordReader
 
-    fmt = "kto" if recipe.training.method == "kto" else "preference"
+    fmt = METHOD_INPUTS[recipe.training.method].data_format
     source = check_source(recipe)[0]
     records = list(RecordReader(source, recipe.data.skip_bad_lines, fmt=fmt))
     if not records:

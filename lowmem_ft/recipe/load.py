@@ -22,7 +22,17 @@ import yaml
 
 from lowmem_ft.console import first_time
 from lowmem_ft.errors import ConfigError, UserError
-from lowmem_ft.recipe.schema import INT_LIMIT, KEYS, SECTIONS, AdapterKind, Method, Recipe, in_range, span
+from lowmem_ft.recipe.schema import (
+    INT_LIMIT,
+    KEYS,
+    METHOD_INPUTS,
+    SECTIONS,
+    AdapterKind,
+    Method,
+    Recipe,
+    in_range,
+    span,
+)
 
 log = logging.getLogger(__name__)
 
@@ -574,7 +584,7 @@ def _init_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         return [(("adapter.init", "adapter.use_dora"),
                  f"'adapter.init' {a.init} with DoRA: peft's conversion to a LoRA adapter on the original base "
                  "drops the magnitude vectors (subtract_mutated_init); turn one of them off")]  # fmt: skip
-    if recipe.training.method in ("dpo", "kto"):  # lowmem_ft.train.methods.preference drops TRL's copy of a new adapter
+    if METHOD_INPUTS[recipe.training.method].reference:  # train.methods.preference drops TRL's copy of a new adapter
         return [(("adapter.init", "training.method"),
                  f"'adapter.init' {a.init} with {recipe.training.method}: the reference is the base with the adapter "
                  "disabled, which this init leaves as the residual, not the model; use adapter.init=default, or "

@@ -31,6 +31,28 @@ WandbMode = Literal["online", "offline", "disabled", "auto"]
 Tracker = Literal["wandb", "tensorboard", "trackio", "none"]
 MixStrategy = Literal["undersample", "oversample"]
 Method = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+
+
+@dataclass(frozen=True)
+class MethodInputs:
+    """What a training method takes from the recipe, one record per `Method` (`METHOD_INPUTS`): the record format its
+    data is read in (`lowmem_ft.data.readers`), and whether its loss compares the policy with a reference model.
+    How a method is planned is `lowmem_ft.method_planning`; how it trains, `lowmem_ft.train.methods`."""
+
+    # None: SFT's data, read as data.format says; else the one format the method reads (prompts, preference, kto)
+    data_format: str | None = None
+    # its loss compares with a reference (TRL's DPOTrainer and KTOTrainer: for LoRA, the base with the adapter off)
+    reference: bool = False
+
+
+METHOD_INPUTS: dict[str, MethodInputs] = {
+    "sft": MethodInputs(),
+    "dpo": MethodInputs("preference", reference=True),
+    "orpo": MethodInputs("preference"),
+    "simpo": MethodInputs("preference"),
+    "kto": MethodInputs("kto", reference=True),
+    "grpo": MethodInputs("prompts"),
+}
 # TRL 1.16 grpo_config.py `loss_type`'s supported values
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 # TRL 1.16 dpo_config.py `loss_type`'s documented values

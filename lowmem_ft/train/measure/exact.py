@@ -32,6 +32,7 @@ from typing import Any
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, RunPhase, Setup, estimate, phase_peak_bytes
+from lowmem_ft.method_planning import planning
 from lowmem_ft.train.measure.peak import PeakMemory
 
 log = logging.getLogger(__name__)
@@ -110,26 +111,26 @@ class ExactMemory:
             if arch is None:  # a model the memory model cannot describe: measured, not predicted
                 log.warning("memory: measuring without a prediction (%s)", exc)
         method = recipe.training.method
+        planned = planning(method)
         # On the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), so the checkpointed layer
         # inputs a CUDA plan keeps in host memory are live here: predicted as such (the trace found the CPU form of
         # an offloading plan 10 % under its forward: Llama-3.1-8B at 24 GB, 2.2 GB of layer inputs).
-        setup = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
-        if method == "sft":
-            return cls(arch, setup, eval_batch, ddp=processes > 1)
-        if method == "grpo":
+        setup = planned.setup(replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False))
+        if planned.rounds:
             from lowmem_ft.choosing import grpo_shape
-            from lowmem_ft.memory.grpo import method_setup
 
             shape = grpo_shape(recipe, prompt_len)
-            return cls(arch, method_setup(setup), eval_batch, ddp=processes > 1, method=method, grpo=shape)
-        from lowmem_ft.memory.preference import method_setup, reference_kind, rows_per_micro_batch
+            return cls(arch, setup, eval_batch, ddp=processes > 1, method=method, grpo=shape)
+        if not planned.preference_step:
+            return cls(arch, setup, eval_batch, ddp=processes > 1)
+        from lowmem_ft.memory.preference import reference_kind
 
         # a preference micro batch of B pairs runs 2·B rows (the CPU form speaks rows, as the monitor sees them)
         reference = reference_kind(method, recipe.adapter.kind, recipe.preference.reference)
         return cls(
             arch,
-            method_setup(method, setup),
-            rows_per_micro_batch(method, eval_batch),
+            setup,
+            planned.rows_per_sample * eval_batch,
             ddp=processes > 1,
             method=method,
             reference=reference,
@@ -296,7 +297,7 @@ class ExactMemory:
 
     def _phase(self, s: Setup, what: RunPhase, grads: bool = True, states: bool = True) -> float:
         """The memory model's CPU phase peak: SFT's, or a preference step's with its reference pass."""
-        if self.method == "sft" or what == "eval":
+        if not planning(self.method).preference_step or what == "eval":
             return phase_peak_bytes(self.arch, s, what, grads=grads, states=states, ddp=self.ddp)
         from lowmem_ft.memory import preference
 
