@@ -173,7 +173,15 @@ def test_train_offers_every_declared_flag_with_its_key_in_the_help():
     train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
     helps = {option: action.help for action in train._actions for option in action.option_strings}
     for name, key in FLAG_KEYS.items():
-        assert key.flag.help in helps[name] and key.path in helps[name], name
+        assert key.flag_help and key.flag_help in helps[name] and key.path in helps[name], name
+
+
+def test_a_flag_without_words_of_its_own_says_its_keys_help():
+    """`--data` is `data.path`'s help as a line, not a second copy of it kept by hand."""
+    data = FLAG_KEYS["--data"]
+    assert data.path == "data.path" and not data.flag.help
+    assert data.flag_help == "t" + data.help[1:-1]  # "Training data: … (org/name)." as a line
+    assert all(k.flag_help == k.flag.help for k in FLAG_KEYS.values() if k.flag.help)
 
 
 NUMERIC = [key for key in FLAGGED if key.type in (int, float)]

@@ -15,6 +15,7 @@ import json
 
 from lowmem_ft.commands import flags
 from lowmem_ft.data.formats import FORMATS
+from lowmem_ft.recipe.schema import KEYS
 
 
 def add_parser(sub) -> None:
@@ -33,8 +34,7 @@ def add_parser(sub) -> None:
     s.add_argument(
         "source",
         nargs="?",
-        help="data file (.jsonl .json .parquet .csv .tsv), directory of them, save_to_disk directory or Hub id "
-        "org/name (data.path; omit it when --recipe or --set gives data.path or data.mix)",
+        help=f"{KEYS['data.path'].flag_help} (data.path; omit it when --recipe or --set gives data.path or data.mix)",
     )
     s.add_argument("--data", dest="data_flag", metavar="SOURCE", help="the same as SOURCE, as `train` spells it")
     s.add_argument("--model", help="hub id or local directory whose tokenizer counts the tokens (model.name_or_path)")

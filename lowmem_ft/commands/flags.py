@@ -118,7 +118,7 @@ def add_key_flags(parser, *names: str, checked: bool = False, note: str = "", **
         key = FLAG_KEYS[name]
         flag = key.flag
         said = f"{key.path}={flag.switch}" if flag.switch not in (None, True) else key.path
-        options: dict[str, Any] = {"dest": _dest(key), "help": f"{flag.help} ({said}){note}"}
+        options: dict[str, Any] = {"dest": _dest(key), "help": f"{key.flag_help} ({said}){note}"}
         if flag.switch is not None:
             parser.add_argument(name, action="store_true", **options, **kw)
             continue

@@ -75,13 +75,14 @@ class Flag:
     """The command-line flag of a recipe key: `--seq-len 64` is `--set memory.max_seq_len=64` (the value read as
     `--set` reads it, a string key's as typed), and errors about the value name the flag, not `--set`.
 
-    `help` is the flag's line in `--help` (the key is added after it); `switch` makes it a flag without a value
-    that sets the key to `switch` (`--no-wandb` → logging.wandb_mode=disabled); `hidden_choices` are choices of the
-    key the flag does not offer (`--format auto` is what no flag means).
+    `help` is the flag's line in `--help` (the key is added after it) where it says less than the key's help, or
+    differently; left empty, the line is the key's own help (`Key.flag_help`). `switch` makes it a flag without a
+    value that sets the key to `switch` (`--no-wandb` → logging.wandb_mode=disabled); `hidden_choices` are choices of
+    the key the flag does not offer (`--format auto` is what no flag means).
     """
 
     name: str
-    help: str
+    help: str = ""
     metavar: str | None = None
     switch: Any = None
     hidden_choices: tuple[str, ...] = ()
@@ -370,11 +371,7 @@ class DataSection:
         "",
         "Training data: a JSONL / JSON / Parquet / CSV / TSV file, a directory of them, a `save_to_disk` directory, "
         "or a Hugging Face Hub data set id (org/name).",
-        flag=Flag(
-            "--data",
-            "training data: a JSONL / JSON / Parquet / CSV file, a directory of them, a save_to_disk directory or a "
-            "Hub id",
-        ),
+        flag=Flag("--data"),
     )
     split: str = _f(
         "train", "Split to train on: of a Hub data set, a saved DatasetDict, or a directory with train/test files."
@@ -651,6 +648,16 @@ class Key:
     @property
     def flag(self) -> Flag | None:
         return self.field.metadata.get("flag")
+
+    @property
+    def flag_help(self) -> str:
+        """The flag's line in `--help`: the flag's own words, else the key's help as a line (its first letter in
+        lower case, no final period)."""
+        flag = self.flag
+        if flag is not None and flag.help:
+            return flag.help
+        text = self.help.rstrip(".")
+        return text[:1].lower() + text[1:]
 
     @property
     def planned(self) -> Planned | None:
