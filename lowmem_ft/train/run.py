@@ -156,18 +156,12 @@ class FineTune:
     def _setup_data(self) -> None:
         from lowmem_ft.data.prepare import pack
         from lowmem_ft.train.model import load_tokenizer
-        from lowmem_ft.vision.setup import vision_of
 
         self.tokenizer = load_tokenizer(self.recipe)
-        self.vision = vision_of(self.recipe) if self.method.images else None
-        if self.vision is not None:  # image chats (lowmem_ft.vision): its own reading and collator
-            self.train_ds, self.eval_ds, self.data_summary = self.vision.prepare(self.recipe, self.tokenizer)
-            self.args.remove_unused_columns = False  # the collator reads the image files column
-            self.trainer_kwargs: dict[str, Any] = {}
-        else:
-            data = self.method.prepare_data(self.recipe, self.tokenizer, self.reward_fns)
-            self.train_ds, self.eval_ds, self.data_summary = data.train, data.eval, data.summary
-            self.trainer_kwargs = data.trainer_kwargs  # what the method's trainer takes beside the common arguments
+        self.data = self.method.prepare_data(self.recipe, self.tokenizer, self.reward_fns)
+        self.train_ds, self.eval_ds, self.data_summary = self.data.train, self.data.eval, self.data.summary
+        if self.data.keeps_columns:  # its collator reads columns beside the model's inputs (image chats' files)
+            self.args.remove_unused_columns = False
         self.data_summary["batching"] = self.batching.to_dict()
         if self.batching.packed:  # TRL's own preparation is skipped (`args.sft_config`), its packing with it
             self.train_ds = pack(self.train_ds, self.recipe.memory.max_seq_len)
@@ -209,6 +203,8 @@ class FineTune:
         cpu = self.args.device.type == "cpu"
         exact = ExactMemory.for_recipe(self.recipe, eval_batch_size(self.recipe), self.args.world_size,
                                        config=self.model.config, prompt_len=longest) if cpu else None  # fmt: skip
+        if exact is not None and self.data.held is not None:  # what the collator's batches hold is the run's too
+            exact.pixels_held = self.data.held
         # under `train --gpus` each rank writes its own device's file (memory.jsonl on rank 0, memory.rank{R}.jsonl)
         self.monitor = MemoryMonitor(
             self.run.memory_file(self.args.process_index), predicted_peak_gb=self.choice.predicted_peak_gb,
@@ -258,13 +254,9 @@ class FineTune:
         figures = {"predicted_peak_gb": self.choice.predicted_peak_gb}
         figures |= self.target.to_dict() if self.target is not None else {}
         trainer_class, extra = self.method.trainer(self.recipe)
-        if self.vision is not None:  # the batch's images → pixel values, at the run's resolution cap
-            extra["data_collator"] = self.vision.collator(self.recipe, self.tokenizer)
-            if self.monitor.exact is not None:  # the pixel values the trainer holds are the run's too
-                self.monitor.exact.pixels_held = extra["data_collator"].pixels_held
         self.trainer = trainer_class(
             **extra,
-            **self.trainer_kwargs,
+            **self.data.trainer_kwargs,  # what the method's trainer takes for its data (rewards, a collator)
             model=self.model,
             args=self.args,
             train_dataset=self.train_ds,
@@ -295,8 +287,7 @@ class FineTune:
                 self.run,
                 self.args.world_size,
                 self.method,
-                self.vision,
-                self.data_summary,
+                self.data.banner,
             )  # fmt: skip
         )
         progress.install(self.trainer, self.monitor, self.target, self.method.shown)
@@ -379,8 +370,8 @@ class FineTune:
         self.trainer.save_model(str(staged))
         if self.is_main and init_conversion.rewrites_base(self.recipe):  # PiSSA / OLoRA → LoRA on the original base
             init_conversion.save_converted(self.model, staged, self.run.initial_adapter)
-        if self.is_main and self.vision is not None:  # the processor at the cap it trained at, beside the weights
-            self.vision.save_preprocessor(self.recipe, staged)
+        if self.is_main and self.data.save_beside is not None:  # image chats: the processor at the cap it trained at
+            self.data.save_beside(staged)
         barrier()
         if self.is_main:
             rename_into_place(staged, final, aside=staged.with_name(f"{staged.name}.replaced"))
@@ -423,8 +414,8 @@ class FineTune:
         return self.record.around()
 
 
-def _banner(recipe: Recipe, choice: Choice, model, run: RunDir, world_size: int, method: methods.Method, vision,
-            data_summary: dict):  # fmt: skip
+def _banner(recipe: Recipe, choice: Choice, model, run: RunDir, world_size: int, method: methods.Method,
+            images: str):  # fmt: skip
     """The plan on the console when training begins (`banner`): what the planner chose and where the run is."""
     from lowmem_ft.train.model import trainable_summary
     from lowmem_ft.train.observe.banner import PlanBanner, RunView, machine_ram_gb
@@ -435,7 +426,7 @@ def _banner(recipe: Recipe, choice: Choice, model, run: RunDir, world_size: int,
     view = RunView(
         recipe.training.method, recipe, choice, counts["trainable_params"], counts["total_params"],
         world_size=world_size, host_gb=host, machine_ram_gb=machine_ram_gb(), run_dir=str(run.path),
-        batch=method.batch_text(recipe, world_size), images=vision.banner(data_summary) if vision else "",
+        batch=method.batch_text(recipe, world_size), images=images,
     )  # fmt: skip
     return PlanBanner(view, tensorboard_dir=str(run.tensorboard))
 

@@ -19,9 +19,10 @@ training, torch-free: `lowmem_ft.method_planning`, keyed by the same names, over
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -42,12 +43,25 @@ REGISTRY: dict[str, str] = {
 @dataclass
 class MethodData:
     """A method's prepared data: the train and eval datasets (the eval one or None), the data summary run.json
-    records, and what its trainer takes beside the common arguments (GRPO: the reward functions)."""
+    records, and what its trainer takes beside the common arguments (GRPO: the reward functions; image chats: their
+    collator).
+
+    Data that brings more than rows (SFT's image chats, `lowmem_ft.vision`) says here what the run does with it, so
+    `FineTune` asks no more of it than of text: the columns its collator reads, the bytes the collator holds (the
+    exact CPU measure counts them), a line for the banner, and files saved beside the weights."""
 
     train: Any
     eval: Any
     summary: dict[str, Any]
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the trainer's collator (in trainer_kwargs) reads columns beyond the model's inputs: the trainer keeps them
+    keeps_columns: bool = False
+    # bytes the collator's batches hold beside the model's tensors, for `ExactMemory.pixels_held`; None: none
+    held: Callable[[], int] | None = None
+    # the data's line on the plan banner (`lowmem_ft.train.observe.banner`: image chats' images per sample and cap)
+    banner: str = ""
+    # writes what the saved weights need beside them into the staged directory (the processor at the run's cap)
+    save_beside: Callable[[Path], None] | None = None
 
 
 class Method(Protocol):
@@ -65,8 +79,6 @@ class Method(Protocol):
     # whether our chunked loss head answers the model's loss call when memory.chunked_loss is set
     # (`lowmem_ft.train.losses`); False where the trainer computes its loss from its own log-probs (GRPO)
     chunked_loss: bool
-    # whether the method reads image chats (`lowmem_ft.vision`: their own data and collator); SFT only so far
-    images: bool
 
     def batching(self, recipe: Recipe) -> Batching:
         """How the method's samples are batched (packing decided from the model's config for SFT)."""
@@ -81,7 +93,8 @@ class Method(Protocol):
         ...
 
     def prepare_data(self, recipe: Recipe, tokenizer: Any, reward_fns: list) -> MethodData:
-        """The method's data, read, tokenized and fitted; `reward_fns`: the command line's `--reward-fn`."""
+        """The method's data, read, tokenized and fitted (SFT: image chats too, for a vision-language checkpoint);
+        `reward_fns`: the command line's `--reward-fn`."""
         ...
 
     def trainer(self, recipe: Recipe) -> tuple[type, dict[str, Any]]:

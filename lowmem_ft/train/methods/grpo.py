@@ -286,7 +286,6 @@ class GRPO:
     logged = ("rewards/*", "completions/mean_length", "clip_ratio/region_mean", "kl", "reward", "reward_std")
     traced = False  # a round generates: the tracer runs SFT steps only
     takes_rewards = True
-    images = False
     chunked_loss = False  # TRL computes GRPO's loss from its own log-probs (`lowmem_ft.memory.grpo.method_setup`)
 
     def batching(self, recipe):

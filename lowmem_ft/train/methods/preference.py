@@ -329,7 +329,6 @@ class Preference:
     logged = ("rewards/*", "log_odds*", "kl")  # TRL's names: rewards/margins, log_odds_ratio, KTO's kl
     traced = False  # the tracer runs SFT steps; a reference pass is not traced yet
     takes_rewards = False
-    images = False
     # installed when the recipe sets memory.chunked_loss; the planner never turns it on for these runs, whose
     # trainers compute their own loss (TRL's fused head, full logits: `lowmem_ft.memory.preference.method_setup`)
     chunked_loss = True

@@ -3,7 +3,9 @@
 The one idea: the data is tokenized, masked and fitted by `lowmem_ft.data.prepare` (packed there when the model's
 attention keeps samples apart, `lowmem_ft.train.args.batching`), so TRL's own preparation is skipped and its trainer
 (`MemorySafeSFTTrainer`, with the monitor, guard and OOM recovery) sees batches already the planned size. Its loss is
-the model's, which our chunked loss head may answer (`memory.chunked_loss`, `lowmem_ft.train.losses`).
+the model's, which our chunked loss head may answer (`memory.chunked_loss`, `lowmem_ft.train.losses`). A
+vision-language checkpoint trains on image chats the same way: `lowmem_ft.vision` reads them and brings the collator
+(`prepare_data`), and the run treats them as any data (`MethodData`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ class SFT:
     logged: tuple[str, ...] = ()  # the loss and token accuracy are the run's common figures
     traced = True  # the training step `lowmem_ft.train.trace.step` traces
     takes_rewards = False
-    images = True
     chunked_loss = True
 
     def batching(self, recipe):
@@ -36,8 +37,25 @@ class SFT:
 
     def prepare_data(self, recipe, tokenizer, reward_fns: list) -> MethodData:
         from lowmem_ft.data.prepare import prepare_datasets
+        from lowmem_ft.vision.setup import vision_of
 
-        return MethodData(*prepare_datasets(recipe, tokenizer))
+        vision = vision_of(recipe)
+        if vision is None:
+            return MethodData(*prepare_datasets(recipe, tokenizer))
+        # image chats (`lowmem_ft.vision`): their own reading, and a collator that opens the image files column into
+        # pixel values at the run's resolution cap; the processor at that cap is saved beside the weights
+        train, eval_data, summary = vision.prepare(recipe, tokenizer)
+        collator = vision.collator(recipe, tokenizer)
+        return MethodData(
+            train,
+            eval_data,
+            summary,
+            trainer_kwargs={"data_collator": collator},
+            keeps_columns=True,
+            held=collator.pixels_held,
+            banner=vision.banner(summary),
+            save_beside=lambda directory: vision.save_preprocessor(recipe, directory),
+        )
 
     def trainer(self, recipe) -> tuple[type, dict[str, Any]]:
         from lowmem_ft.train.resilience.trainer import MemorySafeSFTTrainer
