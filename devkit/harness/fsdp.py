@@ -107,8 +107,9 @@ def _rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: s
         dist.destroy_process_group()
 
 
-def _loss_rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: str) -> None:
-    """One rank of `sharded_loss`: the loss of the same batch on every rank, and after one optimizer step."""
+def _loss_rank(rank: int, world: int, jobs: list[tuple[str, FsdpPoint]], init: str, out: str) -> None:
+    """One rank of `sharded_losses`: for each job in turn, the loss of the same batch on every rank, and after one
+    optimizer step — every job in one process group (the ranks import the libraries once for all of them)."""
     import torch
     from torch import distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -116,9 +117,11 @@ def _loss_rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, o
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        model = _built(model_dir, p)
-        shard(model, init_device_mesh("cpu", (world,)))
-        Path(out, f"loss{rank}.json").write_text(json.dumps(_two_losses(model, p)))
+        mesh = init_device_mesh("cpu", (world,))
+        for i, (model_dir, p) in enumerate(jobs):
+            model = _built(model_dir, p)
+            shard(model, mesh)
+            Path(out, f"loss{i}.rank{rank}.json").write_text(json.dumps(_two_losses(model, p)))
     finally:
         dist.destroy_process_group()
 
@@ -159,15 +162,24 @@ def _two_losses(model, p: FsdpPoint) -> list[float]:
 def sharded_loss(model_dir: Path, p: FsdpPoint) -> tuple[list[float], dict[int, list[float]]]:
     """(the whole model's [loss, loss after one step], each rank's under FSDP2 on `p.ranks` ranks) for one batch
     given to every rank: sharding must change neither (data parallelism averages equal gradients)."""
+    return sharded_losses([(model_dir, p)])[0]
+
+
+def sharded_losses(jobs: list[tuple[Path, FsdpPoint]]) -> list[tuple[list[float], dict[int, list[float]]]]:
+    """`sharded_loss` of each (model directory, point), the points' ranks started once for all of them (one
+    `start_processes`: the ranks' imports are most of a small point's time). Every point has the same `ranks`."""
     import torch.multiprocessing as mp
 
-    whole = _two_losses(_built(str(model_dir), p), p)
+    (world,) = {p.ranks for _, p in jobs}
+    wholes = [_two_losses(_built(str(model_dir), p), p) for model_dir, p in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rendezvous")
-        mp.start_processes(
-            _loss_rank, args=(p.ranks, str(model_dir), p, init, tmp), nprocs=p.ranks, start_method="spawn"
-        )
-        return whole, {r: json.loads(Path(tmp, f"loss{r}.json").read_text()) for r in range(p.ranks)}
+        work = [(str(model_dir), p) for model_dir, p in jobs]
+        mp.start_processes(_loss_rank, args=(world, work, init, tmp), nprocs=world, start_method="spawn")
+        return [
+            (whole, {r: json.loads(Path(tmp, f"loss{i}.rank{r}.json").read_text()) for r in range(world)})
+            for i, whole in enumerate(wholes)
+        ]
 
 
 def measure(model_dir: Path, p: FsdpPoint, warmup_seq: int = 8) -> dict[int, dict[str, tuple[int, int]]]:

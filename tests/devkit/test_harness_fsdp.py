@@ -7,7 +7,7 @@ import pytest
 
 from devkit.bench.fsdp_grid import predicted
 from devkit.harness.estimator import write_model
-from devkit.harness.fsdp import PHASES, FsdpPoint, measure, phase_measurements, sharded_loss
+from devkit.harness.fsdp import PHASES, FsdpPoint, measure, phase_measurements, sharded_losses
 from devkit.zoo import build, estimator_config
 
 
@@ -28,25 +28,38 @@ def test_every_rank_within_target(llama3):
             assert pred[phase] == pytest.approx(measured[phase], rel=0.03), (r, phase)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("adapter", ["lora", "qlora", "full"])
-def test_sharded_loss_is_the_whole_models(llama3, adapter):
-    whole, ranks = sharded_loss(llama3, FsdpPoint("llama3", adapter, 2, False, batch=2, seq=16))
-    assert whole[1] < whole[0]  # the step trained something
-    for r, losses in ranks.items():
-        assert losses == pytest.approx(whole, rel=1e-5), r
-
-
 # One zoo family per quirk FSDP2's sharding meets: tied (llama3) and untied, biased (qwen2.5) heads, fused qkv (phi3),
 # sliding windows (mistral), softcapping (gemma2), a multimodal wrapper (gemma3-vision). The other families share
 # these model classes (qwen-v1 loads as Qwen2); all of them passed once when the harness was written (its note).
 QUIRKS = ("llama3", "qwen2.5", "phi3", "mistral", "gemma2", "gemma3-vision")
+ADAPTERS = ("lora", "qlora", "full")
+
+
+@pytest.fixture(scope="module")
+def losses(llama3, tmp_path_factory) -> dict[str, tuple[list[float], dict[int, list[float]]]]:
+    """Each point's whole-model losses and each rank's under FSDP2: the estimator's Llama-3 with every adapter kind,
+    and the zoo's tiny replica of each quirk with LoRA — one start of the two ranks for all of them."""
+    zoo = tmp_path_factory.mktemp("zoo")
+    jobs = {f"llama3/{a}": (llama3, FsdpPoint("llama3", a, 2, False, batch=2, seq=16)) for a in ADAPTERS}
+    for family in QUIRKS:  # the zoo's tiny replicas through FSDP2
+        jobs[family] = (build(family, zoo / family), FsdpPoint(family, "lora", 2, False, batch=2, seq=16))
+    return dict(zip(jobs, sharded_losses(list(jobs.values())), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_sharded_loss_is_the_whole_models(losses, adapter):
+    whole, ranks = losses[f"llama3/{adapter}"]
+    assert whole[1] < whole[0]  # the step trained something
+    assert sorted(ranks) == [0, 1]
+    for r, rank_losses in ranks.items():
+        assert rank_losses == pytest.approx(whole, rel=1e-5), r
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", QUIRKS)
-def test_sharded_lora_loss_across_the_zoos_quirks(tmp_path, family):
-    # the zoo's tiny replicas through FSDP2
-    whole, ranks = sharded_loss(build(family, tmp_path / family), FsdpPoint(family, "lora", 2, False, batch=2, seq=16))
-    for r, losses in ranks.items():
-        assert losses == pytest.approx(whole, rel=1e-5), r
+def test_sharded_lora_loss_across_the_zoos_quirks(losses, family):
+    whole, ranks = losses[family]
+    assert sorted(ranks) == [0, 1]
+    for r, rank_losses in ranks.items():
+        assert rank_losses == pytest.approx(whole, rel=1e-5), r
