@@ -581,11 +581,12 @@ def check_method_rules(
     GRPO's whole prompt groups per round (`memory.grpo_plan.round_problem`). The planner's choices meet them; a
     value the user fixed (a recipe, --set) may not, and is refused in one line naming where it was set."""
     method, m, overrides = r.training.method, r.memory, overrides or {}
-    if method == "sft":
+    planned = planning(method)
+    if not planned.rounds and not planned.preference_step:  # SFT: no rule of its own
         return
     mb = m.micro_batch_size
     where = asked("memory.micro_batch_size", mb, origin_of("memory.micro_batch_size", overrides, origins), recipe)
-    if method == "grpo":
+    if planned.rounds:
         from lowmem_ft.memory.grpo_plan import round_problem
 
         problem = round_problem(mb, r.grpo.steps_per_generation, m.gradient_accumulation, processes,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowmem_ft.choosing import Choice, asked, check_positions, choose_recipe, model_positions, origin_of
 from lowmem_ft.errors import UserError
+from lowmem_ft.recipe.schema import METHOD_INPUTS
 from lowmem_ft.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def prepare(request: TrainRequest) -> Prepared:
     if request.launched:  # refused before a new run directory is made
         from lowmem_ft.train.distributed.launch import plan_launch
 
-        if request.vram_gb is None and not request.resume and recipe.training.method != "sft":
+        if request.vram_gb is None and not request.resume and METHOD_INPUTS[recipe.training.method].data_format:
             # not planned, so the data was not read yet: the method's rows (pairs, KTO labels, GRPO prompts) are
             # checked here, once, not by every rank after the launch
             from lowmem_ft.data import length_profile

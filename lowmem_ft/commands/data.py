@@ -15,7 +15,7 @@ import json
 
 from lowmem_ft.commands import flags
 from lowmem_ft.data.formats import FORMATS
-from lowmem_ft.recipe.schema import KEYS
+from lowmem_ft.recipe.schema import KEYS, METHOD_INPUTS
 
 
 def add_parser(sub) -> None:
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if vision is not None:  # image chats: tokens with their image tokens, images per sample, pixel sizes
         return _print_vision(args, vision.describe(recipe))
     tokenizer = load_tokenizer(recipe.model.name_or_path, recipe.model.trust_remote_code, recipe.data.chat_template)
-    if recipe.training.method != "sft":
+    if METHOD_INPUTS[recipe.training.method].data_format:  # pairs, KTO's samples, GRPO's prompts
         return _method_stats(args, recipe, tokenizer)
     data = load_training_data(recipe, tokenizer)
     profile = data.profile()
@@ -204,7 +204,7 @@ def _method_stats(args: argparse.Namespace, recipe, tokenizer) -> int:
     print(f"{label}: {profile.count} {one}s for --method {method}, {profile.total_tokens} tokens")
     print(f"tokens per {one} ({what}): p50 {profile.p50}  p90 {profile.p90}  p99 {profile.p99}  max {profile.max}  "
           f"mean {profile.mean}")  # fmt: skip
-    limit = "grpo.max_prompt_length" if method == "grpo" else "memory.max_seq_len"
+    limit = "grpo.max_prompt_length" if METHOD_INPUTS[method].data_format == "prompts" else "memory.max_seq_len"
     print(f"\nwhat {limit} would cut:")
     print(f"  {'max_len':>8} {'over':>8} {'% over':>8}")
     for n, samples, _ in cuts:

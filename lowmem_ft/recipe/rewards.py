@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.recipe.schema import METHOD_INPUTS
 
 # The built-in rewards' names (`lowmem_ft.train.methods.rewards.BUILTINS` implements each)
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format", "length_penalty")
@@ -76,11 +77,12 @@ def parse_reward_fn(entry: str) -> RewardSpec:
 def rewards_problem(method: str, builtins: list[str], reward_fns: tuple[str, ...] | list[str]) -> str | None:
     """Whether a run names the rewards its method needs, checked before any weight is read or rank launched: GRPO
     needs at least one (`grpo.rewards` or `--reward-fn`), and only GRPO takes `--reward-fn`."""
-    if method == "grpo" and not builtins and not reward_fns:
+    scored = METHOD_INPUTS[method].rewards
+    if scored and not builtins and not reward_fns:
         return (
             "--method grpo needs a reward: name a built-in with --set grpo.rewards=[NAME] "
             f"({', '.join(BUILTIN_REWARDS)}), or your own function with --reward-fn path.py:name"
         )
-    if method != "grpo" and reward_fns:
+    if not scored and reward_fns:
         return f"--reward-fn is for --method grpo; this run's method is {method}"
     return None

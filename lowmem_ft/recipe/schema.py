@@ -43,6 +43,8 @@ class MethodInputs:
     data_format: str | None = None
     # its loss compares with a reference (TRL's DPOTrainer and KTOTrainer: for LoRA, the base with the adapter off)
     reference: bool = False
+    # its trainer scores completions with reward functions (grpo.rewards, --reward-fn)
+    rewards: bool = False
 
 
 METHOD_INPUTS: dict[str, MethodInputs] = {
@@ -51,7 +53,7 @@ METHOD_INPUTS: dict[str, MethodInputs] = {
     "orpo": MethodInputs("preference"),
     "simpo": MethodInputs("preference"),
     "kto": MethodInputs("kto", reference=True),
-    "grpo": MethodInputs("prompts"),
+    "grpo": MethodInputs("prompts", rewards=True),
 }
 # TRL 1.16 grpo_config.py `loss_type`'s supported values
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]

@@ -11,13 +11,13 @@ from typing import get_args
 import pytest
 
 from lowmem_ft.recipe.load import resolve
+from lowmem_ft.recipe.schema import METHOD_INPUTS
 from lowmem_ft.recipe.schema import Method as RecipeMethod
 from lowmem_ft.train import methods
 
 TRAIN = Path(__file__).resolve().parents[3] / "lowmem_ft" / "train"
-# modules of train/ that may name a method: the methods themselves, and the CPU yardstick, which mirrors the memory
-# model's per-method forms (`lowmem_ft.memory.preference`, `.grpo`) and may not import the methods (tests/test_imports)
-MAY_NAME_METHODS = {"methods", "measure/exact.py"}
+# modules of train/ that may name a method: the methods themselves (the CPU yardstick reads the planning record)
+MAY_NAME_METHODS = {"methods"}
 
 
 def test_every_recipe_method_is_registered_under_its_name():
@@ -27,6 +27,7 @@ def test_every_recipe_method_is_registered_under_its_name():
         assert method.name == name
         for attribute in ("shown", "logged", "takes_rewards", "chunked_loss", "traced"):
             assert hasattr(method, attribute), (name, attribute)
+        assert METHOD_INPUTS[name].rewards == method.takes_rewards, name  # the recipe's checks and the trainer agree
     with pytest.raises(KeyError, match="no training method 'ppo'; known: sft, dpo"):
         methods.get("ppo")
 
