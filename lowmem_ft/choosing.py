@@ -20,7 +20,6 @@ from lowmem_ft import calibrated
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup, estimate
 from lowmem_ft.memory.host import host_over
-from lowmem_ft.memory.long_context import KNOBS as LONG_CONTEXT_KNOBS
 from lowmem_ft.memory.planner import Plan, Request, Requested, check, longest_length, max_seq_len, plan, round_seq_len
 from lowmem_ft.memory.target import Target
 from lowmem_ft.method_planning import planning
@@ -666,38 +665,3 @@ def _choose_grpo(arch, start: Recipe, target: Target, recipe: str | None, overri
     grpo = replace(out.grpo, steps_per_generation=chosen.steps_per_generation or 0,
                    max_completion_length=chosen.completion_len, num_generations=chosen.num_generations)  # fmt: skip
     return replace(out, grpo=grpo), Choice.of_plan("plan", tier_for_vram(vram_gb, strict=False), model, planned)
-
-
-# What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation
-# offloading and the chunked loss at its automatic 64 MiB chunks: the planner before the long-context savers),
-# "none" (neither). The knobs left out are fixed at the tier recipe's values (off).
-SAVER_SETS = {
-    "all": frozenset(),
-    "previous": LONG_CONTEXT_KNOBS,
-    "none": LONG_CONTEXT_KNOBS | {"activation_offloading", "loss_impl"},
-}
-
-
-def context_request(
-    model: str, vram_gb: float, overrides: dict | None = None, savers: str = "all"
-) -> tuple[Any, Request]:
-    """(architecture, request) of `longest_context`: the tier recipe for `vram_gb` with `overrides` fixed and the
-    savers outside `SAVER_SETS[savers]` fixed off."""
-    from lowmem_ft.memory.arch import load_architecture
-
-    fixed = merge(overrides or {}, {"model": {"name_or_path": model}})
-    start = resolve(tier_for_vram(vram_gb), fixed)
-    request = request_for(start, target_for(vram_gb, start), fixed=fixed_knobs(fixed) | SAVER_SETS[savers])
-    return load_architecture(model, start.model.trust_remote_code), request
-
-
-def longest_context(model: str, vram_gb: float, overrides: dict | None = None, *, savers: str = "all",
-                    limit: int = 262144, positions: bool = True) -> int:  # fmt: skip
-    """The planner's longest trainable `max_seq_len` for `model` at `vram_gb`, starting from the tier recipe with
-    `overrides` fixed (e.g. NF4 LoRA at batch 1); 0 when nothing fits. `savers` says which savers the planner may
-    turn on (`SAVER_SETS`); `positions` caps the length at the model's positions as `plan` and `train` do (False:
-    what memory allows). What `python -m devkit.bench.max_context` tabulates and the GPU check runs."""
-    arch, request = context_request(model, vram_gb, overrides, savers)
-    if positions and arch.max_position_embeddings:
-        limit = min(limit, round_seq_len(arch.max_position_embeddings, up=False))
-    return max_seq_len(arch, request, limit=limit)

@@ -368,7 +368,7 @@ def replace_reasons(p):
 
 
 def test_longest_context_grows_with_each_saver_set_up_to_the_models_positions():
-    from lowmem_ft.choosing import longest_context
+    from lowmem_ft.longest_context import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "memory": {"micro_batch_size": 1}}
     none, previous, every = (

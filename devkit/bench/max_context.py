@@ -5,7 +5,7 @@ savers, with the savers it had before the long-context ones, and with everything
 
 Pure arithmetic over the memory model (no GPU): for each model and VRAM target, the longest max_seq_len for which
 `lowmem_ft.memory.planner.plan` finds a setup (NF4 LoRA rank 32 on all linear layers, batch 1; checkpointing and
-the rest as the column allows) that fits under VRAM − the tier's margin. Columns (`lowmem_ft.choosing.SAVER_SETS`):
+the rest as the column allows) that fits under VRAM − the tier's margin. Columns (`lowmem_ft.longest_context.SAVER_SETS`):
 "none" fixes activation offloading, the chunked loss and the long-context savers off; "previous" lets the planner
 use offloading and the chunked loss at its automatic 64 MiB chunks (the planner before issue #13); "all" lets it
 choose everything (host embeddings, tiled norms, tiled MLP, LoRA recompute, the MLP tile, the loss chunk sized from
@@ -22,7 +22,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from lowmem_ft.choosing import context_request, longest_context
+from lowmem_ft.longest_context import context_request, longest_context
 from lowmem_ft.memory.planner import plan
 
 MODELS = ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"]

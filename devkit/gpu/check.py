@@ -92,7 +92,7 @@ CONTEXT_FIXED = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora"}, 
 def planner_longest_context(model: str, vram_gb: float, limit: int = 262144) -> int:
     """The planner's longest trainable max_seq_len for `model` (catalog id or directory) at `vram_gb`, at most
     `limit` and the model's positions: QLoRA, batch 1, every saver as the planner chooses; 0 when nothing fits."""
-    from lowmem_ft.choosing import longest_context
+    from lowmem_ft.longest_context import longest_context
 
     return longest_context(model, vram_gb, CONTEXT_FIXED, limit=limit)
 

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from lowmem_ft.choosing import SAVER_SETS, plan_setup
+from lowmem_ft.choosing import plan_setup
 from lowmem_ft.cli import main
 from lowmem_ft.errors import UserError
+from lowmem_ft.longest_context import SAVER_SETS
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import resolve

@@ -403,7 +403,7 @@ def test_max_seq_len_with_the_savers_is_the_planners_limit():
 def test_issue_13_targets_llama_8b_qlora_r32_all_linear_batch_1(vram, tokens):
     """The issue's targets, as benchmarks/max_context.md tabulates them (predicted by the CPU-checked model; not
     capped at the model's 131,072 positions, which `train` caps a run at)."""
-    from lowmem_ft.choosing import longest_context
+    from lowmem_ft.longest_context import longest_context
 
     fixed = {"model": {"quantization": "nf4"}, "adapter": {"kind": "lora", "r": 32, "target_modules": ["all-linear"]},
              "memory": {"micro_batch_size": 1}}  # fmt: skip
