@@ -235,7 +235,7 @@ def check(arch: Architecture, request: Request) -> Plan:
         if est.peak_gb <= target.budget_gb:
             break
     strat, off, est, share = tried[-1]
-    why = _strategy_reason(strat, off, request.strategy, target.gpus, tried, target.budget_gb)
+    why = _strategy_reason(strat, off, request.strategy, target.gpus, tried, target.budget_gb, s.quantization)
     return Plan(s, est, target, reasons={"recipe": "as given", "strategy": why}, strategy=strat, offload=off,
                 share=share, **common)  # fmt: skip
 
@@ -474,7 +474,9 @@ def plan(arch: Architecture, request: Request, hint: bool = True) -> Plan:
     stage = ""
     if gpus > 1:
         strategies = _tried(tried, stages, None)
-        stage = f" per device with {_strategy_reason(*strategies[-1][:2], request.strategy, gpus, strategies, budget)}"
+        q = request.start.quantization
+        why = _strategy_reason(*strategies[-1][:2], request.strategy, gpus, strategies, budget, q)
+        stage = f" per device with {why}"
     raise UserError(_nothing_fits(arch, request, last) + stage + _what_fits_instead(arch, request))
 
 
@@ -536,7 +538,8 @@ def _plan_of(arch, request: Request, fitting: list[_Scored], strat, off, tried, 
         reasons["optimizer"] = f"{s.optimizer}: offloaded states step on the host (bnb's need CUDA)"
     reasons["eval_batch_size"] = eval_reason
     if gpus > 1:
-        reasons["strategy"] = _strategy_reason(strat, off, request.strategy, gpus, tried, request.target.budget_gb)
+        budget = request.target.budget_gb
+        reasons["strategy"] = _strategy_reason(strat, off, request.strategy, gpus, tried, budget, s.quantization)
         reasons["micro_batch_size"] += (
             f" per device; × {gpus} devices = {s.micro_batch_size * accumulation * gpus} per optimizer step"
         )

@@ -162,7 +162,10 @@ def reference_weight_bytes(arch: Architecture, s: Setup, kind: ReferenceKind) ->
 def device_phases(arch: Architecture, device_est: Estimate) -> dict[str, float]:
     """The phase peaks of a per-device estimate (`sharding.device_estimate`, which keeps none): the single-device
     phases with the device's static state in place of the whole model's — the transients are per device already
-    (the micro batch is); adapter.init's start-up moment comes before the model is divided and stays whole."""
+    (the micro batch is); adapter.init's start-up moment comes before the model is divided and stays whole. FSDP2's
+    estimate keeps its own phases (`sharding.fsdp2_phases`: what it gathers differs by phase), returned as they are."""
+    if device_est.phases:
+        return dict(device_est.phases)
     one = estimate(arch, device_est.setup)
     shift = sum(c.bytes for c in device_est.components if c.phase == "static") - one.phases["static"]
     return {name: b if name == "start-up" else b + shift for name, b in one.phases.items()}

@@ -15,7 +15,7 @@ per-rank, per-phase form for torch's `fully_shard`, measured rank by rank on CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from lowmem_ft.errors import UserError
@@ -30,7 +30,6 @@ from lowmem_ft.memory.estimate import (
     estimate,
     layer_moments,
     optimizer_state_bytes,
-    phase_peak_bytes,
     trainer_fp32_states,
     weight_bytes,
 )
@@ -312,11 +311,20 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
 
     Transient terms (activations, loss, dequantization buffer, optimizer temporaries) are per device already: the
     micro batch is per device. An offloaded optimizer steps on the host, so its temporaries are kept here as an
-    upper bound (small for adapters).
+    upper bound (small for adapters). FSDP2 (`fully_shard`, `fsdp_version`) is planned phase by phase
+    (`fsdp2_phases`): what it gathers is a transient of the forward and the backward, and its optimizer steps on
+    the shards. FSDP1 (kept for 4-bit weights) and ZeRO-3 keep an allowance for the gathered units in every phase
+    (`_gathered`: FSDP1's BACKWARD_PRE prefetch, DeepSpeed's estimator).
     """
     static = sum(c.bytes for c in est.components if c.phase == "static")
     what = {"ddp": "replicated", "zero1": "replicated", "zero2": "replicated"}.get(share.strategy, "1/N shard")
     n = share.gpus
+    phases: dict[str, float] = {}
+    gathered = Component("gathered units (all-gather)", share.gathered, "static", "; ".join(share.notes))
+    if share.strategy == "fsdp" and fsdp_version(est.setup.quantization)[0] == 2:
+        phases, held = fsdp2_phases(arch, est, states_of(arch, est.setup), share)
+        at = max(("forward", "backward"), key=lambda ph: phases[ph])
+        gathered = Component("gathered units (all-gather)", held[at], "forward/backward", str(held["source"]))
     per = [
         Component(f"weights ({what}{' → host' if share.offload_params else ''})", share.weights, "static",
                   f"{share.strategy} on {n} devices (lowmem_ft.memory.sharding)"),
@@ -324,15 +332,26 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
             "replicated" if share.strategy in ("ddp", "zero1") else "reduce-scattered, 1/N")),
         Component("optimizer states", share.optimizer, "static",
                   "replicated" if share.strategy == "ddp" else "1/N shard (ZeRO / FSDP)"),
-        Component("gathered units (all-gather)", share.gathered, "static", "; ".join(share.notes)),
+        gathered,
         Component("DDP gradient buckets", share.comm_buffers, "static", "gradient_as_bucket_view=False"),
     ]  # fmt: skip
     per += [c for c in est.components if c.name == BATCH]  # each device holds its own micro batches
     if share.host:
         per.append(Component("offloaded to host (per process)", share.host, "host", "CPU offload"))
     rest = [c for c in est.components if c.phase != "static"]
-    device_static = sum(c.bytes for c in per if c.phase == "static")
     notes = [*est.notes, f"per device: {share.strategy} over {n} devices"]
+    if phases:
+        rest = [
+            replace(c, bytes=c.bytes / n, source=f"{c.source}; on the 1/N shards (FSDP2)")
+            if c.phase == "optimizer step" else c
+            for c in rest
+        ]  # fmt: skip
+        step = ("forward", "backward", "optimizer step")
+        peak = max(phases[ph] for ph in step)
+        at = "optimizer step" if phases["optimizer step"] > max(phases["forward"], phases["backward"]) else (
+            "forward/backward")  # fmt: skip
+        return Estimate(per + rest, est.setup, peak, est.overhead_bytes, at, notes, phases)
+    device_static = sum(c.bytes for c in per if c.phase == "static")
     # the steady state (every static component alive): one micro batch per step frees the single device's
     # gradients before its forward (`Estimate.first_micro_batch`), not a sharded or bucketed share of them
     return Estimate(per + rest, est.setup, est.steady_peak_bytes - static + device_static, est.overhead_bytes,
@@ -393,8 +412,27 @@ def _stages(strategy: str, offload: bool | None, optimizer: str | None, quantiza
     return stages
 
 
-def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, budget: float) -> str:
-    """Why this strategy: the per-device need of each stage tried before it."""
+def fsdp_version(quantization: str | None) -> tuple[int, str]:
+    """The FSDP the launch config asks accelerate for (`fsdp_version`), and why: the plan's reason line and
+    `train.distributed.launch.accelerate_config` call this one function.
+
+    FSDP2 (`fully_shard`, per-parameter DTensor shards: frozen and trainable weights share a unit, so LoRA needs no
+    wrap policy of its own) except for 4-bit weights: transformers 5.24's Trainer sets the NF4 storage dtype as
+    FSDP's mixed-precision dtype (`distributed/fsdp.py` `update_fsdp_plugin_peft`) only on the FSDP1 path
+    (`trainer.py` `_prepare_for_training`: FSDP2 does not delay the optimizer, and that branch is where it is
+    called), so under FSDP2 accelerate's bf16/fp16 policy would cast the packed 4-bit storage."""
+    if quantization == "nf4":
+        return 1, (
+            "FSDP1 kept for 4-bit weights: transformers' Trainer sets their storage dtype for FSDP only on "
+            "the FSDP1 path (update_fsdp_plugin_peft)"
+        )
+    return 2, "FSDP2 (fully_shard, per-parameter shards)"
+
+
+def _strategy_reason(
+    strat: str, off: bool, asked: str, gpus: int, tried: list, budget: float, quantization: str | None = None
+) -> str:
+    """Why this strategy: the per-device need of each stage tried before it (and, for FSDP, which version)."""
     verb = {"ddp": "DDP (a full copy per device)", "fsdp": "FSDP full shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
     name = verb[strat] + (" + CPU offload" if off else "")
     before = [f"{verb[t[0]] + (' + offload' if t[1] else '')} needs {t[2].peak_gb:.1f} GB" for t in tried[:-1]]
@@ -407,6 +445,8 @@ def _strategy_reason(strat: str, off: bool, asked: str, gpus: int, tried: list, 
         why += f" ({'; '.join(before)} per device, over the budget)"
     elif strat == "ddp" and fits:
         why += " — the model fits whole on each device, so only gradients are all-reduced"
+    if strat == "fsdp":
+        why += f"; {fsdp_version(quantization)[1]}"
     return why + ("; strategy as asked (--strategy)" if asked != "auto" else "")
 
 
@@ -433,14 +473,22 @@ FSDP2_LAYER_RS_BUFFERS = 1  # the previous layer's reduce-scatter input, in back
 
 def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int) -> dict[str, float]:
     """Each rank's live tensor bytes at the peak of each phase under FSDP2 on `gpus` ranks (CPU form, like
-    `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step".
-
-    The single device's phases with the static states replaced by the rank's shards, plus what FSDP2 gathers at
-    the phase's two candidate moments (the LM head's and a decoder layer's, `estimate.layer_moments`)."""
-    est = estimate(arch, s)
+    `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step"."""
     states = states_of(arch, s)
-    whole, rank = per_device(states, "fsdp", 1), per_device(states, "fsdp", gpus)
-    shards = rank.weights + rank.gradients + rank.optimizer - (whole.weights + whole.gradients + whole.optimizer)
+    return fsdp2_phases(arch, estimate(arch, s), states, per_device(states, "fsdp", gpus))[0]
+
+
+def fsdp2_phases(
+    arch: Architecture, est: Estimate, states: ModelStates, share: DeviceShare
+) -> tuple[dict[str, float], dict[str, float | str]]:
+    """(phase → live bytes at its peak on one rank, phase → what FSDP2 holds gathered there, and its "source").
+
+    The single device's phases (`est`, any device: live tensor bytes, no device overheads) with the static states
+    replaced by the rank's (`share`, offloaded parts on the host), plus what FSDP2 gathers at the phase's two
+    candidate moments (the LM head's and a decoder layer's, `estimate.layer_moments`). Between micro-steps nothing
+    is gathered (every unit reshards after its backward)."""
+    whole = per_device(states, "fsdp", 1)
+    shards = share.weights + share.gradients + share.optimizer - (whole.weights + whole.gradients + whole.optimizer)
     root = states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
     root_fwd = states.resident_unit_bytes
     unit = states.unit_bytes
@@ -448,19 +496,23 @@ def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int) -> dict[str, floa
     static = est.phases["static"]
     layer = dict(zip(("forward", "backward"), layer_moments(arch, est), strict=True))
     out = {"static": static + shards}
+    held: dict[str, float | str] = {}
     for phase in ("forward", "backward"):
-        head_moment = phase_peak_bytes(arch, s, phase) + shards
-        layer_moment = layer[phase] + shards + FSDP2_LAYER_UNITS[phase] * unit
-        if phase == "forward":
-            head_moment += root_fwd + FSDP2_HEAD_UNITS[phase] * unit
-            layer_moment += root_fwd
-        else:
-            # the root's unsharded gradients do not exist yet at the head's peak (the lm_head gradient is written
-            # as its backward ends), and do inside the layers' backward (measured: the full fine-tunes of
-            # benchmarks/fsdp_grid.md land 3.6-7 % high with them at the head, within 0.1 % without)
-            head_moment += root_fwd + FSDP2_HEAD_UNITS[phase] * unit
-            layer_moment += root + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
+        # at the head the root and one unit (forward: the last layer's buffer; backward: the last layer
+        # prefetched, the root's gradients not yet written — measured: the full fine-tunes of
+        # benchmarks/fsdp_grid.md land 3.6-7 % high with them there, within 0.1 % without)
+        head_held = root_fwd + FSDP2_HEAD_UNITS[phase] * unit
+        layer_held = FSDP2_LAYER_UNITS[phase] * unit + root_fwd
+        if phase == "backward":  # the root's gradients, this layer's and the last reduce-scatter's input
+            layer_held += root - root_fwd + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
+        head_moment = est.phases[phase] + shards + head_held
+        layer_moment = layer[phase] + shards + layer_held
         out[phase] = max(head_moment, layer_moment)
+        held[phase] = head_held if head_moment >= layer_moment else layer_held
     step_temporaries = est.phases["optimizer step"] - static
-    out["optimizer step"] = out["static"] + step_temporaries / gpus
-    return out
+    out["optimizer step"] = out["static"] + step_temporaries / share.gpus
+    held["source"] = (
+        f"FSDP2 per phase (torch _fully_shard): root unit {root_fwd / 1e9:.3g} GB gathered forward to backward, "
+        f"{FSDP2_LAYER_UNITS['forward']} layer units of {unit / 1e9:.3g} GB in flight (sharding.fsdp2_phases)"
+    )
+    return out, held

@@ -148,7 +148,11 @@ def test_a_preference_steps_terms_are_per_device_under_every_strategy(method, ad
     phases = device_phases(a, dev)
     assert set(phases) == set(one.phases)
     assert phases["static"] == pytest.approx(sum(c.bytes for c in dev.components if c.phase == "static"))
-    assert phases["forward"] - phases["static"] == pytest.approx(one.phases["forward"] - one.phases["static"])
+    if strategy == "fsdp" and rows.quantization == "none":  # FSDP2, phase by phase: units gathered in the forward
+        assert phases == dev.phases
+        assert phases["forward"] - phases["static"] > one.phases["forward"] - one.phases["static"]
+    else:
+        assert phases["forward"] - phases["static"] == pytest.approx(one.phases["forward"] - one.phases["static"])
     assert max(phases[p] for p in ("forward", "backward", "optimizer step")) == pytest.approx(dev.model_peak_bytes)
     planned_one = method_estimate(a, one, method, reference)
     planned = method_estimate(a, dev, method, reference, share)
@@ -159,6 +163,10 @@ def test_a_preference_steps_terms_are_per_device_under_every_strategy(method, ad
     for phase in ("forward", "backward", "optimizer step"):
         added_one = planned_one.phases[phase] - one.phases[phase] - copy
         added = planned.phases[phase] - phases[phase] - on_device
+        if strategy == "fsdp" and rows.quantization == "none" and phase == "forward":
+            # FSDP2's forward already holds its gathered units, above the reference pass's moment by up to them
+            assert 0.0 <= added <= added_one + 1.0, phase
+            continue
         assert added == pytest.approx(added_one, rel=1e-9, abs=1.0), phase
     assert planned.model_peak_bytes == max(planned.phases[p] for p in ("forward", "backward", "optimizer step"))
 

@@ -170,3 +170,33 @@ def test_fsdp2_rank_phases_shard_the_states_and_add_the_gathered_units():
     extra = states.resident_unit_bytes + states.unit_bytes
     assert two["forward"] == pytest.approx(phase_peak_bytes(arch, s, "forward") - whole / 2 + extra)
     assert two["optimizer step"] > two["static"]
+
+
+def test_the_gpu_plan_of_fsdp2_is_per_phase_and_fsdp1_keeps_its_allowance():
+    """`--strategy fsdp` on GPUs: FSDP2's per-phase rules (gathered units in the forward and backward only, the
+    optimizer step on the shards); 4-bit weights stay on FSDP1, with the gathered allowance in every phase."""
+    from dataclasses import replace
+
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.estimate import Setup, estimate
+    from lowmem_ft.memory.sharding import fsdp2_phases, per_device_estimate, states_of
+
+    arch = load_architecture("meta-llama/Llama-3.1-8B")
+    s = Setup(adapter="full", quantization="none", optimizer="adamw_torch", device="cuda", max_seq_len=4096)
+    est, share = per_device_estimate(arch, s, 4, "fsdp", False)
+    phases, held = fsdp2_phases(arch, estimate(arch, s), states_of(arch, s), share)
+    assert est.phases == phases
+    assert est.model_peak_bytes == max(phases[p] for p in ("forward", "backward", "optimizer step"))
+    gathered = next(c for c in est.components if c.name == "gathered units (all-gather)")
+    assert gathered.phase == "forward/backward" and gathered.bytes == max(held["forward"], held["backward"])
+    static = sum(c.bytes for c in est.components if c.phase == "static")
+    assert static == pytest.approx(phases["static"])  # nothing gathered between micro-steps
+    one = estimate(arch, s)
+    step = one.phases["optimizer step"] - one.phases["static"]
+    assert phases["optimizer step"] - phases["static"] == pytest.approx(step / 4)  # AdamW on the 1/4 shards
+    assert est.peak_bytes < per_device_estimate(arch, s, 2, "fsdp", False)[0].peak_bytes
+
+    q = replace(s, adapter="lora", quantization="nf4", optimizer="paged_adamw_8bit")
+    est1, share1 = per_device_estimate(arch, q, 4, "fsdp", False)
+    assert not est1.phases and share1.gathered > 0
+    assert next(c for c in est1.components if c.name.startswith("gathered")).phase == "static"

@@ -30,7 +30,7 @@ import yaml
 from lowmem_ft.choosing import Choice
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.planner import Requested
-from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS
+from lowmem_ft.memory.sharding import OFFLOAD_OPTIMIZERS, fsdp_version
 from lowmem_ft.recipe.schema import Recipe
 from lowmem_ft.rundir import RunDir
 
@@ -193,30 +193,9 @@ def accelerate_config(recipe: Recipe, plan: LaunchPlan, layer_cls: str | None = 
     }
     if plan.nodes == 1:
         config["main_process_port"] = 0  # launch.py prepare_multi_gpu_env: 0 picks a free port
-    lora = recipe.adapter.kind == "lora"
     if plan.strategy == "fsdp":
         config["distributed_type"] = "FSDP"
-        config["fsdp_config"] = {
-            # FSDP1: transformers' Trainer applies peft's LoRA wrap policy and the 4-bit storage dtype only on the
-            # FSDP1 path (trainer.py _prepare_for_training → distributed/fsdp.py update_fsdp_plugin_peft).
-            "fsdp_version": 1,
-            "fsdp_sharding_strategy": "FULL_SHARD",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": layer_cls,
-            "fsdp_backward_prefetch": "BACKWARD_PRE",
-            "fsdp_forward_prefetch": False,
-            # rank 0 reads the weights, the others get them by broadcast (needs sync_module_states)
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_sync_module_states": True,
-            # peft's FSDP-QLoRA config keeps flat parameters (use_orig_params false): its wrap policy gives the
-            # trainable LoRA leaves their own units, so no flat parameter mixes frozen and trainable weights.
-            "fsdp_use_orig_params": not lora,
-            "fsdp_offload_params": plan.offload,
-            # resumable sharded checkpoints; run.FineTune.finalize switches to FULL_STATE_DICT for the final save
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            # checkpointing is set on the model (model.prepare_for_training), not by FSDP a second time
-            "fsdp_activation_checkpointing": False,
-        }
+        config["fsdp_config"] = fsdp_config(recipe, plan, layer_cls)
     elif plan.strategy in ("zero2", "zero3"):
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {
@@ -230,6 +209,40 @@ def accelerate_config(recipe: Recipe, plan: LaunchPlan, layer_cls: str | None = 
             "zero3_save_16bit_model": plan.strategy == "zero3",
         }
     return config
+
+
+def fsdp_config(recipe: Recipe, plan: LaunchPlan, layer_cls: str | None) -> dict[str, Any]:
+    """accelerate's `fsdp_config`, FSDP2 or FSDP1 as `memory.sharding.fsdp_version` decides (the plan's reason line
+    says which), with the keys `accelerate config` writes for that version (accelerate 1.16 commands/config/cluster.py:
+    FSDP2 has no sharding strategy, backward prefetch, use_orig_params or sync_module_states)."""
+    version = fsdp_version(recipe.model.quantization)[0]
+    common = {
+        "fsdp_version": version,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": layer_cls,
+        "fsdp_offload_params": plan.offload,
+        # rank 0 reads the weights, the others get them by broadcast
+        "fsdp_cpu_ram_efficient_loading": True,
+        # resumable sharded checkpoints; run.FineTune.finalize switches to FULL_STATE_DICT for the final save
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        # checkpointing is set on the model (model.prepare_for_training), not by FSDP a second time
+        "fsdp_activation_checkpointing": False,
+    }
+    if version == 2:
+        # each layer reshards after its forward (FULL_SHARD); the root stays gathered (torch _fsdp_state.py)
+        return {**common, "fsdp_reshard_after_forward": True}
+    return {
+        **common,
+        # FSDP1: transformers' Trainer applies peft's LoRA wrap policy and the 4-bit storage dtype only on the
+        # FSDP1 path (trainer.py _prepare_for_training → distributed/fsdp.py update_fsdp_plugin_peft).
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_backward_prefetch": "BACKWARD_PRE",
+        "fsdp_forward_prefetch": False,
+        "fsdp_sync_module_states": True,  # needed by cpu_ram_efficient_loading on FSDP1
+        # peft's FSDP-QLoRA config keeps flat parameters (use_orig_params false): its wrap policy gives the
+        # trainable LoRA leaves their own units, so no flat parameter mixes frozen and trainable weights.
+        "fsdp_use_orig_params": recipe.adapter.kind != "lora",
+    }
 
 
 def launcher() -> list[str]:

@@ -110,6 +110,38 @@ def test_fsdp_config_for_qlora(recipe, tmp_path):
     assert loaded.distributed_type == "FSDP" and loaded.fsdp_config["fsdp_version"] == 1
 
 
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_fsdp2_config_without_4bit_weights_as_accelerate_reads_it(recipe, tmp_path, monkeypatch, adapter):
+    """Unquantized weights get FSDP2; the written file goes through accelerate's own launcher parsing into the
+    environment its processes read, and its FSDP plugin built from that environment is FSDP2 with our layer wrap."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    recipe.model.quantization = "none"
+    recipe.adapter.kind = adapter
+    config = launch.accelerate_config(recipe, launch.LaunchPlan(gpus=4, strategy="fsdp"), launch.layer_class(recipe))
+    fsdp = config["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
+    assert not {"fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_backward_prefetch"} & set(fsdp)
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen2DecoderLayer"]
+    assert plugin.cpu_ram_efficient_loading and str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
+
+
+def test_plan_says_which_fsdp():
+    from lowmem_ft.memory.sharding import fsdp_version
+
+    assert fsdp_version("nf4")[0] == 1 and "FSDP1 kept" in fsdp_version("nf4")[1]
+    assert fsdp_version("none")[0] == 2
+
+
 def test_zero3_config_with_offload(recipe):
     recipe.optimizer.name = "adamw_torch"
     config = launch.accelerate_config(recipe, launch.LaunchPlan(gpus=8, nodes=2, strategy="zero3", offload=True))
