@@ -118,10 +118,9 @@ def main(argv=None) -> int:
             "(micro-step 2.2 and step 2; exact live tensor bytes, `PeakMemory`), predicted by "
             "`lowmem_ft.memory.sharding.fsdp2_phase_bytes`. Models: the zoo families at the accuracy grid's width "
             "(hidden 256, 3 layers), batch 2 × 128 tokens, AdamW (torch), LoRA r 8.\n\n"
-            "Full fine-tunes: on some ranks the static state (live between micro-steps) and the optimizer step "
-            "measure one root-unit-sized block more than predicted, held in reference cycles until Python's "
-            "cyclic garbage collector runs (which ranks depends on when it runs; see docs/fsdp.md). Forward and "
-            "backward peaks are not affected.\n"
+            "gloo's reduce-scatter clones its input and frees the clone on its worker thread after the step has "
+            "moved on; the harness waits for those clones to be freed before ending a phase (devkit/harness/fsdp.py, "
+            "docs/fsdp.md): NCCL has no such copy.\n"
         )
         if args.append:
             with Path(args.out).open("a", encoding="utf-8") as f:

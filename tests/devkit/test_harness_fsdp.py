@@ -17,8 +17,9 @@ def llama3(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_every_rank_within_target(llama3):
-    p = FsdpPoint("llama3", "lora", 2, False, batch=1, seq=32)
+@pytest.mark.parametrize("adapter", ["lora", "full"])  # full: the root's gradients, reduce-scattered through gloo
+def test_every_rank_within_target(llama3, adapter):
+    p = FsdpPoint("llama3", adapter, 2, False, batch=1, seq=32)
     p.phases = measure(llama3, p)
     pred = predicted(llama3, p)
     assert sorted(p.phases) == [0, 1]
