@@ -255,6 +255,8 @@ def _options(
     (2: whole pairs, `memory.preference.rows_per_micro_batch`) and at least `least` rows (KTO's 2,
     `memory.preference.least_rows`)."""
     b0 = max(start.micro_batch_size, least) if "micro_batch_size" not in fixed else start.micro_batch_size
+    # the model's own loss over full logits is a choice of how the loss is computed, not a saver: kept
+    losses = ["trl_fused", "chunked"] if arch.chunked_loss_exact else ["trl_fused"]
     options: dict[str, list[Any]] = {
         "quantization": ["none"]
         if start.adapter == "full"
@@ -262,12 +264,7 @@ def _options(
         "optimizer": list(dict.fromkeys([start.optimizer, "paged_adamw_8bit"])),
         "gradient_checkpointing": [False, True],
         "activation_offloading": [False, True],
-        # the model's own loss over full logits is a choice of how the loss is computed, not a saver: kept
-        "loss_impl": ["hf_full"]
-        if start.loss_impl == "hf_full"
-        else ["trl_fused", "chunked"]
-        if arch.chunked_loss_exact
-        else ["trl_fused"],
+        "loss_impl": ["hf_full"] if start.loss_impl == "hf_full" else losses,
         "micro_batch_size": sorted(
             {b for b in (b0 * 2, b0, 8, 4, 2, 1) if least <= b <= max(b0 * 2, 1) and b % step == 0}
         ),
