@@ -122,6 +122,7 @@ class Family:
     image_tokens: dict[str, str] = field(default_factory=dict)
     # preprocessor_config.json as the Hub ships it beside the weights; None: a text checkpoint
     preprocessor: dict[str, Any] | None = None
+    processor: dict[str, Any] | None = None  # processor_config.json (Idefics3: image_seq_len)
 
 
 LLAMA_TOKENS = Tokens(bos="<s>", eos="</s>", unk="<unk>", add_bos=True, sentencepiece=True)
@@ -218,6 +219,75 @@ GEMMA3_PREPROCESSOR = {
     "rescale_factor": 0.00392156862745098,
     "size": {"height": 896, "width": 896},
 }
+# Idefics3 / SmolVLM's image tokens (HuggingFaceTB/SmolVLM-Instruct tokenizer: added special tokens; the processor,
+# processing_idefics3.py, writes an image as <fake_token_around_image>, <row_r_col_c> / <global-img> and <image>
+# repeated image_seq_len times per tile) and the config key of <image>
+IDEFICS3_IMAGE_TOKENS = {"image_token_id": "<image>"}
+IDEFICS3_TOKENS = Tokens(
+    bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>", unk="<|endoftext|>",
+    extra=("<fake_token_around_image>", "<image>", "<global-img>",
+           *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))),
+)  # fmt: skip
+# SmolVLM's chat template as transformers 5.24 ships it (processing_smolvlm.py DEFAULT_CHAT_TEMPLATE, "the correct
+# chat template to be used ... after #38105"): SmolVLM-Instruct's own chat_template.json is the same for list contents
+# but cannot render a string content, which this one can
+SMOLVLM = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}"
+    "{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}"
+    "{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif "
+    "line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+    "{% endif %}"
+)
+# SmolVLM-Instruct's preprocessor_config.json with the tile and the longest edge scaled to the tiny tower (Hub: tile
+# 384, longest edge 1536 = 4 tiles a side): tile 56 = the tiny tower's image_size, longest edge 4 tiles
+IDEFICS3_PREPROCESSOR = {
+    "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True, "do_rescale": True,
+    "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": 56}, "resample": 1, "rescale_factor": 0.00392156862745098,
+    "size": {"longest_edge": 224}, "image_processor_type": "Idefics3ImageProcessor",
+    "processor_class": "Idefics3Processor",
+}  # fmt: skip
+# its tiny tower: 56 / 14 = 4 × 4 patches a tile, pixel-shuffled 2 × 2 into image_seq_len 4 tokens
+IDEFICS3_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                   "image_size": 56, "patch_size": 14}  # fmt: skip
+# llava-hf/llava-1.5-7b-hf's chat_template.json: images first in a turn, "USER: " / "ASSISTANT: ", list contents only
+# (lowmem-ft renders string contents as text parts, as TRL's prepare_multimodal_messages does), no EOS after an answer
+LLAVA = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}{% for content in "
+    "message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
+    "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ 'ASSISTANT:' }}{% endif %}"
+)
+# llava-1.5-7b-hf's preprocessor_config.json (CLIPImageProcessor: shortest edge to 336, center crop 336 × 336) with
+# the crop scaled to the tiny tower's image_size 56: 4 × 4 patches of 14, 16 tokens per image
+LLAVA_PREPROCESSOR = {
+    "crop_size": {"height": 56, "width": 56}, "do_center_crop": True, "do_convert_rgb": True, "do_normalize": True,
+    "do_rescale": True, "do_resize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_processor_type": "CLIPImageProcessor", "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "processor_class": "LlavaProcessor", "resample": 3, "rescale_factor": 0.00392156862745098,
+    "size": {"shortest_edge": 56},
+}  # fmt: skip
+# LLaVA-OneVision (llava-onevision-qwen2-*-ov-hf): ChatML turns, a turn's images first, then "\n" + each text part.
+# Modelled on the published template's output ("<|im_start|>user\n<image>\nWhat is shown?<|im_end|>\n..."), not a
+# copy of its file
+LLAVA_ONEVISION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% for content in message['content'] "
+    "| selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}{% for content in message['content'] | "
+    "selectattr('type', 'equalto', 'text') %}{{ '\n' + content['text'] }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# its tiny tower: crops of 28 px, 2 × 2 features each; grids up to 3 × 3 crops, pooled past anyres_max_2
+LLAVA_ONEVISION_PINPOINTS = [[28 * r, 28 * c] for r in (1, 2, 3) for c in (1, 2, 3)]
+LLAVA_ONEVISION_PREPROCESSOR = {
+    "do_convert_rgb": True, "do_normalize": True, "do_pad": True, "do_rescale": True, "do_resize": True,
+    "image_grid_pinpoints": LLAVA_ONEVISION_PINPOINTS, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
+    "resample": 3, "rescale_factor": 0.00392156862745098, "size": {"height": 28, "width": 28},
+}  # fmt: skip
 # every linear dimension a multiple of 64: bitsandbytes' CPU inference path repacks NF4 weights per 64-block
 TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -498,6 +568,123 @@ FAMILIES: dict[str, Family] = {
             tags=("vision",),
         ),
         Family(
+            # SmolVLM-Instruct (model_type idefics3): a Llama decoder under model.text_model beside model.vision_model
+            # (the SigLIP-style Idefics3VisionTransformer) and model.connector (pixel shuffle + one Linear); loaded by
+            # AutoModelForImageTextToText. Widths tiny; the processor's files as the Hub ships them, tile scaled.
+            "smolvlm",
+            {
+                "model_type": "idefics3",
+                "text_config": {"model_type": "llama", **TINY, "num_key_value_heads": 2, "tie_word_embeddings": False},
+                "vision_config": {"model_type": "idefics3_vision", **IDEFICS3_VISION},
+                "scale_factor": 2,
+                "tie_word_embeddings": False,
+            },
+            IDEFICS3_TOKENS,
+            lambda: SMOLVLM,
+            "transformers' SmolVLM chat template (processing_smolvlm.py DEFAULT_CHAT_TEMPLATE)",
+            lambda c, last: " " + c + "<end_of_utterance>",
+            image_tokens=IDEFICS3_IMAGE_TOKENS,
+            preprocessor=IDEFICS3_PREPROCESSOR,
+            processor={"image_seq_len": 4, "processor_class": "Idefics3Processor"},
+            tags=("vision",),
+        ),
+        Family(
+            # SmolVLM2 (model_type smolvlm): the same layout and processor arithmetic under SmolVLM's own classes
+            "smolvlm2",
+            {
+                "model_type": "smolvlm",
+                "text_config": {"model_type": "llama", **TINY, "num_key_value_heads": 2, "tie_word_embeddings": False},
+                "vision_config": {"model_type": "smolvlm_vision", **IDEFICS3_VISION},
+                "scale_factor": 2,
+                "tie_word_embeddings": False,
+            },
+            IDEFICS3_TOKENS,
+            lambda: SMOLVLM,
+            "transformers' SmolVLM chat template (processing_smolvlm.py DEFAULT_CHAT_TEMPLATE)",
+            lambda c, last: " " + c + "<end_of_utterance>",
+            image_tokens=IDEFICS3_IMAGE_TOKENS,
+            preprocessor={
+                **IDEFICS3_PREPROCESSOR,
+                "image_processor_type": "SmolVLMImageProcessor",
+                "processor_class": "SmolVLMProcessor",
+            },
+            processor={"image_seq_len": 4, "processor_class": "SmolVLMProcessor"},
+            tags=("vision",),
+        ),
+        Family(
+            # llava-1.5-7b-hf: a Llama-2 decoder under model.language_model beside model.vision_tower (CLIPVisionModel,
+            # features at layer -2 without the class token) and model.multi_modal_projector (Linear, GELU, Linear);
+            # the tokenizer's <image> (image_token_index) and <pad> added to Llama's. Widths tiny.
+            "llava",
+            {
+                "model_type": "llava",
+                "text_config": {"model_type": "llama", **TINY, "num_key_value_heads": 4},
+                "vision_config": {
+                    "model_type": "clip_vision_model",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 2,
+                    "image_size": 56,
+                    "patch_size": 14,
+                    "projection_dim": 64,
+                },
+                "vision_feature_layer": -2,
+                "vision_feature_select_strategy": "default",
+                "image_seq_length": 16,
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            replace(LLAMA_TOKENS, pad="<pad>", extra=("<image>",)),
+            lambda: LLAVA,
+            "llava-hf/llava-1.5-7b-hf's chat_template.json (lowmem-ft's copy, devkit/zoo.py LLAVA)",
+            lambda c, last: c + " ",
+            image_tokens={"image_token_index": "<image>"},
+            preprocessor=LLAVA_PREPROCESSOR,
+            processor={
+                "image_token": "<image>",
+                "num_additional_image_tokens": 1,
+                "patch_size": 14,
+                "processor_class": "LlavaProcessor",
+                "vision_feature_select_strategy": "default",
+            },
+            tags=("vision",),
+        ),
+        Family(
+            # llava-onevision-qwen2-*-ov-hf: a Qwen2 decoder under model.language_model beside model.vision_tower
+            # (SiglipVisionModel without its head) and model.multi_modal_projector, plus model.image_newline
+            "llava-onevision",
+            {
+                "model_type": "llava_onevision",
+                "text_config": {"model_type": "qwen2", **TINY, "num_key_value_heads": 2},
+                "vision_config": {
+                    "model_type": "siglip_vision_model",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 2,
+                    "image_size": 28,
+                    "patch_size": 14,
+                    "vision_use_head": False,
+                },
+                "image_grid_pinpoints": LLAVA_ONEVISION_PINPOINTS,
+                "vision_aspect_ratio": "anyres_max_2",
+                "tie_word_embeddings": False,
+            },  # fmt: skip
+            replace(QWEN_TOKENS, extra=(*QWEN_TOKENS.extra, "<image>", "<video>")),
+            lambda: LLAVA_ONEVISION,
+            "modelled on llava-onevision-qwen2-7b-ov-hf's template (devkit/zoo.py LLAVA_ONEVISION)",
+            lambda c, last: "\n" + c + "<|im_end|>",
+            image_tokens={"image_token_index": "<image>", "video_token_index": "<video>"},
+            preprocessor=LLAVA_ONEVISION_PREPROCESSOR,
+            processor={
+                "num_image_tokens": 4,
+                "processor_class": "LlavaOnevisionProcessor",
+                "vision_aspect_ratio": "anyres_max_2",
+                "vision_feature_select_strategy": "full",
+            },
+            tags=("vision",),
+        ),
+        Family(
             "phi3",  # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, sliding window 2047, pad id 32000, untied
             {
                 "model_type": "phi3",
@@ -699,6 +886,8 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
                 "processor_class": "Gemma3Processor",
             }
             (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    if family.processor:
+        (out / "processor_config.json").write_text(json.dumps(family.processor, indent=2) + "\n")
     return out
 
 

@@ -151,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
     with staged_output(output) as staged:  # renamed to --output once weights, tokenizer and card are all there
         merged.save_pretrained(staged, max_shard_size=args.max_shard_size)
         load_tokenizer_of(run_).save_pretrained(staged)
-        processor = run_.weights_dir / "preprocessor_config.json"  # an image run's processor, at its trained cap
-        if processor.is_file():
-            shutil.copy2(processor, staged / processor.name)
+        for name in ("preprocessor_config.json", "processor_config.json"):  # an image run's, at its trained cap
+            if (run_.weights_dir / name).is_file():
+                shutil.copy2(run_.weights_dir / name, staged / name)
         _card(run_.run_dir, output, staged, hub_repo)
     shards = sorted(p.name for p in output.glob("*.safetensors"))
     print(

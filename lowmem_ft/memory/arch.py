@@ -29,6 +29,7 @@ from lowmem_ft.memory.blocks import (
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
 from lowmem_ft.memory.vision import VisionTower, gemma3_tower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
+from lowmem_ft.memory.vision_towers import VIT_TOWERS, ViTTower
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,9 @@ class Architecture:
     # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
     tower_params: int = 0
     tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
-    # a tower trained on images (Qwen2.5-VL, `lowmem_ft.memory.vision`): its shapes; None when text never runs it
-    vision: VisionTower | None = None
+    # a tower trained on images (Qwen2.5-VL, `lowmem_ft.memory.vision`; Idefics3 / SmolVLM and LLaVA,
+    # `lowmem_ft.memory.vision_towers`): its shapes; None when text never runs it
+    vision: VisionTower | ViTTower | None = None
     moe: MoE | None = None  # the routed experts of a mixture of experts this memory model counts (see `MoE`)
 
     @classmethod
@@ -138,7 +140,7 @@ class Architecture:
     @property
     def chunked_loss_refusal(self) -> str | None:
         """Why `memory.chunked_loss` is refused here (one line), or None when it reproduces the model's own loss."""
-        if self.remote_code or self.model_type not in CHUNKED_LOSS_VERIFIED:
+        if self.remote_code or self.model_type not in CHUNKED_LOSS_VERIFIED or self.vision is not None:
             return (
                 f"memory.chunked_loss is not verified for model_type {self.model_type!r} (its forward may transform "
                 "the logits in ways the chunked loss does not reproduce); train with memory.chunked_loss=false"
@@ -301,6 +303,11 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
         }
         hidden = int(_with_class_defaults(text)["hidden_size"])
         return text, QWEN_VL_TOWERS[wrapper](dict(config.get("vision_config") or {}), hidden)
+    if wrapper in VIT_TOWERS:  # Idefics3 / SmolVLM, LLaVA(-OneVision): a Llama / Qwen2 decoder in text_config
+        reader, text_type = VIT_TOWERS[wrapper]
+        text = {"model_type": text_type, **text, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+        hidden = int(_with_class_defaults(text)["hidden_size"])
+        return text, reader(config, hidden)
     if wrapper == "llama4":
         return {**text, "model_type": text.get("model_type", "llama4_text")}, {}
     if wrapper in NOT_CAUSAL_LM:
@@ -309,7 +316,9 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
             "AutoModelForCausalLM (lowmem-ft's loader) cannot load; fine-tune a text-only checkpoint of the model"
         )
     why = {
-        "mllama": "its text model interleaves cross-attention layers (cross_attention_layers)",
+        "mllama": "Llama-3.2-Vision: its text model interleaves cross-attention layers (cross_attention_layers) that "
+        "read the image features beside the sequence, not image tokens in it, which the image-token plan cannot "
+        "describe",
         "gemma3n": "its text model adds AltUp and per-layer embeddings besides the audio and vision towers",
     }.get(wrapper, "its text model sits in text_config beside weights the memory model does not count")
     raise UserError(

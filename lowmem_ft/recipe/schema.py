@@ -597,8 +597,9 @@ class VisionSection:
     max_pixels: int = _f(
         0,
         "The most pixels one image keeps (the processor's max_pixels: an image is resized to fit, aspect kept, and "
-        "becomes up to max_pixels / 784 tokens on Qwen2.5-VL). 0: the planner picks it from the data's images and "
-        "the VRAM target, capped by the checkpoint's preprocessor_config.json.",
+        "becomes up to max_pixels / 784 tokens on Qwen2.5-VL; on Idefics3 / SmolVLM the longest edge is the largest "
+        "multiple of the tile within sqrt(max_pixels); LLaVA-1.5's fixed crop and LLaVA-OneVision's pinpoint grids ignore it). 0: the planner picks it "
+        "from the data's images and the VRAM target, capped by the checkpoint's preprocessor_config.json.",
         ge=0,
     )
 

@@ -8,17 +8,20 @@ the loss on the assistant's text only.
 
 The conversation is rendered and masked by the text path (`lowmem_ft.data.chat`: the template's markers, TRL's
 training version, or turn by turn), so image rows get exactly the assistant masks text rows get. The template renders
-one placeholder per image (Qwen2.5-VL: `<|image_pad|>`, Gemma-3: `<start_of_image>`); each is replaced in the text by
-what the family's processor puts there (`ImageArithmetic.expansion`: Qwen's pad repeated once per token, Gemma-3's
-newlines, image markers and 256 soft tokens per crop), from the image's pixel size and `vision.max_pixels`, before
+one placeholder per image (Qwen2.5-VL: `<|image_pad|>`, Gemma-3: `<start_of_image>`, SmolVLM / LLaVA: `<image>`);
+each is replaced in the text by what the family's processor puts there (`ImageArithmetic.expansion`: Qwen's pad
+repeated once per token, Gemma-3's newlines, image markers and 256 soft tokens per crop, Idefics3's tiles with their
+row / column and global-image markers, LLaVA-OneVision's grid or, in a sample of several images, its base crop), from
+the image's pixel size and `vision.max_pixels` (and the images in the sample), before
 the text is tokenized, as the processor does; every token inside an expansion is -100: image tokens are never
 labels. The collator turns the images into pixel values with the checkpoint's own image processor at the same cap and
 checks that it made the token count the sample holds.
 
 Our own reading rather than TRL's `DataCollatorForVisionLanguageModeling`: that collator needs the model's
 processor class, and Qwen2/2.5-VL's loads its video processor, which needs torchvision (not loadable beside the CPU
-build of torch); the PIL image processors transformers ships (`Qwen2VLImageProcessorPil`, `Gemma3ImageProcessorPil`)
-need nothing more.
+build of torch); the PIL image processors transformers ships (`Qwen2VLImageProcessorPil`, `Gemma3ImageProcessorPil`,
+`Idefics3ImageProcessorPil`, ...) need nothing more. A string content becomes one text part, as TRL's
+`prepare_multimodal_messages` writes it (LLaVA-1.5's template renders parts only).
 """
 
 from __future__ import annotations
@@ -117,11 +120,19 @@ def _with_image_parts(message: dict) -> dict:
     return {**message, "content": parts}
 
 
+def _as_parts(message: dict) -> dict:
+    """A string content as one text part, as TRL's `prepare_multimodal_messages` writes it: the VLM templates render
+    both alike (Qwen2.5-VL's, SmolVLM's) or only parts (LLaVA-1.5's, whose `selectattr('type', ...)` drops a
+    string)."""
+    content = message.get("content")
+    return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
+
+
 def _check_record(record: dict) -> tuple[list[dict], list[str]]:
     messages, images = record.get("messages"), record.get("images", [])
     if not isinstance(messages, list) or not messages:
         raise BadImage("needs a non-empty 'messages' list")
-    messages = [_with_image_parts(m) if isinstance(m, dict) else m for m in messages]
+    messages = [_as_parts(_with_image_parts(m)) if isinstance(m, dict) else m for m in messages]
     if isinstance(images, str):
         images = [images]
     if not isinstance(images, list):
@@ -176,14 +187,16 @@ def tokenize_row(
     BadImage / SampleError."""
     messages, names = _check_record(record)
     files: list[ImageFile] = [open_image(name, base) for name in names]
-    counts = [images.tokens(f.height, f.width, max_pixels) for f in files]
-    expansions = [images.expansion(f.height, f.width, max_pixels) for f in files]
     out = []
     for text, spans in samples({"messages": messages}, render):
         k = text.count(images.placeholder)  # a sample cut at an earlier turn holds the images before it
         if k > len(files):
             raise BadImage(f"the chat template rendered {k} image placeholder(s) for {len(files)} image(s)")
-        text, spans, image_spans = _expand(text, spans, images.placeholder, expansions[:k])
+        # an image's tokens may depend on how many the sample holds (LLaVA-OneVision: a grid for one, the base
+        # crop for each of several)
+        counts = [images.tokens(f.height, f.width, max_pixels, k) for f in files[:k]]
+        expansions = [images.expansion(f.height, f.width, max_pixels, k) for f in files[:k]]
+        text, spans, image_spans = _expand(text, spans, images.placeholder, expansions)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         labels = labels_for(ids, offsets, text, spans, render.template.masking)
@@ -191,7 +204,8 @@ def tokenize_row(
             if any(begin <= start and end <= stop for begin, stop in image_spans):
                 labels[i] = IGNORE
         out.append({"input_ids": ids, "labels": labels, "images": [f.path for f in files[:k]],
-                    "image_tokens": counts[:k], "pixels": [f.width * f.height for f in files[:k]]})  # fmt: skip
+                    "image_tokens": counts, "pixels": [f.width * f.height for f in files[:k]],
+                    "sizes": [(f.height, f.width) for f in files[:k]]})  # fmt: skip
     return out
 
 
@@ -237,7 +251,8 @@ def load_vision_data(
 class VisionCollator:
     """Right-padded ids and labels, and the batch's images as the checkpoint's image processor makes them (at
     `max_pixels`), as the model takes them (`ImageArithmetic.process`: Qwen-VL's pixel_values rows of all images with
-    one image_grid_thw each; Gemma-3's one pixel square per crop, and its token_type_ids)."""
+    one image_grid_thw each; Gemma-3's one pixel square per crop, and its token_type_ids; Idefics3's tiles per sample,
+    zero-padded, with their mask; LLaVA's one crop per image; LLaVA-OneVision's crops per sample with image_sizes)."""
 
     def __init__(self, image_processor, pad_token_id: int, images: ImageArithmetic, max_pixels: int,
                  files: str = "images", image_token_id: int = -1):  # fmt: skip
@@ -247,10 +262,10 @@ class VisionCollator:
         self.images = images
         self.max_pixels = max_pixels
         self.image_token_id = image_token_id
-        self.made: deque = deque(maxlen=256)  # weak references to the pixel values of the batches made, newest last
+        self.made: deque = deque(maxlen=256)  # weak references to the image tensors of the batches made, newest last
 
     def pixels_held(self) -> int:
-        """Bytes of the pixel values this collator made that are still alive: the batches the trainer holds (every
+        """Bytes of the image tensors this collator made that are still alive: the batches the trainer holds (every
         micro batch of the optimizer step, collated before the first, and the one the loader collated ahead)."""
         alive = [ref() for ref in self.made]
         return sum(t.numel() * t.element_size() for t in alive if t is not None)
@@ -271,12 +286,12 @@ class VisionCollator:
             mask[i, :n] = 1
         batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         batch |= self.images.text_inputs(ids, self.image_token_id)
-        paths = [p for f in features for p in f[self.files]]
-        if paths:
-            inputs, made = self.images.process(self.image_processor, [load_rgb(p) for p in paths], self.max_pixels)
+        if any(f[self.files] for f in features):
+            images = [[load_rgb(p) for p in f[self.files]] for f in features]
+            inputs, made = self.images.process(self.image_processor, images, self.max_pixels)
             expected = [t for f in features for t in f["image_tokens"]]
             if made != expected:  # the arithmetic and the processor disagree: a bug, never trained through
                 raise RuntimeError(f"image processor made {made} tokens per image, the data holds {expected}")
             batch |= inputs
-            self.made.append(weakref.ref(batch["pixel_values"]))
+            self.made.extend(weakref.ref(t) for t in inputs.values() if isinstance(t, torch.Tensor))
         return batch

@@ -1,11 +1,15 @@
 """What lowmem-ft knows about each vision-language family it trains on images: one `VisionFamily` per transformers
 `model_type`, whose `images` class is that family's processor arithmetic (`lowmem_ft.vision.qwen_vl`,
-`lowmem_ft.vision.gemma3`), and the one line that refuses any other VLM by its family name. Pure arithmetic (the
+`lowmem_ft.vision.gemma3`, `lowmem_ft.vision.idefics3`, `lowmem_ft.vision.llava`, `lowmem_ft.vision.llava_onevision`),
+and the one line that refuses any other VLM by its family name (and why, where it is more than "not yet"). Pure arithmetic (the
 memory model and `plan` read it).
 
 An arithmetic class (`ImageArithmetic`) says how many tokens an image becomes (`tokens`), the text the chat
 template's placeholder expands to (`expansion`), the resolution caps the planner may choose (`caps`), and how the
-checkpoint's image processor is called (`process`); a new family is one module and one line in `VISION_FAMILIES`.
+checkpoint's image processor is called (`process`, one list of images per sample: Idefics3 pads tiles per sample,
+LLaVA-OneVision tiles a sample's only image but not one of several); a new family is one module and one line in
+`VISION_FAMILIES`. `images_in_sample` is there for LLaVA-OneVision, whose tokens per image depend on it; the other
+families ignore it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from typing import Any, Protocol
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.vision.gemma3 import Gemma3Images
+from lowmem_ft.vision.idefics3 import Idefics3Images
+from lowmem_ft.vision.llava import LlavaImages
+from lowmem_ft.vision.llava_onevision import AnyresImages
 from lowmem_ft.vision.qwen_vl import QwenVLImages
 
 
@@ -23,15 +30,16 @@ class ImageArithmetic(Protocol):
     image_token: str  # what the image's features replace in the decoder's sequence
     max_pixels: int  # the checkpoint's own cap
 
-    def tokens(self, height: int, width: int, max_pixels: int | None = None) -> int: ...
+    def tokens(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> int: ...
     def max_tokens(self, max_pixels: int | None = None) -> int: ...
-    def expansion(self, height: int, width: int, max_pixels: int | None = None) -> str: ...
+    def expansion(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> str: ...
     def default_cap(self) -> tuple[int, str]: ...
     def cap_why(self, cap: int) -> str: ...
     def caps(self, ceiling: int) -> list[int]: ...
     def with_cap(self, config: dict[str, Any], cap: int) -> dict[str, Any]: ...
     def at_cap(self, cap: int) -> ImageArithmetic: ...
-    def process(self, processor, images: list, cap: int) -> tuple[dict[str, Any], list[int]]: ...
+    # images: one list per sample; returns (the model's image inputs, tokens made per image, in order)
+    def process(self, processor, images: list[list], cap: int) -> tuple[dict[str, Any], list[int]]: ...
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]: ...
 
 
@@ -56,6 +64,10 @@ VISION_FAMILIES = {
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", "Qwen2.5-VL", QwenVLImages),
     "qwen3_vl": VisionFamily("qwen3_vl", "Qwen3-VL", QwenVLImages),
     "gemma3": VisionFamily("gemma3", "Gemma-3", Gemma3Images, text_too=True),
+    "idefics3": VisionFamily("idefics3", "Idefics3 / SmolVLM", Idefics3Images),
+    "smolvlm": VisionFamily("smolvlm", "SmolVLM2", Idefics3Images),
+    "llava": VisionFamily("llava", "LLaVA-1.5", LlavaImages),
+    "llava_onevision": VisionFamily("llava_onevision", "LLaVA-OneVision", AnyresImages),
 }
 # the multimodal model_types transformers 5.24 knows, by family name, for the refusal
 KNOWN_VLMS = {
@@ -64,6 +76,12 @@ KNOWN_VLMS = {
     "mllama": "Llama-3.2-Vision", "paligemma": "PaliGemma", "mistral3": "Mistral-3 (Pixtral)",
     "aya_vision": "Aya Vision", "internvl": "InternVL", "glm4v": "GLM-4V", "cohere2_vision": "Command-A Vision",
 }  # fmt: skip
+# why a known family is not trained on images, where it is more than "not yet"
+NOT_TRAINED_WHY = {
+    "mllama": "its decoder reads the image through cross-attention layers, not as tokens of its sequence, so the "
+    "image-token plan does not describe it",
+    "llava_next": "its anyres tiling (image_grid_pinpoints) is not described yet",
+}
 
 
 def vision_family(model_type: str, model: str = "") -> VisionFamily:
@@ -73,7 +91,8 @@ def vision_family(model_type: str, model: str = "") -> VisionFamily:
         return family
     name = KNOWN_VLMS.get(model_type, f"model_type {model_type!r}")
     trained = ", ".join(f.name for f in VISION_FAMILIES.values())
+    why = f": {NOT_TRAINED_WHY[model_type]}" if model_type in NOT_TRAINED_WHY else ""
     raise UserError(
-        f"model '{model}': lowmem-ft does not train {name} on images yet (vision-language training supports "
-        f"{trained}); use a {trained} checkpoint"
+        f"model '{model}': lowmem-ft does not train {name} on images yet{why} (vision-language training supports "
+        f"{trained}); use a checkpoint of one of those"
     )

@@ -76,19 +76,19 @@ class Gemma3Images:
         crop_long = int(math.ceil(long / n))
         return 0 if min(crop_long, short) < self.min_crop_size else n
 
-    def tokens(self, height: int, width: int, max_pixels: int | None = None) -> int:
+    def tokens(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> int:
         """Image tokens (soft tokens) in the decoder's sequence for one image: tokens per crop × (1 + crops).
         `max_pixels` does not apply: every crop is resized to the same square."""
-        del max_pixels
+        del max_pixels, images_in_sample
         return self.tokens_per_crop * (1 + self.crops(height, width))
 
     def max_tokens(self, max_pixels: int | None = None) -> int:
         del max_pixels
         return self.tokens_per_crop * (1 + (self.max_crops if self.pan_and_scan else 0))
 
-    def expansion(self, height: int, width: int, max_pixels: int | None = None) -> str:
+    def expansion(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> str:
         """`Gemma3Processor.replace_image_token`: the text where the template rendered <start_of_image>."""
-        del max_pixels
+        del max_pixels, images_in_sample
         sequence = f"\n\n{BOI}{SOFT * self.tokens_per_crop}{EOI}\n\n"
         crops = self.crops(height, width)
         if not crops:
@@ -129,12 +129,13 @@ class Gemma3Images:
         return self
 
     # -- the processor call (torch) ---------------------------------------------------------------------------------
-    def process(self, processor, images: list, cap: int) -> tuple[dict[str, Any], list[int]]:
+    def process(self, processor, images: list[list], cap: int) -> tuple[dict[str, Any], list[int]]:
         """(pixel_values: one 3 × size × size fp32 image per crop, tokens the processor made per image). The
         pan-and-scan settings are passed as this arithmetic read them (the image processor alone leaves them None)."""
         del cap
+        flat = [image for sample in images for image in sample]
         out = processor(
-            images=images, return_tensors="pt", do_pan_and_scan=self.pan_and_scan,
+            images=flat, return_tensors="pt", do_pan_and_scan=self.pan_and_scan,
             pan_and_scan_min_crop_size=self.min_crop_size, pan_and_scan_max_num_crops=self.max_crops,
             pan_and_scan_min_ratio_to_activate=self.min_ratio,
         )  # fmt: skip

@@ -51,7 +51,7 @@ class ImagePrompt:
 
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         cap = self.images.max_pixels  # the saved preprocessor_config.json's: the cap the run trained at
-        inputs, counts = self.images.process(self.processor, [load_rgb(p) for p in self.paths], cap)
+        inputs, counts = self.images.process(self.processor, [[load_rgb(p) for p in self.paths]], cap)
         pieces = text.split(self.images.placeholder)
         if len(pieces) - 1 != len(counts):
             raise UserError(
@@ -59,7 +59,8 @@ class ImagePrompt:
             )
         sizes = [open_image(p, Path.cwd()) for p in self.paths]
         expanded = pieces[0] + "".join(
-            self.images.expansion(f.height, f.width, cap) + piece for f, piece in zip(sizes, pieces[1:], strict=True)
+            self.images.expansion(f.height, f.width, cap, len(sizes)) + piece
+            for f, piece in zip(sizes, pieces[1:], strict=True)
         )
         input_ids = torch.tensor([self.tokenizer(expanded, add_special_tokens=False)["input_ids"]])
         image_id = self.tokenizer.convert_tokens_to_ids(self.images.image_token)

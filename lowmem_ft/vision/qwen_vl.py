@@ -88,16 +88,18 @@ class QwenVLImages:
         h, w = self.resized(height, width, max_pixels)
         return (h // self.patch_size) * (w // self.patch_size)
 
-    def tokens(self, height: int, width: int, max_pixels: int | None = None) -> int:
+    def tokens(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> int:
         """Image tokens in the decoder's sequence for one image: patches // merge²."""
+        del images_in_sample
         return self.patches(height, width, max_pixels) // self.merge_size**2
 
     def max_tokens(self, max_pixels: int | None = None) -> int:
         """The most tokens one image can become under `max_pixels` (any aspect ratio)."""
         return (max_pixels or self.max_pixels) // self.factor**2
 
-    def expansion(self, height: int, width: int, max_pixels: int | None = None) -> str:
+    def expansion(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> str:
         """The text the processor puts where the template rendered the placeholder."""
+        del images_in_sample
         return self.image_token * self.tokens(height, width, max_pixels)
 
     # -- the resolution cap (`vision.max_pixels`) -------------------------------------------------------------------
@@ -133,9 +135,11 @@ class QwenVLImages:
         return replace(self, max_pixels=cap)
 
     # -- the processor call (torch) ---------------------------------------------------------------------------------
-    def process(self, processor, images: list, cap: int) -> tuple[dict[str, Any], list[int]]:
-        """(the model's image inputs, tokens the processor made per image) for PIL images at `cap`."""
-        out = processor(images=images, size={"shortest_edge": self.min_pixels, "longest_edge": cap},
+    def process(self, processor, images: list[list], cap: int) -> tuple[dict[str, Any], list[int]]:
+        """(the model's image inputs, tokens the processor made per image) for each sample's PIL images at `cap`:
+        every image's patches concatenated, one image_grid_thw row each."""
+        flat = [image for sample in images for image in sample]
+        out = processor(images=flat, size={"shortest_edge": self.min_pixels, "longest_edge": cap},
                         return_tensors="pt")  # fmt: skip
         made = (out["image_grid_thw"].prod(-1) // self.merge_size**2).tolist()
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}, made

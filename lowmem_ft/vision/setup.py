@@ -5,8 +5,11 @@ so they agree on the cap and on every sample's image tokens.
 The cap: `vision.max_pixels` when the recipe sets it, else the family's default (`ImageArithmetic.default_cap`):
 for Qwen-VL the smaller of the checkpoint's own (preprocessor_config.json; Qwen2.5-VL ships 12,845,056 pixels =
 16,384 tokens per image) and 1280·28·28, the cap Qwen's model card recommends (`lowmem_ft.vision.qwen_vl`); Gemma-3
-has none (every image is 256 tokens, `lowmem_ft.vision.gemma3`). An image at the shipped cap can make one sample's logits alone 16,384 × 152,064 × 4 bytes = 9.3 GB
-in fp32; at 1280 tokens they are 0.7 GB. The planner then sizes `memory.max_seq_len` from the data's lengths *with*
+has none (every image is 256 tokens, `lowmem_ft.vision.gemma3`), nor have LLaVA-1.5 (a fixed crop,
+`lowmem_ft.vision.llava`) and LLaVA-OneVision (grids fixed by its pinpoints, `lowmem_ft.vision.llava_onevision`);
+Idefics3 / SmolVLM's is the checkpoint's own longest edge (`lowmem_ft.vision.idefics3`: k × k tiles). An image at
+Qwen's shipped cap can make one sample's logits alone 16,384 × 152,064 × 4 bytes = 9.3 GB in fp32; at 1280 tokens they
+are 0.7 GB. The planner then sizes `memory.max_seq_len` from the data's lengths *with*
 their image tokens (`profile`); samples longer than it are dropped and counted, never cut inside an image.
 
 Not done here: choosing the cap jointly with the batch and the savers against the VRAM target (the cap is fixed before
@@ -16,6 +19,7 @@ planning), and `vision.train` (the tower is always frozen).
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +70,7 @@ class VisionSetup:
         data = self.load(recipe, tokenizer)
         rows = [
             {"input_ids": r["input_ids"], "labels": r["labels"], "image_files": r["images"],
-             "image_tokens": r["image_tokens"]}
+             "image_tokens": r["image_tokens"], "sizes": r["sizes"]}
             for r in data.records
         ]  # fmt: skip
         summary = {
@@ -104,9 +108,14 @@ class VisionSetup:
 
     def save_preprocessor(self, recipe, directory: Path) -> None:
         """The checkpoint's preprocessor_config.json with this run's cap, beside the saved weights: what loads the
-        image processor for them resizes images as training did."""
+        image processor for them resizes images as training did. The checkpoint's processor_config.json goes beside
+        it as it is (Idefics3's image_seq_len, LLaVA's patch_size and feature strategy, Gemma-3's image_seq_length:
+        what `AutoProcessor` needs to expand the image tokens)."""
         config = self.images.with_cap(_preprocessor(recipe.model.name_or_path), self.max_pixels)
         (Path(directory) / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+        processor = Path(recipe.model.name_or_path) / "processor_config.json"
+        if processor.is_file():
+            shutil.copy2(processor, Path(directory) / processor.name)
 
     def collator(self, recipe, tokenizer):
         from transformers import AutoImageProcessor

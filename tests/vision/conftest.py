@@ -66,6 +66,36 @@ def vl_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def vision_zoo(zoo_models) -> Path:
+    """This session's copy of the zoo (tests/zoo_cache.py builds the vision families beside the text ones)."""
+    return Path(next(iter(zoo_models.values()))).parent
+
+
+@pytest.fixture(scope="session")
+def smolvlm(vision_zoo) -> str:
+    """SmolVLM-Instruct's layout (model_type idefics3)."""
+    return str(vision_zoo / "smolvlm")
+
+
+@pytest.fixture(scope="session")
+def smolvlm2(vision_zoo) -> str:
+    """SmolVLM2's layout (model_type smolvlm)."""
+    return str(vision_zoo / "smolvlm2")
+
+
+@pytest.fixture(scope="session")
+def llava_onevision(vision_zoo) -> str:
+    """llava-onevision-qwen2's layout (model_type llava_onevision), anyres grids up to 3 × 3 crops."""
+    return str(vision_zoo / "llava-onevision")
+
+
+@pytest.fixture(scope="session")
+def llava(vision_zoo) -> str:
+    """llava-1.5-7b-hf's layout (model_type llava)."""
+    return str(vision_zoo / "llava")
+
+
 def write_images(folder: Path) -> None:
     from PIL import Image
 

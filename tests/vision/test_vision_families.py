@@ -36,7 +36,22 @@ def test_tokens_per_image_are_the_processors(qwen_vl, max_pixels):
 
 def test_other_vlms_are_one_line_naming_their_family():
     assert vision_family("qwen2_5_vl").name == "Qwen2.5-VL" and vision_family("gemma3").name == "Gemma-3"
-    with pytest.raises(UserError, match=r"does not train Llama-3.2-Vision on images yet .* supports Qwen2-VL, "):
+    with pytest.raises(UserError, match=r"does not train Llama-3.2-Vision on images yet.* supports Qwen2-VL, "):
         vision_family("mllama", "meta-llama/Llama-3.2-11B-Vision-Instruct")
     with pytest.raises(UserError, match=r"does not train model_type 'fancy_vlm' on images"):
         vision_family("fancy_vlm")
+    for model_type, why in [("mllama", "cross-attention layers"), ("llava_next", "anyres tiling")]:
+        with pytest.raises(UserError, match=rf"does not train \S+ on images yet: .*{why}.* supports .*LLaVA-1.5"):
+            vision_family(model_type)
+
+
+def test_llama_3_2_vision_is_one_line_naming_it_and_why(tmp_path, capsys):
+    """Its cross-attention layers read the image beside the sequence: refused before anything loads, exit 2."""
+    from lowmem_ft.cli import main
+
+    text = {"model_type": "mllama_text_model", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 100, "intermediate_size": 128, "cross_attention_layers": [1]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama", "text_config": text}))
+    assert main(["plan", "--vram", "8", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Llama-3.2-Vision" in err[0] and "cross-attention layers" in err[0], err

@@ -36,7 +36,7 @@ def test_crops_and_tokens_are_the_processors(gemma3_vl, pan_and_scan):
     assert images.tokens_per_crop == 4 and images.image_size == 28
     crops = []
     for h, w in SIZES:
-        inputs, made = images.process(processor, [np.zeros((h, w, 3), dtype=np.uint8)], images.max_pixels)
+        inputs, made = images.process(processor, [[np.zeros((h, w, 3), dtype=np.uint8)]], images.max_pixels)
         crops.append(images.crops(h, w))
         assert inputs["pixel_values"].shape == (1 + crops[-1], 3, 28, 28), (h, w)
         assert made == [images.tokens(h, w)] == [4 * (1 + crops[-1])], (h, w)

@@ -35,7 +35,7 @@ def test_tokens_per_image_are_the_processors(vl_checkpoint, name, capped):
     images = _images(model)
     cap = 256 * images.factor**2 if capped else None
     for h, w in SIZES:
-        inputs, made = images.process(processor, [np.zeros((h, w, 3), dtype=np.uint8)], cap or images.max_pixels)
+        inputs, made = images.process(processor, [[np.zeros((h, w, 3), dtype=np.uint8)]], cap or images.max_pixels)
         assert inputs["pixel_values"].shape == (images.patches(h, w, cap), images.patch_values), (h, w)
         assert made == [images.tokens(h, w, cap)], (h, w)
     if name == "qwen3-vl":  # 16-pixel patches, 32-pixel tokens, at least 65,536 pixels (64 tokens)
