@@ -5,7 +5,8 @@ It reads in five layers; a module imports only from its own layer or the ones ab
 tests/memory/test_map.py):
 
 1. describe — what is trained, and where: `families` (one `Family` record per model_type), `blocks` (a decoder
-   block's shape from a config dict), `vision` (a vision-language tower's shapes), `layout` (checked against a local model's weights), `arch` (the
+   block's shape from a config dict), `vision` (a vision-language tower's shapes: Qwen-VL's, Gemma-3's),
+   `vision_towers` (the ViT towers of Idefics3 / SmolVLM, LLaVA, LLaVA-OneVision), `layout` (checked against a local model's weights), `arch` (the
    `Architecture` read from config.json), `records` (the `Setup` of knobs, a named `Component`, an `Estimate`),
    `target` (VRAM, margin and budget).
 2. constants — `calibration`: every number the terms use, each declared with its `Source` (read from a library's
@@ -26,7 +27,7 @@ tests/memory/test_map.py):
 
 # layer → its modules, top to bottom (the map above)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "describe": ("families", "blocks", "vision", "layout", "arch", "records", "target"),
+    "describe": ("families", "blocks", "vision", "vision_towers", "layout", "arch", "records", "target"),
     "constants": ("calibration",),
     "terms": (
         "linears", "dora", "savers", "static", "activations", "experts", "loss", "recompute", "transients",

@@ -2,7 +2,7 @@
 
 - `families`: one record per vision-language family lowmem-ft trains on images, naming its processor arithmetic, and
   the one line that refuses any other VLM by its family.
-- `qwen_vl`, `gemma3`: each family's processor as numbers (tokens per image, the text a placeholder expands to, the
+- `qwen_vl`, `gemma3`, `idefics3`, `llava`, `llava_onevision`: each family's processor as numbers (tokens per image, the text a placeholder expands to, the
   resolution caps) and its call into the checkpoint's image processor.
 - `images`: opening the images a row names (relative to the data file) and each way one can be bad, as one line
   naming the row.
@@ -11,6 +11,6 @@
 - `setup`: a run's vision side (family, arithmetic, resolution cap and why), which `plan`, `train` and `data` share;
   `generate`: `generate --image`.
 
-`families`, `qwen_vl` and `gemma3` are pure arithmetic (no torch, no transformers, no PIL) but for the processor
+`families` and the family modules are pure arithmetic (no torch, no transformers, no PIL) but for the processor
 call: the memory model and `plan` read them.
 """
