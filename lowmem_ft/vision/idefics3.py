@@ -187,11 +187,15 @@ class Idefics3Images:
 
     def process(self, processor, images: list[list], cap: int) -> tuple[dict[str, Any], list[int]]:
         """(pixel_values (batch, most tiles, 3, tile, tile) and pixel_attention_mask, zero-padded per sample; the
-        `<image>` tokens the processor's tiling makes of each image, in order) for each sample's PIL images."""
+        `<image>` tokens the processor's tiling makes of each image, in order) for each sample's PIL images. The
+        processor's rows × cols are checked against this arithmetic's grid too: the expansion's row / column markers
+        follow it, and a 2 × 3 grid for a 3 × 2 one would make the same token count."""
         out = processor(images=images, **self.processor_kwargs(cap), return_tensors="pt")
-        rows, cols = out.pop("rows"), out.pop("cols")
-        made = [self.seq_len * (r * c + 1) for sample_r, sample_c in zip(rows, cols, strict=True)
-                for r, c in zip(sample_r, sample_c, strict=True)]  # fmt: skip
+        grids = [list(zip(r, c, strict=True)) for r, c in zip(out.pop("rows"), out.pop("cols"), strict=True)]
+        expected = [[self.grid(image.height, image.width, cap) for image in sample] for sample in images]
+        if grids != expected:  # the arithmetic and the processor disagree: a bug, never trained through
+            raise RuntimeError(f"image processor tiled the images {grids}, the arithmetic gives {expected}")
+        made = [self.seq_len * (r * c + 1) for sample in grids for r, c in sample]
         return dict(out), made
 
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:

@@ -55,3 +55,37 @@ def test_llama_3_2_vision_is_one_line_naming_it_and_why(tmp_path, capsys):
     assert main(["plan", "--vram", "8", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Llama-3.2-Vision" in err[0] and "cross-attention layers" in err[0], err
+
+
+ZOO_VLMS = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl", "gemma3-vision", "smolvlm", "smolvlm2", "llava", "llava-onevision"]
+
+
+@pytest.mark.parametrize("name", ZOO_VLMS)
+def test_every_family_answers_the_one_protocol(name):
+    """Every zoo VLM's model_type has a family whose arithmetic has every `ImageArithmetic` member; its `tokens` are
+    the image tokens its expansion holds (what the collator and `generate --image` check against the processor),
+    alone and two to a sample, and at most `max_tokens` for an image no smaller than the cap; its caps lie within
+    the ceiling; and a saved preprocessor_config.json at a cap reads
+    back as `at_cap` (what `generate` of a run resizes with)."""
+    from devkit.zoo import FAMILIES
+    from lowmem_ft.vision.families import VISION_FAMILIES, ImageArithmetic
+
+    zoo = FAMILIES[name]
+    family = VISION_FAMILIES[zoo.config["model_type"]]
+    images = family.images(zoo.preprocessor, zoo.config)
+    members = {m for m in vars(ImageArithmetic) if not m.startswith("_")} | set(ImageArithmetic.__annotations__)
+    assert not [m for m in sorted(members) if not hasattr(images, m)]
+    cap, why = images.default_cap()
+    assert why.startswith("vision.max_pixels") or "vision.max_pixels does not apply" in why, why
+    caps = images.caps(cap)
+    assert caps == sorted(caps, reverse=True) and all(c <= cap for c in caps), caps
+    for c in caps:
+        assert family.images(images.with_cap(zoo.preprocessor, c), zoo.config) == images.at_cap(c), c
+        for n in (1, 2):
+            for h, w in SIZES:
+                tokens = images.tokens(h, w, c, n)
+                assert images.expansion(h, w, c, n).count(images.image_token) == tokens > 0, (c, n, h, w)
+                # an image smaller than the cap may be enlarged past it: Qwen3-VL's 48 × 64 at its 64-token cap
+                # (= min_pixels) rounds up to 7 × 10 merged patches, 70 tokens
+                assert tokens <= images.max_tokens(c) or h * w < c, (c, n, h, w)
+    assert images.text_inputs is not None and images.placeholder
