@@ -2,8 +2,8 @@
 
 - `families`: one record per vision-language family lowmem-ft trains on images, naming its processor arithmetic, and
   the one line that refuses any other VLM by its family.
-- `qwen_vl`, `gemma3`, `idefics3`, `llava`, `llava_onevision`: each family's processor as numbers (tokens per image, the text a placeholder expands to, the
-  resolution caps) and its call into the checkpoint's image processor.
+- `qwen_vl`, `gemma3`, `idefics3`, `llava`, `llava_onevision`: each family's processor as numbers (tokens per
+  image, the text a placeholder expands to, the resolution caps) and its call into the checkpoint's image processor.
 - `images`: opening the images a row names (relative to the data file) and each way one can be bad, as one line
   naming the row.
 - `data`: TRL-style `messages` with `{"type": "image"}` parts plus an `images` column → token ids with the image

@@ -1,10 +1,11 @@
 """What lowmem-ft knows about each vision-language family it trains on images: one `VisionFamily` per transformers
 `model_type`, whose `images` class is that family's processor arithmetic (`lowmem_ft.vision.qwen_vl`,
 `lowmem_ft.vision.gemma3`, `lowmem_ft.vision.idefics3`, `lowmem_ft.vision.llava`, `lowmem_ft.vision.llava_onevision`),
-and the one line that refuses any other VLM by its family name (and why, where it is more than "not yet"). Pure arithmetic (the
-memory model and `plan` read it).
+and the one line that refuses any other VLM by its family name (and why, where it is more than "not yet"). Pure
+arithmetic (the memory model and `plan` read it).
 
-An arithmetic class (`ImageArithmetic`) says how many tokens an image becomes (`tokens`), the text the chat
+An arithmetic class (`ImageArithmetic`) says how many tokens an image becomes (`tokens`: the `image_token`s that carry
+its features, in every family; markers around them count in the sample's length only), the text the chat
 template's placeholder expands to (`expansion`), the resolution caps the planner may choose (`caps`), and how the
 checkpoint's image processor is called (`process`, one list of images per sample: Idefics3 pads tiles per sample,
 LLaVA-OneVision tiles a sample's only image but not one of several); a new family is one module and one line in

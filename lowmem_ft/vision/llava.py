@@ -1,5 +1,6 @@
-"""LLaVA-1.5's images as numbers: every image is the same fixed crop, so the same number of tokens: the `ImageArithmetic`
-of `lowmem_ft.vision.families`. Pure arithmetic but `process` (the collator's call into transformers).
+"""LLaVA-1.5's images as numbers: every image is the same fixed crop, so the same number of tokens (the
+`ImageArithmetic` of `lowmem_ft.vision.families`). Pure arithmetic but `process` (the collator's call into
+transformers).
 
 The rule, read in transformers 5.24: the image processor (llava-1.5-7b-hf ships `CLIPImageProcessor`; the PIL one,
 image_processing_pil_clip.py, needs no torchvision) resizes the shortest edge to `size.shortest_edge` and center-

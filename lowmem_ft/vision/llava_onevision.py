@@ -95,7 +95,8 @@ class AnyresImages:
     def describe(self, max_pixels: int | None = None) -> str:
         rows, cols = max(self.pinpoints, key=lambda p: p[0] * p[1])
         grid = f"{rows // self.crop}×{cols // self.crop}"
-        return f"fixed by image_grid_pinpoints: up to {grid} crops of {self.crop} px + the base, ≤ {self.max_tokens()} tokens"
+        most = self.max_tokens()
+        return f"fixed by image_grid_pinpoints: up to {grid} crops of {self.crop} px + the base, ≤ {most} tokens"
 
     # -- one image ------------------------------------------------------------------------------------------------
     def grid(self, height: int, width: int) -> tuple[int, int]:

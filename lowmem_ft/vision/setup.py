@@ -144,8 +144,9 @@ def vision_lines(described: dict[str, Any]) -> list[str]:
 
 def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
     """The resolution cap the planner trains at, chosen with the plan: the largest of the family's caps
-    (`ImageArithmetic.caps`: Qwen-VL's `CAP_TOKENS` within the checkpoint's own cap; Gemma-3's one) at which the
-    plan's `memory.max_seq_len` keeps every sample whole with its image tokens, else the smallest. `plan(overrides, profile)` plans as `choose_recipe` does. Returns (overrides with
+    (`ImageArithmetic.caps`: Qwen-VL's `CAP_TOKENS` within the checkpoint's own cap; Idefics3's k tiles a side;
+    Gemma-3's, LLaVA's and LLaVA-OneVision's one) at which the plan's `memory.max_seq_len` keeps every sample whole
+    with its image tokens, else the smallest. `plan(overrides, profile)` plans as `choose_recipe` does. Returns (overrides with
     vision.max_pixels set, the length profile at that cap, why); the overrides and None as they were for a text model,
     a recipe that sets vision.max_pixels, or no data."""
     from dataclasses import replace
