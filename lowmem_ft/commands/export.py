@@ -124,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
               f"{human(plan.tensor_bytes)} for the {args.quant} file (its Q8_0 size), + metadata; renamed when done")  # fmt: skip
     else:
         print(f"  disk {human(plan.tensor_bytes)} of weights + metadata, written under a hidden name and renamed")
+    from lowmem_ft.export import text_decoder
+
+    decoder = text_decoder.of(model_dir)
+    if decoder is not None:  # a VLM: its text decoder alone, as llama.cpp's converter writes it
+        print(f"  note: the {decoder.model_type} checkpoint's text decoder is exported; {decoder.note}")
     trained = run_.recipe.model.quantization
     if not run_.full and trained != "none":
         print(f"  note: the adapter learned against {trained}-rounded weights and is merged into the base's 16-bit "

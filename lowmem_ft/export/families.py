@@ -9,7 +9,8 @@ keys it writes beyond the common ones. Tensor names come from the `gguf` package
 (`gguf.get_tensor_name_map`), the one llama.cpp's converter and transformers' GGUF loader both use, so no name
 table is kept here.
 
-A `model_type` without a record is refused in one line naming it (`family_of`).
+A `model_type` without a record is refused in one line naming it (`family_of`). A vision-language checkpoint
+whose text decoder is one of these families (Gemma-3 4B and up) is exported as that decoder (`text_decoder`).
 """
 
 from __future__ import annotations
@@ -152,10 +153,7 @@ def family_of(config) -> GgufFamily:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     known = ", ".join(sorted(FAMILIES))
-    hint = ""
-    if model_type == "gemma3":
-        hint = " (a Gemma-3 with a vision tower: llama.cpp writes its vision part as a separate mmproj file)"
     raise UserError(
-        f"GGUF export has no tensor mapping for model_type {model_type!r}{hint}; it maps {known}. "
+        f"GGUF export has no tensor mapping for model_type {model_type!r}; it maps {known}. "
         f"Merge it with `lowmem-ft merge` and convert with llama.cpp's convert_hf_to_gguf.py"
     )

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from lowmem_ft.errors import UserError
+from lowmem_ft.export import text_decoder
 from lowmem_ft.export.families import GgufFamily, family_of, head_dim, rope_theta
 from lowmem_ft.export.stream import Adapter, TensorRef, merged_blocks, tensors
 
@@ -61,8 +62,9 @@ def nbytes(shape: tuple[int, ...], qtype: str) -> int:
 
 
 def model_config(model_dir: Path):
-    """The transformers config of the model whose shards are exported: its own, or for a checkpoint of its own layout
-    (Qwen v1) the native architecture's (`lowmem_ft.native`), which the tensors are exported as."""
+    """The transformers config of the model whose shards are exported: its own, for a checkpoint of its own layout
+    (Qwen v1) the native architecture's (`lowmem_ft.native`), which the tensors are exported as, and for a
+    vision-language checkpoint its text decoder's (`text_config`, `text_decoder`)."""
     from transformers import AutoConfig
 
     from lowmem_ft import native
@@ -70,7 +72,9 @@ def model_config(model_dir: Path):
     conversion = native.checkpoint_conversion(str(model_dir))
     if conversion is not None:
         return native.transformers_config(str(model_dir), conversion)
-    return AutoConfig.from_pretrained(model_dir)
+    decoder = text_decoder.of(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    return decoder.text_config(config) if decoder is not None else config
 
 
 def plan_tensors(model_dir: Path, config, quant: str) -> list[Planned]:
@@ -165,7 +169,9 @@ def write_gguf(
     config = model_config(model_dir)
     family = family_of(config)
     planned = plan_tensors(model_dir, config, quant)
-    adapter = Adapter(adapter_dir) if adapter_dir is not None else None
+    decoder = text_decoder.of(model_dir)
+    rename = decoder.name if decoder is not None else None
+    adapter = Adapter(adapter_dir, rename) if adapter_dir is not None else None
     if adapter is not None:
         known = {p.ref.name for p in planned} | {"lm_head.weight"}
         missing = [n for n in [*adapter.loras, *adapter.replaced] if n not in known]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,8 @@ class Lora:
 class Adapter:
     """A saved peft LoRA adapter: per base tensor name, its update (or its replacement, for modules_to_save)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, rename: Callable[[str], str | None] | None = None):
+        """`rename` maps a module's name to the exported model's, None for one left out (`text_decoder`)."""
         from safetensors.torch import load_file
 
         config = json.loads((directory / "adapter_config.json").read_text())
@@ -51,9 +52,16 @@ class Adapter:
         self.bytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.loras: dict[str, Lora] = {}
         self.replaced: dict[str, object] = {}
+        self.left_out = 0  # tensors of modules the export leaves out (a vision tower's LoRA)
         parts: dict[str, dict[str, object]] = {}
         for key, tensor in weights.items():
             name = key.removeprefix(ADAPTER_PREFIX)
+            if rename is not None:
+                renamed = rename(name)
+                if renamed is None:
+                    self.left_out += 1
+                    continue
+                name = renamed
             match = re.match(r"(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.weight)?$",
                              name)  # fmt: skip
             if match:
@@ -114,12 +122,15 @@ class TensorRef:
 
 def tensors(model_dir: Path) -> list[TensorRef]:
     """Every tensor of the model's safetensors shards, from their headers alone, under the native model's names (a
-    checkpoint `lowmem_ft.native` loads natively: its tensors mapped as its loader maps them)."""
+    checkpoint `lowmem_ft.native` loads natively: its tensors mapped as its loader maps them; a vision-language
+    checkpoint's text decoder alone, `text_decoder`: the tower's headers are read, never its bytes)."""
     from safetensors import safe_open
 
     from lowmem_ft import native
+    from lowmem_ft.export import text_decoder
 
     conversion = native.checkpoint_conversion(str(model_dir))
+    decoder = text_decoder.of(model_dir)
     refs = []
     for file in shard_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
@@ -127,6 +138,11 @@ def tensors(model_dir: Path) -> list[TensorRef]:
                 sliced = f.get_slice(key)
                 shape = tuple(sliced.get_shape())
                 size = DTYPE_BYTES.get(sliced.get_dtype(), 4)
+                if decoder is not None:  # a VLM's text decoder alone, under the text model's names
+                    name = decoder.name(key)
+                    if name is not None:
+                        refs.append(TensorRef(name, shape, file, _prod(shape) * size, key))
+                    continue
                 if conversion is None:
                     refs.append(TensorRef(key, shape, file, _prod(shape) * size))
                     continue

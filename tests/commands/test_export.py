@@ -151,3 +151,31 @@ def test_k_quant_through_llama_cpp(finished_run, tmp_path, capsys):
 def test_unknown_run_dir_is_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope")]) == 2
     assert "does not exist" in _error(capsys)
+
+
+@pytest.mark.slow
+def test_lora_run_on_gemma3_vlm_exports_its_text_decoder(zoo_models, tmp_path, capsys):
+    """A LoRA run on Gemma3ForConditionalGeneration (the zoo's gemma-3-4b-it replica): f16 and q8_0 files of its
+    text decoder with the adapter merged, the plan and the note on the left-out tower printed."""
+    import gguf
+
+    from tests.train.tiny_runs import tiny_run
+
+    data = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "chat.jsonl")
+    tiny_run(zoo_models["gemma3-vision"], data, tmp_path, "vlm", "training.max_steps=2", "logging.wandb_mode=disabled")
+    run_dir = str(tmp_path / "vlm")
+    merged, run = _merged(run_dir)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(run.weights_dir)(TEXTS[0], return_tensors="pt")["input_ids"]
+    for quant in ("f16", "q8_0"):
+        out = tmp_path / f"vlm-{quant}.gguf"
+        assert main(["export", run_dir, "--quant", quant, "--output", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert "gemma3_text" in printed and "vision tower and projector are not exported" in printed
+        assert "mmproj" in printed
+        got = logits(gguf_model(out, merged.config.text_config), ids)
+        torch.testing.assert_close(got, logits(rounded(merged, quant), ids), atol=2e-5, rtol=1e-5)
+        assert gguf_tokenizer(out)(TEXTS[0])["input_ids"] == ids[0].tolist()
+        names = [t.name for t in gguf.GGUFReader(out).tensors]
+        assert len(names) == 28 and all(n.startswith(("blk.", "token_embd.", "output_norm.")) for n in names)

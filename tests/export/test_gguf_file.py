@@ -184,13 +184,107 @@ def test_granite_keys(zoo_models, tmp_path):
         assert reader.get_field(key).contents() == pytest.approx(value), key
 
 
-@pytest.mark.parametrize("family", ["gemma3-vision"])
-def test_unmapped_family_is_one_line(family, zoo_models, tmp_path):
-    base = Path(zoo_models[family])
-    with pytest.raises(UserError, match="no tensor mapping for model_type") as err:
-        write_gguf(base, None, base, tmp_path / "x.gguf", "f16", family)
+@pytest.fixture(scope="module")
+def gemma3_vlm(zoo_models, tmp_path_factory):
+    """(base, adapter, peft's merged VLM): a LoRA on every linear of the zoo's Gemma3ForConditionalGeneration, its
+    SigLIP tower's included (peft's all-linear takes them), saved as peft saves a run on the VLM."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = Path(zoo_models["gemma3-vision"])
+    torch.manual_seed(0)
+    adapter = save_adapter(str(base), tmp_path_factory.mktemp("vlm") / "a", targets="all-linear",
+                           init_lora_weights=False)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return base, adapter, PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+def test_gemma3_vlm_exports_its_text_decoder(gemma3_vlm, tmp_path):
+    """Gemma-3 4B and up as the Hub ships them: the text decoder under gemma3 names with the adapter merged, the
+    tower and projector left out (llama.cpp's mmproj file); f16 and q8_0 hold exactly the merged text model."""
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowmem_ft.export.stream import Adapter
+    from lowmem_ft.export.text_decoder import GEMMA3
+
+    base, adapter, merged = gemma3_vlm
+    assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())  # noqa: SIM118
+    assert any(".language_model.layers." in k for k in keys) and any("vision_tower" in k for k in keys)
+    assert Adapter(adapter, GEMMA3.name).left_out == sum("vision_tower" in k for k in keys) > 0
+
+    ids = _ids(base, TEXTS[0])
+    plain = logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), ids)
+    for quant in ("f16", "q8_0"):
+        path = tmp_path / f"{quant}.gguf"
+        write_gguf(base, adapter, base, path, quant, "g")
+        reader = gguf.GGUFReader(path)
+        assert reader.get_field("general.architecture").contents() == "gemma3"
+        names = {t.name for t in reader.tensors}
+        # the text model's tensors and nothing else: 2 layers × 13 + embedding + final norm (tied: no output)
+        assert len(names) == 28 and all(n.startswith(("blk.", "token_embd.", "output_norm.")) for n in names)
+        model = gguf_model(path, merged.config.text_config)
+        got = logits(model, ids)
+        torch.testing.assert_close(got, logits(rounded(merged, quant), ids), atol=2e-5, rtol=1e-5)
+        assert (got - plain).abs().max() > 1e-2  # the adapter is in it
+    assert reader.get_field("gemma3.attention.sliding_window_pattern").contents() == [True, False]
+    # the plan counts the text model's weights alone: the tower's are neither read nor planned
+    from lowmem_ft.export.gguf_file import model_config, plan_tensors
+    from lowmem_ft.export.plan import make_plan
+
+    config = model_config(base)
+    plan = make_plan(plan_tensors(base, config, "f16"), "f16", 0, config)
+    assert plan.params == sum(p.numel() for p in merged.model.language_model.parameters())
+    tokenizer = gguf_tokenizer(path)
+    for text in TEXTS:
+        assert tokenizer(text)["input_ids"] == _ids(base, text)[0].tolist(), text
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(base).chat_template
+
+
+def test_gemma3_vlm_in_transformers_5_layout_exports_the_same_file(gemma3_vlm, tmp_path):
+    """The same checkpoint stored under transformers 5's names (`model.language_model.*`, `model.vision_tower.*`,
+    `model.multi_modal_projector.*`) gives the same bytes; a tensor of neither part is one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, adapter, _ = gemma3_vlm
+    write_gguf(base, adapter, base, tmp_path / "hub.gguf", "f16", "g")
+    moved = tmp_path / "t5"
+    shutil.copytree(base, moved)
+    weights = load_file(moved / "model.safetensors")
+    renamed = {k.replace("language_model.model.", "model.language_model.") if k.startswith("language_model.")
+               else f"model.{k}": v for k, v in weights.items()}  # fmt: skip
+    assert any(k.startswith("model.vision_tower.") for k in renamed)
+    save_file(renamed, moved / "model.safetensors", metadata={"format": "pt"})
+    write_gguf(moved, adapter, moved, tmp_path / "t5.gguf", "f16", "g")
+    assert (tmp_path / "t5.gguf").read_bytes() == (tmp_path / "hub.gguf").read_bytes()
+
+    save_file({**renamed, "model.audio_tower.w": torch.zeros(2)}, moved / "model.safetensors")
+    with pytest.raises(UserError, match="model.audio_tower.w of a gemma3 checkpoint is neither") as err:
+        write_gguf(moved, adapter, moved, tmp_path / "x.gguf", "f16", "g")
+    assert "\n" not in str(err.value) and not (tmp_path / "x.gguf").exists()
+
+
+def test_unmapped_family_is_one_line(zoo_models, tmp_path):
+    """A family with no record (a Llama-shaped checkpoint relabelled as OLMo-2, which transformers loads) is
+    refused in one line before any file is made."""
+    import json
+    import shutil
+
+    base = tmp_path / "olmo2"
+    shutil.copytree(zoo_models["llama3"], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "model_type": "olmo2", "architectures": None}))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UserError, match="no tensor mapping for model_type 'olmo2'") as err:
+        write_gguf(base, None, base, out / "x.gguf", "f16", "x")
     assert "\n" not in str(err.value)
-    assert not list(tmp_path.iterdir())
+    assert not list(out.iterdir())
 
 
 def test_a_failure_mid_write_leaves_no_file(merged_refs, tmp_path, monkeypatch):

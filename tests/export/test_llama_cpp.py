@@ -1,6 +1,6 @@
 """llama.cpp itself on the files `export` writes (llama-cpp-python, the `gguf-quants` extra; skipped without it).
 
-For every mapped zoo family the f16 GGUF is loaded by `llama_cpp.Llama` and its logits compared with the merged
+For every mapped zoo family (the Gemma-3 VLM's text decoder included) the f16 GGUF is loaded by `llama_cpp.Llama` and its logits compared with the merged
 model's; its tokenizer (`vocab_only`) encodes sample text to the Hugging Face tokenizer's ids. The quantized files —
 q8_0 (written by lowmem-ft) and q4_k_m (llama.cpp's own quantizer, `lowmem_ft.export.llama_quant`) — are compared
 with the unquantized merged model by KL and top-1 agreement, on bases whose logits are peaked like a trained
@@ -29,8 +29,9 @@ pytestmark = pytest.mark.skipif(
     reason="llama-cpp-python is not installed (pip install 'lowmem-ft[gguf-quants]': a source build of llama.cpp)",
 )
 
-FAMILIES = ["llama3", "llama-zephyr", "mistral", "qwen2.5", "qwen3", "qwen3-finetune", "gemma2", "gemma3", "phi3",
-            "granite"]  # fmt: skip
+# gemma3-vision: a Gemma3ForConditionalGeneration, its text decoder exported (the tower left out)
+FAMILIES = ["llama3", "llama-zephyr", "mistral", "qwen2.5", "qwen3", "qwen3-finetune", "gemma2", "gemma3",
+            "gemma3-vision", "phi3", "granite"]  # fmt: skip
 
 
 def llama(path: Path, **kwargs):
