@@ -129,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     decoder = text_decoder.of(model_dir)
     if decoder is not None:  # a VLM: its text decoder alone, as llama.cpp's converter writes it
         print(f"  note: the {decoder.model_type} checkpoint's text decoder is exported; {decoder.note}")
+        tower = 0 if run_.full else decoder.left_out_of(run_.weights_dir / "adapter_model.safetensors")
+        if tower:
+            print(f"  note: the adapter's {tower} tensors on the vision tower / projector are left out with them")
     trained = run_.recipe.model.quantization
     if not run_.full and trained != "none":
         print(f"  note: the adapter learned against {trained}-rounded weights and is merged into the base's 16-bit "

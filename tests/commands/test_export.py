@@ -173,9 +173,20 @@ def test_lora_run_on_gemma3_vlm_exports_its_text_decoder(zoo_models, tmp_path, c
         assert main(["export", run_dir, "--quant", quant, "--output", str(out)]) == 0
         printed = capsys.readouterr().out
         assert "gemma3_text" in printed and "vision tower and projector are not exported" in printed
-        assert "mmproj" in printed
+        assert "mmproj" in printed and "tensors on the vision tower" not in printed  # the recipe's LoRA: decoder only
         got = logits(gguf_model(out, merged.config.text_config), ids)
         torch.testing.assert_close(got, logits(rounded(merged, quant), ids), atol=2e-5, rtol=1e-5)
         assert gguf_tokenizer(out)(TEXTS[0])["input_ids"] == ids[0].tolist()
         names = [t.name for t in gguf.GGUFReader(out).tensors]
         assert len(names) == 28 and all(n.startswith(("blk.", "token_embd.", "output_norm.")) for n in names)
+
+    # an adapter with LoRA on the tower too (peft's all-linear on the VLM): those tensors are named as left out
+    import shutil
+
+    from tests.saved_adapters import save_adapter
+
+    saved = save_adapter(zoo_models["gemma3-vision"], tmp_path / "all-linear", targets="all-linear")
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(saved / name, run.weights_dir / name)
+    assert main(["export", run_dir, "--quant", "f16", "--output", str(tmp_path / "all.gguf")]) == 0
+    assert "the adapter's 12 tensors on the vision tower / projector are left out" in capsys.readouterr().out
