@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     decoder = text_decoder.of(model_dir)
     if decoder is not None:  # a VLM: its text decoder alone, as llama.cpp's converter writes it
         print(f"  note: the {decoder.model_type} checkpoint's text decoder is exported; {decoder.note}")
-        tower = 0 if run_.full else decoder.left_out_of(run_.weights_dir / "adapter_model.safetensors")
+        from lowmem_ft.export.stream import left_out
+
+        tower = 0 if run_.full else left_out(run_.weights_dir / "adapter_model.safetensors", decoder.name)
         if tower:
             print(f"  note: the adapter's {tower} tensors on the vision tower / projector are left out with them")
     trained = run_.recipe.model.quantization

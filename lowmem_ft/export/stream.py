@@ -89,6 +89,14 @@ class Adapter:
         return (lora.b[rows] @ lora.a) * lora.scaling
 
 
+def left_out(adapter_file: Path, rename: Callable[[str], str | None]) -> int:
+    """How many of a saved adapter's tensors `rename` leaves out (a vision tower's LoRA), from its header alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter_file), framework="pt") as f:
+        return sum(rename(key.removeprefix(ADAPTER_PREFIX)) is None for key in f.keys())  # noqa: SIM118
+
+
 def _pattern(patterns: dict, module: str, default):
     """peft's per-module override: the first key matching the module's name as a suffix (`BaseTuner._check_*`)."""
     for key, value in patterns.items():

@@ -46,15 +46,6 @@ class TextDecoder:
         raise UserError(f"tensor {stored} of a {self.model_type} checkpoint is neither its text decoder's nor its "
                         f"vision tower's; GGUF export knows the Hub's and transformers 5's layouts")  # fmt: skip
 
-    def left_out_of(self, adapter_file: Path) -> int:
-        """How many of a saved adapter's tensors are on modules left out (read from its header alone)."""
-        from safetensors import safe_open
-
-        from lowmem_ft.export.stream import ADAPTER_PREFIX
-
-        with safe_open(str(adapter_file), framework="pt") as f:
-            return sum(self.name(k.removeprefix(ADAPTER_PREFIX)) is None for k in f.keys())  # noqa: SIM118
-
     def text_config(self, config):
         return config.text_config
 

@@ -206,7 +206,7 @@ def test_gemma3_vlm_exports_its_text_decoder(gemma3_vlm, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_ft.export.stream import Adapter
+    from lowmem_ft.export.stream import Adapter, left_out
     from lowmem_ft.export.text_decoder import GEMMA3
 
     base, adapter, merged = gemma3_vlm
@@ -215,7 +215,7 @@ def test_gemma3_vlm_exports_its_text_decoder(gemma3_vlm, tmp_path):
         keys = list(f.keys())  # noqa: SIM118
     assert any(".language_model.layers." in k for k in keys) and any("vision_tower" in k for k in keys)
     assert Adapter(adapter, GEMMA3.name).left_out == sum("vision_tower" in k for k in keys) > 0
-    assert GEMMA3.left_out_of(adapter / "adapter_model.safetensors") == sum("vision_tower" in k for k in keys)
+    assert left_out(adapter / "adapter_model.safetensors", GEMMA3.name) == sum("vision_tower" in k for k in keys)
 
     ids = _ids(base, TEXTS[0])
     plain = logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), ids)
