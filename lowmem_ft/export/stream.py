@@ -54,18 +54,19 @@ class Adapter:
         self.replaced: dict[str, object] = {}
         self.left_out = 0  # tensors of modules the export leaves out (a vision tower's LoRA)
         parts: dict[str, dict[str, object]] = {}
+        saved_as: dict[str, str] = {}  # module → its name in the adapter, which alpha_pattern keys match
         for key, tensor in weights.items():
-            name = key.removeprefix(ADAPTER_PREFIX)
+            name = original = key.removeprefix(ADAPTER_PREFIX)
             if rename is not None:
-                renamed = rename(name)
-                if renamed is None:
+                name = rename(original)
+                if name is None:
                     self.left_out += 1
                     continue
-                name = renamed
             match = re.match(r"(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.weight)?$",
                              name)  # fmt: skip
             if match:
                 parts.setdefault(match.group(1), {})[match.group(2)] = tensor
+                saved_as[match.group(1)] = original.rsplit(f".{match.group(2)}", 1)[0]
             else:  # a module saved whole (modules_to_save)
                 self.replaced[name.replace(".modules_to_save.default", "")] = tensor
         for module, p in parts.items():
@@ -73,7 +74,7 @@ class Adapter:
             a = p["lora_embedding_A" if embedding else "lora_A"]
             b = p["lora_embedding_B" if embedding else "lora_B"]
             r = a.shape[0]
-            alpha = _pattern(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", r))
+            alpha = _pattern(config.get("alpha_pattern") or {}, saved_as[module], config.get("lora_alpha", r))
             scaling = alpha / (r**0.5 if config.get("use_rslora") else r)
             self.loras[f"{module}.weight"] = Lora(
                 a.float(), b.float(), scaling, embedding, p.get("lora_magnitude_vector")

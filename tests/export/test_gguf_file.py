@@ -193,8 +193,10 @@ def gemma3_vlm(zoo_models, tmp_path_factory):
 
     base = Path(zoo_models["gemma3-vision"])
     torch.manual_seed(0)
+    # an alpha_pattern key in the VLM's module names: matched before they are renamed to the text model's
     adapter = save_adapter(str(base), tmp_path_factory.mktemp("vlm") / "a", targets="all-linear",
-                           init_lora_weights=False)  # fmt: skip
+                           init_lora_weights=False,
+                           alpha_pattern={"language_model.layers.0.self_attn.q_proj": 64})  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return base, adapter, PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
 
