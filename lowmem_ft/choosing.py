@@ -25,6 +25,7 @@ from lowmem_ft.memory.target import Target
 from lowmem_ft.method_planning import planning
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict
 from lowmem_ft.recipe.schema import KEYS, Recipe
+from lowmem_ft.vision.setup import with_images
 
 if TYPE_CHECKING:
     from lowmem_ft.data.profile import LengthProfile
@@ -520,7 +521,7 @@ def plan_setup(
     asked_by = (origins or {}).get("memory.max_seq_len", "--set")
     length, why, from_data = _length(arch, recipe, fixed, seq_len, profile, asked_by)
     request = request_for(recipe, target, fixed=fixed, strategy=strategy, offload=offload, length_reason=why)
-    request = replace(request, start=replace(request.start, max_seq_len=length))
+    request = with_images(arch, recipe, profile, replace(request, start=replace(request.start, max_seq_len=length)))
     try:
         return plan(arch, request)
     except UserError:
@@ -621,7 +622,7 @@ def _choose_recipe(vram_gb, recipe, overrides, origins, seq_len, profile, gpus, 
         length = start.memory.max_seq_len
         where = asked("memory.max_seq_len", length, origin_of("memory.max_seq_len", overrides, origins), recipe)
         check_positions(length, arch.max_position_embeddings, model, where)
-        request = request_for(start, target, strategy=strategy, offload=offload)
+        request = with_images(arch, start, profile, request_for(start, target, strategy=strategy, offload=offload))
         # a recipe as given may be predicted not to fit: `plan` refuses it, `train` warns and lets the guard step down
         checked = with_host_ram(arch, _adapter_reason(check(arch, request), start, origins))
         return start, Choice.of_plan("recipe", str(recipe), model, checked)

@@ -34,6 +34,7 @@ class LengthProfile:
     )  # (upper bound in tokens, samples ≤ it and > the previous)
     lengths: tuple[int, ...] = field(default=(), repr=False, compare=False)  # every sample's length, for over()
     sampled: int = 0  # 0: every sample; N: only the first N samples of a stream (data.streaming) were measured
+    image_patches: int = 0  # image chats: the most pixel-value rows (patches) of one sample's images at the cap
 
     def over(self, max_len: int) -> tuple[int, int]:
         """(samples longer than max_len, tokens beyond max_len in them) — what keep_start/keep_end would cut."""

@@ -16,7 +16,7 @@ tests/memory/test_map.py):
    states), `activations` (what a layer keeps for backward), `experts` (MoE), `loss` (logits and loss),
    `recompute` (the checkpointed backward's moment), `transients` (in flight at the forward and backward peaks),
    `evaluation` (eval forwards), `overheads` (CUDA context, cuBLAS, allocator), `adapter_init` (PiSSA / OLoRA's
-   start-up moment).
+   start-up moment), `tower` (a vision-language step's pixel values and the vision tower's moments).
 4. compose — the terms summed into a peak: `estimate` (the components of a `Setup`, phase by phase), `sharding`
    (per device under DDP / ZeRO / FSDP), `host` (host RAM as a limit), `inference` (generation memory).
 5. methods and search — what a method adds and the planner over `Setup` variants: `preference` (DPO / ORPO /
@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "constants": ("calibration",),
     "terms": (
         "linears", "dora", "savers", "static", "activations", "experts", "loss", "recompute", "transients",
-        "evaluation", "overheads", "adapter_init",
+        "evaluation", "overheads", "adapter_init", "tower",
     ),
     "compose": ("estimate", "sharding", "host", "inference"),
     "methods and search": ("preference", "grpo", "long_context", "reasons", "planner", "grpo_plan"),

@@ -28,8 +28,15 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
-from lowmem_ft.memory.vision import VisionTower, gemma3_tower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
-from lowmem_ft.memory.vision_towers import VIT_TOWERS, ViTTower
+from lowmem_ft.memory.vision import (
+    VisionTower,
+    ViTTower,
+    gemma3_tower,
+    qwen2_5_vl_tower,
+    qwen2_vl_tower,
+    qwen3_vl_tower,
+)
+from lowmem_ft.memory.vision_towers import VIT_TOWERS
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -85,8 +92,8 @@ class Architecture:
     # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
     tower_params: int = 0
     tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
-    # a tower trained on images (Qwen2.5-VL, `lowmem_ft.memory.vision`; Idefics3 / SmolVLM and LLaVA,
-    # `lowmem_ft.memory.vision_towers`): its shapes; None when text never runs it
+    # a tower run on images (`lowmem_ft.memory.vision`: the Qwen-VL towers; a `ViTTower` for Gemma-3, Idefics3 /
+    # SmolVLM, LLaVA, LLaVA-OneVision, read by `lowmem_ft.memory.vision_towers`): its per-patch costs
     vision: VisionTower | ViTTower | None = None
     moe: MoE | None = None  # the routed experts of a mixture of experts this memory model counts (see `MoE`)
 
@@ -235,7 +242,7 @@ class Architecture:
         tied = ", tied embeddings" if self.tie_embeddings else ""
         tower = (
             f", {self.tower_params / 1e9:.2f}B of them a vision tower "
-            f"({'run frozen on the images' if self.vision else 'loaded, not run'})"
+            f"({'run frozen on image data' if self.vision else 'loaded, not run'})"
             if self.tower_params
             else ""
         )
@@ -293,7 +300,8 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
     if wrapper == "gemma3":
         text = {"model_type": "gemma3_text", **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
         hidden = int(_with_class_defaults(text)["hidden_size"])
-        return text, gemma3_tower(dict(config.get("vision_config") or {}), hidden)
+        tokens = int(config.get("mm_tokens_per_image") or 256)  # Gemma3Config's default
+        return text, gemma3_tower(dict(config.get("vision_config") or {}), hidden, tokens)
     if wrapper in QWEN_VL_TOWERS:  # Qwen2/2.5-VL's Hub config.json keeps the text fields at its top; Qwen3-VL nests
         text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")}, **text}
         text = {

@@ -109,6 +109,7 @@ from lowmem_ft.memory.static import (
     trainer_fp32_states,
     weight_bytes,
 )
+from lowmem_ft.memory.tower import pixel_component, tower_components, tower_copy_component, tower_moments
 from lowmem_ft.memory.transients import (
     attention_forward_bytes,
     backward_transient_bytes,
@@ -228,7 +229,13 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     layer_fwd = rope + max(forward_transient_bytes(arch, s), attention_forward_bytes(arch, s), norm_working_set)
     if s.gradient_checkpointing:  # the recompute in backward computes the norms again (dequantizing, under QLoRA)
         dequant = max(dequant, norm_working_set)
-    fwd_peak = kept - head + max(head + loss_fwd + head_out, layer_fwd, rope + final_norm_forward_bytes(arch, s))
+    # image chats: the tower runs first, beside the input embeddings; its outputs live on through the decoder
+    tower = tower_moments(arch, s)  # all 0 for a text step
+    comps += tower_components(arch, s)
+    kept += tower.kept
+    at_layers = max(layer_fwd, rope + final_norm_forward_bytes(arch, s)) + tower.in_layers
+    fwd_peak = kept - head + max(head + loss_fwd + head_out + tower.at_head, at_layers)
+    fwd_peak = max(fwd_peak, tower.working_set)
     # an eager layer's softmax backward, once the head's saved tensors and the recomputed MLP's are freed
     softmax_bwd = eager_softmax_backward_bytes(arch, s)  # 0 without eager attention and checkpointing
     attn_bwd = kept - head + softmax_bwd if softmax_bwd else 0.0
@@ -281,6 +288,9 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
     s, attention_note = effective_setup(arch, s)
     comps, notes, trainable = _static_components(arch, s)
+    for extra in (pixel_component(arch, s), tower_copy_component(arch, s)):  # image chats (memory.tower)
+        if extra is not None:
+            comps.append(extra)
     if attention_note:
         notes.insert(0, f"attention: {attention_note}")
     static = sum(x.bytes for x in comps if x.phase == "static")

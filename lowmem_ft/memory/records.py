@@ -53,12 +53,23 @@ class Setup:
     embeddings_on_host: bool = False  # memory.embeddings_on_host (lowmem_ft/train/savers/host_embeddings.py)
     recompute_lora: bool = False  # memory.recompute_lora (lowmem_ft/train/savers/lora_recompute.py)
     tiled_norms: bool = False  # memory.tiled_norms (lowmem_ft/train/savers/tiles.py tile_norms)
+    # image chats (`lowmem_ft.memory.vision`): the vision tower's patches (pixel-value rows on the Qwen-VL towers) of one sample, its
+    # images at the resolution cap (the data's most; without data one image at the cap); 0: text only
+    image_patches: int = 0
+    # ... of the micro batch as it ran (the CPU monitor's batch); None: micro_batch_size × image_patches
+    batch_patches: int | None = None
+    vision_train: Literal["frozen", "lora", "full"] = "frozen"  # vision.train
     device: Device = "cuda"
     safety_margin_gb: float = 1.0
 
     @property
     def tokens(self) -> int:
         return self.micro_batch_size * self.max_seq_len
+
+    @property
+    def patches(self) -> int:
+        """The tower's patches of one micro batch: every image (or crop) of its samples."""
+        return self.micro_batch_size * self.image_patches if self.batch_patches is None else self.batch_patches
 
 
 @dataclass

@@ -25,11 +25,18 @@ from lowmem_ft.memory.savers import HOST_EMBEDDINGS
 BATCH = "batch tensors (ids, labels, mask)"
 
 
+def _tower_trainable(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
+    """A vision tower's trainable tensors under `vision.train` lora / full (`VisionTower.trainable`); none frozen."""
+    if arch.vision is None or s.vision_train == "frozen":
+        return []
+    return arch.vision.trainable(s.vision_train, s.lora_r, DTYPE_BYTES[s.compute_dtype])
+
+
 def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
     """(numel, bytes per element) of each trainable tensor."""
     if s.adapter == "full":
         c = DTYPE_BYTES[s.compute_dtype]
-        out: list[tuple[int, int]] = []
+        out: list[tuple[int, int]] = _tower_trainable(arch, s)
         for lin in arch.linears:
             out += [(lin.in_features * lin.out_features, c)] * arch.num_layers
             if lin.bias:
@@ -50,7 +57,7 @@ def _trainable_tensors(arch: Architecture, s: Setup) -> list[tuple[int, int]]:
                 out += [(arch.moe.extra_norm_params, c)] * arch.num_layers
         return out
     # peft LoRA: A is r × in, B is out × r, fp32 (autocast_adapter_dtype=True in lowmem_ft.train.model)
-    out = []
+    out = _tower_trainable(arch, s)
     for lin in lora_linears(arch, s):
         out += [(s.lora_r * lin.in_features, 4), (lin.out_features * s.lora_r, 4)] * arch.num_layers
         if s.use_dora:  # peft dora.py DoraLinearLayer.update_layer: one magnitude per output feature, fp32 (autocast)
@@ -173,8 +180,10 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
     comps.append(Component(f"16-bit {rest_what}, norms", w_rest, "static", "kept in compute dtype (not quantized)"))
     trainable = _trainable_tensors(arch, s)
     n_train = sum(n for n, _ in trainable)
-    if s.adapter == "lora":
-        comps.append(Component("LoRA parameters (fp32)", 4 * n_train, "static", "peft autocast_adapter_dtype=True"))
+    if s.adapter == "lora":  # a fully trained tower's parameters are its copy (`memory.tower.tower_copy_component`)
+        copied = sum(n for n, _ in _tower_trainable(arch, s)) if s.vision_train == "full" else 0
+        comps.append(Component("LoRA parameters (fp32)", 4 * (n_train - copied), "static",
+                               "peft autocast_adapter_dtype=True"))  # fmt: skip
     grads = sum(n * e for n, e in trainable)
     comps.append(Component("gradients", grads, "static", "one per trainable parameter, in its dtype"))
     fp32_states = trainer_fp32_states(arch, s)

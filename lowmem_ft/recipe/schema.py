@@ -22,6 +22,7 @@ Quantization = Literal["nf4", "int8", "none"]
 DType = Literal["bfloat16", "float16", "float32"]
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 AdapterKind = Literal["lora", "full"]
+VisionTrain = Literal["frozen", "lora", "full"]
 OptimizerName = Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "text", "prompt_completion", "chat_prompt_completion", "messages", "sharegpt", "alpaca"]
@@ -601,6 +602,13 @@ class VisionSection:
         "multiple of the tile within sqrt(max_pixels); LLaVA-1.5's fixed crop and LLaVA-OneVision's pinpoint grids ignore it). 0: the planner picks it "
         "from the data's images and the VRAM target, capped by the checkpoint's preprocessor_config.json.",
         ge=0,
+    )
+    train: VisionTrain = _f(
+        "frozen",
+        "How the vision tower trains: frozen (no gradient: it runs once per image and keeps nothing for backward), "
+        "lora (LoRA adapters on its linear layers, at adapter.r) or full (every tower parameter trainable). The "
+        "plan prices each: the tower's saved activations, and its adapter or gradients and optimizer states.",
+        planner="vision_train",
     )
 
 

@@ -228,6 +228,8 @@ def prepare_for_training(model, recipe: Recipe):
     full = recipe.adapter.kind == "full"
     for param in model.parameters():
         param.requires_grad_(full)
+    from lowmem_ft.vision.tower import set_tower_training
+
     for name in beside_language_model(model):  # a vision tower: text never runs it, so it gets no gradient
         model.get_submodule(name).requires_grad_(False)
     if recipe.memory.gradient_checkpointing:
@@ -240,6 +242,7 @@ def prepare_for_training(model, recipe: Recipe):
         # recomputed layers backpropagate into the adapters (what peft's helper does, minus the upcast).
         if not full:
             model.enable_input_require_grads()
+    set_tower_training(model, recipe.vision.train)  # a vision tower: frozen, LoRA or full (lowmem_ft.vision.tower)
     model.config.use_cache = False
     return model
 
@@ -277,16 +280,10 @@ def adapter_modules(model, target_modules: list[str]) -> list[str]:
 
 
 def beside_language_model(model) -> list[str]:
-    """Modules loaded beside the language model that text training never runs: the siblings of `get_decoder()`
-    when it is nested in a wrapper (Gemma3ForConditionalGeneration: model.vision_tower and
-    model.multi_modal_projector beside model.language_model). Empty for a plain causal LM, whose decoder is
-    `model` beside only the LM head."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    name = next((n for n, m in model.named_modules() if m is decoder), "")
-    if "." not in name:
-        return []
-    parent = name.rsplit(".", 1)[0]
-    return [f"{parent}.{child}" for child, m in model.get_submodule(parent).named_children() if m is not decoder]
+    """Modules loaded beside the language model that text training never runs (`lowmem_ft.vision.tower.towers`)."""
+    from lowmem_ft.vision.tower import towers
+
+    return towers(model)
 
 
 def attach_adapter(model, recipe: Recipe):
@@ -302,6 +299,8 @@ def attach_adapter(model, recipe: Recipe):
     from peft.utils.error import NoMatchingPeftModuleError
 
     from lowmem_ft.memory.arch import MOE_FAMILIES
+    from lowmem_ft.vision.tower import lora_targets as tower_lora_targets
+    from lowmem_ft.vision.tower import modules_to_save as tower_modules_to_save
 
     a = recipe.adapter
     moe = getattr(model.config.get_text_config(), "model_type", "") in MOE_FAMILIES  # all-linear reaches experts
@@ -310,6 +309,7 @@ def attach_adapter(model, recipe: Recipe):
     )
     beside = beside_language_model(model)
     exclude = rf"({'|'.join(re.escape(n) for n in beside)})(\..*)?" if beside else None
+    targets, exclude = tower_lora_targets(model, targets, exclude, recipe.vision.train)  # vision.train lora
     config = LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
@@ -319,6 +319,7 @@ def attach_adapter(model, recipe: Recipe):
         init_lora_weights=True if a.init == "default" else a.init,  # peft's True: B = 0
         target_modules=targets,
         exclude_modules=exclude,
+        modules_to_save=tower_modules_to_save(model, recipe.vision.train),  # vision.train full
         task_type="CAUSAL_LM",
     )
     try:
@@ -353,11 +354,13 @@ def load_adapter(model, recipe: Recipe):
 def build_model(recipe: Recipe):
     """Base model + preparation + adapters, ready for the trainer: the single build path of every command."""
     from lowmem_ft.train.savers.apply import apply_memory_savers
+    from lowmem_ft.vision.tower import freeze_tower_inputs
 
     model = load_model(recipe)
     model = prepare_for_training(model, recipe)
     model = load_adapter(model, recipe) if recipe.adapter.name_or_path else attach_adapter(model, recipe)
     apply_memory_savers(model, recipe)  # the recipe's long-context savers, last
+    freeze_tower_inputs(model)  # a vision tower's input needs no grad, whoever hooked it (lowmem_ft.vision.tower)
     return model
 
 

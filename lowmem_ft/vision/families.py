@@ -30,6 +30,7 @@ class ImageArithmetic(Protocol):
     placeholder: str  # what the chat template renders once per image
     image_token: str  # what the image's features replace in the decoder's sequence
     max_pixels: int  # the checkpoint's own cap
+    patches_per_token: int  # the tower's patches (pixel_values rows) behind one image token
 
     def tokens(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> int: ...
     def max_tokens(self, max_pixels: int | None = None) -> int: ...

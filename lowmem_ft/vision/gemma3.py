@@ -42,6 +42,7 @@ class Gemma3Images:
     max_crops: int = 4
     min_ratio: float = 1.2
     channels: int = 3
+    patch_size: int = 14  # config.json vision_config.patch_size (SigLIP's Conv2d stride)
     placeholder: str = BOI
     image_token: str = SOFT
 
@@ -56,12 +57,19 @@ class Gemma3Images:
             min_crop_size=int(pas["pan_and_scan_min_crop_size"]),
             max_crops=int(pas["pan_and_scan_max_num_crops"]),
             min_ratio=float(pas["pan_and_scan_min_ratio_to_activate"]),
+            patch_size=int(((model_config or {}).get("vision_config") or {}).get("patch_size", 14)),
         )
 
     @property
     def max_pixels(self) -> int:
         """The pixels the tower sees of one image at most: the original's square and each crop's."""
         return self.image_size**2 * (1 + (self.max_crops if self.pan_and_scan else 0))
+
+    @property
+    def patches_per_token(self) -> int:
+        """SigLIP patches behind one soft token: a crop's (image_size / patch)² patches pooled to tokens_per_crop
+        (Gemma3MultiModalProjector's average pooling; 4,096 → 256 = 16 on the Hub's checkpoints)."""
+        return (self.image_size // self.patch_size) ** 2 // self.tokens_per_crop
 
     def crops(self, height: int, width: int) -> int:
         """Pan-and-scan crops of an image (`Gemma3ImageProcessorPil.pan_and_scan`); 0 when it is off."""

@@ -60,6 +60,11 @@ class QwenVLImages:
         return self.patch_size * self.merge_size
 
     @property
+    def patches_per_token(self) -> int:
+        """Rows of pixel_values (tower patches) behind one image token: merge² (`tokens`)."""
+        return self.merge_size**2
+
+    @property
     def patch_values(self) -> int:
         """Numbers in one row of pixel_values: channels × temporal patch × patch × patch (1176 at patch 14)."""
         return self.channels * self.temporal_patch_size * self.patch_size**2

@@ -60,7 +60,9 @@ class VisionSetup:
         from lowmem_ft.data.profile import LengthProfile
 
         data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), tokenizer)
-        return LengthProfile.from_lengths([len(r["input_ids"]) for r in data.records])
+        profile = LengthProfile.from_lengths([len(r["input_ids"]) for r in data.records])
+        patches = max(sum(r["image_tokens"]) for r in data.records) * self.images.patches_per_token
+        return replace(profile, image_patches=patches)  # the tower's and the pixel values' worst sample
 
     def prepare(self, recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
         """(train dataset, eval dataset (None), data summary) for the trainer; the images stay files until the
@@ -166,20 +168,59 @@ def choose_cap(start, overrides: dict, plan) -> tuple[dict, Any, str | None]:
         if recipe.memory.max_seq_len >= profile.max:
             why = vision.images.cap_why(cap)
             if len(caps) == 1:
-                return chosen, profile, vision.why
+                return chosen, profile, vision.why + _kept_with(recipe)
             if i:
                 larger = caps[i - 1]
                 why += (
                     f", the largest at which every sample fits whole in the plan's {recipe.memory.max_seq_len} "
-                    f"tokens (at {larger} the longest would need more)"
+                    f"tokens (at {larger} the longest would need more than the smallest setup fits)"
                 )
             else:
                 why += f": {vision.why.split(': ', 1)[-1]}; every sample fits whole"
-            return chosen, profile, why
+            return chosen, profile, why + _kept_with(recipe)
     dropped = f"samples longer than the plan's {recipe.memory.max_seq_len} tokens are dropped and counted"
     if len(caps) == 1:
         return chosen, profile, f"{vision.why}; {dropped}"
     return chosen, profile, f"{vision.images.cap_why(cap)}, the smallest tried: {dropped}"
+
+
+def with_images(arch, recipe, profile, request):
+    """The planner's request with the images of a vision-language step: one sample's patches (`plan_patches`), and
+    for `vision.train: full` 16-bit weights, fixed (the tower's own weights train: 4-/8-bit loading would quantize
+    them, `lowmem_ft.vision.tower.modules_to_save`). The request as it was for a text model."""
+    from dataclasses import replace
+
+    if arch.vision is None:
+        return request
+    start = replace(request.start, image_patches=plan_patches(arch, recipe, profile))
+    if recipe.vision.train == "full":
+        start = replace(start, quantization="none")
+        return replace(request, start=start, fixed=request.fixed | {"quantization"})
+    return replace(request, start=start)
+
+
+def plan_patches(arch, recipe, profile) -> int:
+    """The patches of one sample the plan prices (`Setup.image_patches`) for a vision-language checkpoint trained on
+    images (`vision_of`): the data's most (its images at the cap, `VisionSetup.profile`), else one image as large as
+    the cap allows (`vision.max_pixels`, or the family's default cap). 0 for a text model, and for Gemma-3 on data
+    without images (trained as text)."""
+    if arch.vision is None:
+        return 0
+    if profile is not None and profile.image_patches:
+        return profile.image_patches
+    vision = vision_of(recipe)
+    return 0 if vision is None else arch.vision.patches_at(vision.max_pixels)
+
+
+def _kept_with(recipe) -> str:
+    """What the plan at the chosen cap pays for it, for the reason line: the cap is stepped down only when no setup
+    the planner searches (micro batch down to 1 with accumulation, NF4, checkpointing, the savers) fits the longest
+    sample's image tokens."""
+    m = recipe.memory
+    storage = {"nf4": "NF4", "int8": "int8"}.get(recipe.model.quantization, "16-bit weights")
+    savers = [name for name, on in (("gradient checkpointing", m.gradient_checkpointing),
+              ("activation offloading", m.activation_offloading), ("tiled MLP", m.tiled_mlp)) if on]  # fmt: skip
+    return f", with {storage}, micro batch {m.micro_batch_size}" + (f", {', '.join(savers)}" if savers else "")
 
 
 def _tokenizer(recipe):

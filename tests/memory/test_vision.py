@@ -16,7 +16,8 @@ def _model(config: dict):
         return AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
 
 
-SOURCES = ["zoo:qwen2.5-vl", "zoo:qwen2-vl", "zoo:qwen3-vl", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-7B-Instruct",
+SOURCES = ["zoo:qwen2.5-vl", "zoo:qwen2-vl", "zoo:qwen3-vl", "Qwen/Qwen2.5-VL-7B-Instruct",
+           "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2-VL-7B-Instruct",
            "Qwen/Qwen3-VL-8B-Instruct"]  # fmt: skip
 
 
@@ -48,7 +49,9 @@ def test_tower_weights_and_linears_are_transformers(source, tmp_path):
 def test_the_7b_tower_is_its_published_share():
     arch = load_architecture("Qwen/Qwen2.5-VL-7B-Instruct")
     assert arch.total_params == 8_292_166_656 and arch.tower_params == 676_550_144
-    assert "run frozen on the images" in arch.summary()
+    small = load_architecture("Qwen/Qwen2.5-VL-3B-Instruct")  # tied embeddings; the merger ends at 2,048
+    assert small.total_params == 3_754_622_976 and small.tower_params == 668_684_288
+    assert "run frozen on image data" in arch.summary()
     qwen2 = load_architecture("Qwen/Qwen2-VL-7B-Instruct")  # the Hub's safetensors totals; towers counted on meta
     assert qwen2.total_params == 8_291_375_616 and qwen2.tower_params == 675_759_104
     qwen3 = load_architecture("Qwen/Qwen3-VL-8B-Instruct")

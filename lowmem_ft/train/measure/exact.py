@@ -86,6 +86,7 @@ class ExactMemory:
             raise ValueError("ExactMemory compares with the CPU form of the memory model (Setup.device='cpu')")
         self._train: tuple[int, int] | None = None  # rows × tokens of the last training forward
         self._labelled: int | None = None  # ... and its labelled positions (the chunked loss's `loss_tokens`)
+        self._patches: int | None = None  # ... and its tower's patches (image chats)
         self._eval: tuple[int, int] | None = None  # ... and of the last evaluation forward
         self._grads = False  # gradients alive when the last training forward began
         self._states = False  # optimizer states alive when the last forward began
@@ -204,6 +205,9 @@ class ExactMemory:
             self._eval = batch
             return
         self._train = batch
+        pixels = kwargs.get("pixel_values")  # image chats: the patches the tower runs on (memory.tower)
+        tower = self.arch.vision if self.arch is not None else None  # its patches: Qwen-VL rows, SigLIP crops × n²
+        self._patches = int(pixels.numel()) // tower.patch_values if pixels is not None and tower else None
         self._labelled = labelled_positions(kwargs) if self.setup.loss_impl == "chunked" else None
         self._grads = any(p.grad is not None for p in self._trainable)
         checkpointing = getattr(self._base, "is_activation_checkpointing", None)
@@ -225,13 +229,16 @@ class ExactMemory:
         if what != "optimizer step":
             out["batch"] = list(batch)
         if self.arch is not None:
-            # Image chats: the pixel values the trainer holds beside the model's tensors — every micro batch of the
-            # optimizer step (transformers' Trainer collates them all before the first, `get_batch_samples`, and
-            # holds them to the step's end) and the one accelerate's loader collated ahead (DataLoaderShard iterates
-            # one batch ahead) — read, like the batch's rows × tokens, from the batches as they are: the collator's
-            # pixel values still alive. Found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144
-            # patch rows × 4,704 B over without them.
-            pixels = self.pixels_held() / GB if self.pixels_held is not None and what != "eval" else 0.0
+            # Image chats: the memory model counts the pixel values of the held micro batches at this batch's
+            # patches (`memory.tower.pixel_values_bytes`); the batches held — every micro batch of the optimizer
+            # step (transformers' Trainer collates them all before the first, `get_batch_samples`) and the one
+            # accelerate's loader collated ahead — differ in their images, so that term is replaced by the pixel
+            # values the collator made that are still alive, read like the batch's rows × tokens from the batches
+            # as they are. Found by this exact count: a tiny Qwen2.5-VL run's optimizer phase was 144 patch rows ×
+            # 4,704 B over without them.
+            pixels = 0.0
+            if self.pixels_held is not None and what != "eval":
+                pixels = (self.pixels_held() - self._pixels_modelled(what, batch)) / GB
             out["predicted_peak_live_gb"] = round(self._predict(what, batch) + pixels, 6)
         return out
 
@@ -270,12 +277,21 @@ class ExactMemory:
             out["predicted_peak_live_gb"] = self._cache[key]
         return out
 
+    def _pixels_modelled(self, what: RunPhase, batch: tuple[int, int]) -> float:
+        """The memory model's pixel values for this batch (`_predict`'s setup), which `read` replaces."""
+        from lowmem_ft.memory.tower import pixel_values_bytes
+
+        rows, tokens = batch
+        s = replace(self.setup, micro_batch_size=rows, max_seq_len=tokens, batch_patches=self._patches or 0)
+        return pixel_values_bytes(self.arch, s)
+
     def _predict(self, what: RunPhase, batch: tuple[int, int]) -> float:
         # the backward of a micro batch begun without gradients creates them as it goes (`Estimate.first_micro_batch`)
         grads = self._grads if what in ("forward", "backward") else what != "eval"
         states = self._states or what == "optimizer step"
         labelled = None if what == "eval" else self._labelled
-        key = (what, batch, labelled, grads, states, self._checkpointing)
+        patches = 0 if what == "eval" else self._patches or 0
+        key = (what, batch, labelled, patches, grads, states, self._checkpointing)
         if key not in self._cache:
             rows, tokens = batch
             s = replace(
@@ -283,6 +299,7 @@ class ExactMemory:
                 micro_batch_size=rows,
                 max_seq_len=tokens,
                 loss_tokens=labelled,
+                batch_patches=patches,
                 gradient_checkpointing=key[-1],
             )
             b = self._phase(s, what, grads=grads, states=states)

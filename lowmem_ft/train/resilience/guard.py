@@ -46,6 +46,9 @@ def enable_checkpointing(model) -> None:
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if any(not p.requires_grad for p in base.get_input_embeddings().parameters()):
         base.enable_input_require_grads()  # frozen embeddings: checkpointed layers need inputs that require grad
+        from lowmem_ft.vision.tower import freeze_tower_inputs
+
+        freeze_tower_inputs(base)  # ... but not a vision tower's (lowmem_ft.vision.tower)
     base.config.use_cache = False
 
 
