@@ -223,6 +223,37 @@ def test_the_plan_reads_the_images_of_the_data(qwen_vl, vlm_data, capsys):
     assert ", with " in plan["vision"]["why"] and ", micro batch " in plan["vision"]["why"]  # what the cap costs
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl", "gemma3-vision"])
+def test_every_family_plans_the_patches_of_its_data(vl_checkpoint, vlm_data, family, capsys):
+    """`plan --json` with image chats on each other family: the setup's patches per sample are the data's most image
+    tokens times the family's patches per token (Qwen merge² = 4; the tiny Gemma-3's 4 patches per crop pooled to 4
+    tokens: 1), and the plan prices their pixel values and the tower. Gemma-3 without image data plans as text, and
+    refuses a trained tower."""
+    import json
+
+    from lowmem_ft.cli import main
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.vision.setup import vision_of
+
+    model = vl_checkpoint(family)
+    assert main(["plan", "--vram", "8", "--model", model, "--data", str(vlm_data), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    est = plan.get("estimate", plan)
+    tokens = plan["vision"]["data"]["image_tokens_per_sample"]["max"]
+    images = vision_of(resolve(None, {"model": {"name_or_path": model}, "data": {"path": str(vlm_data)}})).images
+    assert est["setup"]["image_patches"] == tokens * images.patches_per_token > 0
+    names = {c["name"] for c in est["components"]}
+    assert PIXELS in names and "vision tower forward (frozen)" in names
+    if family == "gemma3-vision":
+        assert main(["plan", "--vram", "8", "--model", model, "--json"]) == 0
+        text = json.loads(capsys.readouterr().out)
+        assert text.get("estimate", text)["setup"]["image_patches"] == 0
+        # a trained SigLIP tower is not priced: one line, exit 2
+        argv = ["plan", "--vram", "8", "--model", model, "--data", str(vlm_data), "--set", "vision.train=lora"]
+        assert main(argv) == 2
+        assert "vision.train: lora is not priced for a SigLIP / CLIP tower" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("train", ["lora", "full"])
 def test_the_plan_prices_a_trained_tower(train, capsys):
     """`plan` for Qwen2.5-VL-7B with `vision.train`: LoRA adds the tower's adapters (r 16 on its 32 × 5 + 2
