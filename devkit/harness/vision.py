@@ -135,12 +135,23 @@ def measure(model_dir: str, p: VisionPoint) -> dict[str, tuple[int, int]]:
         phases["peak"] = (pm.peak_bytes, pm.live_bytes)
     one = collator([record])
     # the tower's patches: pixel-value rows (Qwen-VL), or crops × (image / patch)² (SigLIP's square crops)
-    per_patch = load_architecture(model_dir).vision.patch_values
-    p.patches = int(one["pixel_values"].numel()) // per_patch if "pixel_values" in one else 0
+    p.patches = _patches(load_architecture(model_dir).vision, one)
     p.tokens = int(one["input_ids"].shape[1])
     del model, base, optimizer, trainable, pm, batches
     gc.collect()
     return phases
+
+
+def _patches(vision, batch) -> int:
+    """The tower's patches in a batch: pixel-value rows (Qwen-VL), or the real tiles / crops × their patches (a ViT:
+    Idefics3's and OneVision's batches pad each sample with all-zero tiles, which the model drops)."""
+    if "pixel_values" not in batch:
+        return 0
+    pixels = batch["pixel_values"]
+    if not hasattr(vision, "tile_patches"):
+        return int(pixels.numel()) // vision.patch_values
+    tiles = pixels.reshape(-1, vision.channels * vision.image_size**2)
+    return int((tiles != 0).any(dim=1).sum()) * vision.tile_patches
 
 
 def predict(model_dir: str, p: VisionPoint) -> dict[str, float]:

@@ -5,10 +5,10 @@ It reads in five layers; a module imports only from its own layer or the ones ab
 tests/memory/test_map.py):
 
 1. describe — what is trained, and where: `families` (one `Family` record per model_type), `blocks` (a decoder
-   block's shape from a config dict), `vision` (a vision-language tower's shapes: Qwen-VL's, Gemma-3's),
-   `vision_towers` (the ViT towers of Idefics3 / SmolVLM, LLaVA, LLaVA-OneVision), `layout` (checked against a local model's weights), `arch` (the
-   `Architecture` read from config.json), `records` (the `Setup` of knobs, a named `Component`, an `Estimate`),
-   `target` (VRAM, margin and budget).
+   block's shape from a config dict), `vision` (the Qwen-VL towers: shapes and per-patch costs), `vision_towers`
+   (one plain-ViT tower for Gemma-3, Idefics3 / SmolVLM, LLaVA, LLaVA-OneVision), `layout` (checked against a local
+   model's weights), `arch` (the `Architecture` read from config.json), `records` (the `Setup` of knobs, a named
+   `Component`, an `Estimate`), `target` (VRAM, margin and budget).
 2. constants — `calibration`: every number the terms use, each declared with its `Source` (read from a library's
    code, or measured, and how).
 3. terms — one concern each, bytes per component at each moment of the step: `linears` (what LoRA adapts and

@@ -28,15 +28,8 @@ from lowmem_ft.memory.blocks import (
     _with_class_defaults,
 )
 from lowmem_ft.memory.families import FAMILIES, family, with_flag
-from lowmem_ft.memory.vision import (
-    VisionTower,
-    ViTTower,
-    gemma3_tower,
-    qwen2_5_vl_tower,
-    qwen2_vl_tower,
-    qwen3_vl_tower,
-)
-from lowmem_ft.memory.vision_towers import VIT_TOWERS
+from lowmem_ft.memory.vision import VisionTower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
+from lowmem_ft.memory.vision_towers import VIT_TOWERS, ViTTower, gemma3_tower
 from lowmem_ft.native import conversion_for
 
 log = logging.getLogger(__name__)
@@ -92,8 +85,8 @@ class Architecture:
     # all of their parameters, and their nn.Linear layers, which bitsandbytes quantizes like the block's.
     tower_params: int = 0
     tower_linears: tuple[Linear, ...] = field(default_factory=tuple)
-    # a tower run on images (`lowmem_ft.memory.vision`: the Qwen-VL towers; a `ViTTower` for Gemma-3, Idefics3 /
-    # SmolVLM, LLaVA, LLaVA-OneVision, read by `lowmem_ft.memory.vision_towers`): its per-patch costs
+    # a tower run on images (`lowmem_ft.memory.vision`: the Qwen-VL towers; `lowmem_ft.memory.vision_towers`: one
+    # `ViTTower` for Gemma-3, Idefics3 / SmolVLM, LLaVA, LLaVA-OneVision): its per-patch costs
     vision: VisionTower | ViTTower | None = None
     moe: MoE | None = None  # the routed experts of a mixture of experts this memory model counts (see `MoE`)
 
@@ -289,7 +282,7 @@ def _composite(config: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[
     """(the text model's config, the tower fields) of a config.json that nests its text model in `text_config`.
 
     What AutoModelForCausalLM loads decides: Gemma-3 (`gemma3`) → Gemma3ForConditionalGeneration, the text model
-    plus the SigLIP vision tower and projector, whose weights are counted (`memory.vision.gemma3_tower`); the
+    plus the SigLIP vision tower and projector, whose weights are counted (`memory.vision_towers.gemma3_tower`); the
     embeddings tie as the top-level config says (modeling_utils.py reads `self.config.tie_word_embeddings`;
     Gemma3Config default true). Llama-4 (`llama4`) → Llama4ForCausalLM, the text model alone (a mixture of experts: `_experts`). Anything
     else is refused: the memory model cannot describe what would be loaded.

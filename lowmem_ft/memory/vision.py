@@ -1,9 +1,9 @@
 """The vision tower of a vision-language model, for the memory model: its weights, and what running it costs per
 patch. Pure arithmetic over config.json (no torch). Qwen2-VL's and Qwen3-VL's towers are variants of Qwen2.5-VL's
-(`LayerNormTower`: `qwen2_vl_tower`, `qwen3_vl_tower`); Gemma-3's SigLIP tower and projector are a plain ViT
-(`ViTTower`, built by `gemma3_tower`), which a CLIP or another SigLIP tower reuses with its own projector's
-patches per token. Every tower answers the same per-patch questions (`patches_at`, `pixel_bytes`,
-`frozen_working_set`, `outputs_kept`, `trained_kept`, `trainable`), each checked against PeakMemory per family.
+(`LayerNormTower`: `qwen2_vl_tower`, `qwen3_vl_tower`); the plain-ViT towers (SigLIP, CLIP: Gemma-3, Idefics3 /
+SmolVLM, LLaVA, LLaVA-OneVision) are one `ViTTower` in `lowmem_ft.memory.vision_towers`. Every tower answers the
+same per-patch questions (`patches_at`, `pixel_bytes`, `frozen_working_set`, `outputs_kept`, `trained_kept`,
+`trainable`), each checked against PeakMemory per family.
 
 Qwen2.5-VL (modeling_qwen2_5_vl.py, transformers 5.24): `model.visual` is a Conv3d patch embedding without bias
 (channels × temporal_patch × patch² → hidden), `depth` blocks of RMSNorm → qkv (hidden → 3·hidden, bias) → proj
@@ -254,12 +254,12 @@ def qwen2_vl_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
         patch_values=channels * temporal * patch * patch,
         merge=int(vision.get("spatial_merge_size", 2)),
         patch=patch,
-        act_intermediates=_act_intermediates(vision.get("hidden_act", "quick_gelu")),
+        act_intermediates=mlp_intermediates(vision.get("hidden_act", "quick_gelu")),
     )
     return {"tower_params": tower.params, "tower_linears": tower.linears, "vision": tower}
 
 
-def _act_intermediates(act: str) -> int:
+def mlp_intermediates(act: str) -> int:
     """Intermediate-sized tensors alive at an fc1 → act → fc2 MLP's moment (transformers' activations.py):
     QuickGELU's `x * sigmoid(1.702 * x)` holds fc1's output, the sigmoid and the product; a one-kernel activation
     (GELU, tanh GELU, SiLU) fc1's output and its own. Measured with `frozen_working_set` (tests/vision)."""
@@ -288,119 +288,6 @@ def qwen3_vl_tower(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
         deepstack=len(indexes),
         deepstack_early=sum(1 for k in indexes if k < depth - 1),
         patch=patch,
-        act_intermediates=_act_intermediates(vision.get("hidden_act", "gelu_pytorch_tanh")),
+        act_intermediates=mlp_intermediates(vision.get("hidden_act", "gelu_pytorch_tanh")),
     )
     return {"tower_params": tower.params, "tower_linears": tower.linears, "vision": tower}
-
-
-# transformers' SiglipVisionConfig defaults (configuration_siglip.py): Gemma-3's vision_config names only some keys.
-SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
-                   "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ViTTower:
-    """A plain ViT tower (SigLIP's or CLIP's: LayerNorm → q/k/v/out_proj → LayerNorm → fc1 → act → fc2, all with
-    biases, over one fixed square of patches per crop) and the projector that hands its features on, described per
-    patch as `VisionTower` is, so `lowmem_ft.memory.tower` prices it unchanged. A family builds it from its
-    vision_config (`gemma3_tower`); `patches_per_token` is how many patches the projector turns into one image token
-    (Gemma-3's average pooling 16, a pixel shuffle's scale², CLIP's 1), `out_hidden` the features' width.
-
-    Read from modeling_siglip.py (transformers 5.24) and checked exactly against PeakMemory on the CPU
-    (tests/vision/test_vision_memory.py), frozen, SDPA (linear in the patches; eager's per-crop patches² scores
-    are not priced)."""
-
-    hidden: int
-    intermediate: int
-    depth: int
-    heads: int
-    out_hidden: int
-    patch_values: int  # numbers per patch of pixel_values: channels × patch² (fp32 from the processor)
-    patch: int  # a patch's side in pixels
-    patches_per_token: int
-    params: int  # the tower's and the projector's, counted by the family (`gemma3_tower`)
-    linears: tuple[Linear, ...] = ()
-    act_intermediates: int = 2  # at the MLP moment: gelu_pytorch_tanh 2, QuickGELU 3 (`_act_intermediates`)
-
-    def patches_at(self, max_pixels: int) -> int:
-        """The patches the tower sees of one image: its crops' squares (`Gemma3Images.max_pixels`) over patch²."""
-        return max_pixels // self.patch**2
-
-    def pixel_bytes(self, patches: int) -> int:
-        return 4 * patches * self.patch_values
-
-    def merged_bytes(self, patches: int, c: int) -> float:
-        """The projector's output: one out_hidden feature per `patches_per_token` patches, in the compute dtype."""
-        return c * self.out_hidden * patches / self.patches_per_token
-
-    def frozen_working_set(self, patches: int, c: int) -> float:
-        """The frozen forward's peak beyond what existed before it: the largest of the patch embedding's moment (the
-        c-byte copy of the pixel values beside the Conv2d's output) and a layer's two, each beside the embedding
-        output (`SiglipVisionTransformer.forward` holds it as the encoder's input through every layer) and the
-        layer's input: attention — layer_norm1's output, q, k, v, SDPA's output made contiguous and out_proj's
-        (6·c·h) — and the MLP — the residual, layer_norm2's output and fc1's output with the activation's
-        (`act_intermediates`). Measured (PeakMemory, bf16, 256–1,024 patches, one or two crops, hidden 64 / 128,
-        intermediate 128 / 256 / 1024): 1,304 / 2,048 / 4,608 B per patch, each equal to this."""
-        h = c * self.hidden
-        embed = c * self.patch_values + h
-        held = h if self.depth > 1 else 0
-        attention = 7 * h
-        mlp = 3 * h + self.act_intermediates * c * self.intermediate
-        return patches * max(embed, held + max(attention, mlp))
-
-    def outputs_kept(self, patches: int, c: int) -> tuple[float, float]:
-        """(while the decoder's layers run, while its head and loss run): the last hidden states (after the post
-        LayerNorm) and the projected features, both kept by the vision outputs the forward holds until its decoder
-        returns (Gemma3Model.forward's `mm_encoder_outputs`); the features go on with the output
-        (`image_hidden_states`). Measured after the tower: c·hidden + the features per patch."""
-        last, merged = c * self.hidden * patches, self.merged_bytes(patches, c)
-        return last + merged, merged
-
-    def trained_kept(self, patches: int, c: int, train: str, checkpointing: bool, r: int, drop: float) -> float:
-        if train != "frozen":
-            _untrained(train)
-        return 0.0
-
-    def trainable(self, train: str, r: int, c: int) -> list[tuple[int, int]]:
-        if train != "frozen":
-            _untrained(train)
-        return []
-
-
-def _untrained(train: str) -> None:
-    from lowmem_ft.errors import UserError
-
-    raise UserError(
-        f"vision.train: {train} is not priced for a SigLIP / CLIP tower yet (the memory model knows what a trained "
-        "Qwen-VL tower keeps, not a plain ViT's): set vision.train: frozen"
-    )
-
-
-def gemma3_tower(vision: dict[str, Any], text_hidden: int, tokens_per_image: int = 256) -> dict[str, Any]:
-    """Gemma-3's vision weights, loaded with the text model: run frozen when it trains on images (no graph, as
-    Qwen2.5-VL's above), never run by text training. A SigLIP vision model
-    (modeling_siglip.py: a patch Conv2d with bias, position embeddings, layers of LayerNorm → q/k/v/out_proj →
-    LayerNorm → fc1/fc2, all with biases, a post LayerNorm, and the attention-pooling head when `vision_use_head`)
-    and Gemma3MultiModalProjector (a vision × text `mm_input_projection_weight` and an RMSNorm of vision width)."""
-    vision = {**SIGLIP_DEFAULTS, **vision}
-    h, inter, layers = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["num_hidden_layers"])
-    patch, channels = int(vision["patch_size"]), int(vision["num_channels"])
-    patches = (int(vision["image_size"]) // patch) ** 2
-    attention = [Linear(n, h, h, True) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
-    mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]
-    linears = (attention + mlp) * layers
-    norms = (2 * layers + 1) * 2 * h  # layer_norm1/2 per layer, post_layernorm: LayerNorm weight and bias
-    params = channels * patch * patch * h + h + patches * h + sum(lin.params for lin in linears) + norms
-    if vision.get("vision_use_head", True):  # SiglipMultiheadAttentionPoolingHead: probe, nn.MultiheadAttention
-        head_mlp = [Linear("fc1", h, inter, True), Linear("fc2", inter, h, True)]  # (its out_proj a Linear too)
-        linears += (Linear("out_proj", h, h, True), *head_mlp)
-        params += h + 3 * h * h + 3 * h + sum(lin.params for lin in linears[-3:]) + 2 * h
-    params += h * text_hidden + h  # the projector
-    # Gemma3MultiModalProjector average-pools each crop's (image / patch)² patches to mm_tokens_per_image
-    tower = ViTTower(
-        hidden=h, intermediate=inter, depth=layers, heads=int(vision.get("num_attention_heads", 12)),
-        out_hidden=text_hidden, patch_values=channels * patch * patch, patch=patch,
-        patches_per_token=max(1, patches // int(tokens_per_image)), params=params, linears=tuple(linears),
-        act_intermediates=_act_intermediates(vision.get("hidden_act", "gelu_pytorch_tanh")),
-    )  # fmt: skip
-    return {"tower_params": params, "tower_linears": tuple(linears), "vision": tower}

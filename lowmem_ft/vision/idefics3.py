@@ -148,6 +148,11 @@ class Idefics3Images:
         rows, cols = self.grid(height, width, max_pixels)
         return rows * cols + 1
 
+    @property
+    def patches_per_token(self) -> int:
+        """Tower patches behind one image token: the connector's pixel shuffle folds scale_factor² into one."""
+        return self.patches_per_tile // self.seq_len
+
     def patches(self, height: int, width: int, max_pixels: int | None = None) -> int:
         return self.tiles(height, width, max_pixels) * self.patches_per_tile
 

@@ -85,6 +85,11 @@ class LlavaImages:
     def max_tokens(self, max_pixels: int | None = None) -> int:
         return self.tokens()
 
+    @property
+    def patches_per_token(self) -> int:
+        """Tower patches behind one image token: the projector maps each patch's features to one token."""
+        return 1
+
     def patches(self, height: int = 0, width: int = 0, max_pixels: int | None = None) -> int:
         """The tower's sequence for one image: its patches and the class token."""
         return (self.crop_height // self.patch) * (self.crop_width // self.patch) + 1

@@ -132,6 +132,16 @@ class AnyresImages:
     def patches(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> int:
         return self.crops(height, width, images_in_sample) * self.side**2
 
+    @property
+    def patches_per_token(self) -> int:
+        """One feature per patch before packing; a sample's patches are `sample_patches` (its crops), since
+        unpadding, newlines and anyres_max pooling make the tokens no fixed multiple of them."""
+        return 1
+
+    def sample_patches(self, sizes: list[tuple[int, int]]) -> int:
+        """The tower's patches for one sample's images ((height, width) each): every crop it runs."""
+        return sum(self.patches(h, w, images_in_sample=len(sizes)) for h, w in sizes)
+
     def expansion(self, height: int, width: int, max_pixels: int | None = None, images_in_sample: int = 1) -> str:
         return "<image>" * self.tokens(height, width, max_pixels, images_in_sample)
 

@@ -61,7 +61,10 @@ class VisionSetup:
 
         data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), tokenizer)
         profile = LengthProfile.from_lengths([len(r["input_ids"]) for r in data.records])
-        patches = max(sum(r["image_tokens"]) for r in data.records) * self.images.patches_per_token
+        exact = getattr(self.images, "sample_patches", None)  # patches that are no multiple of tokens (OneVision)
+        patches = max(
+            exact(r["sizes"]) if exact else sum(r["image_tokens"]) * self.images.patches_per_token for r in data.records
+        )
         return replace(profile, image_patches=patches)  # the tower's and the pixel values' worst sample
 
     def prepare(self, recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:

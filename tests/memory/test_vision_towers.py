@@ -51,7 +51,7 @@ def test_smolvlm_instruct_is_its_published_size():
 
     arch = load_architecture("HuggingFaceTB/SmolVLM-Instruct")
     assert arch.total_params == 2_246_272_880 and arch.tower_params == 434_220_912
-    assert "run frozen on the images" in arch.summary()
+    assert "run frozen on image data" in arch.summary()
 
 
 def test_llava_1_5_7b_is_its_published_size():

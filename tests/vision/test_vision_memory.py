@@ -17,16 +17,61 @@ TOWERS = [
     ("qwen2_vl", 64, 128, 2), ("qwen2_vl", 128, 512, 4), ("qwen2_vl", 64, 1024, 2),
     ("qwen3_vl", 64, 128, 2), ("qwen3_vl", 128, 256, 4), ("qwen3_vl", 64, 1024, 2),
     ("gemma3", 64, 128, 2), ("gemma3", 128, 256, 4), ("gemma3", 64, 1024, 2),
+    ("smolvlm", 64, 128, 2), ("smolvlm", 128, 256, 4), ("smolvlm", 64, 1024, 2),
+    ("llava", 64, 128, 2), ("llava", 128, 256, 4), ("llava", 64, 1024, 2),
+    ("llava-onevision", 64, 128, 2), ("llava-onevision", 128, 256, 4), ("llava-onevision", 64, 1024, 2),
 ]  # fmt: skip
+# the zoo families whose whole model's `get_image_features` is measured (224-pixel tiles of 14-pixel patches)
+WHOLE = ("smolvlm", "llava", "llava-onevision")
+
+
+def _whole(family: str, hidden: int, intermediate: int, heads: int):
+    """The zoo family's model at these tower shapes in bf16, and the memory model's description of its tower."""
+    import copy
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from devkit.zoo import FAMILIES
+    from lowmem_ft.memory.arch import Architecture
+
+    config = copy.deepcopy(dict(FAMILIES[family].config))
+    config["vision_config"].update(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                                   image_size=224)  # fmt: skip
+    if family == "llava-onevision":  # one 224-pixel crop and the base, or two and the base
+        config["image_grid_pinpoints"] = [[224, 224], [224, 448]]
+    built = AutoConfig.for_model(**config)
+    built.vision_config._attn_implementation = "sdpa"
+    model = AutoModelForImageTextToText.from_config(built, dtype=torch.bfloat16)
+    return (model,), Architecture.from_config(built.to_dict(), name=family).vision
+
+
+def _image_inputs(model, tiles: int) -> dict:
+    """`get_image_features`' inputs for `tiles` 224-pixel tiles (OneVision: the crops of one image, with its base)."""
+    import torch
+
+    c = model.config
+    if c.model_type == "idefics3":
+        return {"pixel_values": torch.randn(1, tiles, 3, 224, 224),
+                "pixel_attention_mask": torch.ones(1, tiles, 224, 224, dtype=torch.long)}  # fmt: skip
+    select = {"vision_feature_layer": c.vision_feature_layer,
+              "vision_feature_select_strategy": c.vision_feature_select_strategy}  # fmt: skip
+    if c.model_type == "llava":
+        return {"pixel_values": torch.randn(tiles, 3, 224, 224), **select}
+    return {"pixel_values": torch.randn(1, tiles + 1, 3, 224, 224), "image_sizes": torch.tensor([[224, 224 * tiles]]),
+            "batch_num_images": torch.tensor([1]), "vision_aspect_ratio": c.vision_aspect_ratio, **select}  # fmt: skip
 
 
 def _tower(family: str, hidden: int, intermediate: int, heads: int):
-    """(the transformers tower in bf16, its config dict, the memory model's description of it)."""
+    """(the transformers tower in bf16, the memory model's description of it)."""
     import torch
     from transformers import Gemma3Config, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
-    from lowmem_ft.memory.vision import gemma3_tower, qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
+    from lowmem_ft.memory.vision import qwen2_5_vl_tower, qwen2_vl_tower, qwen3_vl_tower
+    from lowmem_ft.memory.vision_towers import gemma3_tower
 
+    if family in WHOLE:
+        return _whole(family, hidden, intermediate, heads)
     if family == "gemma3":  # 224×224 crops of 14×14 patches, pooled 256 → 64 tokens by the projector
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
         from transformers.models.siglip.modeling_siglip import SiglipVisionModel
@@ -79,6 +124,16 @@ def _measured(modules, described, grids: list[tuple[int, int]]) -> tuple[int, in
 
     for m in modules:
         m.eval().requires_grad_(False)
+    if hasattr(modules[0], "get_image_features"):  # the whole model: its own get_image_features
+        inputs = _image_inputs(modules[0], len(grids))
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+        with PeakMemory(device="cpu", roots=[modules[0], *tensors]) as pm:
+            before = pm.live_bytes
+            out = modules[0].model.get_image_features(**inputs)
+            after = pm.live_bytes
+        crops = inputs["pixel_values"].shape[-4] if "image_sizes" in inputs else len(grids)
+        del out
+        return crops * described.tile_patches, pm.peak_bytes - before, after - before
     if len(modules) == 2:  # SigLIP + projector: square crops of the configured size
         side = modules[0].config.image_size
         pixels, inputs = torch.randn(len(grids), 3, side, side), ()
@@ -110,8 +165,13 @@ def test_the_frozen_towers_working_set_is_its_code(shape):
         assert patches > 0 and tower.frozen_working_set(patches, c=2) > 0
         # beside them only the int32 attention bookkeeping (cu_seqlens per window: 132 B at two images)
         assert abs(peak - tower.frozen_working_set(patches, c=2)) <= 256, (shape, grids, peak)
-        deepstack = getattr(tower, "deepstack", 0)
-        kept = 2 * tower.hidden * patches + (1 + deepstack) * tower.merged_bytes(patches, 2)
+        if hasattr(tower, "left"):  # a ViT: the last (and recorded) hidden states, the features
+            kept = tower.left(patches, 2)
+            if shape[0] == "llava-onevision" and len(grids) == 2:  # a 1 × 2 grid: 16 newlines, priced as 32
+                kept -= 16 * 2 * tower.out_hidden
+        else:
+            deepstack = getattr(tower, "deepstack", 0)
+            kept = 2 * tower.hidden * patches + (1 + deepstack) * tower.merged_bytes(patches, 2)
         assert left == kept, (shape, grids, left, kept)
 
 
@@ -134,9 +194,12 @@ def test_a_frozen_tower_gets_no_input_grad_hook(qwen_vl):
 
 
 # (zoo family, vision.train, checkpointing, patches of the two images): the tower trained three ways on Qwen2.5-VL,
-# frozen on each other family (Qwen3-VL's 16-pixel patches; Gemma-3's two 28×28 crops of 4 patches, tiny)
+# frozen on each other family (Qwen3-VL's 16-pixel patches; Gemma-3's two 28×28 crops of 4 patches, tiny; SmolVLM's
+# 7 × 6 tiles of 56 px and a global image per image, 16 patches each; LLaVA's one 56-pixel crop per image, OneVision's
+# base crop of 4 patches per image of a multi-image sample: the last two tiny beside the decoder)
 STEPS = [("qwen2.5-vl", "frozen", True, 1536), ("qwen2.5-vl", "lora", False, 1536), ("qwen2.5-vl", "full", True, 1536),
-         ("qwen2-vl", "frozen", True, 1536), ("qwen3-vl", "frozen", False, 1120), ("gemma3-vision", "frozen", True, 8)]  # fmt: skip
+         ("qwen2-vl", "frozen", True, 1536), ("qwen3-vl", "frozen", False, 1120), ("gemma3-vision", "frozen", True, 8),
+         ("smolvlm", "frozen", True, 1568), ("llava", "frozen", False, 32), ("llava-onevision", "frozen", True, 8)]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -223,7 +286,7 @@ def test_the_plan_reads_the_images_of_the_data(qwen_vl, vlm_data, capsys):
     assert ", with " in plan["vision"]["why"] and ", micro batch " in plan["vision"]["why"]  # what the cap costs
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl", "gemma3-vision"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl", "gemma3-vision", "smolvlm", "llava", "llava-onevision"])
 def test_every_family_plans_the_patches_of_its_data(vl_checkpoint, vlm_data, family, capsys):
     """`plan --json` with image chats on each other family: the setup's patches per sample are the data's most image
     tokens times the family's patches per token (Qwen merge² = 4; the tiny Gemma-3's 4 patches per crop pooled to 4
@@ -241,7 +304,15 @@ def test_every_family_plans_the_patches_of_its_data(vl_checkpoint, vlm_data, fam
     est = plan.get("estimate", plan)
     tokens = plan["vision"]["data"]["image_tokens_per_sample"]["max"]
     images = vision_of(resolve(None, {"model": {"name_or_path": model}, "data": {"path": str(vlm_data)}})).images
-    assert est["setup"]["image_patches"] == tokens * images.patches_per_token > 0
+    if family == "llava-onevision":  # every crop runs: an image alone is its grid and the base
+        from PIL import Image
+
+        sizes = [Image.open(vlm_data.parent / "img" / name).size for name in ("red.png", "green.jpg")]
+        (wr, hr), (wg, hg) = sizes
+        crops = max(images.crops(hr, wr), images.crops(hr, wr, 2) + images.crops(hg, wg, 2), images.crops(hg, wg))
+        assert est["setup"]["image_patches"] == crops * images.side**2 > tokens
+    else:
+        assert est["setup"]["image_patches"] == tokens * images.patches_per_token > 0
     names = {c["name"] for c in est["components"]}
     assert PIXELS in names and "vision tower forward (frozen)" in names
     if family == "gemma3-vision":
