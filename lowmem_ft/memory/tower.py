@@ -1,6 +1,7 @@
 """A vision-language step's image terms: the batch's pixel values, the vision tower's forward, and what its outputs
-and the decoder's image inputs keep alive — read from the tower's own description (`Architecture.vision`, a
-`lowmem_ft.memory.vision.VisionTower`), so a family adds its tower there and these terms read it unchanged.
+and the decoder's image inputs keep alive — read from the tower's own description (`Architecture.vision`: a Qwen-VL
+`lowmem_ft.memory.vision.VisionTower` or a plain-ViT `lowmem_ft.memory.vision_towers.ViTTower`), so a family adds
+its tower there and these terms read it unchanged.
 
 The one idea: the tower runs first, on the whole micro batch's patches (`Setup.patches`), before the decoder's first
 layer; so its working set is a forward moment of its own beside the static state and the input embeddings, and only
@@ -88,7 +89,7 @@ def tower_components(arch: Architecture, s: Setup) -> list[Component]:
         return []
     return [
         Component("vision tower forward (frozen)", m.working_set, "forward/backward",
-                  f"{s.patches} patches: pixel copy, rotary, block moments (memory.vision, measured exact)"),
+                  f"{s.patches} patches: the tower's largest moment (memory.vision, memory.vision_towers; measured)"),
         Component("vision tower outputs", m.in_layers + m.kept, "forward/backward",
                   "last hidden states + merged features (+ the embedding leaf under checkpointing)"),
     ]  # fmt: skip
