@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_ft.vision.fixed import FixedResolution
+
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"  # Gemma-3 tokenizer_config.json
 # Gemma3Processor.images_kwargs: what a preprocessor_config.json's nulls mean
 PAN_AND_SCAN = {"do_pan_and_scan": False, "pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
@@ -32,7 +34,7 @@ PAN_AND_SCAN = {"do_pan_and_scan": False, "pan_and_scan_min_crop_size": 256, "pa
 
 
 @dataclass(frozen=True)
-class Gemma3Images:
+class Gemma3Images(FixedResolution):
     """Gemma-3's image processor (preprocessor_config.json) and the tokens per crop (config.json)."""
 
     image_size: int = 896  # every crop is resized to image_size × image_size
@@ -115,26 +117,6 @@ class Gemma3Images:
             f"Gemma-3 resizes every image to {self.image_size}×{self.image_size}: {self.tokens_per_crop} tokens per "
             f"image ({pas}, preprocessor_config.json); vision.max_pixels does not apply"
         )
-
-    def default_cap(self) -> tuple[int, str]:
-        return self.max_pixels, self._how()
-
-    def cap_why(self, cap: int) -> str:
-        del cap
-        return self._how()
-
-    def caps(self, ceiling: int) -> list[int]:
-        """One: the resolution is the checkpoint's."""
-        del ceiling
-        return [self.max_pixels]
-
-    def with_cap(self, config: dict[str, Any], cap: int) -> dict[str, Any]:
-        del cap
-        return dict(config)
-
-    def at_cap(self, cap: int) -> Gemma3Images:
-        del cap
-        return self
 
     # -- the processor call (torch) ---------------------------------------------------------------------------------
     def process(self, processor, images: list[list], cap: int) -> tuple[dict[str, Any], list[int]]:

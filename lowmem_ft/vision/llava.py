@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_ft.vision.fixed import FixedResolution
+
 
 @dataclass(frozen=True)
-class LlavaImages:
+class LlavaImages(FixedResolution):
     """LLaVA-1.5's image processor (preprocessor_config.json) and the tower's tokens per image."""
 
     crop_height: int = 336
@@ -56,26 +58,6 @@ class LlavaImages:
 
     def _how(self) -> str:
         return f"vision.max_pixels {self.max_pixels} ({self.describe()}); vision.max_pixels does not apply"
-
-    def default_cap(self) -> tuple[int, str]:
-        return self.max_pixels, self._how()
-
-    def cap_why(self, cap: int) -> str:
-        del cap
-        return self._how()
-
-    def caps(self, ceiling: int) -> list[int]:
-        """One: the crop is the checkpoint's."""
-        del ceiling
-        return [self.max_pixels]
-
-    def with_cap(self, config: dict[str, Any], cap: int) -> dict[str, Any]:
-        del cap
-        return dict(config)
-
-    def at_cap(self, cap: int) -> LlavaImages:
-        del cap
-        return self
 
     # -- one image ------------------------------------------------------------------------------------------------
     def tokens(self, height: int = 0, width: int = 0, max_pixels: int | None = None, images_in_sample: int = 1) -> int:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_ft.vision.fixed import FixedResolution
+
 
 def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """`select_best_resolution` (image_processing_utils.py): the (height, width) pinpoint the image is fitted to."""
@@ -38,7 +40,7 @@ def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], .
 
 
 @dataclass(frozen=True)
-class AnyresImages:
+class AnyresImages(FixedResolution):
     """LLaVA-OneVision's image processor and the model's feature layout, as numbers."""
 
     crop: int = 384  # the processor's size.height = the tower's image_size
@@ -71,26 +73,6 @@ class AnyresImages:
 
     def _how(self) -> str:
         return f"vision.max_pixels {self.max_pixels} ({self.describe()}); vision.max_pixels does not apply"
-
-    def default_cap(self) -> tuple[int, str]:
-        return self.max_pixels, self._how()
-
-    def cap_why(self, cap: int) -> str:
-        del cap
-        return self._how()
-
-    def caps(self, ceiling: int) -> list[int]:
-        """One: the pinpoints are the checkpoint's."""
-        del ceiling
-        return [self.max_pixels]
-
-    def with_cap(self, config: dict[str, Any], cap: int) -> dict[str, Any]:
-        del cap
-        return dict(config)
-
-    def at_cap(self, cap: int) -> AnyresImages:
-        del cap
-        return self
 
     def describe(self, max_pixels: int | None = None) -> str:
         rows, cols = max(self.pinpoints, key=lambda p: p[0] * p[1])
