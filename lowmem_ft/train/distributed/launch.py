@@ -375,14 +375,18 @@ def how_it_ended(statuses: dict[int, Any], timeout_s: int) -> tuple[str, int | N
         return "failed", rank, f"rank {rank} failed{during}: {first}", None
     if silent:
         rank = silent[0]
-        if any("Timed out" in (s.reason or "") or "timeout" in (s.reason or "") for s in failed.values()):
+        waited = [s for s in failed.values() if "Timed out" in (s.reason or "") or "timeout" in (s.reason or "")]
+        if waited:
+            if all(s.step is None for s in waited):  # still building: the build wait (`ranks.building`)
+                from lowmem_ft.train.distributed.ranks import SETUP_TIMEOUT_S
+
+                how_long = f"{max(timeout_s, SETUP_TIMEOUT_S)} s for it while the ranks were being built"
+            else:
+                how_long = f"{timeout_s} s for it at a collective (training.rank_timeout_s)"
             return (
                 "failed",
                 rank,
-                (
-                    f"rank {rank} stopped responding: the other ranks waited {timeout_s} s for it at a collective "
-                    "(training.rank_timeout_s), then the launch stopped it"
-                ),
+                f"rank {rank} stopped responding: the other ranks waited {how_long}, then the launch stopped it",
                 None,
             )
         return "failed", rank, f"rank {rank} ended without a word (killed, or out of host memory)", None

@@ -198,3 +198,22 @@ def test_auto_strategy_shards_a_full_fine_tune_only_where_accelerate_can(monkeyp
     monkeypatch.setattr(launch, "cuda_devices", lambda: 0)
     assert launch.plan_launch(full, gpus=2).strategy == "ddp"  # not refused on the CPU
     assert launch.auto_strategy(full, offload=True, cpu=True)[0] == "fsdp"  # offload still asks for sharding
+
+
+@pytest.mark.parametrize(
+    "step, waited",
+    [
+        (3, "waited 10 s for it at a collective (training.rank_timeout_s)"),
+        (None, "waited 1800 s for it while the ranks"),
+    ],
+)
+def test_a_hung_rank_is_told_by_the_wait_it_hit(step, waited):
+    """A rank that hangs while the ranks build is waited for the build wait, not training.rank_timeout_s."""
+    from lowmem_ft.rundir import RunStatus
+    from lowmem_ft.train.distributed.ranks import SETUP_TIMEOUT_S
+
+    assert SETUP_TIMEOUT_S == 1800
+    timed_out = RunStatus("failed", step=step, reason="lost the other ranks: gloo Timed out waiting 10000ms")
+    state, rank, why, _ = launch.how_it_ended({0: timed_out, 1: RunStatus("running")}, 10)
+    assert (state, rank) == ("failed", 1)
+    assert why.startswith(f"rank 1 stopped responding: the other ranks {waited}")
