@@ -73,11 +73,10 @@ def _load(args, device: str):
 
 
 def _batch(args, model, run, device: str, max_length: int) -> int:
-    from lowmem_ft.commands.generate import _budget_bytes
+    from lowmem_ft.commands.generate import _budget_bytes, reserve_bytes
     from lowmem_ft.evaluate.batch import plan_batch
     from lowmem_ft.finetuned import weights_bytes
     from lowmem_ft.memory.arch import Architecture
-    from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB
 
     budget = _budget_bytes(args, device)
     if budget is None:
@@ -86,7 +85,7 @@ def _batch(args, model, run, device: str, max_length: int) -> int:
     margin = run.recipe.memory.safety_margin_gb if run is not None else 1.0
     arch = Architecture.from_config(model.config.to_dict(), name=args.target)
     bytes_per_value = next(p for p in model.parameters() if p.is_floating_point()).element_size()
-    plan = plan_batch(arch, budget=budget, weights=weights_bytes(model), reserve=int(margin * GB + CUDA_CONTEXT_BYTES),
+    plan = plan_batch(arch, budget=budget, weights=weights_bytes(model), reserve=reserve_bytes(margin),
                       max_length=max_length, bytes_per_value=bytes_per_value)  # fmt: skip
     if plan.batch_size < 1:
         given = f"--vram {args.vram:g} GB" if args.vram is not None else "this GPU"

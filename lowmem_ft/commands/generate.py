@@ -78,6 +78,18 @@ def _budget_bytes(args: argparse.Namespace, device: str) -> int | None:
     return None
 
 
+def reserve_bytes(margin_gb: float) -> int:
+    """What the planner keeps off a GPU, kept here too: the recipe's safety margin, this GPU's calibration (only ever
+    added, `lowmem_ft.calibrated`; said on stderr) and the CUDA context."""
+    from lowmem_ft import calibrated
+    from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB
+
+    added, said = calibrated.for_this_device()
+    if said:
+        print(f"note: {said}", file=sys.stderr)
+    return int((margin_gb + added) * GB + CUDA_CONTEXT_BYTES)
+
+
 class Generator:
     """A loaded fine-tune that answers message lists within a token budget."""
 
@@ -90,7 +102,6 @@ class Generator:
             weights_bytes,
         )
         from lowmem_ft.memory.arch import Architecture
-        from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB
         from lowmem_ft.train.model import torch_dtype
 
         self.args = args
@@ -101,8 +112,7 @@ class Generator:
         self.model.eval()
         self.model.config.use_cache = True  # training switched the cache off; generation needs it
         self.budget = _budget_bytes(args, device)
-        # what the planner keeps off a GPU too: the recipe's safety margin and the CUDA context
-        self.reserve = int(run.recipe.memory.safety_margin_gb * GB + CUDA_CONTEXT_BYTES)
+        self.reserve = reserve_bytes(run.recipe.memory.safety_margin_gb)
         self.weights = weights_bytes(self.model)
         self.kv_bytes = torch_dtype(run.recipe.model.compute_dtype).itemsize
         self.arch = Architecture.from_config(self.model.config.to_dict(), name=run.base)

@@ -195,3 +195,21 @@ def test_a_run_on_a_gpu_watches_its_first_steps(tmp_path, cache, monkeypatch):
         assert recorder.measure_context is (checkpoint is None)
         assert recorder.plan["model"] == MODEL and recorder.plan["vram_gb"] == 24
         assert recorder.estimate.peak_gb == pytest.approx(choice.plan.estimate.peak_gb, rel=0.05)
+
+
+def test_generate_and_eval_keep_a_calibration_off_the_gpu_too(cache, monkeypatch, capsys):
+    """`generate` / `eval` bound their lengths and batch by the same reserve as the planner: margin + this GPU's
+    calibration + the CUDA context, saying so when a calibration is added."""
+    from lowmem_ft.commands.generate import reserve_bytes
+    from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB
+
+    monkeypatch.setattr("lowmem_ft.calibrated.this_device", lambda: None)
+    assert reserve_bytes(1.0) == int(1.0 * GB + CUDA_CONTEXT_BYTES)
+    assert capsys.readouterr().err == ""
+    key = calibrated.DeviceKey("NVIDIA L4", "570.86", "2.13.0+cu130", "13.0", "0.50.2", "5.24.0")
+    monkeypatch.setattr("lowmem_ft.calibrated.this_device", lambda: key)
+    model = {"CUDA context": 0.5e9, "reserved over allocated": 0.2e9}
+    calibrated.record(key, calibrated.Measurement("train", {"CUDA context": 0.5e9, "reserved over allocated": 0.45e9},
+                                                  model, {}, {}))  # fmt: skip
+    assert reserve_bytes(1.0) == int(1.25 * GB + CUDA_CONTEXT_BYTES)
+    assert "calibrated on this GPU: +0.25 GB reserved over allocated" in capsys.readouterr().err
