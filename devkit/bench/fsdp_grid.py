@@ -10,7 +10,7 @@
 Each point runs `devkit.harness.fsdp` (N spawned processes, `fully_shard` per decoder layer and the root, two
 optimizer steps measured by `PeakMemory` on every rank) and compares every rank's steady-state phases (micro-step
 2.2 and step 2, as `devkit.bench.estimator`) with `lowmem_ft.memory.sharding.fsdp2_phase_bytes`. QLoRA is not in
-the default grid (`--adapters lora,full,qlora` adds it; see docs/fsdp.md). `--cache` keeps each
+the default grid (`--adapters lora,full,qlora` adds it, as the committed table has it; see docs/fsdp.md). `--cache` keeps each
 finished point's measurements (JSON), so a grid interrupted on a busy machine resumes where it stopped.
 """
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if args.out:
         note = (
             "FSDP2 (`fully_shard` per decoder layer + root) on CPU ranks (gloo), measured by "
-            "`python -m devkit.bench.fsdp_grid`.\nCells: measured / predicted peak live MB per rank "
+            f"`python -m devkit.bench.fsdp_grid --adapters {args.adapters} --ranks {args.ranks}`.\nCells: measured / predicted peak live MB per rank "
             "(micro-step 2.2 and step 2; exact live tensor bytes, `PeakMemory`), predicted by "
             "`lowmem_ft.memory.sharding.fsdp2_phase_bytes`. Models: the zoo families at the accuracy grid's width "
             "(hidden 256, 3 layers), batch 2 × 128 tokens, AdamW (torch), LoRA r 8.\n\n"
