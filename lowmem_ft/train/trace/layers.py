@@ -64,12 +64,19 @@ def text_config(config):
 
 
 def decoder_layers(model, count: int) -> tuple[str, torch.nn.ModuleList] | None:
-    """The model's decoder stack: the `nn.ModuleList` of `count` blocks holding the most parameters (a vision
-    tower's list of as many blocks holds fewer)."""
+    """The model's decoder stack: the `nn.ModuleList` of `count` blocks holding the most parameters, outside any
+    vision tower (`lowmem_ft.vision.tower.towers`: a tower's list of as many blocks may hold more, as a tiny
+    model's can)."""
+    from lowmem_ft.vision.tower import towers
+
+    try:
+        beside = tuple(f"{name}." for name in towers(model))
+    except (AttributeError, NotImplementedError):
+        beside = ()
     found = [
         (sum(p.numel() for p in m.parameters()), name, m)
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.ModuleList) and len(m) == count
+        if isinstance(m, torch.nn.ModuleList) and len(m) == count and not f"{name}.".startswith(beside)
     ]
     if not found:
         return None

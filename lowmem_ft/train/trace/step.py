@@ -164,10 +164,12 @@ class Shadow(TorchDispatchMode):
 
 # -- building ------------------------------------------------------------------------------------------------------
 def _model_class(config):
-    from transformers import AutoModelForCausalLM
+    """The class `train` loads: `lowmem_ft.train.model.auto_class` (the image-text class for a vision-language
+    checkpoint, Qwen2.5-VL's or Gemma-3's, else the causal LM one)."""
+    from lowmem_ft.train.model import auto_class
 
     try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
+        return auto_class(config)._model_mapping[type(config)]
     except KeyError:
         raise UserError(
             f"cannot trace model_type {config.model_type!r}: transformers {_version('transformers')} has no causal "
@@ -211,6 +213,11 @@ def _quantize(model, recipe: Recipe, shadow: Shadow) -> None:
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight, bias = old[name]
+            # from the weight's data, as transformers' quantizer packs loaded weights: packed from the parameter
+            # itself (which requires grad until `prepare_for_training`), the quantization state (absmax) would
+            # require grad, and so would every output of the layer — a frozen tower's activations kept for a
+            # backward that a real run never records (Gemma-3-12B's NF4 SigLIP: each layer's hidden states, 2 GB)
+            weight = weight.detach()
             with shadow:
                 packed, state = bnb.functional.quantize_4bit(
                     weight,
@@ -228,6 +235,7 @@ def _quantize(model, recipe: Recipe, shadow: Shadow) -> None:
             module.quant_state = state
         elif isinstance(module, bnb.nn.Linear8bitLt):
             weight, bias = old[name]
+            weight = weight.detach()  # as for Linear4bit above
             with shadow:
                 cb, scb, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
             param = torch.nn.Parameter(cb, requires_grad=False)
@@ -247,6 +255,7 @@ def build(recipe: Recipe, config, shadow: Shadow):
     recipe's storage, then the same preparation, adapters and memory savers."""
     from lowmem_ft.train.model import HUB_KERNELS_OFF, attach_adapter, attention, prepare_for_training, torch_dtype
     from lowmem_ft.train.savers.apply import apply_memory_savers
+    from lowmem_ft.vision.tower import freeze_tower_inputs
 
     if recipe.adapter.name_or_path:
         raise UserError("cannot trace a run that continues a saved adapter (--adapter); trace without it")
@@ -286,6 +295,7 @@ def build(recipe: Recipe, config, shadow: Shadow):
         model = prepare_for_training(model, recipe)
         model = attach_adapter(model, recipe)
         apply_memory_savers(model, recipe)
+    freeze_tower_inputs(model)  # as `build_model`: a vision tower's input needs no grad (lowmem_ft.vision.tower)
     _fake_tensors_of(model, shadow)
     return model
 
@@ -359,13 +369,18 @@ class Trace:
     seconds: float = 0.0
     host_bytes: int = 0  # the input embedding table kept in host memory (memory.embeddings_on_host), not counted
     depth: Layers | None = None  # traced at two smaller depths and extrapolated (None: traced whole)
+    images: Any = None  # the image sample every micro batch carried (`lowmem_ft.train.trace.images.ImageSample`)
 
     def how(self) -> str:
-        """How the trace was made, for the user: whole, or from which depths."""
+        """How the trace was made, for the user: whole, or from which depths (and with which images)."""
         if self.depth is None:
-            return "traced whole"
-        small, large = self.depth.traced
-        return f"traced at {small} and {large} of {self.depth.total} decoder layers and extrapolated"
+            how = "traced whole"
+        else:
+            small, large = self.depth.traced
+            how = f"traced at {small} and {large} of {self.depth.total} decoder layers and extrapolated"
+        if self.images is not None:
+            how += f" (the vision tower whole; images: {self.images.source}, {self.images.patches} patches a sample)"
+        return how
 
     @property
     def phases(self) -> dict[str, int]:
@@ -387,13 +402,21 @@ class Trace:
         return max(peak for label, (peak, _) in self.marks.items() if label != "eval")
 
 
+def _text_batches(vocab: int, rows: int, lengths: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+    for ids, mask, labels in batches(vocab, rows, lengths):
+        yield {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def run_step(
-    model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None, log=None
-) -> dict:
+    model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None, log=None,
+    images=None,
+) -> dict:  # fmt: skip
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
     `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live).
     `segments` (`trace_layers.Segments`): also each mark's peak before, inside and after the decoder stack.
-    `log` (a list): `PeakMemory`'s allocation log of the step is appended to it (`lowmem_ft.train.measure.allocator`)."""
+    `log` (a list): `PeakMemory`'s allocation log of the step is appended to it (`lowmem_ft.train.measure.allocator`).
+    `images` (`lowmem_ft.train.trace.images.ImageSample`): every micro batch is the plan's image sample at the full
+    batch (the tower, and its adapters under vision.train lora / full, run in every step, as in a run)."""
     from contextlib import nullcontext
 
     from lowmem_ft.train.measure.peak import PeakMemory
@@ -402,14 +425,18 @@ def run_step(
     trainable = [q for q in model.parameters() if q.requires_grad]
     vocab = model.config.get_text_config().vocab_size
     lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in STEPS]
+    if images is None:
+        micro_batches = _text_batches(vocab, m.micro_batch_size, lengths)
+    else:
+        micro_batches = images.batches(m.micro_batch_size, m.max_seq_len, len(STEPS))
     model.train()
     with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log) as pm:
         mark = pm.mark if segments is None else lambda label: segments.mark(pm, label)
         watch = (lambda backward: nullcontext()) if segments is None else lambda backward: segments.watch(pm, backward)
         mark("static")
-        for (step, micro), (ids, mask, labels) in zip(STEPS, batches(vocab, m.micro_batch_size, lengths), strict=True):
+        for (step, micro), batch in zip(STEPS, micro_batches, strict=True):
             with watch(False):
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                out = model(**batch, fused_lm_head=True)
                 loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
             mark(f"forward {step}.{micro}")
             with watch(True):
@@ -448,15 +475,22 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     if not methods.get(recipe.training.method).traced:
         raise UserError(f"--verify traces supervised fine-tuning steps; training.method={recipe.training.method} is "
                         "not traced yet (plan without --verify)")  # fmt: skip
+    from lowmem_ft.train.trace.images import image_sample
+
     started = time.perf_counter()
     config = config if config is not None else model_config(recipe)
+    images = image_sample(recipe)
+    if images is not None:  # a vision-language run evaluates nothing (`VisionSetup.prepare`: no eval split)
+        eval_rows = 0
     depth = None if whole else trace_layers.plan(_model_class(config), config, torch_dtype(recipe.model.compute_dtype))
     if depth is None:
-        segments, host = _traced(recipe, config, eval_rows, warmup_seq)
-        return Trace(segments.marks(), time.perf_counter() - started, host)
-    small, host = _traced(recipe, trace_layers.truncated(config, depth.first), eval_rows, warmup_seq)
-    large, _ = _traced(recipe, trace_layers.truncated(config, depth.first + depth.period), eval_rows, warmup_seq)
-    return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, host, depth)
+        segments, host = _traced(recipe, config, eval_rows, warmup_seq, images=images)
+        return Trace(segments.marks(), time.perf_counter() - started, host, images=images)
+    small, host = _traced(recipe, trace_layers.truncated(config, depth.first), eval_rows, warmup_seq, images=images)
+    large, _ = _traced(
+        recipe, trace_layers.truncated(config, depth.first + depth.period), eval_rows, warmup_seq, images=images
+    )
+    return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, host, depth, images)
 
 
 def allocation_log(recipe: Recipe, config, layers: int | None = None, *, eval_rows: int = 0, warmup_seq: int = 8):
@@ -472,9 +506,10 @@ def allocation_log(recipe: Recipe, config, layers: int | None = None, *, eval_ro
     return log
 
 
-def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list | None = None):
+def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list | None = None, images=None):
     """One trace of the model `config` describes, as it is: `trace_layers.Segments` (each mark's peak before,
-    inside and after the decoder stack, host bytes taken out) and the host bytes."""
+    inside and after the decoder stack, host bytes taken out) and the host bytes. `images`: the image sample every
+    micro batch carries (`lowmem_ft.train.trace.images`)."""
     from transformers import set_seed
 
     from lowmem_ft.train.trace.layers import Segments, decoder_layers
@@ -488,7 +523,8 @@ def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list |
     with shadow:
         install_loss(model, recipe)
         optimizer = optimizer_for(model, recipe)
-        run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments, log=log)
+        run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments, log=log,
+                 images=images)  # fmt: skip
     host = _host_table_bytes(model) if recipe.memory.embeddings_on_host else 0
     segments.remove()
     _forget(model)

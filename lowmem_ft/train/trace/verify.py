@@ -61,6 +61,7 @@ class Verification:
             f"traced {self.traced_peak / GB:.2f} GB, predicted {self.predicted_peak / GB:.2f} GB ({self.error:+.1%}) "
             f"— live tensor bytes on the CPU, installed library versions; {self.how} in {self.seconds:.0f} s"
         )
+        out.extend(f"note: {note}" for note in self.notes)
         return out
 
 
@@ -70,11 +71,29 @@ def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = N
     from lowmem_ft.train.trace.step import trace
 
     result = trace(recipe, eval_rows=eval_batch_size(recipe))
-    return Verification(result.phases, predict(recipe, arch), result.seconds, plan_peak_bytes, how=result.how())
+    predicted = predict(recipe, arch)
+    notes = []
+    if result.images is not None:  # the plan priced this many patches a sample: the trace must have fed them
+        priced = image_patches(recipe, arch)
+        if priced != result.images.patches:
+            notes.append(f"the plan priced {priced} image patches a sample, the traced sample had "
+                         f"{result.images.patches}")  # fmt: skip
+    return Verification(result.phases, predicted, result.seconds, plan_peak_bytes, how=result.how(), notes=notes)
+
+
+def image_patches(recipe: Recipe, arch: Architecture) -> int:
+    """The image patches of one sample the plan priced (`lowmem_ft.vision.setup.plan_patches`: the data's most at
+    the recipe's resolution cap, else one image as large as the cap allows); 0 for a text step."""
+    from lowmem_ft.vision.setup import plan_patches, run_profile, vision_of
+
+    if arch.vision is None or vision_of(recipe) is None:
+        return 0
+    return plan_patches(arch, recipe, run_profile(recipe) if recipe.data.path else None)
 
 
 def predict(recipe: Recipe, arch: Architecture) -> dict[str, float]:
-    """The memory model's CPU form of the phases `verify` traces (eval at the recipe's eval batch)."""
+    """The memory model's CPU form of the phases `verify` traces (eval at the recipe's eval batch; none for an
+    image step, whose run evaluates nothing)."""
     from dataclasses import replace
 
     from lowmem_ft.choosing import setup_from_recipe
@@ -82,6 +101,12 @@ def predict(recipe: Recipe, arch: Architecture) -> dict[str, float]:
 
     # on the CPU nothing is offloaded (`lowmem_ft.train.model._offload`: no accelerator), in the trace as in a CPU run
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
+    patches = image_patches(recipe, arch)
+    if patches:
+        # the image step the plan priced; its micro batches are all full (the tower runs in each), and the traced
+        # step holds two at a time, the running one and the loader's next (`step.run_step`): a window of one
+        s = replace(s, image_patches=patches, gradient_accumulation=1)
+        return {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
     predicted = {p: phase_peak_bytes(arch, s, p) for p in PHASES if p != "eval"}
     predicted["eval"] = phase_peak_bytes(arch, replace(s, micro_batch_size=eval_batch_size(recipe)), "eval")
     return predicted
