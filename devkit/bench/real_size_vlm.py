@@ -40,7 +40,7 @@ HEADER = (
     "family's image processor and `train`'s collator) against the memory model's CPU form per phase (live tensor "
     "bytes, no device overheads). The checkpoint is the catalog's config.json and preprocessor_config.json beside "
     "the zoo's tokenizer of the family (the Hub's is not reachable offline; image tokens do not depend on it). "
-    "`trace s`: wall time on a shared 2-core machine.\n\n"
+    "Below the table: how each was traced and its wall time on a shared 2-core machine.\n\n"
     "| model | vram | plan | images | phase | traced GB | predicted GB | gap |\n"
     "|---|---|---|---|---|---|---|---|\n"
 )

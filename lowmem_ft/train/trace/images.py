@@ -73,12 +73,14 @@ class ImageSample:
 
 def image_sample(recipe: Recipe) -> ImageSample | None:
     """The sample the plan priced for `recipe`, or None for a text model (and Gemma-3 on text data)."""
-    from lowmem_ft.vision.setup import _tokenizer, vision_of
+    from lowmem_ft.data.tokenize import load_tokenizer
+    from lowmem_ft.vision.setup import vision_of
 
     vision = vision_of(recipe)
     if vision is None:
         return None
-    tokenizer = _tokenizer(recipe)
+    m = recipe.model  # the tokenizer `plan` and `train` read the data with
+    tokenizer = load_tokenizer(m.name_or_path, m.trust_remote_code, recipe.data.chat_template or None)
     unlimited = replace(recipe, memory=replace(recipe.memory, max_seq_len=0))
     if recipe.data.path:
         records = vision.load(unlimited, tokenizer).records
@@ -113,12 +115,13 @@ def _image_tokens(vision) -> set[str]:
 def _collator(vision, recipe: Recipe, tokenizer):
     """`VisionSetup.collator`, with the image processor of a catalog model (a Hub id read offline) made from the
     catalog's preprocessor_config.json."""
-    from lowmem_ft.vision.setup import _preprocessor
+    from lowmem_ft.memory.arch import catalog_entry
 
     if Path(recipe.model.name_or_path).is_dir():
         return vision.collator(recipe, tokenizer)
     folder = Path(tempfile.mkdtemp(prefix="lowmem-ft-processor-"))
-    preprocessor = _preprocessor(recipe.model.name_or_path)
+    entry = catalog_entry(recipe.model.name_or_path)
+    preprocessor = (entry[1].get("preprocessor") if entry else None) or {}
     if not preprocessor:
         raise UserError(f"--verify: no preprocessor_config.json known for {recipe.model.name_or_path}")
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor), "utf-8")
