@@ -73,12 +73,14 @@ def _read_error(path: str, exc: Exception) -> UserError:
 # ---- rows: (where, a dict or the BadLine that stands for an unreadable record) --------------------------------
 
 
-def iter_rows(source: DataSource) -> Iterator[tuple[str, Any]]:
-    """Every row of `source` in order, each with the place an error about it names."""
+def iter_rows(source: DataSource, decode_media: bool = True) -> Iterator[tuple[str, Any]]:
+    """Every row of `source` in order, each with the place an error about it names. `decode_media=False`: a data
+    set's `Image` (audio, video) values come as datasets stores them, `{"bytes": ..., "path": ...}`, not decoded
+    (image chats read their images themselves, `lowmem_ft.vision.images`)."""
     if source.kind == "hub":
-        yield from _dataset_rows(load_hub(source), source.label)
+        yield from _dataset_rows(_media(load_hub(source), decode_media), source.label)
     elif source.kind == "saved":
-        yield from _dataset_rows(load_saved(source), source.label)
+        yield from _dataset_rows(_media(load_saved(source), decode_media), source.label)
     else:
         for name in source.files:
             kind = file_kind(name)
@@ -87,7 +89,16 @@ def iter_rows(source: DataSource) -> Iterator[tuple[str, Any]]:
             elif kind == "json":
                 yield from _json_rows(name)
             else:
-                yield from _dataset_rows(open_table(name, kind), name)
+                yield from _dataset_rows(_media(open_table(name, kind), decode_media), name)
+
+
+def _media(dataset, decode: bool):
+    """The data set with its media features decoded (as loaded) or not (`IterableDataset.decode(False)`)."""
+    if decode:
+        return dataset
+    if not hasattr(dataset, "decode"):  # a map-style Dataset: iterated as a stream of its own shards
+        dataset = dataset.to_iterable_dataset()
+    return dataset.decode(False)
 
 
 def _parse_object(text: str, what: str) -> dict | BadLine:

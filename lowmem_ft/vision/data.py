@@ -26,8 +26,8 @@ build of torch); the PIL image processors transformers ships (`Qwen2VLImageProce
 
 from __future__ import annotations
 
-import json
 import logging
+import re
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -35,9 +35,20 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_ft.data.chat import IGNORE, Renderer, SampleError, chat_template_for, labels_for, samples
+from lowmem_ft.data.formats import BadLine
+from lowmem_ft.data.sources import DataSource
 from lowmem_ft.errors import UserError
 from lowmem_ft.vision.families import ImageArithmetic
-from lowmem_ft.vision.images import BadImage, ImageFile, open_image
+from lowmem_ft.vision.images import BadImage, ImageFile, image_entry
+from lowmem_ft.vision.rows import (
+    IMAGE_PLACEHOLDER,
+    as_messages,
+    as_source,
+    image_entries,
+    image_rows,
+    images_first,
+    placeholders,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,34 +88,6 @@ class VisionData:
         }
 
 
-def _rows(path: Path):
-    """(row number, record or the reason it is not one) of a JSONL file."""
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield number, f"not valid JSON ({exc.msg} at column {exc.colno})"
-                continue
-            yield number, record if isinstance(record, dict) else f"must be an object, got {type(record).__name__}"
-
-
-def _placeholders(messages: list[dict]) -> int:
-    return sum(
-        1
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == "image"
-    )
-
-
-# LLaMA-Factory's multimodal datasets (data/mllm_demo.json) mark an image's place in a message's text with this
-IMAGE_PLACEHOLDER = "<image>"
-
-
 def _with_image_parts(message: dict) -> dict:
     """A message whose text says `<image>` (LLaMA-Factory) as TRL's content parts: the text around each placeholder,
     an image part in its place."""
@@ -128,15 +111,11 @@ def _as_parts(message: dict) -> dict:
     return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
 
 
-def _check_record(record: dict) -> tuple[list[dict], list[str]]:
-    messages, images = record.get("messages"), record.get("images", [])
-    if not isinstance(messages, list) or not messages:
-        raise BadImage("needs a non-empty 'messages' list")
+def _check_record(record: dict) -> tuple[list[dict], list[Any]]:
+    messages, images = as_messages(record), image_entries(record)
+    if images and not placeholders(messages):  # no image's place marked: before the first user text, as TRL does
+        messages = images_first(messages, len(images))
     messages = [_as_parts(_with_image_parts(m)) if isinstance(m, dict) else m for m in messages]
-    if isinstance(images, str):
-        images = [images]
-    if not isinstance(images, list):
-        raise BadImage(f"'images' must be a list of file names, got {type(images).__name__}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
             raise BadImage(f"message {i + 1} needs a role of system, user or assistant")
@@ -149,7 +128,7 @@ def _check_record(record: dict) -> tuple[list[dict], list[str]]:
             raise BadImage(f"message {i + 1}: content must be a string or a list of parts")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadImage("has no assistant message to learn")
-    n = _placeholders(messages)
+    n = placeholders(messages)
     if n != len(images):
         raise BadImage(
             f"has {n} image placeholder(s) ({{'type': 'image'}} parts or <image>) but {len(images)} image(s)"
@@ -182,11 +161,12 @@ def _expand(text: str, spans: list[tuple[int, int]], placeholder: str, expansion
 
 def tokenize_row(
     record: dict, base: Path, tokenizer, render: Renderer, images: ImageArithmetic, max_pixels: int,
+    decode: bool = True,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The samples of one row (one, or one per trained turn where the template is not prefix-stable). Raises
-    BadImage / SampleError."""
-    messages, names = _check_record(record)
-    files: list[ImageFile] = [open_image(name, base) for name in names]
+    """The samples of one row (one, or one per trained turn where the template is not prefix-stable); its images
+    decoded once (`decode`) or their headers read. Raises BadImage / SampleError."""
+    messages, entries = _check_record(record)
+    files: list[ImageFile] = [image_entry(entry, base, i, decode) for i, entry in enumerate(entries)]
     out = []
     for text, spans in samples({"messages": messages}, render):
         k = text.count(images.placeholder)  # a sample cut at an earlier turn holds the images before it
@@ -210,42 +190,41 @@ def tokenize_row(
 
 
 def load_vision_data(
-    path: str | Path, tokenizer, images: ImageArithmetic, *, max_pixels: int, max_seq_len: int,
-    skip_bad_lines: bool = False,
+    data: str | Path | DataSource, tokenizer, images: ImageArithmetic, *, max_pixels: int, max_seq_len: int,
+    skip_bad_lines: bool = False, decode: bool = True,
 ) -> VisionData:  # fmt: skip
-    """Every row of a JSONL file of image conversations, tokenized; one line naming the row for a bad one (or, with
-    `skip_bad_lines`, skipped and counted)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data file {path} not found")
+    """Every row of a data set of image chats (a file, directory, saved or Hub data set: `lowmem_ft.vision.rows`),
+    tokenized; one line naming the row for a bad one (or, with `skip_bad_lines`, skipped and counted). `decode`:
+    every image decoded once, so a truncated one fails here (training); else only its header is read (`data stats`,
+    the planner's profile)."""
+    source = as_source(data)
     render = Renderer(tokenizer, chat_template_for(tokenizer, train_on_prompt=False))
-    data = VisionData([])
-    for number, record in _rows(path):
-        data.rows += 1
+    out = VisionData([])
+    for where, base, record in image_rows(source):
+        out.rows += 1
         try:
-            if isinstance(record, str):
-                raise BadImage(record)
-            for sample in tokenize_row(record, path.parent, tokenizer, render, images, max_pixels):
+            if isinstance(record, BadLine):
+                raise BadImage(str(record))
+            for sample in tokenize_row(record, base, tokenizer, render, images, max_pixels, decode):
                 if len(sample["input_ids"]) > max_seq_len:  # never cut inside its image tokens: dropped, counted
-                    data.too_long += 1
+                    out.too_long += 1
                 elif any(label != IGNORE for label in sample["labels"]):
-                    data.records.append(sample)
+                    out.records.append(sample)
         except (BadImage, SampleError) as exc:
             if not skip_bad_lines:
-                raise UserError(
-                    f"{path}: row {number}: {exc}; fix or remove the row (or pass --skip-bad-lines)"
-                ) from None
-            data.skipped[str(exc).split(" (")[0]] += 1
-            log.warning("%s: row %d skipped: %s", path, number, exc)
-    if data.too_long:
+                raise UserError(f"{where}: {exc}; fix or remove the row (or pass --skip-bad-lines)") from None
+            out.skipped[re.sub(r" \([^)]*\)", "", str(exc))] += 1  # the reason, without the row's particulars
+            log.warning("%s: skipped: %s", where, exc)
+    if out.too_long:
         log.warning(
             "%s: %d sample(s) longer than memory.max_seq_len=%d with their image tokens dropped (an image is never "
-            "cut); lower vision.max_pixels or raise memory.max_seq_len to keep them", path, data.too_long, max_seq_len,
+            "cut); lower vision.max_pixels or raise memory.max_seq_len to keep them", source.label, out.too_long,
+            max_seq_len,
         )  # fmt: skip
-    if not data.records:
-        raise UserError(f"{path}: no trainable sample (rows {data.rows}, too long {data.too_long}, skipped "
-                        f"{sum(data.skipped.values())})")  # fmt: skip
-    return data
+    if not out.records:
+        raise UserError(f"{source.label}: no trainable sample (rows {out.rows}, too long {out.too_long}, skipped "
+                        f"{sum(out.skipped.values())})")  # fmt: skip
+    return out
 
 
 class VisionCollator:

@@ -39,27 +39,33 @@ class VisionSetup:
     def max_tokens_per_image(self) -> int:
         return self.images.max_tokens(self.max_pixels)
 
-    def load(self, recipe, tokenizer):
+    def load(self, recipe, tokenizer, source=None, decode: bool = True):
+        """The image chats of `source` (default: the recipe's training data), tokenized at this cap; `decode`: each
+        image decoded once (training), else its header read (`data stats`, the planner's profile)."""
+        from lowmem_ft.data.sources import sources_of
         from lowmem_ft.vision.data import load_vision_data
 
-        path = recipe.data.path
-        if not path or recipe.data.mix or not str(path).endswith(".jsonl"):
-            raise UserError(
-                "vision-language training reads one JSONL file of messages + images: pass --data FILE.jsonl"
-            )
+        if source is None:
+            if recipe.data.mix:
+                raise UserError(
+                    "vision-language training reads one data set of image chats (--data), not data.mix; combine "
+                    "them into one file or folder"
+                )
+            (source,) = sources_of(recipe)
         return load_vision_data(
-            path, tokenizer, self.images, max_pixels=self.max_pixels,
+            source, tokenizer, self.images, max_pixels=self.max_pixels,
             max_seq_len=recipe.memory.max_seq_len if recipe.memory.max_seq_len else 1 << 30,
-            skip_bad_lines=recipe.data.skip_bad_lines,
+            skip_bad_lines=recipe.data.skip_bad_lines, decode=decode,
         )  # fmt: skip
 
     def profile(self, recipe, tokenizer):
-        """The data's token lengths with their image tokens at this cap (before any max_seq_len)."""
+        """The data's token lengths with their image tokens at this cap (before any max_seq_len), from the images'
+        headers (nothing decoded)."""
         from dataclasses import replace
 
         from lowmem_ft.data.profile import LengthProfile
 
-        data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), tokenizer)
+        data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), tokenizer, decode=False)
         profile = LengthProfile.from_lengths([len(r["input_ids"]) for r in data.records])
         exact = getattr(self.images, "sample_patches", None)  # patches that are no multiple of tokens (OneVision)
         patches = max(
@@ -68,23 +74,31 @@ class VisionSetup:
         return replace(profile, image_patches=patches)  # the tower's and the pixel values' worst sample
 
     def prepare(self, recipe, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
-        """(train dataset, eval dataset (None), data summary) for the trainer; the images stay files until the
-        collator opens them."""
-        from datasets import Dataset
+        """(train dataset, eval dataset or None, data summary) for the trainer; the images stay files until the
+        collator opens them. Eval data as the text path finds it: `data.eval_path`, `data.eval_split`, or
+        `data.eval_fraction` of the training rows' samples held out (`lowmem_ft.data.prepare.held_out_split`)."""
+        from lowmem_ft.data.prepare import held_out_split
+        from lowmem_ft.data.sources import eval_source_of
 
         data = self.load(recipe, tokenizer)
-        rows = [
-            {"input_ids": r["input_ids"], "labels": r["labels"], "image_files": r["images"],
-             "image_tokens": r["image_tokens"], "sizes": r["sizes"]}
-            for r in data.records
-        ]  # fmt: skip
+        records, held, where = data.records, [], None
+        source = eval_source_of(recipe)
+        if source is not None:
+            held, where = self.load(recipe, tokenizer, source).records, source.label
+        elif recipe.data.eval_fraction > 0:
+            seed, fraction = recipe.training.seed, recipe.data.eval_fraction
+            keep, out = held_out_split(len(records), fraction, seed)
+            records, held = [records[i] for i in keep], [records[i] for i in out]
+            where = f"held out {fraction:g} of {recipe.data.path} (seed {seed})"
         summary = {
             "format": "messages + images",
             "loss_on": "assistant turns",
             "vision": data.summary(self.max_pixels) | {"max_pixels_why": self.why},
-            "records": len(rows),
+            "records": len(records),
+            "eval_records": len(held),
+            "eval_source": where,
         }
-        return Dataset.from_list(rows), None, summary
+        return _dataset(records), _dataset(held) if held else None, summary
 
     def describe(self, recipe) -> dict[str, Any]:
         """What `plan` says about the images: the cap and why, and with data the image tokens per sample."""
@@ -93,8 +107,8 @@ class VisionSetup:
         if recipe.data.path:
             from dataclasses import replace
 
-            data = self.load(replace(recipe, memory=replace(recipe.memory, max_seq_len=0)), _tokenizer(recipe))
-            out["data"] = data.summary(self.max_pixels)
+            unbounded = replace(recipe, memory=replace(recipe.memory, max_seq_len=0))
+            out["data"] = self.load(unbounded, _tokenizer(recipe), decode=False).summary(self.max_pixels)
         return out
 
     def banner(self, summary: dict[str, Any]) -> str:
@@ -131,6 +145,16 @@ class VisionSetup:
         image_token_id = tokenizer.convert_tokens_to_ids(self.images.image_token)
         return VisionCollator(processor, tokenizer.pad_token_id, self.images, self.max_pixels, files="image_files",
                               image_token_id=image_token_id)  # fmt: skip
+
+
+def _dataset(records: list[dict[str, Any]]):
+    """The trainer's dataset of tokenized image chats: ids, labels, and the image files the collator opens."""
+    from datasets import Dataset
+
+    return Dataset.from_list(
+        [{"input_ids": r["input_ids"], "labels": r["labels"], "image_files": r["images"],
+          "image_tokens": r["image_tokens"], "sizes": r["sizes"]} for r in records]
+    )  # fmt: skip
 
 
 def vision_lines(described: dict[str, Any]) -> list[str]:
@@ -282,7 +306,7 @@ def vision_of(recipe) -> VisionSetup | None:
     if model_type not in KNOWN_VLMS and model_type not in VISION_FAMILIES:
         return None
     family = vision_family(model_type, model)
-    if family.text_too and not _has_images(recipe.data.path):
+    if family.text_too and not _has_images(recipe):
         return None
     images = family.images(_preprocessor(model), config)
     asked = recipe.vision.max_pixels
@@ -292,16 +316,15 @@ def vision_of(recipe) -> VisionSetup | None:
     return VisionSetup(family, images, cap, why)
 
 
-def _has_images(path: str | None) -> bool:
-    """Whether a JSONL data file has a row with images (an `images` list, or one name)."""
-    if not path or not str(path).endswith(".jsonl") or not Path(path).is_file():
+def _has_images(recipe) -> bool:
+    """Whether the recipe's training data holds images (a row with an `images` list, or one `image`)."""
+    from lowmem_ft.data.sources import sources_of
+    from lowmem_ft.vision.rows import has_images
+
+    if not recipe.data.path or recipe.data.mix:
         return False
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("images"):
-                return True
-    return False
+    try:
+        (source,) = sources_of(recipe)
+    except UserError:  # the text path says what is wrong with the data
+        return False
+    return has_images(source)

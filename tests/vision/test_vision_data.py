@@ -77,11 +77,11 @@ def test_the_models_loss_is_a_plain_cross_entropy_over_the_answers(qwen_vl, vlm_
 
 
 BAD = {
-    "missing": ({"images": ["img/nowhere.png"]}, r"row 2: image 'img/nowhere.png' not found"),
-    "not an image": ({"images": ["notes.png"]}, r"row 2: image 'notes.png' is not an image PIL can read"),
-    "truncated": ({"images": ["cut.png"]}, r"row 2: image 'cut.png' is truncated or undecodable"),
-    "count": ({"images": ["img/red.png", "img/red.png"]}, r"row 2: has 1 image placeholder\(s\) .* but 2 image"),
-    "url": ({"images": ["https://example.com/a.png"]}, r"row 2: image 'https://example.com/a.png' is a URL"),
+    "missing": ({"images": ["img/nowhere.png"]}, r"vlm.jsonl:2: image 'img/nowhere.png' not found"),
+    "not an image": ({"images": ["notes.png"]}, r"vlm.jsonl:2: image 'notes.png' is not an image PIL can read"),
+    "truncated": ({"images": ["cut.png"]}, r"vlm.jsonl:2: image 'cut.png' is truncated or undecodable"),
+    "count": ({"images": ["img/red.png", "img/red.png"]}, r"vlm.jsonl:2: has 1 image placeholder\(s\) .* but 2 image"),
+    "url": ({"images": ["https://example.com/a.png"]}, r"vlm.jsonl:2: image 'https://example.com/a.png' is a URL"),
 }
 
 
@@ -123,5 +123,5 @@ def test_llama_factory_image_placeholders_read_as_trl_image_parts(qwen_vl, tmp_p
     assert ours.records[0]["input_ids"] == trl.records[0]["input_ids"]
     assert ours.records[0]["labels"] == trl.records[0]["labels"]
     wrong = {**factory, "images": []}
-    with pytest.raises(UserError, match=r"row 1: has 1 image placeholder"):
+    with pytest.raises(UserError, match=r"wrong.jsonl:1: has 1 image placeholder"):
         _load(qwen_vl, write_rows(tmp_path, [wrong], name="wrong.jsonl"))

@@ -104,7 +104,7 @@ def test_a_truncated_image_is_one_line_exit_2(qwen_vl, tmp_path, capsys):
     (tmp_path / "img" / "green.jpg").write_bytes(whole[: len(whole) // 3])
     assert main(_argv(qwen_vl, data, tmp_path / "runs", "bad")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "row 2: image 'img/green.jpg' is truncated or undecodable" in err[0], err
+    assert len(err) == 1 and "vlm.jsonl:2: image 'img/green.jpg' is truncated or undecodable" in err[0], err
 
 
 def test_the_planner_steps_the_cap_down_until_every_sample_fits_whole(qwen_vl, tmp_path, capsys):
