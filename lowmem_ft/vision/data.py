@@ -26,6 +26,7 @@ build of torch); the PIL image processors transformers ships (`Qwen2VLImageProce
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import weakref
@@ -274,3 +275,61 @@ class VisionCollator:
             batch |= inputs
             self.made.extend(weakref.ref(t) for t in inputs.values() if isinstance(t, torch.Tensor))
         return batch
+
+    def split(self, inputs: dict[str, Any], rows: int) -> list[dict[str, Any]]:
+        """A micro batch this collator made, as consecutive pieces of at most `rows` samples, each with exactly its
+        samples' images: what the OOM guard runs when it halves a micro batch (`lowmem_ft.train.resilience.guard`).
+
+        Rows of ids, labels, masks and per-row image inputs (Idefics3's tiles) are sliced; inputs of one entry per
+        image unit (Qwen-VL's pixel_values rows, concatenated over every image's patches, with one image_grid_thw
+        each; Gemma-3's crops; LLaVA's and LLaVA-OneVision's images) go with the sample whose image tokens they
+        fill, found by counting each row's image tokens against the units' (`ImageArithmetic.image_units`). A piece
+        without images carries no image inputs, as the collator makes such a batch."""
+        ids = inputs["input_ids"]
+        batch = ids.shape[0]
+        if rows >= batch:
+            return [inputs]
+        tokens, entries = self.images.image_units(inputs) if "pixel_values" in inputs else ([], {})
+        per_row = (ids == self.image_token_id).sum(1).tolist()
+        owner = _owners(per_row, tokens) if entries else []
+        text = {"input_ids", "attention_mask", "labels", *self.images.text_inputs(ids[:1], self.image_token_id)}
+        pieces = []
+        for start in range(0, batch, rows):
+            stop = min(start + rows, batch)
+            units = [u for u, r in enumerate(owner) if start <= r < stop]  # consecutive: images are in sample order
+            imageless = self.image_token_id >= 0 and not any(per_row[start:stop])
+            piece: dict[str, Any] = {}
+            for key, value in inputs.items():
+                if imageless and key not in text:
+                    continue
+                if key in entries:
+                    if units:
+                        offsets = [0, *itertools.accumulate(entries[key])]
+                        piece[key] = value[offsets[units[0]] : offsets[units[-1] + 1]]
+                elif key == "batch_num_images":  # LLaVA-OneVision: images of each sample that has any
+                    if units:
+                        piece[key] = value.new_tensor(list(Counter(owner[u] for u in units).values()))
+                elif hasattr(value, "shape") and value.dim() > 0:
+                    if value.shape[0] != batch:
+                        raise ValueError(f"cannot split image input {key!r} of shape {tuple(value.shape)} by samples")
+                    piece[key] = value[start:stop]
+                else:
+                    piece[key] = value
+            pieces.append(piece)
+        return pieces
+
+
+def _owners(per_row: list[int], tokens: list[int]) -> list[int]:
+    """The row each image unit belongs to: units are in sample order, and a row's image tokens are its units'."""
+    owner, unit = [], 0
+    for row, count in enumerate(per_row):
+        held = 0
+        while held < count and unit < len(tokens):
+            held += tokens[unit]
+            owner.append(row)
+            unit += 1
+        if held != count:
+            raise RuntimeError(f"row {row} holds {count} image tokens, its images {held}: cannot split the batch")
+    if unit != len(tokens):
+        raise RuntimeError(f"{len(tokens) - unit} image(s) of the batch have no image tokens: cannot split it")
+    return owner

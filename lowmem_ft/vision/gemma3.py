@@ -132,6 +132,12 @@ class Gemma3Images(FixedResolution):
         made = [self.tokens_per_crop * (1 + int(n)) for n in out["num_crops"]]
         return {"pixel_values": out["pixel_values"]}, made
 
+    def image_units(self, inputs: dict[str, Any]) -> tuple[list[int], dict[str, list[int]]]:
+        """(image tokens of each crop in the batch, in order; for each per-unit input, its first-dimension
+        entries per unit): what `VisionCollator.split` cuts a micro batch by."""
+        crops = inputs["pixel_values"].shape[0]  # one square per crop, each its own run of soft tokens
+        return [self.tokens_per_crop] * crops, {"pixel_values": [1] * crops}
+
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
         """token_type_ids: 1 at the soft tokens (Gemma3Processor's), which the model attends to bidirectionally."""
         return {"token_type_ids": (input_ids == image_token_id).long()}

@@ -203,6 +203,12 @@ class Idefics3Images:
         made = [self.seq_len * (r * c + 1) for sample in grids for r, c in sample]
         return dict(out), made
 
+    def image_units(self, inputs: dict[str, Any]) -> tuple[list[int], dict[str, list[int]]]:
+        """None per image: pixel_values and pixel_attention_mask hold one row per sample (tiles padded per sample),
+        so `VisionCollator.split` cuts them by rows."""
+        del inputs
+        return [], {}
+
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
         del input_ids, image_token_id
         return {}

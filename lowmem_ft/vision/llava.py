@@ -93,6 +93,12 @@ class LlavaImages(FixedResolution):
             )
         return {"pixel_values": out["pixel_values"]}, [self.tokens()] * len(flat)
 
+    def image_units(self, inputs: dict[str, Any]) -> tuple[list[int], dict[str, list[int]]]:
+        """(image tokens of each image in the batch, in order; for each per-unit input, its first-dimension
+        entries per unit): what `VisionCollator.split` cuts a micro batch by."""
+        n = inputs["pixel_values"].shape[0]  # one crop per image
+        return [self.tokens()] * n, {"pixel_values": [1] * n}
+
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
         del input_ids, image_token_id
         return {}

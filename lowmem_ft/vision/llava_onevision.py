@@ -144,6 +144,14 @@ class AnyresImages(FixedResolution):
                   "batch_num_images": out["batch_num_images"]}  # fmt: skip
         return inputs, tokens
 
+    def image_units(self, inputs: dict[str, Any]) -> tuple[list[int], dict[str, list[int]]]:
+        """(image tokens of each image in the batch, in order; for each per-unit input, its first-dimension
+        entries per unit): what `VisionCollator.split` cuts a micro batch by."""
+        sizes, tokens = inputs["image_sizes"].tolist(), []
+        for k in inputs["batch_num_images"].tolist():  # a sample's images, for each sample that has any
+            tokens += [self.tokens(h, w, images_in_sample=k) for h, w in sizes[len(tokens) : len(tokens) + k]]
+        return tokens, {"pixel_values": [1] * len(sizes), "image_sizes": [1] * len(sizes)}
+
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
         del input_ids, image_token_id
         return {}

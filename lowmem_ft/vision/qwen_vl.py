@@ -149,6 +149,12 @@ class QwenVLImages:
         made = (out["image_grid_thw"].prod(-1) // self.merge_size**2).tolist()
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}, made
 
+    def image_units(self, inputs: dict[str, Any]) -> tuple[list[int], dict[str, list[int]]]:
+        """(image tokens of each image in the batch, in order; for each per-unit input, its first-dimension
+        entries per unit): what `VisionCollator.split` cuts a micro batch by."""
+        rows = inputs["image_grid_thw"].prod(-1).tolist()  # pixel_values rows: every image's patches, concatenated
+        return [r // self.merge_size**2 for r in rows], {"pixel_values": rows, "image_grid_thw": [1] * len(rows)}
+
     def text_inputs(self, input_ids, image_token_id: int) -> dict[str, Any]:
         """Inputs the model needs beside input_ids that follow from them: Qwen2-VL's and Qwen3-VL's
         mm_token_type_ids (the processor's `create_mm_token_type_ids`: 1 at the image tokens)."""

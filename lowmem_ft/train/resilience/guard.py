@@ -81,6 +81,9 @@ class MemoryGuard(TrainerCallback, ExportableState):
         self.recorder = recorder
         self.target = target
         self.model = None
+        # cuts a padded micro batch into pieces of at most n rows; the trainer sets its collator's own where the
+        # batch holds inputs that are not one row per sample (`lowmem_ft.vision.data.VisionCollator.split`)
+        self.split_rows = split_rows
         self._packed = False  # the last micro batch was a packed row
         self._packed_finer = True  # ... and a piece of it held more than one sample
         self._first: dict[str, dict[str, Any]] = {}  # first sample of each phase: the baseline "what grew" compares to
@@ -156,7 +159,7 @@ class MemoryGuard(TrainerCallback, ExportableState):
             parts = split_packed(inputs, 2**self.halvings)
             self._packed_finer = any(samples_in(p) > 1 for p in parts)
             return parts
-        return split_rows(inputs, self.sub_batch)
+        return self.split_rows(inputs, self.sub_batch)
 
     def _can_cut(self) -> bool:
         """Whether halving the pieces still cuts something: rows left to part, or a piece of several samples."""

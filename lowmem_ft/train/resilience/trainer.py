@@ -107,6 +107,8 @@ class MemorySafe:
         self.loraplus_lr_ratio = loraplus_lr_ratio
         super().__init__(*args, **kwargs)
         self.guard = guard
+        # a collator whose batches hold more than rows (image chats' pixel values per image) says how to cut them
+        guard.split_rows = getattr(self.data_collator, "split", None) or guard.split_rows
         self.monitor = monitor
         self.saver = Saver(run)
         self.dropout = dropout.install(self.model)
