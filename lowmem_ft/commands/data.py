@@ -167,7 +167,7 @@ def _vision(recipe):
 
 
 def _print_vision(args: argparse.Namespace, described: dict) -> int:
-    """`data stats` of image chats at the run's resolution cap (images decoded once, to find bad ones too)."""
+    """`data stats` of image chats at the run's resolution cap (image sizes read from their headers, nothing decoded)."""
     from lowmem_ft.vision.setup import vision_lines
 
     if args.json:
@@ -179,7 +179,9 @@ def _print_vision(args: argparse.Namespace, described: dict) -> int:
     print(
         f"  tokens per sample with their images: p50 {d['tokens_per_sample']['p50']}, max {d['tokens_per_sample']['max']}"
     )
-    print(f"  pixels per image (as given): p50 {px['p50']}, p99 {px['p99']}, max {px['max']}")
+    print(
+        f"  pixels per image (as given, read from the image headers): p50 {px['p50']}, p99 {px['p99']}, max {px['max']}"
+    )
     print("\n".join(vision_lines(described)))
     return 0
 

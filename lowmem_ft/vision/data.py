@@ -1,6 +1,7 @@
 """Vision-language data: TRL-style `messages` with `{"type": "image"}` parts plus an `images` column (or LLaMA-Factory's
-`<image>` in a message's text), tokenized with the image placeholders expanded to the tokens the processor makes, and
-the loss on the assistant's text only.
+`<image>` in a message's text, ShareGPT's `conversations` too; every shape and source in `lowmem_ft.vision.rows`),
+tokenized with the image placeholders expanded to the tokens the processor makes, and the loss on the assistant's
+text only.
 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}],
