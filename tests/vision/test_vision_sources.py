@@ -209,3 +209,16 @@ def test_data_stats_reads_headers_only(qwen_vl, tmp_path, monkeypatch, capsys):
     d = json.loads(capsys.readouterr().out)["data"]
     assert d["image_tokens_per_sample"] == {"p50": 8, "p99": 12, "max": 12}
     assert d["pixels_per_image"]["max"] == 100 * 60
+
+
+def test_data_stats_and_plan_read_a_saved_data_set_of_image_bytes(qwen_vl, tmp_path, capsys):
+    """`data stats` and `plan` take a `save_to_disk` folder of `Image` bytes as they take the JSONL file: the same
+    image tokens per sample (test_vision_train reads the JSONL file's)."""
+    from lowmem_ft.cli import main
+
+    data = _shapes(tmp_path)["save_to_disk, Image bytes"]
+    assert main(["data", "stats", str(data), "--model", qwen_vl]) == 0
+    out = capsys.readouterr().out
+    assert "image tokens per sample p50 8, p99 12, max 12" in out and "read from the image headers" in out
+    assert main(["plan", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vision"]["data"]["image_tokens_per_sample"]["max"] == 12
