@@ -84,3 +84,28 @@ def test_the_pieces_losses_add_up_to_the_whole_batchs(family, request, tmp_path)
             pieces = collate.split(whole, rows)
             summed = sum(model(**p).loss * int(p["labels"][:, 1:].ne(-100).sum()) / total for p in pieces)
             torch.testing.assert_close(summed, expected)
+
+
+@pytest.mark.parametrize("how", ["eval_fraction", "eval_split", "eval_path"])
+def test_eval_image_chats_come_as_the_text_paths_do(qwen_vl, tmp_path, how):
+    """`data.eval_fraction` holds out samples of the training rows (seeded), `data.eval_split` reads a folder's test
+    split, `data.eval_path` another data set: each tokenized as image chats, with its images."""
+    from transformers import AutoTokenizer
+
+    from lowmem_ft.recipe.load import resolve
+    from lowmem_ft.vision.setup import vision_of
+
+    folder = tmp_path / "data"
+    write_rows(folder, ROWS * 2, name="train.jsonl")
+    write_rows(folder, [ROWS[1]], name="test.jsonl")
+    sets = {"eval_fraction": ["data.eval_fraction=0.34"], "eval_split": ["data.eval_split=test"],
+            "eval_path": [f"data.eval_path={folder / 'test.jsonl'}"]}[how]  # fmt: skip
+    path = folder if how == "eval_split" else folder / "train.jsonl"
+    recipe = resolve("8gb", [f"model.name_or_path={qwen_vl}", f"data.path={path}", *sets])
+    train, evaluation, summary = vision_of(recipe).prepare(recipe, AutoTokenizer.from_pretrained(qwen_vl))
+    held = 2 if how == "eval_fraction" else 1
+    assert (len(train), len(evaluation)) == (2 * len(ROWS) - (held if how == "eval_fraction" else 0), held)
+    assert summary["eval_records"] == held and summary["eval_source"]
+    if how != "eval_fraction":  # the test split's one row: two images, its image files beside the data
+        assert [len(files) for files in evaluation["image_files"]] == [2]
+        assert all(Path(f).is_file() for f in evaluation["image_files"][0])
