@@ -8,6 +8,10 @@ boundaries near equal token shares, and those tensors are recomputed for each pi
 the first label of every sample (-100), so no loss token crosses a cut, and the pieces' loss tokens add up to the
 batch's (`label_count`). transformers has no such split (its `auto_find_batch_size` restarts with a smaller batch,
 which changes the effective batch), hence this module.
+
+A batch of image chats also holds inputs that are not one row per sample (Qwen-VL's pixel values, concatenated over
+every image's patches; Gemma-3's crops): its collator cuts it instead (`lowmem_ft.vision.data.VisionCollator.split`,
+which the trainer hands the guard), each piece with exactly its samples' images.
 """
 
 from __future__ import annotations
