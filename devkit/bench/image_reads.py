@@ -40,8 +40,7 @@ def _write(folder: Path, n: int, width: int, height: int, kind: str) -> list[str
 def _time(names: list[str], folder: Path, decode: bool) -> float:
     from lowmem_ft.vision import images
 
-    images._header_size.cache_clear()
-    images._decoded_size.cache_clear()
+    images.forget_sizes()
     started = time.perf_counter()
     for i, name in enumerate(names):
         images.image_entry(name, folder, i, decode)
@@ -58,7 +57,7 @@ def _stats(folder: Path, names: list[str]) -> float:
                                      {"role": "assistant", "content": "A gradient."}], "images": [name]}  # fmt: skip
     data = folder / "vlm.jsonl"
     data.write_text("".join(json.dumps(row(n)) + "\n" for n in names))
-    images._header_size.cache_clear()
+    images.forget_sizes()
     started = time.perf_counter()
     assert main(["data", "stats", str(data), "--model", str(model), "--json"]) == 0
     return time.perf_counter() - started

@@ -143,6 +143,12 @@ def _read(path: str, what: str, decode: bool) -> tuple[int, int]:
     return width, height
 
 
+def forget_sizes() -> None:
+    """Forget every size read (both caches): the next read of each image opens it again (benchmarks)."""
+    _header_size.cache_clear()
+    _decoded_size.cache_clear()
+
+
 def load_rgb(path: str):
     """The image as the processors take it (RGB)."""
     from PIL import Image
