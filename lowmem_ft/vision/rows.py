@@ -63,15 +63,20 @@ def image_entries(row: dict) -> list[Any]:
     return images
 
 
-def has_images(data: str | Path | DataSource, rows: int = 1000) -> bool:
-    """Whether one of the first `rows` rows of the data holds an image (False where the data cannot be read: the text
-    path then says why)."""
+def has_images(data: str | Path | DataSource) -> bool:
+    """Whether a row of the data holds an image (False where the data cannot be read: the text path then says why).
+    A data set with a schema (Parquet, saved, Hub) without an `images` / `image` column is answered from its first
+    row; a JSON file is read until a row with an image, as its rows may differ."""
     try:
-        for i, (_, _, row) in enumerate(image_rows(as_source(data))):
-            if i >= rows:
-                return False
+        source = as_source(data)
+        schema = source.kind not in ("jsonl", "json") and not any(
+            file_kind(f) in ("jsonl", "json") for f in source.files
+        )
+        for _, _, row in image_rows(source):
             if isinstance(row, dict) and image_entries(row):
                 return True
+            if schema and isinstance(row, dict) and "images" not in row and "image" not in row:
+                return False
     except (UserError, BadImage):
         return False
     return False
