@@ -1,7 +1,7 @@
 """Reading a `DataSource` row by row, and turning its rows into the records TRL's SFTTrainer takes.
 
-JSON Lines and JSON files are read here; Parquet, CSV / TSV, `save_to_disk` directories and Hub data sets through
-`datasets` (`load_dataset` with its parquet / csv builders or the Hub id, `load_from_disk`).
+JSON Lines and JSON files are read here; Parquet, Arrow, CSV / TSV, `save_to_disk` directories and Hub data sets
+through `datasets` (`load_dataset` with its parquet / arrow / csv builders or the Hub id, `load_from_disk`).
 
 Why JSON is read here rather than by datasets' json builder: that builder infers one Arrow schema over the file, so
 a key missing from one record comes back as null, a field whose type changes between records is re-encoded as a
@@ -230,7 +230,7 @@ def _csv_options(path: str, kind: str) -> dict[str, Any]:
 
 
 def open_table(path: str, kind: str):
-    """A local Parquet / CSV / TSV file as an IterableDataset (read in batches, not copied into datasets' cache)."""
+    """A local Parquet / Arrow / CSV / TSV file as an IterableDataset (read in batches, not copied into datasets' cache)."""
     from datasets import load_dataset
 
     options = _csv_options(path, kind) if kind in ("csv", "tsv") else {}
@@ -240,7 +240,7 @@ def open_table(path: str, kind: str):
         # datasets' builders decompress by suffix only (utils/file_utils.py _get_extraction_protocol)
         suffix = next(k for k, v in COMPRESSIONS.items() if v == hidden)
         raise UserError(f"{path} is {hidden}-compressed under a .{kind} name; rename it {Path(path).name}{suffix}")
-    builder = "parquet" if kind == "parquet" else "csv"
+    builder = kind if kind in ("parquet", "arrow") else "csv"
     try:
         return load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **options)
     except (ValueError, OSError) as exc:

@@ -1,11 +1,12 @@
 """Where training data comes from: one `DataSource` per data set, resolved from the recipe's `data` section.
 
-A source is a local file (JSONL, JSON, Parquet, CSV, TSV), a directory of such files, a directory written by
-`datasets`' `save_to_disk`, or a Hugging Face Hub data set id (`org/name`). Resolving one reads no data: it decides
-the kind, checks that the path exists and can be read and that `split` / `subset` / `columns` make sense for it, and
-for a directory lists the split's files the way `datasets.load_dataset` does (its file-name conventions:
-`train.jsonl`, `test-00000-of-00002.parquet`, a `train/` folder, ...). `check_source(recipe)` does this for every
-source of a recipe, so a bad `--data` stops a run with one line before a model or tokenizer is loaded.
+A source is a local file (JSONL, JSON, Parquet, CSV, TSV, or Arrow as `datasets` writes its shards), a directory of
+such files, a directory written by `datasets`' `save_to_disk`, or a Hugging Face Hub data set id (`org/name`).
+Resolving one reads no data: it decides the kind, checks that the path exists and can be read and that `split` /
+`subset` / `columns` make sense for it, and for a directory lists the split's files the way `datasets.load_dataset`
+does (its file-name conventions: `train.jsonl`, `test-00000-of-00002.parquet`, a `train/` folder, ...).
+`check_source(recipe)` does this for every source of a recipe, so a bad `--data` stops a run with one line before a
+model or tokenizer is loaded.
 Reading is `lowmem_ft.data.readers`; mixing several sources is `lowmem_ft.data.mix`.
 
 Compressed files (`train.jsonl.gz`, `.bz2`, `.xz`, `.zst`, `.lz4`, or a `.jsonl` whose bytes are compressed) are read
@@ -28,7 +29,14 @@ from typing import Any
 from lowmem_ft.data.formats import FORMATS
 from lowmem_ft.errors import ConfigError, UserError
 
-FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
+FILE_KINDS = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".arrow": "arrow",
+}
 # Single-file compressions datasets reads (filesystems/__init__.py COMPRESSION_FILESYSTEMS: suffix → protocol), and
 # their magic numbers (utils/file_utils.py MAGIC_NUMBER_TO_COMPRESSION_PROTOCOL) for a file whose suffix hides them.
 COMPRESSIONS = {
@@ -69,7 +77,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 @dataclass(frozen=True)
 class DataSource:
-    """One data set to read: `kind` is jsonl, json, parquet, csv, tsv, dir, saved or hub."""
+    """One data set to read: `kind` is jsonl, json, parquet, csv, tsv, arrow, dir, saved or hub."""
 
     path: str  # as given: a local path or a Hub id
     kind: str
@@ -106,7 +114,7 @@ class DataSource:
 
 
 def file_kind(path: str | Path) -> str | None:
-    """jsonl, json, parquet, csv or tsv from the file's suffix, under a compression suffix (`x.jsonl.gz`: jsonl)."""
+    """jsonl, json, parquet, csv, tsv or arrow from the file's suffix, under a compression suffix (`x.jsonl.gz`: jsonl)."""
     name = Path(path)
     if name.suffix.lower() in COMPRESSIONS:
         name = Path(name.stem)
@@ -202,8 +210,9 @@ def resolve_source(
                 f"{path}: unsupported file type {suffix or '(no suffix)'!r}; data files are {', '.join(FILE_KINDS)} "
                 f"(also compressed: {', '.join(COMPRESSIONS)})"
             )
-        if kind == "parquet" and local.suffix.lower() in COMPRESSIONS:
-            raise UserError(f"{path}: Parquet is compressed inside the file already; decompress it to .parquet")
+        if kind in ("parquet", "arrow") and local.suffix.lower() in COMPRESSIONS:
+            name = {"parquet": "Parquet", "arrow": "Arrow"}[kind]
+            raise UserError(f"{path}: {name} is compressed inside the file already; decompress it to .{kind}")
         _one_split(path, base, split_key, "is one file, which is the whole 'train' split")
         open_binary(local).close()
         return DataSource(kind=kind, files=(str(local),), **base)

@@ -137,7 +137,7 @@ def test_a_hub_id_without_network_is_one_line(tiny_model, capsys):
 
 def test_an_empty_directory_names_what_was_looked_for(tiny_model, tmp_path, capsys):
     err = _one_line_error(capsys, main(["data", "stats", str(tmp_path), "--model", tiny_model]))
-    assert f"{tmp_path} holds no data files (.jsonl, .json, .parquet, .csv, .tsv)" in err
+    assert f"{tmp_path} holds no data files (.jsonl, .json, .parquet, .csv, .tsv, .arrow)" in err
 
 
 def test_a_very_long_line_is_profiled_truthfully(tiny_model, tmp_path, capsys):

@@ -118,6 +118,16 @@ def test_parquet_errors_name_the_row_and_nulls_in_structs_mean_missing(tmp_path)
     assert data.skipped == [f"{path} row 3: missing field 'messages[0].content'"]
 
 
+def test_an_arrow_file_as_datasets_writes_its_shards(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list(QA).save_to_disk(str(tmp_path / "saved"))
+    path = tmp_path / "qa.arrow"
+    path.write_bytes(next((tmp_path / "saved").glob("*.arrow")).read_bytes())
+    data = read(path, columns=QA_COLUMNS)
+    assert data.records == [{"prompt": r["question"], "completion": r["answer"]} for r in QA]
+
+
 def test_csv_cells_are_text_and_empty_cells_are_empty(tmp_path):
     path = tmp_path / "qa.csv"
     path.write_text('question,answer\n"What is 2 plus 2?",4\n"multi\nline",\n', encoding="utf-8")

@@ -86,7 +86,7 @@ def test_empty_or_unusable_directory_names_what_was_looked_for(tmp_path, content
     with pytest.raises(UserError) as info:
         resolve_source(str(tmp_path))
     msg = str(info.value)
-    assert "holds no data files (.jsonl, .json, .parquet, .csv, .tsv)" in msg
+    assert "holds no data files (.jsonl, .json, .parquet, .csv, .tsv, .arrow)" in msg
     assert "not a save_to_disk data set (no dataset_dict.json or state.json)" in msg and "\n" not in msg
 
 

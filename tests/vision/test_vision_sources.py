@@ -1,5 +1,5 @@
 """Image chats in every shape users bring them read as the same samples: the same conversation from a JSONL file of
-paths, a Parquet file / `save_to_disk` directory / Hub-style folder whose `images` column is a `datasets` `Image`
+paths, a Parquet file / Arrow file / `save_to_disk` directory / Hub-style folder whose `images` column is a `datasets` `Image`
 feature holding bytes, a plain Parquet file of raw bytes, base64 data URIs, LLaMA-Factory's ShareGPT with `<image>`,
 and TRL's one `image` column with no placeholder; and each way such an image can be bad is one line naming the row."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,8 @@ def _shapes(folder: Path) -> dict[str, Path]:
     out["parquet, Image bytes"] = folder / "images.parquet"
     ds.save_to_disk(str(folder / "saved"))
     out["save_to_disk, Image bytes"] = folder / "saved"
+    shutil.copy(next((folder / "saved").glob("*.arrow")), folder / "images.arrow")  # a datasets Arrow shard alone
+    out["Arrow file, Image bytes"] = folder / "images.arrow"
     (folder / "hub" / "data").mkdir(parents=True)
     ds.to_parquet(str(folder / "hub" / "data" / "train-00000-of-00001.parquet"))
     out["Hub-style folder of shards"] = folder / "hub"
