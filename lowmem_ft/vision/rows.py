@@ -13,6 +13,7 @@ A row is one of (each normalised to TRL's `messages` + `images`):
 - LLaMA-Factory's: `<image>` in a message's text (`messages`, or ShareGPT `conversations` of `from` / `value`
   turns with its `system` column, read by the text path's `formats.convert`), and `images`.
 
+`data.columns` renames a data set's columns to these names as it does for text (`{messages: conversation}`).
 Relative image paths are relative to the data file's directory (a saved data set's: its directory; a Hub data set's:
 the working directory).
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_ft.data.formats import BadLine, convert
-from lowmem_ft.data.readers import iter_rows
+from lowmem_ft.data.readers import iter_rows, rename
 from lowmem_ft.data.sources import DataSource, file_kind, resolve_source
 from lowmem_ft.errors import UserError
 from lowmem_ft.vision.images import BadImage
@@ -43,12 +44,22 @@ def image_rows(source: DataSource) -> Iterator[tuple[str, Path, dict | BadLine]]
     if source.kind in ("hub", "saved"):
         base = Path.cwd() if source.kind == "hub" else Path(source.path)
         for where, row in iter_rows(source, decode_media=False):
-            yield where, base, row
+            yield where, base, _renamed(row, source)
         return
     for name in source.files:  # one file at a time, so each row knows its file's directory
         one = replace(source, kind=file_kind(name) or source.kind, files=(name,))
         for where, row in iter_rows(one, decode_media=False):
-            yield where, Path(name).parent, row
+            yield where, Path(name).parent, _renamed(row, source)
+
+
+def _renamed(row: dict | BadLine, source: DataSource) -> dict | BadLine:
+    """The row with `data.columns` applied (`{messages: conversation}`), as the text path renames it."""
+    if isinstance(row, BadLine):
+        return row
+    try:
+        return rename(row, source.column_map, source.key)
+    except BadLine as exc:
+        return exc
 
 
 def image_entries(row: dict) -> list[Any]:

@@ -225,3 +225,17 @@ def test_data_stats_and_plan_read_a_saved_data_set_of_image_bytes(qwen_vl, tmp_p
     assert "image tokens per sample p50 8, p99 12, max 12" in out and "read from the image headers" in out
     assert main(["plan", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["vision"]["data"]["image_tokens_per_sample"]["max"] == 12
+
+
+def test_data_columns_name_the_conversation_column(qwen_vl, tmp_path):
+    """`data.columns={messages: conversation}` as for text rows; without it the row is one line naming the row."""
+
+    from lowmem_ft.data.sources import resolve_source
+
+    path = _jsonl(tmp_path / "c.jsonl", [{"conversation": ROWS[0]["messages"], "images": ROWS[0]["images"]}])
+    write_images(tmp_path)
+    plain = _load(qwen_vl, write_rows(tmp_path, [ROWS[0]], name="plain.jsonl"))
+    source = resolve_source(str(path), columns={"messages": "conversation"})
+    assert _load(qwen_vl, source).records[0]["input_ids"] == plain.records[0]["input_ids"]
+    with pytest.raises(UserError, match=r"c.jsonl:1: needs a non-empty 'messages' list"):
+        _load(qwen_vl, path)
