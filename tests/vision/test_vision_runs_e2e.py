@@ -1,8 +1,10 @@
-"""Image runs like every run, end to end on the CPU for Qwen2.5-VL and Gemma-3 (a SigLIP ViT family): `train --gpus
-2` (two gloo ranks) on a `save_to_disk` data set whose images are `Image` bytes, with image chats as eval data
-(`--eval-data`); `--resume` of a copy cut back to its first checkpoint ends where the uninterrupted run did; and an
-OOM at a micro batch of 2 is redone as the collator's pieces (each sample with its own images), to the losses and
-adapter of the run that never ran short. One launch per family shared by the checks, one more for the resume."""
+"""Image runs like every run, end to end on the CPU: `train --gpus 2` (two gloo ranks) on a `save_to_disk` data set
+whose images are `Image` bytes, with image chats as eval data (`--eval-data`), and `--resume` of a copy cut back to its
+first checkpoint ending where the uninterrupted run did — on Qwen2.5-VL, whose pixel values are concatenated over
+the batch's patches rather than stacked per image (the harder case for a sampler, a collator and a resume); and an
+OOM at a micro batch of 2 redone as the collator's pieces (each sample with its own images), to the losses and
+adapter of the run that never ran short, on Qwen2.5-VL and Gemma-3 (a SigLIP ViT family). The pieces themselves are
+checked on every family's batches in test_vision_runs.py. Two launches in all: each costs ~45 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -39,30 +41,35 @@ def losses(run: Path, key: str = "loss") -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def image_run(request, tmp_path_factory) -> tuple[str, Path]:
-    """Two optimizer steps on 2 ranks × 2 image chats of a saved data set, evaluated and checkpointed after each."""
-    model = request.getfixturevalue(FAMILIES[request.param])
-    out = tmp_path_factory.mktemp(request.param)
-    os.environ["LOWMEM_FT_CACHE"] = str(out / "cache")  # the images' bytes become files here (both ranks)
-    write_images(out)
+def saved(out: Path) -> Path:
+    """4 × ROWS image chats, saved with `save_to_disk`, whose images are `Image` bytes."""
     from datasets import concatenate_datasets
 
-    saved = out / "saved"
+    write_images(out)
     ds = _image_dataset(out, lambda path: {"bytes": path.read_bytes(), "path": None})
-    concatenate_datasets([ds] * 4).save_to_disk(str(saved))
-    evaluation = write_rows(out, ROWS, name="eval.jsonl")
-    argv = ["train", "--vram", "8", "--model", model, "--data", str(saved), "--eval-data", str(evaluation),
+    concatenate_datasets([ds] * 4).save_to_disk(str(out / "saved"))
+    return out / "saved"
+
+
+@pytest.fixture(scope="module")
+def image_run(qwen_vl, tmp_path_factory):
+    """Two optimizer steps of Qwen2.5-VL on 2 ranks × 2 image chats of a saved data set, evaluated and checkpointed
+    after each. The images' bytes become files under the run's own cache (`LOWMEM_FT_CACHE`, both ranks)."""
+    out = tmp_path_factory.mktemp("qwen2.5-vl")
+    data, evaluation = saved(out), write_rows(out, ROWS, name="eval.jsonl")
+    argv = ["train", "--vram", "8", "--model", qwen_vl, "--data", str(data), "--eval-data", str(evaluation),
             "--name", "run"]  # fmt: skip
     for kv in (*SETS, "training.max_steps=2", "training.save_steps=1", "training.eval_steps=1",
                f"training.output_dir={out}"):  # fmt: skip
         argv += ["--set", kv]
-    assert launch(*argv) == 0
-    return model, out / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOWMEM_FT_CACHE", str(out / "cache"))
+        assert launch(*argv) == 0
+        yield out / "run"
 
 
 def test_an_image_run_trains_on_two_ranks_and_evaluates_image_chats(image_run):
-    _, run = image_run
+    run = image_run
     assert RunDir(run).read_status().state == "completed"
     assert (run / ADAPTER).is_file() and (run / "memory.rank1.jsonl").is_file()
     assert [step for step, _ in losses(run)] == [1, 2]
@@ -73,7 +80,7 @@ def test_an_image_run_trains_on_two_ranks_and_evaluates_image_chats(image_run):
 
 
 def test_an_interrupted_image_run_resumes_to_the_same_adapter(image_run, tmp_path):
-    _, done = image_run
+    done = image_run
     run = tmp_path / "run"
     shutil.copytree(done, run)
     shutil.rmtree(run / "checkpoints" / "checkpoint-2")
@@ -102,15 +109,17 @@ class OomOnce(TrainerCallback):
         model.register_forward_pre_hook(before, with_kwargs=True)
 
 
-def test_an_oom_redoes_the_image_batch_in_pieces_with_their_images(image_run, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_oom_redoes_the_image_batch_in_pieces_with_their_images(family, request, tmp_path, monkeypatch):
     """One step in-process with and without an injected OOM: the guard's pieces (each sample with its own images,
     `VisionCollator.split`) give the loss and the adapter of the whole batch."""
     from lowmem_ft.choosing import Choice
     from lowmem_ft.recipe.load import resolve
     from lowmem_ft.train.run import train
 
-    model, done = image_run
-    data = str(done.parent / "saved")
+    model = request.getfixturevalue(FAMILIES[family])
+    monkeypatch.setenv("LOWMEM_FT_CACHE", str(tmp_path / "cache"))
+    data = str(saved(tmp_path / "data"))
     results = {}
     for name, callbacks in (("whole", []), ("oom", [OomOnce()])):
         sets = [f"model.name_or_path={model}", f"data.path={data}", f"training.output_dir={tmp_path}", *SETS,
