@@ -168,12 +168,16 @@ def test_the_card_records_recipe_plan_and_measured_peak(pushed):
     assert "- transformers: " in card and "- lowmem-ft: " in card
 
 
-def test_the_card_names_a_hub_base_in_its_metadata(pushed, tmp_path):
+def test_the_card_names_a_hub_base_in_its_metadata(pushed, tmp_path, monkeypatch):
     import shutil
 
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCard, constants
 
     run, _, _ = pushed
+    # The card reads the base's config.json (a base that needs converting says so in it): offline, as the Hub is
+    # not reachable from the tests. Left online by the fixture (for its push), the lookup retried for 23 s first.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     copy = RunDir(shutil.copytree(run.path, tmp_path / "copy"))
     text = copy.recipe_file.read_text().replace(f"name_or_path: {run.read_recipe().model.name_or_path}",
                                                 "name_or_path: Qwen/Qwen2.5-0.5B", 1)  # fmt: skip
