@@ -13,8 +13,9 @@ other than its own index, its parameters' and buffers' shapes and dtypes) are re
 meta device, the period is the shortest one they repeat with (after a prefix of distinct layers, e.g. DeepSeek's
 first dense layers), and the truncated model's layers must carry the first n signatures of the full one; when they
 do not, or the model has too few layers for it to save time, the whole model is traced. The equality of extrapolated
-and full traces is tested on every zoo family and on a mixture of experts with a dense/sparse pattern
-(`tests/train/trace/test_layers.py`).
+and full traces is tested on every zoo family and on mixtures of experts with dense/sparse patterns: one model of
+each layer pattern at the depths this module first extrapolates at (`tests/train/trace/test_layers.py`), the others
+with `SAVING` set to 0, at the least depth that still extrapolates (`tests/train/trace/test_layers_families.py`).
 """
 
 from __future__ import annotations
