@@ -52,6 +52,7 @@ LAUNCHES = {
     "tests/train/test_grpo_training.py": 1,
     "tests/train/test_faults.py": 1,  # Ctrl-C under --gpus (its other runs fork from a pre-imported server)
     "tests/train/distributed/test_launch.py": 1,
+    "tests/vision/test_vision_runs_e2e.py": 2,  # an image run on two ranks and its resume
 }
 
 
