@@ -7,9 +7,10 @@ plugin on only for accelerator process groups: with `cpu=True`, `_prepare_backen
 and the branch that sets `DistributedType.FSDP` (state.py, under `elif self.distributed_type in [MULTI_GPU, …]`)
 is never reached — checked: `Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`
 under torchrun on 2 processes reports `DistributedType.MULTI_CPU` and no plugin. torch itself runs FSDP2 on gloo,
-so this harness shards with `torch.distributed.fsdp.fully_shard` directly, as accelerate's FSDP2 path does
-(accelerate utils/fsdp_utils.py `fsdp2_prepare_model`: one `fully_shard` per decoder layer class of
-`_no_split_modules`, then the root), while the product path stays on accelerate.
+so this harness calls accelerate's own FSDP2 preparation (utils/fsdp_utils.py `fsdp2_prepare_model`: one
+`fully_shard` per decoder layer class of `_no_split_modules`, an untied input embedding and the final norm + LM head
+as units of their own, then the root) on a gloo device mesh, with the plugin our launch config gives
+(`lowmem_ft.train.trace.sharded.shard_as_accelerate`), while the product path stays on accelerate.
 
 One grid point = N processes (`torch.multiprocessing`, spawn) on one gloo group. Each rank builds the model through
 `lowmem_ft.train.model.build_model` (the path `train` uses), installs TRL's fused LM head as `SFTTrainer` does,
@@ -47,6 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from devkit.harness.estimator import Point, recipe_for, trainer_batches
+from lowmem_ft.train.trace.sharded import MESH_DIM
 
 PHASES = ("static", "forward", "backward", "optimizer step")
 
@@ -128,18 +130,14 @@ def _vocab(base) -> int:
     return base.get_input_embeddings().num_embeddings
 
 
-def shard(model, mesh) -> int:
-    """`fully_shard` each decoder layer, then the root, as accelerate's `fsdp2_prepare_model` does with
-    TRANSFORMER_BASED_WRAP; returns the number of layer units."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, mesh, recipe) -> None:
+    """Shard `model` as a run's accelerate would: its own `fsdp2_prepare_model` with the FSDP2 plugin our launch
+    config gives and the CPU processes' mixed precision ("no"), through `lowmem_ft.train.trace.sharded` (one
+    `fully_shard` per decoder layer, the untied input embedding and the final norm + LM head as units of their own,
+    then the root)."""
+    from lowmem_ft.train.trace.sharded import shard_as_accelerate
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return len(layers)
+    shard_as_accelerate(model, mesh, recipe, "no")
 
 
 def _rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: str, warmup_seq: int) -> None:
@@ -158,13 +156,14 @@ def _rank(rank: int, world: int, model_dir: str, p: FsdpPoint, init: str, out: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MESH_DIM,))
         torch.manual_seed(0)
-        model = build_model(recipe_for(Path(model_dir), p.point()))
+        recipe = recipe_for(Path(model_dir), p.point())
+        model = build_model(recipe)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer.__init__ does
         model.train()
-        shard(model, mesh)
+        shard(model, mesh, recipe)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), optim=OPTIM_NAMES[p.optimizer], use_cpu=True)
         optimizer = trainer_optimizer(model, args)
         trainable = [q for q in model.parameters() if q.requires_grad]
@@ -196,10 +195,10 @@ def _loss_rank(rank: int, world: int, jobs: list[tuple[str, FsdpPoint]], init: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MESH_DIM,))
         for i, (model_dir, p) in enumerate(jobs):
             model = _built(model_dir, p)
-            shard(model, mesh)
+            shard(model, mesh, recipe_for(Path(model_dir), p.point()))
             Path(out, f"loss{i}.rank{rank}.json").write_text(json.dumps(_two_losses(model, p)))
     finally:
         dist.destroy_process_group()

@@ -30,6 +30,7 @@ from lowmem_ft.memory.estimate import (
     estimate,
     layer_moments,
     optimizer_state_bytes,
+    optimizer_step_temp,
     trainer_fp32_states,
     weight_bytes,
 )
@@ -73,10 +74,22 @@ class ModelStates:
     # in the post-forward for FULL_SHARD".
     resident_unit_bytes: float = 0.0
     resident_unit_trainable_params: float = 0.0
+    # Of the root unit, the bytes accelerate's FSDP2 path gathers only around the input embedding (an untied
+    # embedding is a unit of its own, resharded after forward: accelerate 1.16 utils/fsdp_utils.py
+    # `fsdp2_prepare_model`, "Carve embed + tail=[final_norm, lm_head] into their own units"); 0 when tied (the
+    # embedding joins the tail unit, gathered from the first forward to the end of the backward).
+    separate_embedding_bytes: float = 0.0
+    # Bytes per trainable parameter of a gathered unit's unsharded gradient (0: `grad_bytes_per_param`): FSDP2's
+    # mixed precision computes them in its `param_dtype` while the sharded gradients keep the parameters' dtype.
+    unit_grad_bytes_per_param: float = 0.0
 
     @property
     def unit_bytes(self) -> float:
         return self.largest_unit_bytes or self.largest_unit_params * self.weight_bytes_per_param
+
+    @property
+    def unit_grad_bytes(self) -> float:
+        return self.unit_grad_bytes_per_param or self.grad_bytes_per_param
 
 
 @dataclass(frozen=True)
@@ -261,28 +274,35 @@ def choose(
 OFFLOAD_OPTIMIZERS = ("adamw_torch", "adafactor")
 
 
-def states_of(arch: Architecture, s: Setup) -> ModelStates:
+def states_of(arch: Architecture, s: Setup, fsdp2: bool = False, mixed: bool | None = None) -> ModelStates:
     """The model states of `estimate(arch, s)`, split by kind, with the unit FSDP / ZeRO-3 gathers at once.
 
     Same functions as the estimate, so the per-device figures add up to its static components when N = 1.
     NF4 linears: the packed 4-bit weight (0.5 B/param, stored in a float `bnb_4bit_quant_storage` dtype so FSDP can
     flatten it) is sharded; the rest of `weight_bytes` (absmax / double-quant constants) is replicated.
+    `fsdp2`: as accelerate's FSDP2 path shards and casts them (its embedding unit; on a GPU its mixed precision,
+    `fsdp2_mixed_precision`, or as `mixed` says: the CPU form of a GPU run's rank, `fsdp2_phase_bytes`).
     """
     c = DTYPE_BYTES[s.compute_dtype]
+    mixed = fsdp2 and (fsdp2_mixed_precision(s) if mixed is None else mixed)
     w_lin, w_rest, _ = weight_bytes(arch, s)
     n_lin = arch.linear_params
     shardable_lin = n_lin / 2 if s.quantization == "nf4" else (n_lin if s.quantization == "int8" else w_lin)
     replicated = w_lin - shardable_lin
     trainable = _trainable_tensors(arch, s)
+    if mixed and s.adapter == "full":  # accelerate upcasts 16-bit trainable weights to fp32 before sharding
+        trainable = [(n, 4) for n, _ in trainable]
     n_train = float(sum(n for n, _ in trainable)) or 1.0
     train_bytes = sum(n * e for n, e in trainable)
     opt_on_device, _paged = optimizer_state_bytes(trainable, s.optimizer, s.device, trainer_fp32_states(arch, s))
     layer_norms = arch.num_layers * arch.norm_params * c
     root_bytes = w_rest - layer_norms  # embeddings, lm_head (once if tied), final norm
+    embedding = 0.0 if arch.tie_embeddings or not fsdp2 else arch.embedding_params * c
+    gathered_grad = c if mixed else 0.0  # FSDP2's param_dtype: the gathered unit and its gradients in 16 bits
     if s.adapter == "full":
         return ModelStates(
             trainable_params=n_train,
-            weight_bytes_per_param=c,
+            weight_bytes_per_param=train_bytes / n_train,
             grad_bytes_per_param=train_bytes / n_train,
             optimizer_bytes_per_param=opt_on_device / n_train,
             largest_unit_params=arch.block_params,
@@ -290,6 +310,8 @@ def states_of(arch: Architecture, s: Setup) -> ModelStates:
             largest_unit_trainable_params=arch.block_params,
             resident_unit_bytes=root_bytes,
             resident_unit_trainable_params=root_bytes / c,
+            separate_embedding_bytes=embedding,
+            unit_grad_bytes_per_param=gathered_grad,
         )
     lora_per_layer = n_train / arch.num_layers
     return ModelStates(
@@ -299,11 +321,25 @@ def states_of(arch: Architecture, s: Setup) -> ModelStates:
         grad_bytes_per_param=train_bytes / n_train,
         optimizer_bytes_per_param=opt_on_device / n_train,
         largest_unit_params=arch.block_params + lora_per_layer,
-        largest_unit_bytes=(shardable_lin + layer_norms) / arch.num_layers + 4 * lora_per_layer,
+        largest_unit_bytes=(shardable_lin + layer_norms) / arch.num_layers + (c if mixed else 4) * lora_per_layer,
         largest_unit_trainable_params=lora_per_layer,
         replicated_bytes=replicated,
         resident_unit_bytes=root_bytes,
+        separate_embedding_bytes=embedding,
+        unit_grad_bytes_per_param=gathered_grad,
     )
+
+
+def fsdp2_mixed_precision(s: Setup) -> bool:
+    """Whether FSDP2 runs under accelerate's mixed precision: a GPU run with 16-bit compute (the launch config's
+    `mixed_precision`, `train.distributed.launch.mixed_precision`) on the FSDP2 path. accelerate then sets
+    `MixedPrecisionPolicy(param_dtype, reduce_dtype)` to the 16-bit dtype (utils/dataclasses.py
+    `set_mixed_precision`) and, before sharding, upcasts every 16-bit trainable weight to fp32
+    (utils/fsdp_utils.py `fsdp2_prepare_model`: "Upcast to fp32 master weights"): a full fine-tune's shards,
+    their gradients and the optimizer states (torch AdamW: `zeros_like(param)`) are fp32, what a unit gathers is
+    16-bit. Traced: Llama-3.1-8B full on 4 ranks, 32.12 GB of static state per rank where 16-bit shards would
+    hold 16.06 (docs/several-gpus.md)."""
+    return s.device != "cpu" and s.compute_dtype in ("bfloat16", "float16") and fsdp_version(s.quantization)[0] == 2
 
 
 def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Estimate:
@@ -322,7 +358,7 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
     phases: dict[str, float] = {}
     gathered = Component("gathered units (all-gather)", share.gathered, "static", "; ".join(share.notes))
     if share.strategy == "fsdp" and fsdp_version(est.setup.quantization)[0] == 2:
-        phases, held = fsdp2_phases(arch, est, states_of(arch, est.setup), share)
+        phases, held = fsdp2_phases(arch, est, states_of(arch, est.setup, fsdp2=True), share)
         at = max(("forward", "backward"), key=lambda ph: phases[ph])
         gathered = Component("gathered units (all-gather)", held[at], "forward/backward", str(held["source"]))
     per = [
@@ -382,7 +418,7 @@ def per_device_estimate(
         return est, None
     full_shard = strategy in ("zero3", "fsdp")
     share = per_device(
-        states_of(arch, s),
+        states_of(arch, s, fsdp2=strategy == "fsdp"),
         strategy,  # type: ignore[arg-type]
         gpus,
         offload_optimizer=offload,
@@ -471,10 +507,11 @@ FSDP2_LAYER_UNITS = {"forward": 2, "backward": 2}
 FSDP2_LAYER_RS_BUFFERS = 1  # the previous layer's reduce-scatter input, in backward
 
 
-def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int) -> dict[str, float]:
+def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int, mixed: bool = False) -> dict[str, float]:
     """Each rank's live tensor bytes at the peak of each phase under FSDP2 on `gpus` ranks (CPU form, like
-    `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step"."""
-    states = states_of(arch, s)
+    `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step". `mixed`: under a GPU run's
+    mixed precision (`fsdp2_mixed_precision`), as `plan --verify --gpus N` traces it."""
+    states = states_of(arch, s, fsdp2=True, mixed=mixed)
     return fsdp2_phases(arch, estimate(arch, s), states, per_device(states, "fsdp", gpus))[0]
 
 
@@ -487,12 +524,17 @@ def fsdp2_phases(
     replaced by the rank's (`share`, offloaded parts on the host), plus what FSDP2 gathers at the phase's two
     candidate moments (the LM head's and a decoder layer's, `estimate.layer_moments`). Between micro-steps nothing
     is gathered (every unit reshards after its backward)."""
-    whole = per_device(states, "fsdp", 1)
+    whole = per_device(states_of(arch, est.setup), "fsdp", 1)  # the states `est` holds: as loaded, not upcast
     shards = share.weights + share.gradients + share.optimizer - (whole.weights + whole.gradients + whole.optimizer)
-    root = states.resident_unit_bytes + states.resident_unit_trainable_params * states.grad_bytes_per_param
     root_fwd = states.resident_unit_bytes
+    root_grads = states.resident_unit_trainable_params * states.unit_grad_bytes
     unit = states.unit_bytes
-    unit_grads = states.largest_unit_trainable_params * states.grad_bytes_per_param
+    unit_grads = states.largest_unit_trainable_params * states.unit_grad_bytes
+    # accelerate's units: an untied embedding is gathered only around its own forward and backward, the tail (final
+    # norm, LM head) from the head's forward to the end of its backward; tied, the tail holds the embedding too and
+    # stays gathered from the first forward to the end of the backward (the layers' moments see it)
+    head_root = root_fwd - states.separate_embedding_bytes
+    layer_root = 0.0 if states.separate_embedding_bytes else root_fwd
     static = est.phases["static"]
     layer = dict(zip(("forward", "backward"), layer_moments(arch, est), strict=True))
     out = {"static": static + shards}
@@ -501,15 +543,24 @@ def fsdp2_phases(
         # at the head the root and one unit (forward: the last layer's buffer; backward: the last layer
         # prefetched, the root's gradients not yet written — measured: the full fine-tunes of
         # benchmarks/fsdp_grid.md land 3.6-7 % high with them there, within 0.1 % without)
-        head_held = root_fwd + FSDP2_HEAD_UNITS[phase] * unit
-        layer_held = FSDP2_LAYER_UNITS[phase] * unit + root_fwd
-        if phase == "backward":  # the root's gradients, this layer's and the last reduce-scatter's input
-            layer_held += root - root_fwd + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
+        head_held = head_root + FSDP2_HEAD_UNITS[phase] * unit
+        layer_held = FSDP2_LAYER_UNITS[phase] * unit + layer_root
+        if phase == "backward":  # the root's gradients (tied), this layer's and the last reduce-scatter's input
+            layer_held += (root_grads if layer_root else 0.0) + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
         head_moment = est.phases[phase] + shards + head_held
         layer_moment = layer[phase] + shards + layer_held
         out[phase] = max(head_moment, layer_moment)
         held[phase] = head_held if head_moment >= layer_moment else layer_held
     step_temporaries = est.phases["optimizer step"] - static
+    s = est.setup
+    if s.adapter == "full" and states.weight_bytes_per_param != DTYPE_BYTES[s.compute_dtype]:
+        # the optimizer steps fp32 shards (`fsdp2_mixed_precision`): its temporaries are those of fp32 tensors
+        tensors = _trainable_tensors(arch, s)
+        fp32 = trainer_fp32_states(arch, s)
+        step_temporaries += (
+            optimizer_step_temp([(n, 4) for n, _ in tensors], s.optimizer, s.device, fp32)[0]
+            - optimizer_step_temp(tensors, s.optimizer, s.device, fp32)[0]
+        )
     out["optimizer step"] = out["static"] + step_temporaries / share.gpus
     held["source"] = (
         f"FSDP2 per phase (torch _fully_shard): root unit {root_fwd / 1e9:.3g} GB gathered forward to backward, "

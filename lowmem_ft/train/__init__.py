@@ -21,7 +21,7 @@ The rooms (tests/test_imports.py holds what each may import):
   prediction (`exact`), the CUDA caching allocator replayed (`allocator`), a GPU's context, workspaces and allocator
   measured without training (`cuda_overheads`, `doctor --calibrate`). They know the memory model, not the trainer.
 - `trace/` — the real step at full size without weights (`step`), the image batches a vision-language plan priced
-  (`images`), fewer layers extrapolated (`layers`), `--verify`
-  against the plan (`verify`).
+  (`images`), fewer layers extrapolated (`layers`), one rank of an FSDP2 step on a fake process group (`sharded`),
+  `--verify` against the plan (`verify`).
 - `distributed/` — several processes: the launch (`launch`) and the ranks of one run (`ranks`).
 """

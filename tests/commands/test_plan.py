@@ -185,12 +185,11 @@ def test_plan_with_nodes_plans_what_train_would(tiny_model, chat_data, tmp_path,
     assert one_node["host_need_gb"] == pytest.approx(2 * planned["host_need_gb"], rel=1e-3)
 
 
-def test_verify_refuses_several_devices_in_one_line(capsys):
-    argv = ["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--gpus", "2", "--verify"]
+def test_verify_refuses_a_strategy_it_does_not_trace_in_one_line(capsys):
+    argv = ["plan", "--vram", "24", "--model", "Qwen/Qwen2.5-7B", "--gpus", "2", "--strategy", "zero2", "--verify"]
     assert main(argv) == 2
-    assert (
-        "--verify traces the plan for one device: give --vram GB (and no --gpus / --nodes)" in capsys.readouterr().err
-    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--verify --gpus 2 traces FSDP plans only (--strategy fsdp); the plan is zero2" in err[0]
 
 
 @pytest.mark.parametrize("method", ["sft", "dpo", "orpo", "simpo", "kto", "grpo"])

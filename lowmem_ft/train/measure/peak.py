@@ -110,6 +110,8 @@ def reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
             attributes = vars(obj)
         except (TypeError, ReferenceError):  # no __dict__ (slots, builtins), or a dead weak proxy
             continue
+        except RuntimeError:  # `.grad` of a view autograd refuses to read (FSDP1's views of a flat parameter)
+            continue
         if isinstance(attributes, dict):
             stack.extend(attributes.values())
 
@@ -130,6 +132,9 @@ class PeakMemory(TorchDispatchMode):
     # _fsdp_param.py `alloc_storage` / `free_storage`). Done as torch's own `MemTracker._track_resize` does it
     # (torch/distributed/_tools/mem_tracker.py): `resize_` is wrapped while the mode is active, for every caller.
     storage_resizes: bool = False
+    # A traced step (`lowmem_ft.train.trace`): its fake tensors' storages are on the meta device; with
+    # `storage_resizes`, a meta storage resized in place is counted as a CPU one (no step of a trace has real ones).
+    fake_storages: bool = False
 
     def __post_init__(self):
         super().__init__()
@@ -187,7 +192,8 @@ class PeakMemory(TorchDispatchMode):
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """After `storage.resize_(n)`: count its new size (a storage first seen here is new)."""
-        if self._cpu_only and storage.device.type != "cpu":
+        fake = self.fake_storages and storage.device.type == "meta"
+        if self._cpu_only and storage.device.type != "cpu" and not fake:
             return
         nbytes = storage.nbytes()
         ref = self._live.get(id(storage))

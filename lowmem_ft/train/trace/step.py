@@ -409,14 +409,15 @@ def _text_batches(vocab: int, rows: int, lengths: list[int]) -> Iterator[dict[st
 
 def run_step(
     model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None, log=None,
-    images=None,
+    images=None, peak_options: dict | None = None,
 ) -> dict:  # fmt: skip
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
     `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live).
     `segments` (`trace_layers.Segments`): also each mark's peak before, inside and after the decoder stack.
     `log` (a list): `PeakMemory`'s allocation log of the step is appended to it (`lowmem_ft.train.measure.allocator`).
     `images` (`lowmem_ft.train.trace.images.ImageSample`): every micro batch is the plan's image sample at the full
-    batch (the tower, and its adapters under vision.train lora / full, run in every step, as in a run)."""
+    batch (the tower, and its adapters under vision.train lora / full, run in every step, as in a run).
+    `peak_options`: more `PeakMemory` settings (`lowmem_ft.train.trace.sharded` counts FSDP2's storage resizes)."""
     from contextlib import nullcontext
 
     from lowmem_ft.train.measure.peak import PeakMemory
@@ -430,7 +431,7 @@ def run_step(
     else:
         micro_batches = images.batches(m.micro_batch_size, m.max_seq_len, len(STEPS))
     model.train()
-    with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log) as pm:
+    with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log, **(peak_options or {})) as pm:
         mark = pm.mark if segments is None else lambda label: segments.mark(pm, label)
         watch = (lambda backward: nullcontext()) if segments is None else lambda backward: segments.watch(pm, backward)
         mark("static")

@@ -65,11 +65,17 @@ class Verification:
         return out
 
 
-def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = None) -> Verification:
-    """Trace `recipe`'s step (with an evaluation forward at its eval batch) and predict the same phases."""
+def verify(recipe: Recipe, arch: Architecture, plan_peak_bytes: float | None = None, plan=None) -> Verification:
+    """Trace `recipe`'s step (with an evaluation forward at its eval batch) and predict the same phases; a plan
+    for several devices (`plan.gpus` > 1): one rank's step (`lowmem_ft.train.trace.sharded`)."""
     from lowmem_ft.train.args import eval_batch_size
     from lowmem_ft.train.trace.step import trace
 
+    if plan is not None and plan.gpus > 1:
+        from lowmem_ft.train.trace.sharded import traced_rank
+
+        rank, predicted, how, notes = traced_rank(recipe, arch, plan)
+        return Verification(rank.phases, predicted, rank.seconds, plan_peak_bytes, how=how, notes=notes)
     result = trace(recipe, eval_rows=eval_batch_size(recipe))
     predicted = predict(recipe, arch)
     notes = []
@@ -126,7 +132,7 @@ def verified(recipe: Recipe, choice, plan_again, say, tries: int = 3):
     arch = load_architecture(recipe.model.name_or_path, recipe.model.trust_remote_code)
     for attempt in range(tries):
         plan = choice.plan
-        result = verify(recipe, arch, plan.estimate.peak_bytes if plan is not None else None)
+        result = verify(recipe, arch, plan.estimate.peak_bytes if plan is not None else None, plan)
         for line in result.lines():
             say(line)
         if plan is None or result.device_peak <= plan.budget_gb * GB or attempt == tries - 1:

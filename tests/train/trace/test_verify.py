@@ -67,10 +67,11 @@ def test_plan_verify_on_a_zoo_model_prints_traced_against_predicted(zoo_models, 
     assert summary and abs(float(summary.group(3))) <= 2.0
 
 
-def test_verify_refuses_several_gpus_in_one_line(tiny_model, capsys):
-    assert main(["plan", "--model", tiny_model, "--vram", "8", "--gpus", "2", "--verify"]) == 2
+def test_verify_refuses_a_ddp_plan_in_one_line(tiny_model, capsys):
+    argv = ["plan", "--model", tiny_model, "--vram", "8", "--gpus", "2", "--strategy", "ddp", "--verify"]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--verify traces the plan for one device" in err[0]
+    assert len(err) == 1 and "traces FSDP plans only (--strategy fsdp); the plan is ddp" in err[0]
 
 
 def test_train_verify_without_vram_is_refused_in_one_line(tiny_model, chat_data, tmp_path, capsys):
@@ -78,7 +79,7 @@ def test_train_verify_without_vram_is_refused_in_one_line(tiny_model, chat_data,
     args.append("--verify")
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--verify traces the plan for one device: give --vram GB" in err[0]
+    assert len(err) == 1 and "--verify traces the plan's step: give --vram GB" in err[0]
 
 
 # (family, checkpointing, LoRA dropout): Phi-3's fused qkv_proj and gate_up_proj with a padded batch (every layer's
