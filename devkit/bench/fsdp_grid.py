@@ -7,10 +7,10 @@
     python -m devkit.bench.fsdp_grid --adapters qlora --ranks 2 --out benchmarks/fsdp_grid.md --append \
         --cache benchmarks/fsdp_grid.json                             # QLoRA, 4 points
 
-Each point runs `devkit.harness.fsdp` (N spawned processes, `fully_shard` per decoder layer and the root, two
+Each point runs `devkit.harness.fsdp` (N spawned processes, accelerate's `fsdp2_prepare_model` units, two
 optimizer steps measured by `PeakMemory` on every rank) and compares every rank's steady-state phases (micro-step
 2.2 and step 2, as `devkit.bench.estimator`) with `lowmem_ft.memory.sharding.fsdp2_phase_bytes`. QLoRA is not in
-the default grid (`--adapters lora,full,qlora` adds it, as the committed table has it; see docs/fsdp.md). `--cache` keeps each
+the default grid (`--adapters lora,full,qlora` adds it; see docs/fsdp.md). `--cache` keeps each
 finished point's measurements (JSON), so a grid interrupted on a busy machine resumes where it stopped.
 """
 
@@ -113,8 +113,10 @@ def main(argv=None) -> int:
     print(summary)
     if args.out:
         note = (
-            "FSDP2 (`fully_shard` per decoder layer + root) on CPU ranks (gloo), measured by "
-            f"`python -m devkit.bench.fsdp_grid --adapters {args.adapters} --ranks {args.ranks}`.\nCells: measured / predicted peak live MB per rank "
+            "FSDP2 (accelerate's `fsdp2_prepare_model`: a unit per decoder layer, an untied embedding, the final norm + "
+            "LM head, the root) on CPU ranks (gloo), measured by "
+            f"`python -m devkit.bench.fsdp_grid --adapters {args.adapters} --ranks {args.ranks}`.\nCells: measured / "
+            "predicted peak live MB per rank "
             "(micro-step 2.2 and step 2; exact live tensor bytes, `PeakMemory`), predicted by "
             "`lowmem_ft.memory.sharding.fsdp2_phase_bytes`. Models: the zoo families at the accuracy grid's width "
             "(hidden 256, 3 layers), batch 2 × 128 tokens, AdamW (torch), LoRA r 8.\n\n"

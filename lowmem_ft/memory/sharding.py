@@ -544,6 +544,12 @@ def fsdp2_phases(
         # prefetched, the root's gradients not yet written — measured: the full fine-tunes of
         # benchmarks/fsdp_grid.md land 3.6-7 % high with them there, within 0.1 % without)
         head_held = head_root + FSDP2_HEAD_UNITS[phase] * unit
+        if phase == "forward" and states.separate_embedding_bytes and states.resident_unit_trainable_params:
+            # untied and trained (a full fine-tune), the tail is the forward's last unit gathered: its own
+            # all-gather buffer, not a layer's, is the one kept to the root's post-forward (measured: qwen2.5 full,
+            # benchmarks/fsdp_grid.md, 3.4-3.9 % low with a layer's there, within 0.1 % with the tail's). A frozen
+            # tail (LoRA) measures with a layer's (3.2-7.1 % high with the tail's).
+            head_held = 2 * head_root
         layer_held = FSDP2_LAYER_UNITS[phase] * unit + layer_root
         if phase == "backward":  # the root's gradients (tied), this layer's and the last reduce-scatter's input
             layer_held += (root_grads if layer_root else 0.0) + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads

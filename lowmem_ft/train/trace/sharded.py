@@ -212,8 +212,8 @@ def check(recipe: Recipe, gpus: int, strategy: str, offload: bool) -> None:
         )
     if offload:
         raise UserError(
-            "--verify cannot trace an FSDP plan with CPU offload (on the CPU host and device are one memory); "
-            "plan without --verify or without --offload"
+            "--verify cannot trace an FSDP plan with CPU offload (on the CPU, host and device are one memory); "
+            "plan without --verify, or with more --gpus or --vram so that no offload is needed"
         )
     if gpus < 2:
         raise UserError("--verify --gpus N: N must be at least 2 for a sharded trace")
