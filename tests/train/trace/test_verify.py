@@ -25,7 +25,7 @@ def test_over_the_budget_the_planner_steps_down_with_the_excess_as_margin(monkey
     planner plans again with the margin raised by the excess (and a little more), and traces that plan."""
     traces = iter([(12.0, 10.0), (8.0, 8.0)])  # (traced peak, predicted peak) GB of the two plans
 
-    def fake_verify(recipe, arch, plan_peak_bytes=None):
+    def fake_verify(recipe, arch, plan_peak_bytes=None, plan=None):
         traced, predicted = next(traces)
         return Verification({"backward": int(traced * GB)}, {"backward": predicted * GB}, 1.0, plan_peak_bytes)
 
