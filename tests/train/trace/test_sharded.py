@@ -64,3 +64,17 @@ def test_what_cannot_be_traced_is_refused_in_one_line(tiny_model, strategy, offl
     with pytest.raises(UserError, match=re.escape(said)) as caught:
         sharded.check(recipe, 4, strategy, offload)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_plan_verify_traces_one_fsdp_rank_and_prints_it_beside_the_prediction(zoo_models, capsys):
+    from lowmem_ft.cli import main
+
+    argv = ["plan", "--model", zoo_models["qwen2.5"], "--vram", "8", "--gpus", "2", "--strategy", "fsdp", "--verify",
+            "--seq-len", "64", "--set", "memory.gradient_checkpointing=true"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for phase in ("static", "forward", "backward", "optimizer step"):
+        assert re.search(rf"^  {phase}\s+traced", out, re.M), phase
+    summary = re.search(r"^traced [\d.]+ GB, predicted [\d.]+ GB \(([+-][\d.]+)%\).*rank 0 of 2 \(FSDP2\)", out, re.M)
+    assert summary and abs(float(summary.group(1))) <= 1.0
