@@ -5,8 +5,8 @@
 Each row is the plan `lowmem-ft plan --model M --vram V --gpus N --strategy fsdp` chooses (host RAM 256 GB, so the
 host does not decide the plan). Rank 0 of that plan's step is traced in one process on a fake process group
 (`lowmem_ft.train.trace.sharded`, what `plan --verify --gpus N` runs), and compared with
-`memory.sharding.fsdp2_phase_bytes` (the CPU form: no device overheads). A plan that cannot be traced (CPU
-offload) gets a row saying why. No weights are read.
+`memory.sharding.fsdp2_phase_bytes` (the CPU form: no device overheads). A plan with CPU offload (the planner's
+last step) is traced without it, less what it keeps on the host, as `plan --verify` does. No weights are read.
 """
 
 from __future__ import annotations

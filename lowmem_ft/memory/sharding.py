@@ -507,12 +507,16 @@ FSDP2_LAYER_UNITS = {"forward": 2, "backward": 2}
 FSDP2_LAYER_RS_BUFFERS = 1  # the previous layer's reduce-scatter input, in backward
 
 
-def fsdp2_phase_bytes(arch: Architecture, s: Setup, gpus: int, mixed: bool = False) -> dict[str, float]:
+def fsdp2_phase_bytes(
+    arch: Architecture, s: Setup, gpus: int, mixed: bool = False, offload: bool = False
+) -> dict[str, float]:
     """Each rank's live tensor bytes at the peak of each phase under FSDP2 on `gpus` ranks (CPU form, like
     `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step". `mixed`: under a GPU run's
-    mixed precision (`fsdp2_mixed_precision`), as `plan --verify --gpus N` traces it."""
+    mixed precision (`fsdp2_mixed_precision`), as `plan --verify --gpus N` traces it; `offload`: the device's
+    part under CPU offload (parameters, gradients and optimizer states on the host)."""
     states = states_of(arch, s, fsdp2=True, mixed=mixed)
-    return fsdp2_phases(arch, estimate(arch, s), states, per_device(states, "fsdp", gpus))[0]
+    share = per_device(states, "fsdp", gpus, offload_optimizer=offload, offload_params=offload)
+    return fsdp2_phases(arch, estimate(arch, s), states, share)[0]
 
 
 def fsdp2_phases(

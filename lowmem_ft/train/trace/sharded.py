@@ -203,17 +203,12 @@ def layer_class(cls) -> str:
     return names
 
 
-def check(recipe: Recipe, gpus: int, strategy: str, offload: bool) -> None:
+def check(recipe: Recipe, gpus: int, strategy: str) -> None:
     """A UserError unless one rank of this plan can be traced."""
     if strategy != "fsdp":
         raise UserError(
             f"--verify --gpus {gpus} traces FSDP plans only (--strategy fsdp); the plan is {strategy}: plan "
             "without --verify, or with --strategy fsdp"
-        )
-    if offload:
-        raise UserError(
-            "--verify cannot trace an FSDP plan with CPU offload (on the CPU, host and device are one memory); "
-            "plan without --verify, or with more --gpus or --vram so that no offload is needed"
         )
     if gpus < 2:
         raise UserError("--verify --gpus N: N must be at least 2 for a sharded trace")
@@ -228,12 +223,15 @@ def trace_rank(
     warmup_seq: int = 8,
     precision: str | None = None,
     shard=None,
+    offload: bool = False,
 ) -> Trace:
     """Trace rank 0 of `recipe`'s FSDP2 step on `gpus` ranks at its full batch, without weights.
 
     `precision`: accelerate's mixed precision (default: the GPU run's, `mixed_precision`). `shard(model, mesh)`:
     how the model is sharded (default: accelerate's `fsdp2_prepare_model`, `shard_as_accelerate`). Unless
-    `whole`, a deep model is traced at two smaller depths and extrapolated, as `step.trace` does."""
+    `whole`, a deep model is traced at two smaller depths and extrapolated, as `step.trace` does. `offload`: the
+    plan's FSDP CPU offload — traced without it, then the bytes it keeps in host memory (`_host_shard_bytes`) are
+    taken out of every figure (on the CPU, host and device are one memory)."""
     from lowmem_ft.train import methods
     from lowmem_ft.train.model import torch_dtype
     from lowmem_ft.train.trace import layers as trace_layers
@@ -257,15 +255,18 @@ def trace_rank(
     depth = None if whole else trace_layers.plan(cls, config, torch_dtype(recipe.model.compute_dtype))
     with fake_group(gpus) as mesh:
         if depth is None:
-            segments = _traced(recipe, config, mesh, shard, warmup_seq)
+            segments = _traced(recipe, config, mesh, shard, warmup_seq, offload)
             return Trace(segments.marks(), time.perf_counter() - started)
-        small = _traced(recipe, trace_layers.truncated(config, depth.first), mesh, shard, warmup_seq)
-        large = _traced(recipe, trace_layers.truncated(config, depth.first + depth.period), mesh, shard, warmup_seq)
+        small = _traced(recipe, trace_layers.truncated(config, depth.first), mesh, shard, warmup_seq, offload)
+        large = _traced(
+            recipe, trace_layers.truncated(config, depth.first + depth.period), mesh, shard, warmup_seq, offload
+        )
     return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, 0, depth)
 
 
-def _traced(recipe: Recipe, config, mesh, shard, warmup_seq: int):
-    """One trace of rank 0 of the model `config` describes, sharded by `shard`: `trace_layers.Segments`."""
+def _traced(recipe: Recipe, config, mesh, shard, warmup_seq: int, offload: bool = False):
+    """One trace of rank 0 of the model `config` describes, sharded by `shard`: `trace_layers.Segments` (less what
+    CPU offload keeps on the host when `offload`)."""
     from transformers import set_seed
 
     from lowmem_ft.train.trace.layers import Segments, decoder_layers
@@ -286,13 +287,44 @@ def _traced(recipe: Recipe, config, mesh, shard, warmup_seq: int):
             step_on_local_shards(optimizer)
         run_step(model, optimizer, recipe, warmup_seq=warmup_seq, segments=segments, peak_options=PEAK_OPTIONS)
     segments.remove()
+    if offload:
+        segments.less(_host_shard_bytes(model, optimizer))
     _forget(model)
     del model, optimizer
     gc.collect()
     return segments
 
 
-def predict_rank(recipe: Recipe, arch, gpus: int, precision: str | None = None) -> dict[str, float]:
+def _host_shard_bytes(model, optimizer) -> int:
+    """What FSDP2's CPU offload (`CPUOffloadPolicy`, accelerate's `fsdp_offload_params`) keeps in host memory
+    through the step: every sharded parameter's local shard, a trainable one's gradient shard of the same size
+    (the reduce-scattered gradient is copied to the host), and the optimizer's states, which step there."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+
+    def nbytes(t) -> int:
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+
+    total = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            local = nbytes(p)
+            total += local + (local if p.requires_grad else 0)
+    for state in optimizer.state.values():
+        total += sum(nbytes(t) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return total
+
+
+def predict_rank(
+    recipe: Recipe, arch, gpus: int, precision: str | None = None, offload: bool = False
+) -> dict[str, float]:
     """The memory model's CPU form of one FSDP2 rank's phases (`memory.sharding.fsdp2_phase_bytes`) under the
     mixed precision `trace_rank` shards with (default: the GPU run's)."""
     from dataclasses import replace
@@ -303,7 +335,7 @@ def predict_rank(recipe: Recipe, arch, gpus: int, precision: str | None = None) 
     # on the CPU nothing is offloaded (`lowmem_ft.train.model._offload`), in the trace as in a CPU run
     s = replace(setup_from_recipe(recipe, device="cpu"), activation_offloading=False)
     precision = mixed_precision(recipe) if precision is None else precision
-    return fsdp2_phase_bytes(arch, s, gpus, mixed=precision != "no")
+    return fsdp2_phase_bytes(arch, s, gpus, mixed=precision != "no", offload=offload)
 
 
 def traced_rank(recipe: Recipe, arch, plan) -> tuple[Trace, dict[str, float], str, list[str]]:
@@ -311,13 +343,14 @@ def traced_rank(recipe: Recipe, arch, plan) -> tuple[Trace, dict[str, float], st
     notes), or a UserError saying why the plan cannot be traced."""
     from lowmem_ft.memory.sharding import fsdp_version
 
-    check(recipe, plan.gpus, plan.strategy, plan.offload)
-    result = trace_rank(recipe, plan.gpus)
+    check(recipe, plan.gpus, plan.strategy)
+    result = trace_rank(recipe, plan.gpus, offload=plan.offload)
     notes = []
     if fsdp_version(recipe.model.quantization)[0] == 1:
         notes.append(
             "4-bit weights run on FSDP1, which is not traced: traced and predicted are one rank under FSDP2 (as "
             "accelerate's FSDP2 path shards it); the plan's FSDP1 figure rests on its every-phase allowance"
         )
-    how = f"rank 0 of {plan.gpus} (FSDP2), {result.how()}"
-    return result, predict_rank(recipe, arch, plan.gpus), how, notes
+    offloaded = " + CPU offload: the shards, their gradients and optimizer states on the host" if plan.offload else ""
+    how = f"rank 0 of {plan.gpus} (FSDP2{offloaded}), {result.how()}"
+    return result, predict_rank(recipe, arch, plan.gpus, offload=plan.offload), how, notes
