@@ -11,9 +11,6 @@ import pytest
 from lowmem_ft.cli import main
 from lowmem_ft.recipe.load import resolve
 
-# the tiny zoo families every image family shares its tower with: Qwen-VL's windowed tower, Gemma-3's SigLIP
-FAMILIES = ["qwen2.5-vl", "gemma3-vision"]
-
 
 @pytest.fixture(scope="module")
 def image_chat(tmp_path_factory):
@@ -62,11 +59,13 @@ def deepened(config, depth: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ["qwen2.5-vl"])
 def test_extrapolated_image_trace_equals_the_whole_trace(vl_dir, image_chat, name):
     """The decoder traced at two depths and extrapolated equals it traced whole, to the byte, with the images'
     tower run whole in every micro batch (the tiny Qwen2.5-VL's tower has as many blocks as a truncated decoder:
-    the decoder stack is found beside it, not in it)."""
+    the decoder stack is found beside it, not in it). Gemma-3's image step is left out (30 s of one worker): its
+    decoder is gemma3's text model, whose paired layer pattern test_layers.py proves at 13 layers, and its image
+    mask is built once per forward, not per layer; its full-size trace is in benchmarks/real_size_vlm.md."""
     from lowmem_ft.train.trace.step import model_config, trace
 
     r = image_recipe(vl_dir(name), image_chat, seq=512 if name == "qwen2.5-vl" else 128)  # the sample fits whole
