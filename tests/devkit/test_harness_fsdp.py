@@ -1,5 +1,6 @@
-"""FSDP2 on 2 CPU ranks (devkit/harness/fsdp.py): every rank's phases against `sharding.fsdp2_phase_bytes`, and the
-sharded loss against the whole model's (the grid is benchmarks/fsdp_grid.md)."""
+"""FSDP2 on 2 CPU ranks (devkit/harness/fsdp.py): every rank's phases against `sharding.fsdp2_phase_bytes` and rank 0
+against its one-process trace (`lowmem_ft.train.trace.sharded`), and the sharded loss against the whole model's (the
+grid is benchmarks/fsdp_grid.md)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,40 @@ def llama3(tmp_path_factory):
     return write_model(estimator_config("llama3"), tmp_path_factory.mktemp("fsdp") / "llama3")
 
 
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    return write_model(estimator_config("qwen2.5"), tmp_path_factory.mktemp("fsdp") / "qwen2.5")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ["lora", "full"])  # full: the root's gradients, reduce-scattered through gloo
-def test_every_rank_within_target(llama3, adapter):
-    p = FsdpPoint("llama3", adapter, 2, False, batch=1, seq=32)
-    p.phases = measure(llama3, p)
-    pred = predicted(llama3, p)
+@pytest.mark.parametrize(
+    ("family", "adapter"),
+    [
+        ("qwen2.5", "full"),  # untied: the input embedding a unit of its own; the root's gradients reduce-scattered
+        ("llama3", "qlora"),  # tied; 4-bit weights gathered in their float storage, LoRA beside them
+    ],
+)
+def test_every_rank_within_target_and_rank0_traced_to_the_byte(request, family, adapter):
+    """One real gloo run of 2 ranks: each rank's phases within 3 % of `sharding.fsdp2_phase_bytes`, and rank 0 of the
+    same step traced in one process on a fake process group (`lowmem_ft.train.trace.sharded`, what `plan --verify
+    --gpus N --strategy fsdp` runs) equal to the real rank 0 at every mark."""
+    from devkit.harness.estimator import recipe_for
+    from lowmem_ft.train.trace import sharded
+
+    model = request.getfixturevalue({"qwen2.5": "qwen25", "llama3": "llama3"}[family])
+    p = FsdpPoint(family, adapter, 2, False, batch=2, seq=64)
+    p.phases = measure(model, p)
+    pred = predicted(model, p)
     assert sorted(p.phases) == [0, 1]
     for r, phases in p.phases.items():
         measured = phase_measurements(phases)
         for phase in PHASES:
             assert pred[phase] == pytest.approx(measured[phase], rel=0.03), (r, phase)
+    real = dict(p.phases[0])
+    real.pop("peak")
+    traced = sharded.trace_rank(recipe_for(model, p.point()), 2, precision="no", whole=True)
+    assert traced.depth is None
+    assert traced.marks == real
 
 
 # One zoo family per quirk FSDP2's sharding meets: tied (llama3) and untied, biased (qwen2.5) heads, fused qkv (phi3),
