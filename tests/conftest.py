@@ -216,6 +216,22 @@ def zoo_models(tmp_path_factory) -> dict[str, str]:
     return {name: str(path) for name, path in zoo(tmp_path_factory.mktemp("zoo")).items()}
 
 
+@pytest.fixture(scope="session")
+def vl_checkpoint(tmp_path_factory):
+    """name → the tiny checkpoint directory of zoo family `name`, built once per session (the image families, which the
+    text zoo of `zoo_models` leaves out)."""
+    from devkit.zoo import build
+
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build(name, tmp_path_factory.mktemp("zoo") / name))
+        return built[name]
+
+    return get
+
+
 @pytest.fixture
 def chat_data() -> str:
     return os.path.join(os.path.dirname(__file__), "..", "examples", "chat.jsonl")

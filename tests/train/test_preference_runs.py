@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lowmem_ft.cli import main
 from lowmem_ft.rundir import RunDir
-from tests.train.tiny_runs import tiny_sets
+from tests.train.tiny_runs import assert_same_adapter, interrupted_copy, tiny_sets
 
 pytestmark = pytest.mark.slow
 PAIRS = str(Path(__file__).parents[1] / "data" / "fixtures" / "preference" / "pairs_chat.jsonl")
@@ -56,17 +54,10 @@ def test_dpo_trains_on_two_ranks(dpo_run):
 def test_an_interrupted_dpo_run_resumes_to_the_same_adapter(dpo_run, tmp_path):
     """A copy cut back to checkpoint-1 (as a run stopped by a signal after step 1 looks) resumes to the losses and
     the adapter of the run that was never stopped."""
-    run = tmp_path / "dpo"
-    shutil.copytree(dpo_run, run)
-    shutil.rmtree(run / "checkpoints" / "checkpoint-2")
-    shutil.rmtree(run / "adapter")
-    info = json.loads((run / "run.json").read_text())
-    info["status"] = {**info["status"], "state": "interrupted", "signal": "SIGTERM", "step": 1}
-    (run / "run.json").write_text(json.dumps(info))
+    run = interrupted_copy(dpo_run, tmp_path / "dpo", step=1)
     assert launch("train", "--resume", str(run)) == 0
     assert losses(run) == losses(dpo_run)
-    a, b = load_file(run / ADAPTER), load_file(dpo_run / ADAPTER)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_adapter(run, dpo_run)
 
 
 def test_generate_and_merge_after_dpo(dpo_run, zoo_models, tmp_path, capsys):

@@ -169,3 +169,27 @@ def once(*triggers: tuple[int, int]) -> Callable[[int, int, bool], bool]:
         return False
 
     return fail
+
+
+def interrupted_copy(done: Path, to: Path, step: int) -> Path:
+    """A copy of the finished run `done` cut back to checkpoint-`step`, as a run a signal stopped after that step
+    looks: the later checkpoints and the final adapter removed, run.json `interrupted` (SIGTERM) at `step`."""
+    import shutil
+
+    shutil.copytree(done, to)
+    for checkpoint in (to / "checkpoints").glob("checkpoint-*"):
+        if int(checkpoint.name.removeprefix("checkpoint-")) > step:
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(to / "adapter")
+    info = json.loads((to / "run.json").read_text())
+    info["status"] = {**info["status"], "state": "interrupted", "signal": "SIGTERM", "step": step}
+    (to / "run.json").write_text(json.dumps(info))
+    return to
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    """The two runs' final adapters are equal, tensor by tensor, bit for bit."""
+    from safetensors.torch import load_file
+
+    x, y = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (a, b))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -52,21 +52,6 @@ def gemma3_vl(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def vl_checkpoint(tmp_path_factory):
-    """name → the tiny checkpoint directory of zoo family `name`, built once per session."""
-    from devkit.zoo import build
-
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            built[name] = str(build(name, tmp_path_factory.mktemp("zoo") / name))
-        return built[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
 def vision_zoo(zoo_models) -> Path:
     """This session's copy of the zoo (tests/zoo_cache.py builds the vision families beside the text ones)."""
     return Path(next(iter(zoo_models.values()))).parent

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from transformers import TrainerCallback
 
 from lowmem_ft.cli import main
 from lowmem_ft.rundir import RunDir
+from tests.train.tiny_runs import assert_same_adapter, interrupted_copy
 from tests.vision.conftest import ROWS, write_images, write_rows
 from tests.vision.test_vision_sources import _image_dataset
 
@@ -81,17 +81,10 @@ def test_an_image_run_trains_on_two_ranks_and_evaluates_image_chats(image_run):
 
 def test_an_interrupted_image_run_resumes_to_the_same_adapter(image_run, tmp_path):
     done = image_run
-    run = tmp_path / "run"
-    shutil.copytree(done, run)
-    shutil.rmtree(run / "checkpoints" / "checkpoint-2")
-    shutil.rmtree(run / "adapter")
-    info = json.loads((run / "run.json").read_text())
-    info["status"] = {**info["status"], "state": "interrupted", "signal": "SIGTERM", "step": 1}
-    (run / "run.json").write_text(json.dumps(info))
+    run = interrupted_copy(done, tmp_path / "run", step=1)
     assert launch("train", "--resume", str(run)) == 0
     assert losses(run) == losses(done)
-    a, b = load_file(run / ADAPTER), load_file(done / ADAPTER)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_adapter(run, done)
 
 
 class OomOnce(TrainerCallback):

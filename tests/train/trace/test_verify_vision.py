@@ -20,20 +20,6 @@ def image_chat(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("vlm"), 2)
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    from devkit.zoo import build
-
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            built[name] = str(build(name, tmp_path_factory.mktemp("zoo") / name))
-        return built[name]
-
-    return get
-
-
 def image_recipe(model_dir: str, data, *, batch: int = 2, seq: int = 512, checkpointing: bool = True):
     return resolve(None, {
         "model": {"name_or_path": model_dir, "quantization": "none"},
@@ -60,7 +46,7 @@ def deepened(config, depth: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-vl"])
-def test_extrapolated_image_trace_equals_the_whole_trace(vl_dir, image_chat, name):
+def test_extrapolated_image_trace_equals_the_whole_trace(vl_checkpoint, image_chat, name):
     """The decoder traced at two depths and extrapolated equals it traced whole, to the byte, with the images'
     tower run whole in every micro batch (the tiny Qwen2.5-VL's tower has as many blocks as a truncated decoder:
     the decoder stack is found beside it, not in it). Gemma-3's image step is left out (30 s of one worker): its
@@ -68,7 +54,7 @@ def test_extrapolated_image_trace_equals_the_whole_trace(vl_dir, image_chat, nam
     mask is built once per forward, not per layer; its full-size trace is in benchmarks/real_size_vlm.md."""
     from lowmem_ft.train.trace.step import model_config, trace
 
-    r = image_recipe(vl_dir(name), image_chat, seq=512 if name == "qwen2.5-vl" else 128)  # the sample fits whole
+    r = image_recipe(vl_checkpoint(name), image_chat, seq=512 if name == "qwen2.5-vl" else 128)  # the sample fits whole
     depth = 13 if name == "gemma3-vision" else 9  # a two-layer pattern: traced at 3 and 5; one layer: 2 and 3
     config = deepened(model_config(r), depth)
     extrapolated = trace(r, config)
@@ -79,7 +65,7 @@ def test_extrapolated_image_trace_equals_the_whole_trace(vl_dir, image_chat, nam
 
 
 @pytest.mark.slow
-def test_traced_image_step_equals_the_real_one(vl_dir, image_chat):
+def test_traced_image_step_equals_the_real_one(vl_checkpoint, image_chat):
     """The tracer's step run for real (weights, real pixel values through the tower) and traced (fake weights, the
     batch's data real, large pixel values as `Shadow` decides): the same bytes at every mark."""
     import torch
@@ -88,7 +74,7 @@ def test_traced_image_step_equals_the_real_one(vl_dir, image_chat):
     from lowmem_ft.train.trace.images import image_sample
     from lowmem_ft.train.trace.step import install_loss, optimizer_for, run_step, trace
 
-    r = image_recipe(vl_dir("qwen2.5-vl"), image_chat, checkpointing=False)
+    r = image_recipe(vl_checkpoint("qwen2.5-vl"), image_chat, checkpointing=False)
     torch.manual_seed(0)
     model = build_model(r)
     install_loss(model, r)
@@ -98,10 +84,13 @@ def test_traced_image_step_equals_the_real_one(vl_dir, image_chat):
 
 
 @pytest.mark.slow
-def test_plan_verify_with_image_data_prints_traced_against_predicted(vl_dir, image_chat, capsys):
+def test_plan_verify_with_image_data_prints_traced_against_predicted(vl_checkpoint, image_chat, capsys):
     """The plan names the image tokens per sample and its cap; --verify traces that plan with those images and
     agrees within 2 % on every phase (a vision-language run evaluates nothing: no eval phase)."""
-    assert main(["plan", "--model", vl_dir("qwen2.5-vl"), "--vram", "8", "--data", str(image_chat), "--verify"]) == 0
+    assert (
+        main(["plan", "--model", vl_checkpoint("qwen2.5-vl"), "--vram", "8", "--data", str(image_chat), "--verify"])
+        == 0
+    )
     out = capsys.readouterr().out
     gaps = re.findall(r"^  (static|forward|backward|optimizer step)\s+traced .*\(([+-][\d.]+)%\)$", out, re.M)
     assert {phase for phase, _ in gaps} == {"static", "forward", "backward", "optimizer step"}
