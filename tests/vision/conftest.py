@@ -96,6 +96,30 @@ def write_rows(folder: Path, rows: list[dict], name: str = "vlm.jsonl", repeat: 
     return path
 
 
+def adapter_keys(run: Path) -> list[str]:
+    """The names of the tensors a run's adapter saved."""
+    from safetensors import safe_open
+
+    with safe_open(run / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        return list(saved.keys())
+
+
+def phases_within_prediction(run: Path) -> dict[str, list[dict]]:
+    """A run's memory samples of the forward, backward and optimizer phases that carry a prediction, by phase; each
+    phase must have run, and its measured peak be within MEMORY_TOLERANCE of what was predicted for it."""
+    from tests.train.tiny_runs import MEMORY_TOLERANCE
+
+    phases: dict[str, list[dict]] = {}
+    for s in map(json.loads, (run / "memory.jsonl").read_text().splitlines()):
+        if s.get("phase") in ("forward", "backward", "optimizer") and s.get("predicted_peak_live_gb"):
+            phases.setdefault(s["phase"], []).append(s)
+    assert set(phases) == {"forward", "backward", "optimizer"}, set(phases)
+    for phase, points in phases.items():
+        peak = max(points, key=lambda s: s["peak_live_gb"])
+        assert abs(peak["peak_live_gb"] / peak["predicted_peak_live_gb"] - 1) <= MEMORY_TOLERANCE, (phase, peak)
+    return phases
+
+
 @pytest.fixture
 def vlm_data(tmp_path) -> Path:
     return write_rows(tmp_path, ROWS)
