@@ -352,7 +352,7 @@ def eager_softmax_backward_bytes(arch: Architecture, s: Setup) -> float:
     elif RECOMPUTE_LORA.on(s):
         inputs = RECOMPUTE_LORA.kept_inputs(arch, s, lins)
     else:
-        inputs = peft_lora_input_bytes(s, lins, dropout_mask_bytes(s))
+        inputs = peft_lora_input_bytes(arch, s, lins, dropout_mask_bytes(s))
     per_token = 4 * h + 4 + inputs + _attention_bytes(arch, s, False) + c * h + 2 * c * arch.head_dim
     return per_score * _scores(arch, s) + eager_masks_bytes(arch, s) + per_token * s.tokens
 

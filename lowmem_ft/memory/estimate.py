@@ -145,6 +145,7 @@ __all__ = [
     "TRL_TOKEN_CHUNK",
     "_trainable_tensors",
     "attention_mask_bytes",
+    "backward_beside_layers",
     "backward_transient_bytes",
     "centred_norm_extra_bytes",
     "chunk_backward_bytes",
@@ -246,6 +247,22 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
     bwd_peak = max(kept + loss_bwd, layer_moment, attn_bwd, end)
     fresh = _first_backward(arch, s, comps, kept, loss_bwd, max(layer_moment, attn_bwd), end)
     return fwd_peak, bwd_peak, fresh
+
+
+def backward_beside_layers(arch: Architecture, est: Estimate) -> float:
+    """The backward's peak among its moments other than a decoder layer's (`layer_moments`), static included: the
+    loss's backward beside everything kept, an eager layer's softmax backward, the embedding's at the end (as
+    `_forward_backward` takes them). FSDP2 holds its head unit there, a layer's units at the layer's moment
+    (`sharding.fsdp2_phases`), so the two are priced apart: `est.phases["backward"]` is the larger of them."""
+    s = est.setup
+    c, t, h = DTYPE_BYTES[s.compute_dtype], s.tokens, arch.hidden_size
+    kept, _ = _activations(arch, s, [])
+    head = head_saved_bytes(arch, s) * t
+    kept += head + tower_moments(arch, s).kept
+    softmax_bwd = eager_softmax_backward_bytes(arch, s)
+    attn_bwd = kept - head + softmax_bwd if softmax_bwd else 0.0
+    end = (2 * c * arch.vocab_size * h if s.adapter == "full" else 0.0) + c * h * t
+    return est.phases["static"] + max(kept + loss_bytes(arch, s)[1], attn_bwd, end)
 
 
 def _first_backward(

@@ -22,7 +22,7 @@ from lowmem_ft.memory.calibration import (
     RECOMPUTE_END_GRAD_FP32,
     TOKEN_BOOKKEEPING_BYTES,
 )
-from lowmem_ft.memory.linears import dropout_mask_bytes, lora_linears
+from lowmem_ft.memory.linears import dropout_mask_bytes, lora_bytes, lora_linears
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP
 
@@ -44,9 +44,10 @@ def ends_recomputed_forward(arch: Architecture, s: Setup) -> bool:
 
 
 def _kept_lora_input(s: Setup) -> float:
-    """Per input element, what peft's LoRA branch keeps of its input: the fp32 cast and the dropout mask
+    """Per input element, what peft's LoRA branch keeps of its input: the fp32 cast (c B where the LoRA weights run
+    in the compute dtype: the dropped copy, or without dropout the input itself) and the dropout mask
     (`linears.peft_lora_input_bytes`)."""
-    return RECOMPUTE_END_FP32 + dropout_mask_bytes(s)
+    return (lora_bytes(s) if s.lora_in_compute_dtype else RECOMPUTE_END_FP32) + dropout_mask_bytes(s)
 
 
 def recompute_end_bytes(arch: Architecture, s: Setup) -> float:
@@ -59,17 +60,25 @@ def recompute_end_bytes(arch: Architecture, s: Setup) -> float:
     for the layer's saved output), while the widest-input linear's kept LoRA input does not exist yet; above the end
     without dropout. Beside either, the gradients in flight when the backward asks for the recompute: the layer
     output's (c·h), peft's scaled fp32 gradient of lora_B's output and, with an unquantized base, the base output's
-    gradient cast back to c bytes (peft adds the fp32 LoRA output to it; bitsandbytes' LoRA casts first, in c)."""
+    gradient cast back to c bytes (peft adds the fp32 LoRA output to it; bitsandbytes' LoRA casts first, in c).
+
+    With the LoRA weights in the compute dtype (`lora_in_compute_dtype`) peft casts nothing and its branch runs in c
+    bytes (`linears.lora_bytes`): the end holds the widest-input linear's input only where dropout copies it (without,
+    lora_A keeps the input itself), the output side two c-byte tensors, and the gradients in flight are c bytes with
+    no cast back (code read in peft 0.21 lora/layer.py and bnb.py; traced on one FSDP2 rank,
+    benchmarks/fsdp_verify.md)."""
     c = DTYPE_BYTES[s.compute_dtype]
     h, fp32 = arch.hidden_size, RECOMPUTE_END_FP32
+    mixed = s.lora_in_compute_dtype
+    b = lora_bytes(s) if mixed else fp32
     lins = lora_linears(arch, s)
     wide_in, wide_out = max(lin.in_features for lin in lins), max(lin.out_features for lin in lins)
     kept_in = _kept_lora_input(s)
-    cast = fp32 if c < fp32 else 0
-    end = (c + cast - (0 if s.lora_dropout > 0 else fp32)) * wide_in + RECOMPUTE_END_BESIDE * c * h
-    output_side = (2 * fp32 - kept_in) * wide_out + (RECOMPUTE_END_BESIDE - 1) * c * h
-    base_grad = c if s.quantization == "none" and c < fp32 else 0
-    grads = (c + RECOMPUTE_END_GRAD_FP32 + base_grad) * h
+    cast = fp32 if c < fp32 and not mixed else 0
+    end = (c + cast - (0 if s.lora_dropout > 0 else b)) * wide_in + RECOMPUTE_END_BESIDE * c * h
+    output_side = (2 * b - kept_in) * wide_out + (RECOMPUTE_END_BESIDE - 1) * c * h
+    base_grad = c if s.quantization == "none" and c < fp32 and not mixed else 0
+    grads = (c + (b if mixed else RECOMPUTE_END_GRAD_FP32) + base_grad) * h
     return (max(end, output_side) + grads) * s.tokens
 
 

@@ -35,6 +35,9 @@ class Setup:
     lora_dropout: float = 0.05
     use_dora: bool = False  # adapter.use_dora (lowmem_ft.memory.dora)
     adapter_init: str = "default"  # adapter.init: pissa / olora decompose each weight at start-up (memory.adapter_init)
+    # LoRA's weights run in the compute dtype, not peft's fp32 (FSDP's 16-bit mixed precision gathers them so:
+    # `sharding.lora_in_compute_dtype`), and peft's LoRA branches compute in it (`linears.lora_bytes`)
+    lora_in_compute_dtype: bool = False
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     optimizer: str = "paged_adamw_8bit"
     gradient_checkpointing: bool = True

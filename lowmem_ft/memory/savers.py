@@ -33,11 +33,11 @@ from lowmem_ft.memory.calibration import (
     TILED_RECOMPUTE_BWD_H,
 )
 from lowmem_ft.memory.linears import (
-    ATTENTION_INPUT_LINEARS,
     dropout_mask_bytes,
     is_mlp_linear,
     lora_linears,
     peft_lora_input_bytes,
+    shared_input_bytes,
 )
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Setup, mlp_tile_tokens
 
@@ -241,25 +241,14 @@ class RecomputeLora(Saver):
         lins = [lin for lin in lora_linears(arch, s) if is_mlp_linear(arch, lin) == mlp]
         if self.on(s) and not (mlp and TILED_MLP.on(s)):
             return self.kept_inputs(arch, s, lins) + dora.kept_per_token(s, lins)
-        return peft_lora_input_bytes(s, lins, drop) + dora.kept_per_token(s, lins)
+        return peft_lora_input_bytes(arch, s, lins, drop) + dora.kept_per_token(s, lins)
 
     def kept_inputs(self, arch: Architecture, s: Setup, lins: list[Linear]) -> float:
-        """Per token, what each branch checkpoint keeps for these adapted linears: only its input, a c-byte tensor —
-        one for the linears fed by the same norm (q/k/v, gate/up: nothing else keeps a norm's output, a frozen base
-        linear keeps no input), one for down_proj (the act × up product), none for the attention's output
-        projection: its input is the attention output the attention keeps already (SDPA / flash kernels return it in
-        (batch, seq, heads, head_dim) memory order, so transformers' `transpose(1, 2).contiguous()` is that storage).
-        Measured per layer with PeakMemory (1- vs 2-layer models): 6,424 and 2,328 (with the tiled MLP) B/token for
-        the Llama-shaped probe of tests/memory/test_estimate.py."""
-        c = DTYPE_BYTES[s.compute_dtype]
-        shared = {"attn": ATTENTION_INPUT_LINEARS, "mlp": {"gate_proj", "up_proj", "gate_up_proj", "w1", "w2"}}
-        inputs: dict[str, int] = {}
-        for lin in lins:
-            if lin.name == "o_proj" or (lin.name == "c_proj" and not is_mlp_linear(arch, lin)):
-                continue
-            group = next((g for g, names in shared.items() if lin.name in names), lin.name)
-            inputs[group] = lin.in_features
-        return c * sum(inputs.values())
+        """Per token, what each branch checkpoint keeps for these adapted linears: only its input, a c-byte tensor,
+        one per tensor however many linears read it (`linears.shared_input_bytes`). Measured per layer with
+        PeakMemory (1- vs 2-layer models): 6,424 and 2,328 (with the tiled MLP) B/token for the Llama-shaped probe
+        of tests/memory/test_estimate.py."""
+        return shared_input_bytes(arch, s, lins)
 
     def first_layer_masks(self, s: Setup, peft: float) -> float:
         """Dropout mask bytes per element the first layer does not keep: none are kept in any layer."""

@@ -27,6 +27,7 @@ from lowmem_ft.memory.estimate import (
     Estimate,
     Setup,
     _trainable_tensors,  # the estimate's own list of trainable tensors, so both count the same parameters
+    backward_beside_layers,
     estimate,
     layer_moments,
     optimizer_state_bytes,
@@ -342,6 +343,19 @@ def fsdp2_mixed_precision(s: Setup) -> bool:
     return s.device != "cpu" and s.compute_dtype in ("bfloat16", "float16") and fsdp_version(s.quantization)[0] == 2
 
 
+def lora_in_compute_dtype(s: Setup, strategy: str, mixed: bool | None = None) -> bool:
+    """Whether the plan runs LoRA's weights in the compute dtype (`Setup.lora_in_compute_dtype`, whose activation
+    terms are `memory.linears`'): FSDP under a GPU run's 16-bit mixed precision (`mixed`: as `states_of`'s; default
+    on a GPU). FSDP2: accelerate's `MixedPrecisionPolicy(param_dtype)` gathers every parameter, LoRA's included, in
+    that dtype (the fp32 upcast of `fsdp2_mixed_precision` keeps only the shards fp32; traced:
+    benchmarks/fsdp_verify.md). FSDP1 (4-bit weights): transformers' `update_fsdp_plugin_peft` sets the mixed
+    precision to the 4-bit storage dtype, the compute dtype (train/model.py), and FSDP1 gathers the flat parameter,
+    LoRA's weights within it, in its `param_dtype` (read from code, not traced: `fsdp_version`)."""
+    if strategy != "fsdp" or s.adapter != "lora" or s.compute_dtype not in ("bfloat16", "float16"):
+        return False
+    return s.device != "cpu" if mixed is None else mixed
+
+
 def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Estimate:
     """`est` (one device holding everything) with its static state replaced by `share`: the peak per device.
 
@@ -412,10 +426,11 @@ assert tuple(STAGES) == get_args(Requested)
 def per_device_estimate(
     arch: Architecture, s: Setup, gpus: int, strategy: str, offload: bool
 ) -> tuple[Estimate, DeviceShare | None]:
-    """The estimate of one device: the single-device estimate when gpus == 1, else the strategy's share."""
-    est = estimate(arch, s)
+    """The estimate of one device: the single-device estimate when gpus == 1, else the strategy's share (its
+    activations with LoRA's weights as the strategy runs them: `lora_in_compute_dtype`)."""
     if gpus == 1:
-        return est, None
+        return estimate(arch, s), None
+    est = estimate(arch, replace(s, lora_in_compute_dtype=lora_in_compute_dtype(s, strategy)))
     full_shard = strategy in ("zero3", "fsdp")
     share = per_device(
         states_of(arch, s, fsdp2=strategy == "fsdp"),
@@ -512,10 +527,12 @@ def fsdp2_phase_bytes(
 ) -> dict[str, float]:
     """Each rank's live tensor bytes at the peak of each phase under FSDP2 on `gpus` ranks (CPU form, like
     `estimate.phase_peak_bytes`): "static", "forward", "backward", "optimizer step". `mixed`: under a GPU run's
-    mixed precision (`fsdp2_mixed_precision`), as `plan --verify --gpus N` traces it; `offload`: the device's
-    part under CPU offload (parameters, gradients and optimizer states on the host)."""
+    mixed precision (`fsdp2_mixed_precision`), as `plan --verify --gpus N` traces it: the gathered units in 16
+    bits and LoRA's activation terms in the compute dtype (`lora_in_compute_dtype`); `offload`: the device's part
+    under CPU offload (parameters, gradients and optimizer states on the host)."""
     states = states_of(arch, s, fsdp2=True, mixed=mixed)
     share = per_device(states, "fsdp", gpus, offload_optimizer=offload, offload_params=offload)
+    s = replace(s, lora_in_compute_dtype=lora_in_compute_dtype(s, "fsdp", mixed))
     return fsdp2_phases(arch, estimate(arch, s), states, share)[0]
 
 
@@ -557,7 +574,12 @@ def fsdp2_phases(
         layer_held = FSDP2_LAYER_UNITS[phase] * unit + layer_root
         if phase == "backward":  # the root's gradients (tied), this layer's and the last reduce-scatter's input
             layer_held += (root_grads if layer_root else 0.0) + (1 + FSDP2_LAYER_RS_BUFFERS) * unit_grads
-        head_moment = est.phases[phase] + shards + head_held
+        # the one device's head moment: its forward peak (the layers' beside it are the layer moment's own), its
+        # backward peak less the layers' (measured: with a layer's there, Llama-3.1-70B QLoRA at 4 × 2,048 tokens on
+        # 2 ranks, where a recomputed layer is the one device's backward peak, landed 3.5 % high: the layer's
+        # moment with the head's unit held; benchmarks/fsdp_verify.md)
+        head_moment = (est.phases[phase] if phase == "forward" else backward_beside_layers(arch, est)) + shards
+        head_moment += head_held
         layer_moment = layer[phase] + shards + layer_held
         out[phase] = max(head_moment, layer_moment)
         held[phase] = head_held if head_moment >= layer_moment else layer_held

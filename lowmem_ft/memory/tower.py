@@ -78,7 +78,7 @@ def tower_moments(arch: Architecture, s: Setup) -> TowerMoments:
     in_layers, at_head = v.outputs_kept(p, c)
     leaf = embeds + s.tokens if s.gradient_checkpointing and s.adapter == "lora" else 0.0
     drop = dropout_mask_bytes(s)
-    trained = v.trained_kept(p, c, s.vision_train, s.gradient_checkpointing, s.lora_r, drop)
+    trained = v.trained_kept(p, c, s.vision_train, s.gradient_checkpointing, s.lora_r, drop, s.lora_in_compute_dtype)
     return TowerMoments(embeds + v.frozen_working_set(p, c) + trained, in_layers, at_head, leaf + trained)
 
 

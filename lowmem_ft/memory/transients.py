@@ -29,7 +29,13 @@ from lowmem_ft.memory.experts import (
     moe_forward_transient_bytes,
     unused_sliding_mask_bytes,
 )
-from lowmem_ft.memory.linears import ATTENTION_INPUT_LINEARS, dropout_mask_bytes, is_mlp_linear, lora_linears
+from lowmem_ft.memory.linears import (
+    ATTENTION_INPUT_LINEARS,
+    dropout_mask_bytes,
+    is_mlp_linear,
+    lora_bytes,
+    lora_linears,
+)
 from lowmem_ft.memory.recompute import ends_recomputed_forward, recompute_end_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup
 from lowmem_ft.memory.savers import RECOMPUTE_LORA, TILED_MLP, TILED_NORMS
@@ -67,14 +73,30 @@ def _dense_forward_transient_bytes(arch: Architecture, s: Setup) -> float:
     outside = [lin for lin in lins if not TILED_MLP.tiles(arch, s, lin)]
     wide = max(outside, key=lambda lin: lin.in_features, default=None)
     wide_in = wide.in_features if wide else 0
+    copies, cast, output = lora_branch_bytes(s)
     if s.gradient_checkpointing:
-        transient = ((c + drop + FWD_TRANSIENT_CKPT) * wide_in + FWD_BESIDE_CKPT * c * h) * t
+        transient = ((c + drop + copies) * wide_in + FWD_BESIDE_CKPT * c * h) * t
         transient = max(transient, lora_output_side_bytes(arch, s, outside) * t)
     else:
         beside = TILED_NORMS.forward_beside(s, FWD_BESIDE_NO_CKPT)
         wide_out = wide.out_features if wide else 0
-        transient = ((c + FWD_TRANSIENT_NO_CKPT) * wide_in + (c + FWD_OUTPUT_FP32) * wide_out + beside * c * h) * t
+        cast = FWD_TRANSIENT_NO_CKPT if cast else 0  # the same cast, measured without checkpointing
+        transient = ((c + cast) * wide_in + (c + output) * wide_out + beside * c * h) * t
     return TILED_MLP.forward(arch, s, lins, transient, wide_in) + FWD_TOKEN_STATS_BYTES * t
+
+
+def lora_branch_bytes(s: Setup) -> tuple[float, float, float]:
+    """Per element, peft's LoRA branch in flight around an adapted linear in forward: (the input's copies at the
+    widest input under checkpointing, the input's cast, the output side beyond the base output). With peft's fp32
+    adapters the measured FWD_TRANSIENT_CKPT (cast and dropped copy), FWD_INPUT_CAST_FP32 (the cast; measured
+    without checkpointing as FWD_TRANSIENT_NO_CKPT) and FWD_OUTPUT_FP32 (lora_B's fp32 output and its scaled copy). With the LoRA weights in the compute
+    dtype (`lora_in_compute_dtype`) peft casts nothing (`_cast_input_dtype` returns x), dropout copies the input in
+    c bytes, and lora_B's output and its scaled copy are c bytes each; read from peft 0.21 lora/layer.py and bnb.py
+    `Linear.forward`, traced on one FSDP2 rank (benchmarks/fsdp_verify.md)."""
+    if not s.lora_in_compute_dtype:
+        return FWD_TRANSIENT_CKPT, FWD_INPUT_CAST_FP32, FWD_OUTPUT_FP32
+    b = lora_bytes(s)
+    return (b if s.lora_dropout > 0 else 0), 0, 2 * b
 
 
 def lora_output_side_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> float:
@@ -84,11 +106,12 @@ def lora_output_side_bytes(arch: Architecture, s: Setup, lins: list[Linear]) -> 
     input's where an output is wide: a fused projection (Phi-3's gate_up_proj, 2·i from h), or any gate/up pair
     once the dropout's copies are gone (dropout 0) or small (CUDA's 1-byte masks)."""
     c = DTYPE_BYTES[s.compute_dtype]
+    _, cast, output = lora_branch_bytes(s)
     best = 0.0
     for lin in lins:
         beside = _norm_fed_beside(arch, lin)
         if beside is not None:
-            side = (c + FWD_OUTPUT_FP32) * lin.out_features + (c + FWD_INPUT_CAST_FP32) * lin.in_features
+            side = (c + output) * lin.out_features + (c + cast) * lin.in_features
             best = max(best, side + c * beside)
     return best
 

@@ -123,32 +123,44 @@ class VisionTower:
         three intermediate-sized tensors (Qwen2.5-VL's act(gate), up and their product)."""
         return 3 * c * self.hidden + 3 * c * self.intermediate
 
-    def block_kept(self, c: int, train: str, r: int, drop: float, first: bool = False) -> float:
+    def block_kept(self, c: int, train: str, r: int, drop: float, first: bool = False, in_c: bool = False) -> float:
         """Per patch, what one trained block keeps for backward (autograd's saved tensors, read from the block's
         code): each RMSNorm its fp32 input and rsqrt (not the first block's norm1 under LoRA: its input needs no
         grad); SDPA q and k after the rotary, the qkv output (v is a view of it), the output and the fp32
         logsumexp per head; the MLP act(gate), up and gate's output. LoRA: each adapted linear its fp32 input
         copy, dropout noise (`drop` B per element) and lora_A's output (peft, as `linears.peft_lora_input_bytes`);
         full: the linears' inputs (gate and up share norm2's output) and each norm's normalized input, which its
-        trained weight's product keeps."""
+        trained weight's product keeps. `in_c`: LoRA's weights in the compute dtype (`Setup.lora_in_compute_dtype`):
+        no cast, c-byte dropped copies and lora_A outputs; without dropout lora_A keeps its input itself, norm1's
+        and norm2's outputs and the MLP product (the attention output is kept already) — as
+        `linears.peft_lora_input_bytes`, read from peft, not traced on a tower."""
         h, i = self.hidden, self.intermediate
         norms = (4 * h + 4) * (1 if first and train == "lora" else 2)
         if train == "full":  # a trained norm weight: `weight * x` keeps x (c·h) for the weight's gradient
             norms += 2 * c * h
         attention = 6 * c * h + 4 * self.heads
         mlp = 3 * c * i
-        lora = 4 * ((4 + drop) * h + 4 * r) + (4 + drop) * i + 4 * r
+        b = c if in_c else 4
+        lora = 4 * ((b + drop) * h + b * r) + (b + drop) * i + b * r
+        if in_c and not drop:
+            lora = 2 * c * h + c * i + 5 * b * r
         linears = lora if train == "lora" else 3 * c * h + c * i
         return norms + attention + mlp + linears
 
-    def merger_kept(self, c: int, train: str, r: int, drop: float) -> float:
+    def merger_kept(self, c: int, train: str, r: int, drop: float, in_c: bool = False) -> float:
         """Per patch, what the trained merger keeps: ln_q's fp32 input and rsqrt, GELU's input, the two linears'
-        inputs (LoRA: fp32 copies, noise and lora_A outputs, one merged token per merge² patches), the index."""
+        inputs (LoRA: fp32 copies, noise and lora_A outputs, one merged token per merge² patches), the index.
+        `in_c`: as `block_kept`'s (without dropout lora_A keeps ln_q's output and GELU's output themselves)."""
         h, m = self.hidden, self.merge**2
-        linears = 2 * ((4 + drop) * h + 4 * r / m) if train == "lora" else 3 * c * h  # full: ln_q's weight too
+        b = c if in_c else 4
+        linears = 2 * ((b + drop) * h + b * r / m) if train == "lora" else 3 * c * h  # full: ln_q's weight too
+        if train == "lora" and in_c and not drop:
+            linears = 2 * (c * h + b * r / m)
         return 4 * h + 4 / m + c * h + linears + 8 / m
 
-    def trained_kept(self, patches: int, c: int, train: str, checkpointing: bool, r: int, drop: float) -> float:
+    def trained_kept(
+        self, patches: int, c: int, train: str, checkpointing: bool, r: int, drop: float, in_c: bool = False
+    ) -> float:
         """A trained tower's saved tensors through the decoder and the backward: every block's (`block_kept`) or,
         checkpointed (its blocks are transformers' GradientCheckpointingLayer), each block's input; the merger's; the
         fp32 rotary cos/sin the rotary's products save; full: the patch embedding's input (the pixel copy)."""
@@ -157,10 +169,11 @@ class VisionTower:
         blocks = (
             self.depth * c * self.hidden
             if checkpointing
-            else self.block_kept(c, train, r, drop, first=True) + (self.depth - 1) * self.block_kept(c, train, r, drop)
+            else self.block_kept(c, train, r, drop, True, in_c)
+            + (self.depth - 1) * self.block_kept(c, train, r, drop, False, in_c)
         )
         conv = c * self.patch_values if train == "full" else 0
-        return patches * (blocks + self.merger_kept(c, train, r, drop) + 2 * 4 * self.head_dim + conv)
+        return patches * (blocks + self.merger_kept(c, train, r, drop, in_c) + 2 * 4 * self.head_dim + conv)
 
     def trainable(self, train: str, r: int, c: int) -> list[tuple[int, int]]:
         """(numel, bytes per element) of the tower's trainable tensors: LoRA's A and B (fp32) per linear, or every

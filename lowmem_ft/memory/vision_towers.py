@@ -199,7 +199,9 @@ class ViTTower:
         left = self.left(patches, c)
         return left + self.merged_bytes(patches, c), left
 
-    def trained_kept(self, patches: int, c: int, train: str, checkpointing: bool, r: int, drop: float) -> float:
+    def trained_kept(
+        self, patches: int, c: int, train: str, checkpointing: bool, r: int, drop: float, in_c: bool = False
+    ) -> float:
         if train != "frozen":
             _untrained(train)
         return 0.0

@@ -183,7 +183,7 @@ def estimate_record(est, rounded: bool = False) -> dict[str, Any]:
 # `Setup` fields added after the grid was recorded, with the value that means "not used": a setup that leaves one
 # there is recorded without it (the grid's setups use none of them), so its old record stays the one to match.
 ADDED_SINCE_RECORDED = {"use_dora": False, "adapter_init": "default", "image_patches": 0, "batch_patches": None,
-                        "vision_train": "frozen"}  # fmt: skip
+                        "vision_train": "frozen", "lora_in_compute_dtype": False}  # fmt: skip
 # Architecture fields added since the grid was recorded (a vision-language tower, `lowmem_ft.memory.vision`)
 ARCH_ADDED_SINCE_RECORDED = {"vision": None}
 

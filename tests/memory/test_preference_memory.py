@@ -137,13 +137,16 @@ def test_a_preference_steps_terms_are_per_device_under_every_strategy(method, ad
     device's phases, shifted to the device's static state): the reference pass and ORPO's logits are per device (the micro
     batch is), so a preference step adds to the per-device SFT step what it adds on one device; a reference copy is
     whole on every device under DDP / ZeRO-2, a shard and one gathered layer under FSDP / ZeRO-3."""
+    from dataclasses import replace
+
     from lowmem_ft.memory.preference import device_phases, reference_share_bytes
-    from lowmem_ft.memory.sharding import per_device_estimate
+    from lowmem_ft.memory.sharding import lora_in_compute_dtype, per_device_estimate
 
     a = arch()
     rows = method_setup(method, Setup(adapter=adapter, quantization="none" if adapter == "full" else "nf4",
                                       micro_batch_size=2, max_seq_len=1024, gradient_checkpointing=True))  # fmt: skip
-    one = estimate(a, rows)
+    # the single device running LoRA as the strategy does (FSDP's mixed precision: in the compute dtype)
+    one = estimate(a, replace(rows, lora_in_compute_dtype=lora_in_compute_dtype(rows, strategy)))
     dev, share = per_device_estimate(a, rows, 4, strategy, False)
     phases = device_phases(a, dev)
     assert set(phases) == set(one.phases)

@@ -201,3 +201,36 @@ def test_the_gpu_plan_of_fsdp2_is_per_phase_and_fsdp1_keeps_its_allowance():
     est1, share1 = per_device_estimate(arch, q, 4, "fsdp", False)
     assert not est1.phases and share1.gathered > 0
     assert next(c for c in est1.components if c.name.startswith("gathered")).phase == "static"
+
+
+@pytest.mark.parametrize("dropout", [0.05, 0.0])
+def test_fsdp_on_gpus_prices_lora_branches_in_the_compute_dtype(dropout):
+    """Under FSDP's 16-bit mixed precision the LoRA weights are gathered in bf16, so peft casts no input to fp32
+    (`_cast_input_dtype`): each adapted linear keeps its dropout mask and c-byte dropped copy, or without dropout the
+    input itself, once per tensor (q/k/v share the norm's output, gate/up the MLP's, o_proj reads the attention
+    output the attention keeps); lora_A's output is c bytes. DDP and one device keep peft's fp32 adapters."""
+    from dataclasses import replace
+
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.estimate import Setup
+    from lowmem_ft.memory.linears import dropout_mask_bytes, lora_linears, peft_lora_input_bytes
+    from lowmem_ft.memory.sharding import per_device_estimate
+
+    arch = load_architecture("meta-llama/Llama-3.1-8B")
+    s = Setup(quantization="none", optimizer="adamw_torch", lora_dropout=dropout, device="cuda", max_seq_len=4096)
+    assert per_device_estimate(arch, s, 4, "fsdp", False)[0].setup.lora_in_compute_dtype
+    assert not per_device_estimate(arch, s, 4, "ddp", False)[0].setup.lora_in_compute_dtype
+    assert not per_device_estimate(arch, s, 1, "fsdp", False)[0].setup.lora_in_compute_dtype
+    assert not per_device_estimate(arch, replace(s, device="cpu"), 4, "fsdp", False)[0].setup.lora_in_compute_dtype
+
+    h, i, r = arch.hidden_size, arch.intermediate_size, s.lora_r
+    lins = lora_linears(arch, s)  # q, k, v, o (h wide), gate, up (h), down (i)
+    mixed = replace(s, lora_in_compute_dtype=True)
+    for device, mask in (("cuda", 1), ("cpu", 2)):  # CUDA's bool mask; the CPU's noise in the input's dtype
+        m = replace(mixed, device=device)
+        drop = dropout_mask_bytes(m)
+        inputs = (2 + mask) * (6 * h + i) if dropout else 2 * (h + h + i)
+        assert drop == (mask if dropout else 0)
+        assert peft_lora_input_bytes(arch, m, lins, drop) == inputs + 7 * 2 * r
+    one = dropout_mask_bytes(s)  # peft's fp32 cast on one device: 4 B per input element, per linear
+    assert peft_lora_input_bytes(arch, s, lins, one) == (4 + one) * (6 * h + i) + 7 * 4 * r
