@@ -60,9 +60,40 @@ def fake_group(world: int):
         raise UserError("--verify --gpus N traces in one process: a torch.distributed group is already running here")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,), mesh_dim_names=(MESH_DIM,))
+        with collectives_keep_their_output():
+            yield init_device_mesh("cpu", (world,), mesh_dim_names=(MESH_DIM,))
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def collectives_keep_their_output():
+    """torch's functional collectives hand back the tensor they wrote, as a run does, not a fake kernel's copy.
+
+    A functional collective (the all-gather of `DTensor.full_tensor()`) ends in `_maybe_wrap_tensor`: eager, it wraps
+    its output in an `AsyncCollectiveTensor` over the same storage (`_wrap_tensor_autograd`), or `wait_tensor`
+    returns it; their fake kernels return `torch.empty_like` (`_functional_collectives.py` `_wait_tensor_meta` and
+    `_wrap_tensor_autograd`'s `register_fake`), a second storage no run makes. TRL's fused head gathers an FSDP2-
+    sharded LM head that way (trl/trainer/utils.py `_fused_forward`: `weight.full_tensor()`, the tail unit being
+    ungathered while the head's own forward never runs), so the trace counted the head twice at the forward's
+    head moment: 2.10 GB too many on Llama-3.1-70B, rank 0 of 4 (the batch-1 plan's forward, 18.64 traced against
+    17.54 predicted, then 17.54 both; benchmarks/fsdp_verify.md). Here the collective's output is handed back
+    itself: fake processes wait for nothing."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = funcol._maybe_wrap_tensor
+
+    def waited(tensor):
+        with _disable_current_modes():  # the wait a run makes, its fake result not counted: only `tensor` lives on
+            funcol.wait_tensor(tensor)
+        return tensor
+
+    funcol._maybe_wrap_tensor = waited
+    try:
+        yield
+    finally:
+        funcol._maybe_wrap_tensor = original
 
 
 def mixed_precision(recipe: Recipe) -> str:
