@@ -4,8 +4,8 @@
                                                                       # 2 and 4 ranks × checkpointing off / on
     python -m devkit.bench.fsdp_grid --families llama3 --ranks 2      # a subset
     python -m devkit.bench.fsdp_grid --out benchmarks/fsdp_grid.md --cache benchmarks/fsdp_grid.json
-    python -m devkit.bench.fsdp_grid --adapters qlora --ranks 2 --out benchmarks/fsdp_grid.md --append \
-        --cache benchmarks/fsdp_grid.json                             # QLoRA, 4 points
+    python -m devkit.bench.fsdp_grid --adapters qlora --ranks 2,4 --out benchmarks/fsdp_grid.md --append \
+        --cache benchmarks/fsdp_grid.json                             # QLoRA, 8 points
 
 Each point runs `devkit.harness.fsdp` (N spawned processes, accelerate's `fsdp2_prepare_model` units, two
 optimizer steps measured by `PeakMemory` on every rank) and compares every rank's steady-state phases (micro-step
