@@ -77,8 +77,10 @@ def collectives_keep_their_output():
     sharded LM head that way (trl/trainer/utils.py `_fused_forward`: `weight.full_tensor()`, the tail unit being
     ungathered while the head's own forward never runs), so the trace counted the head twice at the forward's
     head moment: 2.10 GB too many on Llama-3.1-70B, rank 0 of 4 (the batch-1 plan's forward, 18.64 traced against
-    17.54 predicted, then 17.54 both; benchmarks/fsdp_verify.md). Here the collective's output is handed back
-    itself: fake processes wait for nothing."""
+    17.54 predicted, then 17.54 both; benchmarks/fsdp_verify.md). Checked eager on 2 gloo ranks: `full_tensor()`
+    of a 64 MiB weight holds one 64 MiB copy at its peak. Here the collective's output is handed back itself, after
+    a `wait_tensor` outside the trace's modes (it unregisters the collective's work, which torch otherwise warns of
+    at exit; its fake result is dropped uncounted)."""
     from torch.distributed import _functional_collectives as funcol
     from torch.utils._python_dispatch import _disable_current_modes
 
