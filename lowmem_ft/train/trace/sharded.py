@@ -31,6 +31,7 @@ offload) are not traced: on the CPU, host and device are one memory.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -58,12 +59,18 @@ def fake_group(world: int):
 
     if dist.is_initialized():
         raise UserError("--verify --gpus N traces in one process: a torch.distributed group is already running here")
+    # the trainer's arguments, built inside the group, warn that it is not a DDP launch (training_args.py
+    # `_setup_devices`): true of a one-process trace, and noise in `plan --verify`'s output
+    args_log = logging.getLogger("transformers.training_args")
+    level = args_log.level
+    args_log.setLevel(logging.ERROR)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with collectives_keep_their_output():
             yield init_device_mesh("cpu", (world,), mesh_dim_names=(MESH_DIM,))
     finally:
         dist.destroy_process_group()
+        args_log.setLevel(level)
 
 
 @contextmanager
@@ -141,8 +148,6 @@ def shard_as_accelerate(model, mesh, recipe: Recipe, precision: str, layer_cls: 
         is_main_process=True,
         device=torch.device("cpu"),
     )
-    import logging
-
     from accelerate.utils import fsdp_utils
 
     adapter = fsdp_utils.logger  # accelerate's logger asks for an `Accelerator` state that a trace does not make
