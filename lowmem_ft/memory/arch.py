@@ -216,18 +216,11 @@ class Architecture:
     def linear_names(self) -> list[str]:
         return list(dict.fromkeys(lin.name for lin in self.linears))
 
-    def lora_targets(self, target_modules: list[str]) -> list[Linear]:
+    def lora_targets(self, target_modules: list[str] | tuple[str, ...]) -> list[Linear]:
         """Block linears a LoRA `target_modules` list matches (peft matches the last name component). Names of
         projections this architecture fuses stand for the fused one: q/k/v_proj → Phi-3's qkv_proj, gate/up_proj →
         gate_up_proj, so the recipes' Llama-style list adapts the same layers on every family."""
-        if target_modules == ["all-linear"]:
-            return list(self.linears)
-        wanted = set(target_modules)
-        present = set(self.linear_names)
-        for fused, parts in FUSED_PROJECTIONS.items():
-            if fused in present and wanted & set(parts):
-                wanted.add(fused)
-        return [lin for lin in self.linears if lin.name in wanted]
+        return list(_lora_targets(self, tuple(target_modules)))
 
     def adapter_modules(self, target_modules: list[str]) -> list[str]:
         """The module names a LoRA `target_modules` list adapts on this architecture (see `lora_targets`)."""
@@ -553,3 +546,16 @@ def load_architecture(name_or_path: str, trust_remote_code: bool = False) -> Arc
 
         warn_if_mismatched(arch, Path(name_or_path))
     return arch
+
+
+@cache
+def _lora_targets(arch: Architecture, target_modules: tuple[str, ...]) -> tuple[Linear, ...]:
+    """`Architecture.lora_targets`, once per architecture and list (the planner asks for it in every estimate)."""
+    if target_modules == ("all-linear",):
+        return arch.linears
+    wanted = set(target_modules)
+    present = set(arch.linear_names)
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if fused in present and wanted & set(parts):
+            wanted.add(fused)
+    return tuple(lin for lin in arch.linears if lin.name in wanted)

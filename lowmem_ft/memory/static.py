@@ -5,6 +5,8 @@ gradients and optimizer states, the optimizer step's temporaries, and the batch 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
+from functools import lru_cache
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
@@ -161,8 +163,25 @@ def optimizer_step_temp(
     return 4 * copies, "bitsandbytes CPU kernel: 6 (8-bit states) or 4 (32-bit) fp32 copies of a tensor (measured)"
 
 
+# the Setup fields that shape the batch: only the batch tensors' component reads them (the golden grid checks it)
+_BATCHLESS = {"micro_batch_size": 1, "max_seq_len": 1, "gradient_accumulation": 1}
+
+
 def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], list[tuple[int, int]]]:
     """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host."""
+    before, after, notes, trainable = _state(arch, replace(s, **_BATCHLESS))
+    held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
+    batch = Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
+                      f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
+                      + (" + the loader's next one)" if s.device == "cpu" else ")"))  # fmt: skip
+    return [*before, batch, *after], list(notes), list(trainable)
+
+
+@lru_cache(maxsize=512)
+def _state(arch: Architecture, s: Setup) -> tuple[tuple[Component, ...], ...]:
+    """`_static_components` less the batch tensors, for a setup whose batch shape is cleared (`_BATCHLESS`): the
+    planner estimates hundreds of batch shapes and lengths of one setup, and this part depends on none of them.
+    Returns the components before and after the batch's, the notes and the trainable tensors."""
     c = DTYPE_BYTES[s.compute_dtype]
     comps: list[Component] = []
     notes: list[str] = []
@@ -189,14 +208,11 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
     fp32_states = trainer_fp32_states(arch, s)
     states, paged = optimizer_state_bytes(trainable, s.optimizer, s.device, fp32_states)
     comps.append(Component(f"optimizer states ({s.optimizer})", states, "static", "bitsandbytes / torch init_state"))
-    held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
-    comps.append(Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
-                           f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
-                           + (" + the loader's next one)" if s.device == "cpu" else ")")))  # fmt: skip
+    after: list[Component] = []
     if paged:
-        comps.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
+        after.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
-    return comps, notes, trainable
+    return tuple(comps), tuple(after), tuple(notes), tuple(trainable)
 
 
 MOE_WEIGHTS_SOURCE = "3-D expert parameters + router: bnb replaces nn.Linear only (integrations/bitsandbytes.py)"
