@@ -136,6 +136,10 @@ class Allocator:
         self._next_addr = 1 << 32
         self._tails: dict[bool, Block] = {}  # expandable: each pool's unmapped end
 
+    def cached_free(self) -> list[int]:
+        """The sizes of the cached free blocks (mapped and not in use): `memory_reserved` − `memory_allocated`."""
+        return [b.size for pool in self._pools.values() for b in pool.blocks]
+
     # -- sizes -----------------------------------------------------------------------------------------------------
     @staticmethod
     def round_size(size: int) -> int:
