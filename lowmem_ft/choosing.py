@@ -217,8 +217,11 @@ def planner_values(recipe: Recipe) -> dict[str, Any]:
 def setup_from_recipe(recipe: Recipe, device: Device = "cuda") -> Setup:
     """The memory-relevant knobs of a `Recipe`: every `Setup` field a recipe key feeds is filled from the recipe, so
     the schema's defaults are the planner's too (`Setup`'s own defaults never reach a plan)."""
+    from lowmem_ft.cuda_alloc import run_setting
+
     values = planner_values(recipe)
-    return Setup(**{name: value for name, value in values.items() if name in SETUP_FIELDS}, device=device)
+    chosen = {name: value for name, value in values.items() if name in SETUP_FIELDS}
+    return Setup(**chosen, device=device, allocator=run_setting())  # the allocator `train` would set up here
 
 
 def request_for(recipe: Recipe, target: Target, **kw: Any) -> Request:

@@ -333,6 +333,7 @@ def setup_of(result: Published, length: int):
         gradient_accumulation=1,
         loss_impl="hf_full",
         device="cuda",
+        allocator="default",  # PEFT's run.py leaves PYTORCH_CUDA_ALLOC_CONF unset: torch's default settings
     )
 
 
@@ -362,17 +363,28 @@ def plan_overrides(result: Published) -> dict:
         "adapter": adapter,
         "optimizer": {"name": "adamw_torch"},
         "memory": {"gradient_checkpointing": False, "activation_offloading": False, "micro_batch_size": ROWS,
-                   "gradient_accumulation": 1, "full_logits_loss": True},
+                   "gradient_accumulation": 1, "full_logits_loss": True, "tiled_norms": False, "tiled_mlp": False,
+                   "recompute_lora": False, "embeddings_on_host": False},
     }  # fmt: skip
 
 
-def plan_reserved(result: Published, length: int) -> float:
-    """`lowmem-ft plan --vram 48 --seq-len LENGTH` at PEFT's settings (`plan_overrides`, an L40S's 48 GB): the
-    plan's predicted peak less the CUDA context, as `model_reserved`."""
+def plan_reserved(result: Published, length: int) -> float | None:
+    """`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False lowmem-ft plan --vram 48 --seq-len LENGTH` at PEFT's
+    settings (`plan_overrides`, an L40S's 48 GB; torch's default allocator settings, as PEFT ran): the plan's
+    predicted peak less the CUDA context, as `model_reserved`; None when the plan does not fit 48 GB."""
+    from unittest import mock
+
     from lowmem_ft.choosing import choose_recipe
+    from lowmem_ft.cuda_alloc import ALLOC_CONF
+    from lowmem_ft.errors import UserError
     from lowmem_ft.memory.calibration import CUDA_CONTEXT_BYTES
 
-    _, choice = choose_recipe(vram_gb=48.0, recipe=None, overrides=plan_overrides(result), seq_len=length)
+    # PEFT ran torch's default allocator settings: plan as a user who set them (`lowmem_ft.cuda_alloc`)
+    with mock.patch.dict(os.environ, {ALLOC_CONF: "expandable_segments:False"}):
+        try:
+            _, choice = choose_recipe(vram_gb=48.0, recipe=None, overrides=plan_overrides(result), seq_len=length)
+        except UserError:  # every knob is given: nothing to change when it does not fit
+            return None
     return choice.predicted_peak_gb * GB - CUDA_CONTEXT_BYTES
 
 
@@ -399,10 +411,11 @@ PEFT's commit 90d3fc05d (`empty_cache` after every step, not every 10) is set by
 this does not know: not predicted (`—`). `alloc`: `memory_allocated` after a step of the run's mean sample length
 (published total tokens / samples; no length solved) against the mean of the published `mem allocated avg`: the
 static state plus what the loop keeps alive between steps (the bf16 logits and the KV cache in `outputs`).
-`memory model`: lowmem-ft's own memory model (`lowmem_ft.memory.estimate`, `loss_impl="hf_full"`, on CUDA, less
+`memory model`: lowmem-ft's own memory model (`lowmem_ft.memory.estimate`, `loss_impl="hf_full"`, on CUDA, torch's default allocator settings, less
 its CUDA context) at the longest batch, against the published max. `plan`: what `lowmem-ft plan --vram 48
 --seq-len {lmax}` predicts at PEFT's settings with `--set memory.full_logits_loss=true` (the model's own loss over
-full logits; every knob given, so the planner changes none), less the CUDA context.
+full logits; every knob given, so the planner changes none) with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`
+(torch's default allocator settings, which PEFT's runs had), less the CUDA context.
 
 | configuration | published (torch / transformers / peft) | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | plan max GB | gap | affine (miss at 4 layers) | trace s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
@@ -464,6 +477,7 @@ def render(cache: dict) -> str:
             continue
         pmax, pp99 = traced["first"], traced["second"]
         mm, plan = model_reserved(result, lmax), plan_reserved(result, lmax)
+        planned = "no plan at 48 GB | —" if plan is None else f"{plan / GB:.2f} | {_gap(plan, result.max_reserved)}"
         p99 = (
             f"{pp99 / GB:.2f} | {result.reserved_p99 / GB:.2f} | {_gap(pp99, result.reserved_p99)}"
             if result.empty_cache_every == EMPTY_CACHE_EVERY
@@ -474,7 +488,7 @@ def render(cache: dict) -> str:
             f"| {result.label} | {libs} | {held} | {pmax / GB:.2f} | {result.max_reserved / GB:.2f} | "
             f"{_gap(pmax, result.max_reserved)} | {p99} | {traced['allocated'] / GB:.2f} | "
             f"{result.allocated_avg / GB:.2f} | {_gap(traced['allocated'], result.allocated_avg)} | "
-            f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {plan / GB:.2f} | {_gap(plan, result.max_reserved)} | "
+            f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {planned} | "
             f"{affine} | "
             f"{traced['seconds']} |\n"
         )

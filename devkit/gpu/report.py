@@ -25,11 +25,12 @@ from typing import Any
 
 from lowmem_ft.memory import estimate as model
 from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.calibration import ALLOCATOR_FRACTION_EXPANDABLE, ALLOCATOR_PAGE_BYTES
 from lowmem_ft.memory.estimate import Estimate, Setup
+from lowmem_ft.memory.overheads import allocator_component_bytes
 
 GB = 1e9
 RESERVED_TARGET = 0.05  # issue #15: predicted within 5 % of reserved
-ALLOCATOR = "allocator rounding/fragmentation"
 # The harness's phases of the steady-state step (step 2: states and accumulated gradients exist), as in
 # devkit/bench/estimator.py phase_measurements: (phase, measured label, CUDA sample key, CPU (peak, live) index)
 PHASES = (
@@ -84,7 +85,7 @@ def predict_run(rec: dict[str, Any]) -> Estimate | None:
 
 
 def reserved_prediction(est: Estimate) -> float:
-    return est.model_peak_bytes + est.by_name().get(ALLOCATOR, 0.0)
+    return est.model_peak_bytes + allocator_component_bytes(est.components)
 
 
 def transient(est: Estimate) -> float:
@@ -160,7 +161,10 @@ def point_row(rec: dict[str, Any], est: Estimate) -> tuple[str, dict[str, Any]]:
     figures = {
         "live_err": (est.model_peak_bytes - alloc) / alloc,
         "reserved_err": (pred_res - reserved) / reserved,
-        "allocator_fraction": (reserved - alloc) / transient(est) if transient(est) > 0 else None,
+        # the GPU kit runs `train`, which sets expandable segments: the term of that setting, pages taken out
+        "allocator_fraction": (reserved - alloc - ALLOCATOR_PAGE_BYTES) / transient(est)
+        if transient(est) > 0
+        else None,
         "reserved_over_allocated": reserved / alloc - 1,
         "outside": outside,
     }
@@ -268,7 +272,8 @@ def constant_rows(c: dict[str, float], device: str) -> list[str]:
         )
     if "allocator_max" in c:
         rows.append(
-            f"| allocator: (reserved − allocated) / predicted transient, median / max | {model.ALLOCATOR_FRACTION:.3f} "
+            "| allocator (expandable segments): (reserved − allocated − pages) / predicted transient, median / max "
+            f"| {ALLOCATOR_FRACTION_EXPANDABLE:.3f} "
             f"| {c['allocator_median']:.3f} / {c['allocator_max']:.3f} | points |"
         )
         rows.append(
@@ -305,7 +310,8 @@ def suggested(c: dict[str, float]) -> list[str]:
         )
     if "allocator_max" in c:
         lines.append(
-            f"ALLOCATOR_FRACTION = {c['allocator_max']:.3f}  # (reserved − allocated) / predicted transient, max of "
+            f"ALLOCATOR_FRACTION_EXPANDABLE = {c['allocator_max']:.3f}  # (reserved − allocated − pages) / predicted "
+            "transient, max of "
             f"{c['allocator_n']} points"
         )
     return lines

@@ -301,6 +301,7 @@ def calibrate(as_json: bool = False) -> int:
 
     from lowmem_ft.calibrated import GB, TERMS, load, record, this_device
     from lowmem_ft.errors import UserError
+    from lowmem_ft.train.device import configure_allocator
     from lowmem_ft.train.measure.cuda_overheads import measurement_of, read
 
     if not torch.cuda.is_available():
@@ -310,6 +311,7 @@ def calibrate(as_json: bool = False) -> int:
     if key is None:
         raise UserError("doctor --calibrate: NVML does not see the GPU torch uses (calibrations are kept by its NVML "
                         "name and driver); check nvidia-smi and CUDA_VISIBLE_DEVICES")  # fmt: skip
+    configure_allocator()  # before CUDA starts: measure the allocator setting a `train` run here uses
     m = measurement_of(read())
     path = record(key, m)
     calibration, line = load(key)

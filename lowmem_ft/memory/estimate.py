@@ -52,7 +52,6 @@ from lowmem_ft.memory.activations import (
 )
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
-    ALLOCATOR_FRACTION,
     BATCH_BYTES_PER_TOKEN,
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -122,7 +121,6 @@ from lowmem_ft.memory.transients import (
 
 # what the package, the tests and the devkit import from here (the terms live in the modules above)
 __all__ = [
-    "ALLOCATOR_FRACTION",
     "ATTENTION_INPUT_LINEARS",
     "BATCH",
     "BATCH_BYTES_PER_TOKEN",
@@ -338,7 +336,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         comps.append(init)
         w_lin, w_rest, _ = weight_bytes(arch, s)  # at start-up the whole model is on the device (savers come later)
         phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, sum(n for n, _ in trainable), s, init)
-    overheads = device_overheads(s, max(fwd_bwd, step_temp))
+    overheads = device_overheads(s, max(fwd_bwd, step_temp), grads)
     comps += overheads
     return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases, first)
 

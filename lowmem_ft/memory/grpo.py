@@ -37,10 +37,7 @@ from dataclasses import dataclass, replace
 from lowmem_ft.memory.activations import attention_mask_bytes
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
-    ALLOCATOR_FRACTION,
     BATCH_BYTES_PER_TOKEN,
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     GRPO_EAGER_PREFILL_SCORES,
     GRPO_IDS_BYTES_PER_TOKEN,
     GRPO_PREFILL_HIDDEN,
@@ -61,6 +58,7 @@ from lowmem_ft.memory.estimate import (
 from lowmem_ft.memory.evaluation import eval_mlp_bytes
 from lowmem_ft.memory.inference import human, kv_cache_bytes
 from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
+from lowmem_ft.memory.overheads import transient_without_overheads
 from lowmem_ft.memory.static import (
     _trainable_tensors,
     optimizer_step_temp,
@@ -230,11 +228,9 @@ def _sft_phase(arch: Architecture, s: Setup, phase: str, *, grads: bool, states:
 
 def _scoring_transient(arch: Architecture, s: Setup, rows: int) -> float:
     """A no-grad pass's transient above its static state, without device overheads (`eval_peak_bytes` adds them:
-    context + workspaces + ALLOCATOR_FRACTION of the transient, taken back out here)."""
+    context, workspaces and the allocator's term, taken back out here)."""
     transient = eval_peak_bytes(arch, s, rows) - _eval_static(arch, s)
-    if s.device == "cpu":
-        return transient
-    return (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
+    return transient_without_overheads(s, transient)
 
 
 def first_backward_relief(arch: Architecture, ts: Setup) -> float:

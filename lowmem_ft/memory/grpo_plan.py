@@ -70,7 +70,7 @@ def grpo_estimate(arch: Architecture, s: Setup, g: GrpoShape) -> Estimate:
         for name, b in cpu.items()
     }
     top = peak_phase(phases)
-    overheads = device_overheads(ts, phases[top] - est.phases["static"])
+    overheads = device_overheads(ts, phases[top] - est.phases["static"], est.by_name().get("gradients", 0.0))
     terms = generation_terms(arch, cpu_form(s), g)
     comps = [c for c in est.components if c.phase != "overhead"]
     comps += [Component(f"generation: {name}", b, "generation", "lowmem_ft.memory.grpo") for name, b in terms.items()]
@@ -98,7 +98,8 @@ def phases_gb(est: Estimate) -> dict[str, float]:
 
 def device_gb(est: Estimate, phase_bytes: float, static: float) -> float:
     """A phase's peak with the device overheads of its own transient (none on the CPU)."""
-    return (phase_bytes + overhead_bytes(device_overheads(est.setup, phase_bytes - static))) / GB
+    gradients = est.by_name().get("gradients", 0.0)  # as `grpo_estimate` prices the peak's
+    return (phase_bytes + overhead_bytes(device_overheads(est.setup, phase_bytes - static, gradients))) / GB
 
 
 def _rounds(ga: int, fixed: int | None) -> list[int]:

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import (
-    ALLOCATOR_FRACTION,
     DTYPE_BYTES,
     GB,
     TRL_TOKEN_CHUNK,
@@ -30,6 +29,7 @@ from lowmem_ft.memory.estimate import (
     loss_chunk_tokens,
     mlp_tile_tokens,
 )
+from lowmem_ft.memory.overheads import allocator_growth
 from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
 
 # Relative step-time cost of each saver (`Saver.cost`, where the figures and where they come from are), for the
@@ -126,7 +126,7 @@ def size_loss_chunk(arch: Architecture, best: Scored, budget_gb: float, score: S
     sizes = chunk_sizes(n, loss_chunk_tokens(arch, s))
     least = score(replace(s, loss_chunk_tokens=1)).estimate
     loss_least = least.by_name()["logits / loss working set"]
-    allocator = 1 + (ALLOCATOR_FRACTION if s.device == "cuda" else 0.0)  # grows with the transient peak
+    allocator = allocator_growth(s)  # the allocator's term grows with the transient peak
     room = max(0.0, (budget_gb * GB - least.peak_bytes) / allocator + loss_least)
     guess = largest_loss_chunk(arch, s, room)
     i = max((j for j, size in enumerate(sizes) if size <= guess), default=0)

@@ -43,10 +43,7 @@ from typing import Literal
 from lowmem_ft.memory.activations import head_saved_bytes
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
-    ALLOCATOR_FRACTION,
     BATCH_BYTES_PER_TOKEN,
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     HF_LOSS_BYTES_PER_LOGIT,
     IS_TOP1_TILE_BYTES,
     ODDS_RATIO_16BIT_LOGIT_COPIES,
@@ -57,7 +54,7 @@ from lowmem_ft.memory.calibration import (
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
 from lowmem_ft.memory.evaluation import eval_peak_bytes
-from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.overheads import device_overheads, overhead_bytes, transient_without_overheads
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Estimate, Setup
 from lowmem_ft.memory.sharding import DeviceShare
 from lowmem_ft.memory.static import weight_bytes
@@ -122,8 +119,7 @@ def reference_pass_bytes(arch: Architecture, rows_setup: Setup) -> float:
     static = sum(c.bytes for c in train.components if c.phase == "static" and c.name != "gradients")
     batch = BATCH_BYTES_PER_TOKEN * s.tokens * (2 if s.device == "cpu" else 1)
     transient = eval_peak_bytes(arch, s, s.micro_batch_size) - static
-    if s.device == "cuda":  # eval_peak_bytes' own overheads: context, workspaces, a fraction of its transient
-        transient = (transient - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES) / (1 + ALLOCATOR_FRACTION)
+    transient = transient_without_overheads(s, transient)  # eval_peak_bytes' own: context, workspaces, allocator
     return max(0.0, transient - batch)
 
 
@@ -258,7 +254,7 @@ def method_estimate(
     static = phases["static"]
     transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
     peak_phase = max(("forward", "backward", "optimizer step"), key=lambda k: phases[k])
-    overheads = device_overheads(s, transient)  # none on the CPU
+    overheads = device_overheads(s, transient, est.by_name().get("gradients", 0.0))  # none on the CPU
     return replace(
         est,
         components=comps + overheads,

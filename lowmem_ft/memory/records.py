@@ -20,6 +20,9 @@ LossImpl = Literal["trl_fused", "trl_fused_logps", "hf_full", "chunked"]
 
 
 Device = Literal["cuda", "cpu"]
+# The CUDA caching allocator's setting a run uses (`lowmem_ft.cuda_alloc`): `expandable_segments:True`, what `train`
+# sets unless the user set PYTORCH_CUDA_ALLOC_CONF, or torch's default settings
+AllocatorSetting = Literal["expandable segments", "default"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Setup:
     batch_patches: int | None = None
     vision_train: Literal["frozen", "lora", "full"] = "frozen"  # vision.train
     device: Device = "cuda"
+    allocator: AllocatorSetting = "expandable segments"  # on CUDA: the caching allocator's setting (no recipe key)
     safety_margin_gb: float = 1.0
 
     @property

@@ -12,22 +12,21 @@ import gc
 import logging
 import os
 
+from lowmem_ft.cuda_alloc import ALLOC_CONF, DEFAULT_ALLOC_CONF, user_alloc_conf
+
 log = logging.getLogger(__name__)
 
 GB = 1e9  # decimal, like lowmem_ft.memory.estimate.GB and --vram
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-# Expandable segments let the caching allocator grow a segment in place instead of leaving differently sized
-# blocks stranded between steps of varying sequence length (torch docs, "Optimizing memory usage with
-# PYTORCH_CUDA_ALLOC_CONF"); it is read when the allocator initialises, so it must be set before CUDA is first used.
-DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
 def configure_allocator() -> str | None:
-    """Set `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless the user set it; returns what is in effect."""
+    """Set `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless the user set it (or `PYTORCH_ALLOC_CONF`);
+    returns what is in effect. The decision is `lowmem_ft.cuda_alloc`'s, which `plan` prices too."""
     import torch
 
-    if ALLOC_CONF in os.environ:
-        return os.environ[ALLOC_CONF]
+    user = user_alloc_conf()
+    if user is not None:
+        return user
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.warning("CUDA was initialised before lowmem-ft could set %s=%s", ALLOC_CONF, DEFAULT_ALLOC_CONF)
         return None

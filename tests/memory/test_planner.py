@@ -332,7 +332,8 @@ def test_savers_and_tiles_the_user_fixed_are_kept():
     assert on.reasons["tiled_mlp"] == "set by you (--set)"
     assert on.reasons["mlp_tile_tokens"] == "512 tokens, set by you (--set)"
     off = _at(24, "24gb", 50_000, {"memory": {"tiled_mlp": False}})  # other savers make up for it
-    assert not off.setup.tiled_mlp and off.reasons["tiled_mlp"] == "set by you (--set)" and off.setup.tiled_norms
+    assert not off.setup.tiled_mlp and off.reasons["tiled_mlp"] == "set by you (--set)"
+    assert off.setup.embeddings_on_host and off.setup.recompute_lora
     assert {"tiled_mlp", "mlp_tile_tokens"}.isdisjoint(on.changeable) and "tiled_norms" in on.changeable
 
 

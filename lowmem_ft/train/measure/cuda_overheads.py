@@ -14,7 +14,8 @@ thing that shows it, and recorded as a `lowmem_ft.calibrated.Measurement` (sourc
 - reserved over allocated: a small Llama (random weights, built from a config: no download) trained for a few AdamW
   steps in bf16 on batches padded to their longest sample, of lengths that vary as real batches do;
   `max_memory_reserved` − `max_memory_allocated` over those steps, against the model's allocator term for the same
-  steps (`ALLOCATOR_FRACTION` × the measured transient: the allocated peak above what the step started with).
+  steps (`lowmem_ft.memory.overheads.allocator_bytes` of the measured transient — the allocated peak above what the
+  step started with — for the allocator setting this process runs, `lowmem_ft.cuda_alloc`).
 
 What a run measures instead is `lowmem_ft.train.observe.calibrating`'s: a real plan's phases, at its size. This is the
 quick first reading a GPU gets before any run; both are kept, and each term takes the largest excess.
@@ -25,7 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowmem_ft.calibrated import Measurement
-from lowmem_ft.memory.calibration import ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+from lowmem_ft.cuda_alloc import setting_of, user_alloc_conf
+from lowmem_ft.memory.calibration import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+from lowmem_ft.memory.overheads import allocator_bytes
+from lowmem_ft.memory.records import Setup
 
 # the small Llama's batches: rows × the longest sample of each (padded to it), lengths as a chat data set's vary
 BATCHES = ((4, 384), (4, 512), (4, 256), (4, 448), (4, 320), (4, 512))
@@ -57,7 +61,10 @@ def measurement_of(r: Readings) -> Measurement:
         model={
             "CUDA context": CUDA_CONTEXT_BYTES,
             "cuBLAS workspaces": float(CUBLAS_WORKSPACE_BYTES),
-            "reserved over allocated": ALLOCATOR_FRACTION * (r.allocated_peak - r.step_start),
+            # the small Llama trains every weight, under the allocator setting this process runs
+            "reserved over allocated": allocator_bytes(
+                Setup(adapter="full", allocator=setting_of(user_alloc_conf() or "")), r.allocated_peak - r.step_start
+            ),
         },
         plan={"what": "doctor --calibrate: first matmuls, a small Llama's AdamW steps", "batches": list(BATCHES)},
         phases={},

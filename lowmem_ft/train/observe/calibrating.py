@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from lowmem_ft.calibrated import GB, DeviceKey, Measurement, record
+from lowmem_ft.memory.overheads import ALLOCATOR_PREFIX
 from lowmem_ft.memory.records import Estimate
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 STEPS = 3  # optimizer steps measured: the first creates the optimizer states, the next two run at steady state
 # monitor phase → the estimate's phase (`Estimate.phases`) its peak is predicted by
 PHASES = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
-# the estimate's component each measured term is compared with (`lowmem_ft.memory.overheads`)
-MODEL_TERMS = {"CUDA context": "CUDA context", "reserved over allocated": "allocator rounding/fragmentation"}
+# the estimate's component each measured term is compared with, by the start of its name (the allocator's names
+# its setting: `lowmem_ft.memory.overheads.allocator_name`)
+MODEL_TERMS = {"CUDA context": "CUDA context", "reserved over allocated": ALLOCATOR_PREFIX}
 
 
 class CalibrationRecorder:
@@ -86,7 +88,7 @@ class CalibrationRecorder:
         return Measurement(
             source="train",
             measured={"CUDA context": self.context, "reserved over allocated": self.top[0] - self.top[1]},
-            model={term: by_name.get(component, 0.0) for term, component in MODEL_TERMS.items()},
+            model={term: sum(b for n, b in by_name.items() if n.startswith(c)) for term, c in MODEL_TERMS.items()},
             plan=self.plan | {"predicted_peak_gb": round(self.estimate.peak_gb, 3)},
             phases=phases,
         )
