@@ -129,7 +129,7 @@ def test_a_recipe_over_the_host_ram_is_shown_not_fitting(tmp_path, capsys):
     out, err = capsys.readouterr()
     record = json.loads(out)
     assert record["fits"] is False and record["host_fits"] is False and record["headroom_gb"] >= 0
-    assert record["unfit_reason"].startswith("keeps 26.3 GB in host RAM") and "does not fit: keeps 26.3 GB" in err
+    assert record["unfit_reason"].startswith("keeps 27.3 GB in host RAM") and "does not fit: keeps 27.3 GB" in err
     assert main(argv) == 2
     out = capsys.readouterr().out
     assert "host budget (RAM − margin)" in out and "DOES NOT FIT" in out
