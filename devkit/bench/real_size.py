@@ -245,7 +245,17 @@ Explained, not a memory-model error:
   Qwen2 row; the 1.8B rows at +0.48–0.49 % are its eval phase at 16–32 rows (the largest gap of the Qwen v1 rows), and
   the 7B 8 GB eval −1.40 % (not the row's peak) is not located. 72B has no plan up to 40 GB; 14B none at 8 GB.
 
+The allocator's term for expandable segments, derived from replays (`benchmarks/allocator_term.md`: 34 MiB + 3.8 %
+of the transient peak and gradients for adapters, where 10 % of the transient was assumed), changed 13 plans here:
+larger micro or eval batches where the transient is large, another saver where it is small (the 34 MiB base is more
+than 10 % of a short step's transient). Each was traced again at its new plan: −0.10 to +0.29 % at the peak, save
+gemma-2-9b 8 GB (below) and gemma-3-1b-pt long 8 GB (+1.55 %, the checkpointed backward over-predicted below).
+
 Open, under-predicted (the unsafe side):
+
+- **gemma-2-9b 8 GB eval −1.70 %** (−127 MB, its eval of 4 × 512 tokens, NF4, the tiled MLP, tiled norms and LoRA recompute; the
+  row's peak): the new plan turns tiled norms on (its traced training phases agree); the eval moment with tiled
+  norms under eager attention is not located.
 
 - **gemma-3-4b-pt long 8 GB backward −0.10 %** (−11 MB at 1 × 16,384, NF4, the tiled MLP, tiled norms and LoRA
   recompute; the row's peak; traced once, for the plan whose eval batch the eval fix changed): not located. Its
