@@ -33,9 +33,10 @@ from lowmem_ft.recipe.schema import KEYS, Key, Recipe
 
 PLANNED = [key for key in KEYS.values() if key.planned is not None]
 FLAGGED = [key for key in KEYS.values() if key.flag is not None]
-# `Setup` fields no recipe key feeds: the device is the command's (CPU for the estimator's harnesses), and the
-# labelled positions and image patches of a batch are known only from the data or the batch itself.
-NOT_FROM_A_RECIPE = {"device", "allocator", "loss_tokens", "image_patches", "batch_patches"}
+# `Setup` fields no recipe key feeds: the device is the command's (CPU for the estimator's harnesses), the allocator
+# setting the environment's (lowmem_ft.cuda_alloc), LoRA in the compute dtype the strategy's (FSDP mixed precision),
+# and the labelled positions and image patches of a batch are known only from the data or the batch itself.
+NOT_FROM_A_RECIPE = {"device", "allocator", "loss_tokens", "image_patches", "batch_patches", "lora_in_compute_dtype"}
 ARCH = load_architecture("Qwen/Qwen2.5-0.5B")  # offline catalog: its loss is reproduced by the chunked loss
 
 
