@@ -178,7 +178,9 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
 
 
 @lru_cache(maxsize=512)
-def _state(arch: Architecture, s: Setup) -> tuple[tuple[Component, ...], ...]:
+def _state(
+    arch: Architecture, s: Setup
+) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], tuple[tuple[int, int], ...]]:
     """`_static_components` less the batch tensors, for a setup whose batch shape is cleared (`_BATCHLESS`): the
     planner estimates hundreds of batch shapes and lengths of one setup, and this part depends on none of them.
     Returns the components before and after the batch's, the notes and the trainable tensors."""
