@@ -19,6 +19,9 @@ The terms, each read from a measurement (`Term`):
 - `reserved over allocated`: `max_memory_reserved` − `max_memory_allocated` in the phase that reserved most, less
   the model's allocator term for the same plan. It is kept in bytes, as measured on that plan: a much larger plan
   than the calibrated ones gets the model's fraction of its own transient plus this excess, not the excess scaled.
+  It holds for the allocator setting it was measured under (`lowmem_ft.cuda_alloc`: expandable segments, which
+  `train` sets, or torch's default settings, which a user's own `PYTORCH_CUDA_ALLOC_CONF` may leave): the two
+  strand different blocks, so a plan adds only the excess measured under the setting its run will use.
 Not corrected here: live tensor bytes. The measured allocated peak of each phase is recorded beside its prediction
 (`phases` in the file), but a wrong tensor term is the memory model's to fix for every device (`lowmem_ft.memory`),
 not a device's calibration.
@@ -44,12 +47,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lowmem_ft.cache import cache_root
+from lowmem_ft.cuda_alloc import run_setting
+from lowmem_ft.memory.records import AllocatorSetting
 
 GB = 1e9  # decimal, as `--vram` and the memory model speak
 FORMAT = 1  # the file's layout; a file of another format is stale
 KEEP = 8  # measurements kept per device: each new run refines, an old outlier ages out
 Term = Literal["CUDA context", "cuBLAS workspaces", "reserved over allocated"]
 TERMS: tuple[Term, ...] = ("CUDA context", "cuBLAS workspaces", "reserved over allocated")
+BY_SETTING: frozenset[Term] = frozenset({"reserved over allocated"})  # terms that hold for one allocator setting
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,9 @@ def this_device() -> DeviceKey | None:
 @dataclass(frozen=True)
 class Measurement:
     """One measurement of the terms on one device: what was measured and the model's figure for it (bytes; None:
-    not measured this way), when, by what (`train` or `doctor`), on which plan, and each phase's allocated and
-    reserved peaks beside the prediction (a run's; recorded, not applied)."""
+    not measured this way), when, by what (`train` or `doctor`), on which plan, each phase's allocated and
+    reserved peaks beside the prediction (a run's; recorded, not applied), and the allocator setting it ran under
+    ("" in a file written before the setting was recorded: counted for either setting, as a calibration only adds)."""
 
     source: Literal["train", "doctor"]
     measured: dict[str, float | None]
@@ -129,10 +136,15 @@ class Measurement:
     plan: dict[str, Any]
     phases: dict[str, dict[str, float]]
     when: str = ""
+    allocator: AllocatorSetting | Literal[""] = ""
 
     def excess(self, term: Term) -> float | None:
         got = self.measured.get(term)
         return None if got is None else got - self.model.get(term, 0.0)
+
+    def holds_for(self, term: Term, setting: AllocatorSetting) -> bool:
+        """Whether this measurement of `term` speaks for a run under allocator `setting`."""
+        return term not in BY_SETTING or self.allocator in ("", setting)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"when": self.when or datetime.now(UTC).isoformat(timespec="seconds")}
@@ -140,16 +152,21 @@ class Measurement:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The kept measurements of one device and software set, and what they add to a safety margin."""
+    """The kept measurements of one device and software set, and what they add to a safety margin under one
+    allocator setting (the setting a run started here will use)."""
 
     key: DeviceKey
     measurements: tuple[Measurement, ...]
+    setting: AllocatorSetting = "expandable segments"
 
     def added(self) -> dict[Term, float]:
-        """term → bytes added: each term's largest excess over the measurements, where it is above zero."""
+        """term → bytes added: each term's largest excess over the measurements that hold for this setting, where it
+        is above zero."""
         out: dict[Term, float] = {}
         for term in TERMS:
-            found = [e for m in self.measurements if (e := m.excess(term)) is not None]
+            found = [
+                e for m in self.measurements if m.holds_for(term, self.setting) and (e := m.excess(term)) is not None
+            ]
             if found and max(found) > 0:
                 out[term] = max(found)
         return out
@@ -158,16 +175,35 @@ class Calibration:
     def added_gb(self) -> float:
         return sum(self.added().values()) / GB
 
+    def _elsewhere(self) -> list[str]:
+        """The settings-bound terms measured only under another allocator setting (not applied)."""
+        return [
+            term
+            for term in sorted(BY_SETTING)
+            if not any(m.holds_for(term, self.setting) and m.measured.get(term) is not None for m in self.measurements)
+            and any(m.measured.get(term) is not None for m in self.measurements)
+        ]
+
     def line(self) -> str:
         """What `plan`'s reasons and `train`'s banner say, e.g. 'calibrated on this GPU: +0.41 GB reserved over
-        allocated (NVIDIA H100 80GB HBM3, 2 measurements)': each term measured above the model's, in GB added."""
+        allocated (expandable segments) (NVIDIA H100 80GB HBM3, 2 measurements)': each term measured above the
+        model's, in GB added, and any term measured only under another allocator setting, not applied."""
         n = len(self.measurements)
         where = f"{self.key.device}, {n} measurement{'s' if n != 1 else ''}"
         added = self.added()
+        elsewhere = "".join(
+            f"; {term} was measured only under another allocator setting than this run's ({self.setting}): not applied"
+            for term in self._elsewhere()
+        )
         if not added:
-            return f"calibrated on this GPU ({where}): its overheads measured within the model's, nothing added"
-        terms = ", ".join(f"+{b / GB:.2f} GB {term}" for term, b in added.items())
-        return f"calibrated on this GPU: {terms} ({where})"
+            return (
+                f"calibrated on this GPU ({where}): its overheads measured within the model's, nothing added{elsewhere}"
+            )
+        terms = ", ".join(
+            f"+{b / GB:.2f} GB {term}" + (f" ({self.setting})" if term in BY_SETTING else "")
+            for term, b in added.items()
+        )
+        return f"calibrated on this GPU: {terms} ({where}){elsewhere}"
 
 
 def calibration_dir() -> Path:
@@ -190,8 +226,9 @@ def _read(path: Path) -> tuple[DeviceKey, list[Measurement]] | None:
         return None
 
 
-def load(key: DeviceKey) -> tuple[Calibration | None, str]:
-    """The calibration for `key`, and the line to say: how it is used, why a stale one is ignored, or "" (none)."""
+def load(key: DeviceKey, setting: AllocatorSetting | None = None) -> tuple[Calibration | None, str]:
+    """The calibration for `key` under allocator `setting` (None: the setting a `train` run here would use), and the
+    line to say: how it is used, why a stale one is ignored, or "" (none)."""
     found = _read(calibration_file(key))
     if found is None:
         return None, ""
@@ -202,7 +239,7 @@ def load(key: DeviceKey) -> tuple[Calibration | None, str]:
             f"the calibration of this GPU is ignored: it was measured with {why}; the next GPU run or "
             "`lowmem-ft doctor --calibrate` measures it again"
         )
-    calibration = Calibration(key, tuple(measurements))
+    calibration = Calibration(key, tuple(measurements), setting or run_setting())
     return calibration, calibration.line()
 
 
@@ -220,8 +257,8 @@ def record(key: DeviceKey, measurement: Measurement) -> Path:
 
 
 def for_this_device() -> tuple[float, str]:
-    """(GB to add to the safety margin, the line saying so) for the GPU here; (0.0, "") without a GPU or a
-    calibration, (0.0, why) for a stale one."""
+    """(GB to add to the safety margin, the line saying so) for the GPU here and the allocator setting a run started
+    in this environment uses; (0.0, "") without a GPU or a calibration, (0.0, why) for a stale one."""
     key = this_device()
     if key is None:
         return 0.0, ""

@@ -50,7 +50,8 @@ class Readings:
 
 
 def measurement_of(r: Readings) -> Measurement:
-    """The three terms, each as measured and as the model has it."""
+    """The three terms, each as measured and as the model has it, under the allocator setting this process runs."""
+    setting = setting_of(user_alloc_conf() or "")
     return Measurement(
         source="doctor",
         measured={
@@ -63,11 +64,12 @@ def measurement_of(r: Readings) -> Measurement:
             "cuBLAS workspaces": float(CUBLAS_WORKSPACE_BYTES),
             # the small Llama trains every weight, under the allocator setting this process runs
             "reserved over allocated": allocator_bytes(
-                Setup(adapter="full", allocator=setting_of(user_alloc_conf() or "")), r.allocated_peak - r.step_start
+                Setup(adapter="full", allocator=setting), r.allocated_peak - r.step_start
             ),
         },
         plan={"what": "doctor --calibrate: first matmuls, a small Llama's AdamW steps", "batches": list(BATCHES)},
         phases={},
+        allocator=setting,
     )
 
 

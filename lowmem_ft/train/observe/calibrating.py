@@ -12,7 +12,8 @@ allocated and reserved peaks beside the prediction. What those terms are and how
   creates any optimizer state (bitsandbytes' paged states live outside torch's allocator, and would count in after it).
   NVML's figure is the device's: another process on the same GPU counts in.
 - reserved over allocated: in the sample (one phase of one step) that reserved most, its `max_memory_reserved`
-  less its `max_memory_allocated`, against the estimate's allocator term.
+  less its `max_memory_allocated`, against the estimate's allocator term; recorded with the allocator setting the
+  run used (`lowmem_ft.cuda_alloc`), as it holds for that setting alone.
 - cuBLAS workspaces: not measured by a run (the workspace is inside the allocated peak); `doctor --calibrate` is.
 
 An observer like the monitor: it never acts on what it sees. Only rank 0 records (one writer per file); a run
@@ -25,6 +26,7 @@ import logging
 from typing import Any
 
 from lowmem_ft.calibrated import GB, DeviceKey, Measurement, record
+from lowmem_ft.cuda_alloc import run_setting
 from lowmem_ft.memory.overheads import ALLOCATOR_PREFIX
 from lowmem_ft.memory.records import Estimate
 
@@ -91,6 +93,7 @@ class CalibrationRecorder:
             model={term: sum(b for n, b in by_name.items() if n.startswith(c)) for term, c in MODEL_TERMS.items()},
             plan=self.plan | {"predicted_peak_gb": round(self.estimate.peak_gb, 3)},
             phases=phases,
+            allocator=run_setting(),  # `train` configured the allocator from this environment before CUDA started
         )
 
     def finish(self) -> None:

@@ -213,3 +213,39 @@ def test_generate_and_eval_keep_a_calibration_off_the_gpu_too(cache, monkeypatch
                                                   model, {}, {}))  # fmt: skip
     assert reserve_bytes(1.0) == int(1.25 * GB + CUDA_CONTEXT_BYTES)
     assert "calibrated on this GPU: +0.25 GB reserved over allocated" in capsys.readouterr().err
+
+
+def test_the_allocator_term_is_kept_for_the_setting_it_was_measured_under(tmp_path, cache, monkeypatch, capsys):
+    """A run under torch's default allocator settings (the user's own PYTORCH_CUDA_ALLOC_CONF) strands other blocks
+    than one under expandable segments: its reserved-over-allocated excess calibrates plans for that setting only.
+    The context, a property of the device, holds for both."""
+    gpu = SimulatedGPU(context_bytes=900 * 10**6).install(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    recorder, _ = a_run(tmp_path, gpu)
+    assert recorder.measurement.allocator == "default"  # the run says which setting it measured
+    key = calibrated.this_device()
+    calibrated.calibration_file(key).unlink()
+    model = {"CUDA context": 0.5e9, "reserved over allocated": 0.2e9}
+    measured = {"CUDA context": 0.6e9, "reserved over allocated": 0.5e9}
+    calibrated.record(key, calibrated.Measurement("train", measured, model, {}, {}, allocator="default"))
+    default = plan_json(capsys)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")  # the plan of a run that sets expandable segments itself
+    expandable = plan_json(capsys)
+    assert default["calibration_gb"] == pytest.approx(0.4) and expandable["calibration_gb"] == pytest.approx(0.1)
+    said = expandable["reasons"]["safety_margin_gb"]
+    assert "+0.10 GB CUDA context" in said and "+0.30 GB" not in said
+    assert "reserved over allocated was measured only under another allocator setting than this run's (expandable " \
+           "segments): not applied" in " ".join(said.split())  # fmt: skip
+    assert "+0.30 GB reserved over allocated (default)" in default["reasons"]["safety_margin_gb"]
+    # measured under expandable segments too: each setting takes its own
+    measured = {"CUDA context": 0.5e9, "reserved over allocated": 0.3e9}
+    calibrated.record(key, calibrated.Measurement("train", measured, model, {}, {}, allocator="expandable segments"))
+    assert plan_json(capsys)["calibration_gb"] == pytest.approx(0.2)
+
+    # a file written before the setting was recorded: its measurements count for either setting (a calibration adds)
+    path = calibrated.calibration_file(key)
+    data = json.loads(path.read_text())
+    for entry in data["measurements"]:
+        del entry["allocator"]
+    path.write_text(json.dumps(data))
+    assert plan_json(capsys)["calibration_gb"] == pytest.approx(0.4)
