@@ -61,6 +61,7 @@ WHOLE = (
     ("microsoft/Phi-3-mini-4k-instruct", "qlora", True, (2, 2048)),
     ("mistralai/Mistral-7B-v0.3", "qlora", True, (2, 2048)),
     ("Qwen/Qwen3-8B", "lora", True, (2, 1024)),
+    ("microsoft/Phi-3-mini-4k-instruct", "full", True, (2, 1024)),  # a full fine-tune of untied embeddings
 )
 MODES = {"default": {}, "expandable": {"expandable_segments": True}}
 
@@ -173,19 +174,58 @@ def full(key: str) -> bool:
     return " full" in key
 
 
-def derive(cache: dict, mode: str, full_ft: bool) -> tuple[int, float]:
-    """(base bytes, fraction) of the allocator term for `mode` and the kind of training (`full_ft`), from that kind's
-    rows traced whole: the fraction is the largest (excess − one page of each pool) / churn of the real-size rows,
-    rounded up to 0.1 %; the base the largest excess any of them (the tiny zoo models among them) leaves beyond
-    fraction × churn, at least the pages, rounded up to a MiB. An upper envelope of those rows: a safety term takes
-    the largest seen, not the median."""
-    from lowmem_ft.memory.calibration import ALLOCATOR_PAGE_BYTES
+def block_sizes(keys) -> dict[str, dict[str, float]]:
+    """Each row's block size per setting, as the memory model computes it from the row's `Setup`
+    (`overheads.allocator_block`): with the default settings the step's largest tensor — on the CPU path the trace
+    ran (TRL's fused head folds its tiles in fp32 copies there) — with expandable segments a full fine-tune's tied
+    embedding gradient (else 0)."""
+    from dataclasses import replace
 
-    rows = {k: excess(e, mode) for k, e in cache.items() if full(k) == full_ft and whole(k)}
-    fraction = max((x - ALLOCATOR_PAGE_BYTES) / t for k, (x, t) in rows.items() if real_width(k))
-    fraction = math.ceil(fraction * 1000) / 1000
-    rest = max(x - fraction * t for x, t in rows.values())
-    return max(ALLOCATOR_PAGE_BYTES, math.ceil(rest / MiB) * MiB), fraction
+    from lowmem_ft.choosing import setup_from_recipe
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.overheads import allocator_block
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, make, _ in grid(Path(tmp)):
+            if key not in keys:
+                continue
+            rec = make()
+            s = replace(setup_from_recipe(rec, "cuda"), device="cpu")
+            arch = load_architecture(rec.model.name_or_path)
+            out[key] = {
+                "default": allocator_block(arch, replace(s, allocator="default")),
+                "expandable": allocator_block(arch, replace(s, allocator="expandable segments")),
+            }
+    return out
+
+
+def derive(cache: dict, blocks: dict, mode: str, full_ft: bool):
+    """The allocator term (`overheads.AllocatorTerm`) for `mode` and the kind of training (`full_ft`), from that
+    kind's rows traced whole, as an upper envelope (a safety term takes the largest seen, not the median):
+    - the default settings: base + k × the row's block (`block_sizes`), k the largest (excess − pages) / block of
+      the real-size rows rounded up to 0.01;
+    - expandable segments: base + fraction × churn (+ k × the tied embedding gradient for full fine-tunes, k as
+      above over the rows that have one; the fraction then the largest (excess − pages − k × block) / churn left,
+      rounded up to 0.1 %).
+    The base: the largest excess any whole row (the tiny zoo models among them) leaves beyond the rest, at least
+    the pages, rounded up to a MiB."""
+    from lowmem_ft.memory.calibration import ALLOCATOR_PAGE_BYTES
+    from lowmem_ft.memory.overheads import AllocatorTerm
+
+    rows = {k: (*excess(e, mode), blocks[k][mode]) for k, e in cache.items() if full(k) == full_ft and whole(k)}
+    real = {k: r for k, r in rows.items() if real_width(k)}
+    k_blocks = 0.0
+    if mode == "default" or full_ft:
+        k_blocks = max((x - ALLOCATOR_PAGE_BYTES) / b for x, _, b in real.values() if b)
+        k_blocks = math.ceil(k_blocks * 100) / 100
+    fraction = 0.0
+    if mode == "expandable":
+        fraction = max(0.0, max((x - ALLOCATOR_PAGE_BYTES - k_blocks * b) / t for x, t, b in real.values()))
+        fraction = math.ceil(fraction * 1000) / 1000
+    rest = max(x - fraction * t - k_blocks * b for x, t, b in rows.values())
+    base = max(ALLOCATOR_PAGE_BYTES, math.ceil(rest / MiB) * MiB)
+    return AllocatorTerm(base, fraction, mode == "expandable", k_blocks)
 
 
 def _cells(e: dict, mode: str) -> str:
@@ -225,6 +265,29 @@ remainders (allocated − live) / cached free blocks (how many; the largest) / r
 """
 
 
+def _form(t) -> str:
+    parts = [f"{t.base / MiB:.0f} MiB"]
+    if t.blocks:
+        parts.append(f"{t.blocks:g} × the block")
+    if t.fraction:
+        parts.append(f"{t.fraction:.1%} of the churn")
+    return " + ".join(parts)
+
+
+CHECK_HEADER = """
+## Each row against the term
+
+`block` = the row's block size as the memory model computes it from the row's setup (`overheads.allocator_block`:
+with the default settings the step's largest tensor, `loss.largest_step_block`, on the CPU path the trace ran; with
+expandable segments a full fine-tune's tied embedding gradient, else 0); `allow` = the derived term's allowance
+for the row; `excess` as above (MiB). A negative `allow − excess` is a row the term does not cover (the cut rows,
+a depth check only, are not derived from).
+
+| row | default: block | excess | allow | allow − excess | expandable: block | excess | allow | allow − excess |
+|---|---|---|---|---|---|---|---|---|
+"""
+
+
 def render(cache: dict) -> str:
     from lowmem_ft.memory.overheads import ALLOCATOR_TERMS
 
@@ -235,25 +298,33 @@ def render(cache: dict) -> str:
             f"| {key} | {e['default']['live'] / GB:.3f} | {churn / GB:.3f} | {_cells(e, 'default')} | "
             f"{_cells(e, 'expandable')} | {e['seconds']} |\n"
         )
+    blocks = block_sizes(set(cache))
+    terms = {(mode, full_ft): derive(cache, blocks, mode, full_ft) for mode in MODES for full_ft in (False, True)}
+    lines.append(CHECK_HEADER)
+    for key, e in cache.items():
+        cells = []
+        for mode in MODES:
+            t = terms[mode, full(key)]
+            x, churn = excess(e, mode)
+            allow = t.base + t.blocks * blocks[key][mode] + t.fraction * churn
+            cells.append(
+                f"{blocks[key][mode] / MiB:.0f} | {x / MiB:.0f} | {allow / MiB:.0f} | {(allow - x) / MiB:+.0f}"
+            )
+        lines.append(f"| {key} | {' | '.join(cells)} |\n")
     lines.append("\n## The term the memory model takes\n\n")
     for mode, setting in (("expandable", "expandable segments"), ("default", "default settings")):
         for full_ft, kind in ((False, "adapters (LoRA, QLoRA)"), (True, "full fine-tuning")):
-            base, fraction = derive(cache, mode, full_ft)
-            cut = [
-                (x - base) / t
-                for k, e in cache.items()
-                if not whole(k) and full(k) == full_ft
-                for x, t in [excess(e, mode)]
-            ]
+            t = terms[mode, full_ft]
             taken = ALLOCATOR_TERMS["expandable segments" if mode == "expandable" else "default", full_ft]
-            model = (
-                "taken"
-                if taken[:2] == (base, fraction)
-                else f"not taken: the model keeps {taken[1]:.0%} of the transient"
-            )
+            short = [
+                (t.base + t.blocks * blocks[k][mode] + t.fraction * c - x) / MiB
+                for k, e in cache.items()
+                if full(k) == full_ft
+                for x, c in [excess(e, mode)]
+            ]
             lines.append(
-                f"- **{setting}, {kind}**: {base / MiB:.0f} MiB + {fraction:.1%} of the churn ({model}); the cut rows' "
-                f"(excess − {base / MiB:.0f} MiB) ÷ churn: {min(cut):+.1%} to {max(cut):+.1%}\n"
+                f"- **{setting}, {kind}**: {_form(t)} ({'taken' if taken == t else f'not taken: the model keeps {taken.fraction:.0%} of the transient'}); "
+                f"allowance − excess over every row (cut rows included): {min(short):+.0f} to {max(short):+.0f} MiB\n"
             )
     return "".join(lines) + NOTES
 
@@ -261,7 +332,8 @@ def render(cache: dict) -> str:
 NOTES = """
 ## Notes
 
-- **The form.** The excess is a base plus a fraction of the churn: the replay's excess at the live peak is cached
+- **The form.** The excess is a base plus a fraction of the churn, plus blocks of a size the memory model computes
+  where the replays show such blocks (`derive`; `block` in the second table): the replay's excess at the live peak is cached
   free blocks (`made of`: allocated − live is 0–106 MiB, the 512 B rounding and, with the default settings, unsplit
   remainders), and what the step allocates and frees is what can leave them. The fraction is the largest
   (excess − pages) ÷ churn over the whole real-size rows of each kind (adapters; full fine-tunes), the base the
@@ -273,18 +345,28 @@ NOTES = """
   churn is 0.2 to 3.7 %, the zoo's within the 34 MiB base; the cut rows agree (−1.1 to +3.3 %). The free blocks
   are a few MiB to 128 MiB each. The memory model takes 34 MiB + 3.8 % of the transient peak and gradients: for
   Llama-3.1-8B's 24 GB plan 0.20 GB where the assumed 10 % gave 0.42 (the replay: 0.19).
-- **Expandable segments, full fine-tuning: an envelope.** 0.2 % (Qwen2.5-0.5B) to 17.8 % (gemma-3-1b): the
-  excess of the large-vocabulary models is one or two free blocks of exactly the input embedding's bf16 size (502 MiB
-  for Llama-3.2-1B, 576 for gemma-3-1b, 447 for Qwen2.5-1.5B: its gradient, freed each step), which does not
-  scale with the churn. The model takes the largest seen, 17.8 %; a term by the embedding's size would be tighter
-  (not derived).
-- **Default settings: no term holds.** The whole real-size adapter steps spread from 0.7 % to 31.5 % (Qwen3-8B
-  LoRA with checkpointing: after the live peak a 514 MiB loss-sized block fits no cached block, `later`), full
-  fine-tunes from 27 to 45 %: blocks of the loss's and the embedding's size, not a share of the churn. Their
-  envelope (31.6 % / 45 %) puts `plan` 17 to 23 % over PEFT's published runs (default settings, the held-out
-  test, `benchmarks/published.md`), so the memory model keeps the assumed 10 % of the transient for this setting
-  (`lowmem_ft/memory/calibration.py` says why). Only a user who sets PYTORCH_CUDA_ALLOC_CONF runs it: `train`
-  sets expandable segments otherwise (`lowmem_ft/cuda_alloc.py`, which `plan` reads too).
+- **Expandable segments, full fine-tuning: blocks of the tied embedding's gradient.** As a share of the churn the
+  whole full steps ran from 0.2 % (Qwen2.5-0.5B) to 17.8 % (gemma-3-1b). The allocator replay, instrumented at the
+  reserved peak (the cached free blocks by size, the request that last held each and the request its segment was
+  mapped for), shows why: the excess of the tied large-vocabulary models is two free blocks of exactly the input
+  embedding's bf16 gradient (501/502 MiB Llama-3.2-1B, 576 gemma-3-1b, 445/447 Qwen2.5-1.5B) — the tied weight's
+  head and embedding gradients, freed each step where the next step's smaller requests do not fill them and the
+  growing end cannot take them back. (excess − pages) ÷ that block: 2.00, 2.01, 1.98 (Qwen2.5-0.5B: 0.03), so
+  2.02 blocks; an untied model has no such block (Phi-3-mini traced whole: 41 MiB of a 10.6 GB churn) and what is
+  left over every whole row is 0.2 % of the churn and a 27 MiB base. For Phi-3-mini's full fine-tune this
+  allows tens of MiB where 17.8 % of the churn allowed GBs; for the tied models it is within 0.1 GB of the replay.
+- **Default settings: no derived form holds; the memory model keeps 10 % of the transient.** As a share of the
+  churn the whole real-size adapter steps spread from 0.7 % to 31.5 %, full fine-tunes from 8 to 45 %. By blocks
+  (the table above): instrumented, every whole row's reserved peak is the step's largest tensor
+  (`loss.largest_step_block`, here the fused head's fp32 tile or accumulator on the CPU path) asking for a new
+  segment while the cached free blocks — pieces of earlier segments of that size, the embedding gradient's, the
+  MLP's — are each smaller than it (Llama-3.1-8B LoRA: three 448 MiB MLP-sized blocks against a 512 MiB tile;
+  Llama-3.2-1B full: 502 + 501 + 256 + 256 + 216 MiB against the 1,002 MiB accumulator); but how many are stranded
+  varies: 0.28 to 3.46 blocks for adapters, 1.71 to 3.28 for full fine-tunes. That envelope, tried on PEFT's
+  published runs (the held-out test: 3.47 / 3.29 × their 1.44 GB fp32 logits), puts the memory model 16 to 19 %
+  over the adapter runs and 3.7 to 8.3 % over the full fine-tunes, where the assumed 10 % is +2.3..+4.5 % and
+  −4.4..−0.2 % (`benchmarks/published.md`); so it is not taken. Only a user who sets PYTORCH_CUDA_ALLOC_CONF runs
+  it: `train` sets expandable segments otherwise (`lowmem_ft/cuda_alloc.py`, which `plan` reads too).
 - **CPU-path logs.** The trace runs the CPU kernels: TRL's fused head does not fold the loss in Triton, nothing is
   offloaded, bitsandbytes' optimizers run their Python update. The sequences a GPU allocates differ in those places;
   the figures are a model's replay of the CPU path, not GPU measurements, and a GPU run's calibration

@@ -84,7 +84,7 @@ from lowmem_ft.memory.loss import (
     loss_chunk_tokens,
     loss_positions,
 )
-from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.overheads import allocator_block, device_overheads, overhead_bytes
 from lowmem_ft.memory.recompute import ends_recomputed_forward, head_freed_bytes, recomputed_layer_bytes
 from lowmem_ft.memory.records import (
     DTYPE_BYTES,
@@ -336,9 +336,10 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
         comps.append(init)
         w_lin, w_rest, _ = weight_bytes(arch, s)  # at start-up the whole model is on the device (savers come later)
         phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, sum(n for n, _ in trainable), s, init)
-    overheads = device_overheads(s, max(fwd_bwd, step_temp), grads)
+    block = allocator_block(arch, s)
+    overheads = device_overheads(s, max(fwd_bwd, step_temp), grads, block=block)
     comps += overheads
-    return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases, first)
+    return Estimate(comps, s, model_peak, overhead_bytes(overheads), phase, notes, phases, first, block)
 
 
 # -- the phases of a real run (the CPU monitor's prediction) ------------------------------------------------------

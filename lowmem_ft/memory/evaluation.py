@@ -19,7 +19,7 @@ from lowmem_ft.memory.calibration import BATCH_BYTES_PER_TOKEN, GRPO_PREFILL_HID
 from lowmem_ft.memory.experts import moe_eval_bytes, unused_sliding_mask_bytes
 from lowmem_ft.memory.linears import fused_qkv, lora_linears
 from lowmem_ft.memory.loss import loss_bytes
-from lowmem_ft.memory.overheads import device_overheads, overhead_bytes
+from lowmem_ft.memory.overheads import allocator_block, device_overheads, overhead_bytes
 from lowmem_ft.memory.records import DTYPE_BYTES, Setup, effective_setup
 from lowmem_ft.memory.savers import TILED_MLP
 from lowmem_ft.memory.static import _static_components
@@ -183,4 +183,11 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     masks = attention_mask_bytes(arch, es) + unused_sliding_mask_bytes(arch, es)
     transient = max(layer + masks, head + loss_fwd)
     transient += BATCH_BYTES_PER_TOKEN * t * (2 if s.device == "cpu" else 1)  # the eval batch (+ the loader's next)
-    return static + transient + overhead_bytes(device_overheads(s, transient))
+    block = allocator_block(arch, es, training=False)
+    return static + transient + overhead_bytes(device_overheads(s, transient, block=block))
+
+
+def eval_allocator_block(arch: Architecture, s: Setup, batch: int) -> float:
+    """The allocator block `eval_peak_bytes` prices an evaluation batch of `batch` rows with (to take it back out)."""
+    s, _ = effective_setup(arch, s)
+    return allocator_block(arch, replace(s, micro_batch_size=batch, loss_tokens=None), training=False)

@@ -55,7 +55,7 @@ from lowmem_ft.memory.estimate import (
     layer_moments,
     phase_peak_bytes,
 )
-from lowmem_ft.memory.evaluation import eval_mlp_bytes
+from lowmem_ft.memory.evaluation import eval_allocator_block, eval_mlp_bytes
 from lowmem_ft.memory.inference import human, kv_cache_bytes
 from lowmem_ft.memory.linears import is_mlp_linear, lora_linears
 from lowmem_ft.memory.overheads import transient_without_overheads
@@ -230,7 +230,7 @@ def _scoring_transient(arch: Architecture, s: Setup, rows: int) -> float:
     """A no-grad pass's transient above its static state, without device overheads (`eval_peak_bytes` adds them:
     context, workspaces and the allocator's term, taken back out here)."""
     transient = eval_peak_bytes(arch, s, rows) - _eval_static(arch, s)
-    return transient_without_overheads(s, transient)
+    return transient_without_overheads(s, transient, block=eval_allocator_block(arch, s, rows))
 
 
 def first_backward_relief(arch: Architecture, ts: Setup) -> float:

@@ -70,14 +70,18 @@ def grpo_estimate(arch: Architecture, s: Setup, g: GrpoShape) -> Estimate:
         for name, b in cpu.items()
     }
     top = peak_phase(phases)
-    overheads = device_overheads(ts, phases[top] - est.phases["static"], est.by_name().get("gradients", 0.0))
+    gradients = est.by_name().get("gradients", 0.0)
+    overheads = device_overheads(ts, phases[top] - est.phases["static"], gradients, block=est.allocator_block)
     terms = generation_terms(arch, cpu_form(s), g)
     comps = [c for c in est.components if c.phase != "overhead"]
     comps += [Component(f"generation: {name}", b, "generation", "lowmem_ft.memory.grpo") for name, b in terms.items()]
     comps.append(Component("GRPO round buffer", round_bytes(arch, s, g), "generation", "lowmem_ft.memory.grpo"))
     comps += overheads
     note = f"GRPO: {g.rows(s)} completions per round ({g.num_generations} per prompt), P {g.prompt_len}, C {g.completion_len}"
-    return Estimate(comps, ts, phases[top], overhead_bytes(overheads), top, [*est.notes, note], phases)
+    notes = [*est.notes, note]
+    return Estimate(
+        comps, ts, phases[top], overhead_bytes(overheads), top, notes, phases, allocator_block=est.allocator_block
+    )
 
 
 def phase_lines(est: Estimate) -> list[str]:
@@ -99,7 +103,8 @@ def phases_gb(est: Estimate) -> dict[str, float]:
 def device_gb(est: Estimate, phase_bytes: float, static: float) -> float:
     """A phase's peak with the device overheads of its own transient (none on the CPU)."""
     gradients = est.by_name().get("gradients", 0.0)  # as `grpo_estimate` prices the peak's
-    return (phase_bytes + overhead_bytes(device_overheads(est.setup, phase_bytes - static, gradients))) / GB
+    overheads = device_overheads(est.setup, phase_bytes - static, gradients, block=est.allocator_block)
+    return (phase_bytes + overhead_bytes(overheads)) / GB
 
 
 def _rounds(ga: int, fixed: int | None) -> list[int]:

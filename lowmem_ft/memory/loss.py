@@ -109,3 +109,33 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
         fwd, bwd = mm_buf, acc + mm_buf + tail
         where = "Triton fold: no fp32 tile copies"
     return fwd, bwd, f"TRL fused LM head: {rows} × 32768 tile buffer, fp32 accumulators; {where}"
+
+
+def loss_block(arch: Architecture, s: Setup, backward: bool = True) -> float:
+    """The largest single tensor of the loss path, as `loss_bytes` sizes its terms: the full-logits loss's fp32
+    upcast of the logits (every position × vocab: ForCausalLMLoss `logits.float()`, and log_softmax and its gradient
+    the same size), the chunked loss's one chunk of fp32 logits, TRL's fused head's tile buffer or, in its backward,
+    an fp32 accumulator (N × h; V × h when the head trains). `backward` False: a no-grad forward's (evaluation)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    v, h = arch.vocab_size, arch.hidden_size
+    if s.loss_impl == "hf_full":
+        return float(4 * s.micro_batch_size * s.max_seq_len * v)
+    if s.loss_impl == "chunked":
+        return float(4 * loss_chunk_tokens(arch, s) * v)
+    n = s.micro_batch_size * (s.max_seq_len - 1)
+    rows = min(n, TRL_TOKEN_CHUNK)
+    # the tile buffer; on the CPU the torch fold's fp32 copies of one rows × min(V, 32768) tile (CPU_TILE_FP32_*)
+    tile = max(c * rows * TRL_VOCAB_CHUNK, 4 * rows * min(v, TRL_VOCAB_CHUNK) if s.device == "cpu" else 0)
+    if not backward:
+        return float(tile)
+    return float(max(tile, 4 * n * h, 4 * v * h if s.adapter == "full" else 0))
+
+
+def largest_step_block(arch: Architecture, s: Setup) -> float:
+    """The largest single tensor a training step allocates and frees: the loss path's (`loss_block`) and, in a
+    full fine-tune, the embedding's gradient (V × h in the compute dtype: the largest parameter's gradient, which
+    the Trainer frees after every optimizer step, and AdamW's foreach temporaries of it). What the caching
+    allocator's term with torch's default settings is sized by (`lowmem_ft.memory.overheads`)."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    embedding_grad = c * arch.vocab_size * arch.hidden_size if s.adapter == "full" else 0
+    return float(max(loss_block(arch, s), embedding_grad))

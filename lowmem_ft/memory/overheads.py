@@ -1,25 +1,51 @@
 """Device overheads beside the live tensors (CUDA only): the context, cuBLAS workspaces and what the caching allocator
 reserves over the live tensors, sized in `calibration`.
 
-The allocator's term depends on its setting (`Setup.allocator`): with expandable segments, what `train` sets unless
-the user set PYTORCH_CUDA_ALLOC_CONF (`lowmem_ft.cuda_alloc`), a segment grows in place and little is stranded; with
-torch's default settings, blocks cached from steps of other sizes are. Each is a base at any size plus a fraction of
-what the step allocates and frees, both derived from replays of traced steps (`calibration.ALLOCATOR_*`).
+The allocator's term depends on its setting (`Setup.allocator`) and is derived from replays of traced steps
+(`calibration.ALLOCATOR_*`, benchmarks/allocator_term.md), in the form the replays' excess takes: with expandable
+segments (what `train` sets unless the user set PYTORCH_CUDA_ALLOC_CONF, `lowmem_ft.cuda_alloc`) a segment grows in
+place, and what is left is a share of what an adapter step allocates and frees, or, in a full fine-tune of tied
+embeddings, two free blocks of the embedding gradient's size (`allocator_block`). With torch's default settings the
+excess is freed blocks stranded when the step's largest tensor (`loss.largest_step_block`) asks for a segment, but
+their number is no constant: the term stays an assumed share of the transient (`calibration` gives the numbers).
 """
 
 from __future__ import annotations
 
-from lowmem_ft.memory import calibration as cal
-from lowmem_ft.memory.calibration import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-from lowmem_ft.memory.records import AllocatorSetting, Component, Setup
+from dataclasses import dataclass
 
-# (setting, a full fine-tune) → (bytes at any size, fraction, whether the gradients count in what it is a fraction of)
-ALLOCATOR_TERMS: dict[tuple[AllocatorSetting, bool], tuple[int, float, bool]] = {
-    ("expandable segments", False): (cal.ALLOCATOR_BASE_EXPANDABLE, cal.ALLOCATOR_FRACTION_EXPANDABLE, True),
-    ("expandable segments", True): (cal.ALLOCATOR_BASE_EXPANDABLE_FULL, cal.ALLOCATOR_FRACTION_EXPANDABLE_FULL, True),
-    # torch's default settings: the assumed 10 % of the transient peak (calibration says why none was derived)
-    ("default", False): (0, cal.ALLOCATOR_FRACTION, False),
-    ("default", True): (0, cal.ALLOCATOR_FRACTION, False),
+from lowmem_ft.memory import calibration as cal
+from lowmem_ft.memory.arch import Architecture
+from lowmem_ft.memory.calibration import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+from lowmem_ft.memory.loss import largest_step_block, loss_block
+from lowmem_ft.memory.records import DTYPE_BYTES, AllocatorSetting, Component, Setup
+
+
+@dataclass(frozen=True)
+class AllocatorTerm:
+    """base + fraction × (the transient peak, plus the gradients when `with_gradients`) + blocks × the block size
+    (`allocator_block`)."""
+
+    base: int  # bytes at any size
+    fraction: float
+    with_gradients: bool  # the gradients count in what it is a fraction of (every optimizer step frees them)
+    blocks: float = 0.0  # how many blocks of `allocator_block`'s size
+
+
+ALLOCATOR_TERMS: dict[tuple[AllocatorSetting, bool], AllocatorTerm] = {
+    ("expandable segments", False): AllocatorTerm(
+        cal.ALLOCATOR_BASE_EXPANDABLE, cal.ALLOCATOR_FRACTION_EXPANDABLE, True
+    ),
+    # a full fine-tune: 2.02 × the tied embedding's gradient (`allocator_block`; none when untied) + a base + a share
+    ("expandable segments", True): AllocatorTerm(
+        cal.ALLOCATOR_BASE_EXPANDABLE_FULL,
+        cal.ALLOCATOR_FRACTION_EXPANDABLE_FULL,
+        True,
+        cal.ALLOCATOR_TIED_GRAD_BLOCKS_EXPANDABLE,
+    ),
+    # torch's default settings: the assumed 10 % of the transient peak (calibration says why no block form is taken)
+    ("default", False): AllocatorTerm(0, cal.ALLOCATOR_FRACTION, False),
+    ("default", True): AllocatorTerm(0, cal.ALLOCATOR_FRACTION, False),
 }
 ALLOCATOR_PREFIX = "allocator ("  # the allocator component's name: "allocator (expandable segments)"
 
@@ -28,55 +54,72 @@ def allocator_name(setting: AllocatorSetting) -> str:
     return f"{ALLOCATOR_PREFIX}{'default settings' if setting == 'default' else setting})"
 
 
-def allocator_term(s: Setup) -> tuple[int, float, bool]:
-    """(bytes at any size, fraction, whether the gradients count in what it is a fraction of) of the allocator term
-    for `s`: its setting, and whether every weight trains (a full fine-tune's gradients and optimizer updates churn
-    parameter-sized blocks)."""
+def allocator_term(s: Setup) -> AllocatorTerm:
+    """The allocator term for `s`: its setting, and whether every weight trains (a full fine-tune's gradients and
+    optimizer updates churn parameter-sized blocks)."""
     return ALLOCATOR_TERMS[s.allocator, s.adapter == "full"]
 
 
-def allocator_bytes(s: Setup, transient: float, gradients: float = 0.0) -> float:
-    """What the caching allocator reserves over the live tensors of a step whose transient peak is `transient` (see
-    `device_overheads`)."""
-    base, fraction, with_gradients = allocator_term(s)
-    return base + fraction * (transient + (gradients if with_gradients else 0.0))
+def allocator_block(arch: Architecture, s: Setup, training: bool = True) -> float:
+    """The size of the blocks the allocator's term counts for `s`: with torch's default settings the step's largest
+    tensor (`largest_step_block`; a no-grad pass's, `training` False: its loss path's forward); with expandable
+    segments the embedding's gradient in a full fine-tune of tied embeddings (else none)."""
+    if s.allocator == "default":
+        return largest_step_block(arch, s) if training else loss_block(arch, s, backward=False)
+    tied_grad = training and s.adapter == "full" and arch.tie_embeddings
+    return float(DTYPE_BYTES[s.compute_dtype] * arch.vocab_size * arch.hidden_size) if tied_grad else 0.0
 
 
-def device_overheads(s: Setup, transient: float, gradients: float = 0.0) -> list[Component]:
+def allocator_bytes(s: Setup, transient: float, gradients: float = 0.0, *, block: float) -> float:
+    """What the caching allocator reserves over the live tensors of a step whose transient peak is `transient`
+    and whose counted blocks are `block` bytes each (`allocator_block`; see `device_overheads`)."""
+    t = allocator_term(s)
+    return t.base + t.blocks * block + t.fraction * (transient + (gradients if t.with_gradients else 0.0))
+
+
+def _reason(t: AllocatorTerm, block: float) -> str:
+    what = "the transient peak and gradients" if t.with_gradients else "the transient peak"
+    parts = [f"{t.base / 2**20:.0f} MiB"]
+    if t.blocks and block:
+        parts.append(f"{t.blocks:g} × the {block / 1e9:.2f} GB block")
+    if t.fraction:
+        parts.append(f"{t.fraction:.1%} of {what}")
+    return " + ".join(parts) + " (replayed traces, benchmarks/allocator_term.md)"
+
+
+def device_overheads(s: Setup, transient: float, gradients: float = 0.0, *, block: float) -> list[Component]:
     """The overheads of a step whose transient peak (above the static state) is `transient`; none on the CPU.
     `gradients`: the gradients' bytes, which the allocator sees come and go with every optimizer step (the Trainer
     sets them to None, the next backward allocates them again): what the step allocates and frees is the transient
-    peak plus them, as in the replays the fraction was derived from (live peak − the state after step 1)."""
+    peak plus them, as in the replays the fraction was derived from (live peak − the state after step 1). `block`:
+    `allocator_block` of the step."""
     if s.device != "cuda":
         return []
-    base, fraction, with_gradients = allocator_term(s)
-    what = "the transient peak and gradients" if with_gradients else "the transient peak"
-    how = "replayed traces, benchmarks/allocator_term.md" if base else "assumed"
     return [
         Component("CUDA context", CUDA_CONTEXT_BYTES, "overhead", "assumed (see CUDA_CONTEXT_BYTES)"),
         Component("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES, "overhead", "torch CublasHandlePool"),
         Component(
             allocator_name(s.allocator),
-            allocator_bytes(s, transient, gradients),
+            allocator_bytes(s, transient, gradients, block=block),
             "overhead",
-            f"{base / 2**20:.0f} MiB + {fraction:.1%} of {what} ({how})"
-            if base
-            else f"{fraction:.0%} of {what} ({how})",
+            _reason(allocator_term(s), block),
         ),
     ]
 
 
-def transient_without_overheads(s: Setup, with_overheads: float) -> float:
-    """The transient peak whose `device_overheads` bring it to `with_overheads` (the inverse; as is on the CPU)."""
+def transient_without_overheads(s: Setup, with_overheads: float, *, block: float) -> float:
+    """The transient peak whose `device_overheads` (with the same `block`) bring it to `with_overheads` (the
+    inverse; as is on the CPU)."""
     if s.device != "cuda":
         return with_overheads
-    base, fraction, _ = allocator_term(s)
-    return (with_overheads - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES - base) / (1 + fraction)
+    t = allocator_term(s)
+    fixed = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + t.base + t.blocks * block
+    return (with_overheads - fixed) / (1 + t.fraction)
 
 
 def allocator_growth(s: Setup) -> float:
     """How much the device's peak grows per byte of transient: 1 plus the allocator's fraction (1 on the CPU)."""
-    return 1 + (allocator_term(s)[1] if s.device == "cuda" else 0.0)
+    return 1 + (allocator_term(s).fraction if s.device == "cuda" else 0.0)
 
 
 def allocator_component_bytes(components: list[Component]) -> float:

@@ -53,7 +53,7 @@ from lowmem_ft.memory.calibration import (
     TRL_VOCAB_CHUNK,
 )
 from lowmem_ft.memory.estimate import estimate, phase_peak_bytes
-from lowmem_ft.memory.evaluation import eval_peak_bytes
+from lowmem_ft.memory.evaluation import eval_allocator_block, eval_peak_bytes
 from lowmem_ft.memory.overheads import device_overheads, overhead_bytes, transient_without_overheads
 from lowmem_ft.memory.records import DTYPE_BYTES, Component, Estimate, Setup
 from lowmem_ft.memory.sharding import DeviceShare
@@ -119,7 +119,8 @@ def reference_pass_bytes(arch: Architecture, rows_setup: Setup) -> float:
     static = sum(c.bytes for c in train.components if c.phase == "static" and c.name != "gradients")
     batch = BATCH_BYTES_PER_TOKEN * s.tokens * (2 if s.device == "cpu" else 1)
     transient = eval_peak_bytes(arch, s, s.micro_batch_size) - static
-    transient = transient_without_overheads(s, transient)  # eval_peak_bytes' own: context, workspaces, allocator
+    # eval_peak_bytes' own: context, workspaces, allocator
+    transient = transient_without_overheads(s, transient, block=eval_allocator_block(arch, s, s.micro_batch_size))
     return max(0.0, transient - batch)
 
 
@@ -254,7 +255,8 @@ def method_estimate(
     static = phases["static"]
     transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
     peak_phase = max(("forward", "backward", "optimizer step"), key=lambda k: phases[k])
-    overheads = device_overheads(s, transient, est.by_name().get("gradients", 0.0))  # none on the CPU
+    gradients = est.by_name().get("gradients", 0.0)
+    overheads = device_overheads(s, transient, gradients, block=est.allocator_block)  # none on the CPU
     return replace(
         est,
         components=comps + overheads,

@@ -400,12 +400,13 @@ def device_estimate(arch: Architecture, est: Estimate, share: DeviceShare) -> Es
         peak = max(phases[ph] for ph in step)
         at = "optimizer step" if phases["optimizer step"] > max(phases["forward"], phases["backward"]) else (
             "forward/backward")  # fmt: skip
-        return Estimate(per + rest, est.setup, peak, est.overhead_bytes, at, notes, phases)
+        return Estimate(per + rest, est.setup, peak, est.overhead_bytes, at, notes, phases,
+                        allocator_block=est.allocator_block)  # fmt: skip
     device_static = sum(c.bytes for c in per if c.phase == "static")
     # the steady state (every static component alive): one micro batch per step frees the single device's
     # gradients before its forward (`Estimate.first_micro_batch`), not a sharded or bucketed share of them
     return Estimate(per + rest, est.setup, est.steady_peak_bytes - static + device_static, est.overhead_bytes,
-                    est.peak_phase, notes)  # fmt: skip
+                    est.peak_phase, notes, allocator_block=est.allocator_block)  # fmt: skip
 
 
 # -- the strategies the planner tries (several devices) -------------------------------------------------------------

@@ -108,20 +108,19 @@ def test_calibrate_records_what_the_device_measured(monkeypatch, capsys, tmp_pat
     from devkit.simulated_gpu import SimulatedGPU
     from lowmem_ft import calibrated
     from lowmem_ft.memory.calibration import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-    from lowmem_ft.memory.overheads import allocator_bytes
-    from lowmem_ft.memory.records import Setup
     from lowmem_ft.train.measure import cuda_overheads
 
     # doctor sets the allocator up as `train` does (expandable segments unless the user chose): the user's here, so
     # the test leaves the environment as it found it, and the model's term is that setting's
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    allocator = allocator_bytes(Setup(adapter="full", allocator="expandable segments"), 0.5e9)
 
     monkeypatch.setattr("lowmem_ft.calibrated.calibration_dir", lambda: tmp_path)
     SimulatedGPU(name="NVIDIA H100 80GB HBM3").install(monkeypatch)
     readings = cuda_overheads.Readings(used=int(2.1e9), reserved=int(1.5e9), workspace=8 * 2**20,
                                        reserved_peak=int(1.5e9), allocated_peak=int(1.2e9), step_start=int(0.7e9))  # fmt: skip
     monkeypatch.setattr(cuda_overheads, "read", lambda: readings)
+    allocator = cuda_overheads.model_allocator_bytes("expandable segments", readings)
+    assert allocator > 0
     assert main(["doctor", "--calibrate", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["measured"] == {

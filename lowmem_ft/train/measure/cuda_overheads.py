@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 from lowmem_ft.calibrated import Measurement
 from lowmem_ft.cuda_alloc import setting_of, user_alloc_conf
+from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-from lowmem_ft.memory.overheads import allocator_bytes
+from lowmem_ft.memory.overheads import allocator_block, allocator_bytes
 from lowmem_ft.memory.records import Setup
 
 # the small Llama's batches: rows × the longest sample of each (padded to it), lengths as a chat data set's vary
@@ -63,14 +64,22 @@ def measurement_of(r: Readings) -> Measurement:
             "CUDA context": CUDA_CONTEXT_BYTES,
             "cuBLAS workspaces": float(CUBLAS_WORKSPACE_BYTES),
             # the small Llama trains every weight, under the allocator setting this process runs
-            "reserved over allocated": allocator_bytes(
-                Setup(adapter="full", allocator=setting), r.allocated_peak - r.step_start
-            ),
+            "reserved over allocated": model_allocator_bytes(setting, r),
         },
         plan={"what": "doctor --calibrate: first matmuls, a small Llama's AdamW steps", "batches": list(BATCHES)},
         phases={},
         allocator=setting,
     )
+
+
+def model_allocator_bytes(setting: str, r: Readings) -> float:
+    """The memory model's allocator term for the small Llama's largest step under `setting`: its transient (the
+    allocated peak above the step's start) and its blocks (its own loss over full logits, at the longest batch)."""
+    arch = Architecture.from_config({**MODEL, "model_type": "llama"}, "doctor's small Llama")
+    rows, longest = max(BATCHES, key=lambda b: b[0] * b[1])
+    s = Setup(adapter="full", quantization="none", allocator=setting, loss_impl="hf_full", micro_batch_size=rows,
+              max_seq_len=longest)  # fmt: skip
+    return allocator_bytes(s, r.allocated_peak - r.step_start, block=allocator_block(arch, s))
 
 
 def _workspace(torch, cuda) -> int:
