@@ -2,6 +2,7 @@
 
     nice -n 10 python -m devkit.bench.allocator_term --out benchmarks/allocator_term.md   # ~40 min, 2 busy cores
     python -m devkit.bench.allocator_term --rewrite --out benchmarks/allocator_term.md    # re-render from the cache
+    python -m devkit.bench.allocator_term --explain "meta-llama/Llama-3.2-1B (whole) full ckpt, 2×1024"  # the blocks
 
 Each row is one training step traced on shape-only tensors (`lowmem_ft.train.trace.step.allocation_log`: two optimizer
 steps, the second with an accumulation window whose last micro batch is the full batch) and its allocation log
@@ -120,6 +121,73 @@ def train_peaks(log: list) -> dict:
                 break
         out[mode] = {"live": top[0], "reserved": alloc.peak.reserved, "at_live_peak": top}
     return out
+
+
+def stranded(log: list, mode: str, top: int = 8) -> dict:
+    """What makes a replay's reserved peak exceed its live bytes, with `mode`'s settings: at the moment the reserved
+    bytes reach their peak, the request that asked for the new segment (`trigger`), and the largest cached free
+    blocks as (size, the request that last held the block, (the segment's size, the request it was mapped for) —
+    None with expandable segments, whose one segment grows). A free block is pieces of an earlier tenant's space
+    that no later request of the step filled; matched to the memory model's tensor sizes this names them."""
+    import bisect
+
+    from lowmem_ft.train.measure.allocator import Allocator
+
+    alloc = Allocator(**MODES[mode])
+    live, tenant, starts, made_for = {}, {}, [], []
+    at: dict = {}
+    for kind, key, nbytes in log:
+        if kind == "+" and nbytes:
+            before = alloc.current.reserved
+            block = live[key] = alloc.malloc(nbytes)
+            rest = block.next  # the rest of a split block: a piece of what its previous tenant held
+            if rest is not None and not rest.allocated and rest not in tenant:
+                tenant[rest] = tenant.get(block, 0)
+            tenant[block] = nbytes  # keyed by the block itself: no id reuse
+            if alloc.current.reserved > before and mode == "default":  # a new segment starts at the block
+                j = bisect.bisect(starts, block.addr)
+                starts.insert(j, block.addr)
+                made_for.insert(j, (alloc.current.reserved - before, nbytes))
+            if alloc.current.reserved > at.get("reserved", 0):
+                free = []
+                for pool in alloc._pools.values():
+                    for b in pool.blocks:
+                        j = bisect.bisect(starts, b.addr) - 1
+                        free.append((b.size, tenant.get(b, 0), made_for[j] if j >= 0 else None))
+                free.sort(key=lambda f: -f[0])
+                at = {
+                    "trigger": nbytes,
+                    "live": alloc.current.requested,
+                    "reserved": alloc.current.reserved,
+                    "free": sum(f[0] for f in free),
+                    "blocks": free[:top],
+                }
+        elif kind == "-" and key in live:
+            alloc.free(live.pop(key))
+        elif kind == "mark" and key == "eval":
+            break
+    return at
+
+
+def explain(key: str) -> str:
+    """`stranded` of one grid row (traced anew), both settings, as lines of MiB."""
+    from lowmem_ft.train.trace.step import allocation_log, model_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ((_, make, layers),) = [r for r in grid(Path(tmp)) if r[0] == key]
+        rec = make()
+        log = allocation_log(rec, model_config(rec), layers)
+    lines = [key]
+    for mode in MODES:
+        at = stranded(log, mode)
+        lines.append(
+            f"  {mode}: at the reserved peak {at['reserved'] / MiB:.0f} MiB (live {at['live'] / MiB:.0f}), a "
+            f"{at['trigger'] / MiB:.1f} MiB request opened it; cached free {at['free'] / MiB:.0f} MiB, the largest:"
+        )
+        for size, last, seg in at["blocks"]:
+            where = "" if seg is None else f", in a {seg[0] / MiB:.1f} MiB segment mapped for {seg[1] / MiB:.1f}"
+            lines.append(f"    {size / MiB:8.1f} MiB, last held by a {last / MiB:.1f} MiB request{where}")
+    return "\n".join(lines)
 
 
 def entry(rec, layers: int | None) -> dict:
@@ -347,8 +415,8 @@ NOTES = """
   Llama-3.1-8B's 24 GB plan 0.20 GB where the assumed 10 % gave 0.42 (the replay: 0.19).
 - **Expandable segments, full fine-tuning: blocks of the tied embedding's gradient.** As a share of the churn the
   whole full steps ran from 0.2 % (Qwen2.5-0.5B) to 17.8 % (gemma-3-1b). The allocator replay, instrumented at the
-  reserved peak (the cached free blocks by size, the request that last held each and the request its segment was
-  mapped for), shows why: the excess of the tied large-vocabulary models is two free blocks of exactly the input
+  reserved peak (`--explain ROW`: the cached free blocks by size, the request that last held each and the request
+  its segment was mapped for), shows why: the excess of the tied large-vocabulary models is two free blocks of exactly the input
   embedding's bf16 gradient (501/502 MiB Llama-3.2-1B, 576 gemma-3-1b, 445/447 Qwen2.5-1.5B) — the tied weight's
   head and embedding gradients, freed each step where the next step's smaller requests do not fill them and the
   growing end cannot take them back. (excess − pages) ÷ that block: 2.00, 2.01, 1.98 (Qwen2.5-0.5B: 0.03), so
@@ -379,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/allocator_term.md"))
     parser.add_argument("--rewrite", action="store_true", help="re-render the table from the cache, no tracing")
     parser.add_argument("--only", default="", help="trace only rows whose key contains this")
+    parser.add_argument("--explain", metavar="ROW", help="trace one row and print what its excess is made of")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
+    if args.explain:
+        print(explain(args.explain))
+        return 0
     cache_path = args.out.with_suffix(".json")
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     if not args.rewrite:
