@@ -63,10 +63,11 @@ def allocator_term(s: Setup) -> AllocatorTerm:
 def allocator_block(arch: Architecture, s: Setup, training: bool = True) -> float:
     """The size of the blocks the allocator's term counts for `s`: with torch's default settings the step's largest
     tensor (`largest_step_block`; a no-grad pass's, `training` False: its loss path's forward); with expandable
-    segments the embedding's gradient in a full fine-tune of tied embeddings (else none)."""
+    segments the embedding's gradient in a full fine-tune of tied embeddings (else none) — in an evaluation pass
+    too: the training steps left those blocks cached, and reserved bytes count them until `empty_cache`."""
     if s.allocator == "default":
         return largest_step_block(arch, s) if training else loss_block(arch, s, backward=False)
-    tied_grad = training and s.adapter == "full" and arch.tie_embeddings
+    tied_grad = s.adapter == "full" and arch.tie_embeddings
     return float(DTYPE_BYTES[s.compute_dtype] * arch.vocab_size * arch.hidden_size) if tied_grad else 0.0
 
 
