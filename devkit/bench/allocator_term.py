@@ -316,8 +316,9 @@ batches, the last at the full batch) and its allocations replayed through the mo
 allocator (`lowmem_ft.train.measure.allocator`) with torch's default settings and with `expandable_segments:True`;
 the evaluation forward is left out. **Predicted by a model of the allocator, not measured on a GPU.** Rows: zoo
 families at the accuracy grid's width (`devkit.zoo.estimator_config`: hidden 256, 3 layers; 2 × 512 tokens),
-catalog models at their real width cut to 2 decoder layers (2 × 1,024 tokens), and two whole real-size steps (the
-settings of `lowmem-ft plan`'s Qwen2.5-0.5B 8 GB and Llama-3.1-8B 24 GB plans); LoRA (r 16) and QLoRA (NF4) with
+catalog models at their real width cut to 2 decoder layers (2 × 1,024 tokens), and 14 whole real-size steps of
+catalog models (`WHOLE`: the settings of `lowmem-ft plan`'s Qwen2.5-0.5B 8 GB and Llama-3.1-8B 24 GB plans, then
+LoRA, QLoRA and full fine-tunes of other families and sizes); LoRA (r 16) and QLoRA (NF4) with
 paged AdamW 8-bit, full fine-tuning with it too. PEFT's MetaMathQA runs (Llama-3.2-3B, `benchmarks/published.md`)
 are not among them: they are the held-out test of what is derived here.
 
