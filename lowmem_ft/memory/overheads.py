@@ -80,6 +80,8 @@ def allocator_bytes(s: Setup, transient: float, gradients: float = 0.0, *, block
 
 def _reason(t: AllocatorTerm, block: float) -> str:
     what = "the transient peak and gradients" if t.with_gradients else "the transient peak"
+    if not (t.base or t.blocks):  # torch's default settings: no derived form holds (`calibration.ALLOCATOR_FRACTION`)
+        return f"{t.fraction:.0%} of {what} (assumed)"
     parts = [f"{t.base / 2**20:.0f} MiB"]
     if t.blocks and block:
         parts.append(f"{t.blocks:g} × the {block / 1e9:.2f} GB block")
