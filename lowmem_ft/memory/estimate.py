@@ -191,8 +191,9 @@ __all__ = [
 ]
 
 
-def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> tuple[float, float]:
-    """Appends the activation, loss and backward components; returns (forward peak, backward peak) above static."""
+def _forward_backward(arch: Architecture, s: Setup, comps: list[Component], trained: int) -> tuple[float, float, float]:
+    """Appends the activation, loss and backward components; returns the forward peak, the backward peak and the
+    backward's peak of a step's first micro batch, above static. `trained`: the trainable elements."""
     c = DTYPE_BYTES[s.compute_dtype]
     t = s.tokens
     h = arch.hidden_size
@@ -243,7 +244,7 @@ def _forward_backward(arch: Architecture, s: Setup, comps: list[Component]) -> t
         layer_moment = kept - head_freed_bytes(arch, s) + layer + recomputed_layer_bytes(arch, s, dequant)
     end = embed_bwd + c * h * t
     bwd_peak = max(kept + loss_bwd, layer_moment, attn_bwd, end)
-    fresh = _first_backward(arch, s, comps, kept, loss_bwd, max(layer_moment, attn_bwd), end)
+    fresh = _first_backward(arch, s, comps, trained, kept, loss_bwd, max(layer_moment, attn_bwd), end)
     return fwd_peak, bwd_peak, fresh
 
 
@@ -264,7 +265,14 @@ def backward_beside_layers(arch: Architecture, est: Estimate) -> float:
 
 
 def _first_backward(
-    arch: Architecture, s: Setup, comps: list[Component], kept: float, loss_bwd: float, layer: float, end: float
+    arch: Architecture,
+    s: Setup,
+    comps: list[Component],
+    trained: int,
+    kept: float,
+    loss_bwd: float,
+    layer: float,
+    end: float,
 ) -> float:
     """The backward's peak above the static state less the gradients, when no gradient exists as it begins: the
     first micro batch of an optimizer step. Source: transformers 5.24 trainer.py `_inner_training_loop` calls
@@ -287,7 +295,6 @@ def _first_backward(
     grads = by["gradients"]
     if not grads:
         return max(kept + loss_bwd, layer, end)
-    trained = sum(n for n, _ in _trainable_tensors(arch, s))
     elem = grads / trained if trained else 0.0
     vh = arch.vocab_size * arch.hidden_size
     head = elem * vh if s.adapter == "full" else 0.0  # the LM head's weight (the tied embedding's, tied)
@@ -302,18 +309,18 @@ def _first_backward(
 def estimate(arch: Architecture, s: Setup) -> Estimate:
     """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
     s, attention_note = effective_setup(arch, s)
-    comps, notes, trainable = _static_components(arch, s)
+    comps, notes, _, trained = _static_components(arch, s)
     for extra in (pixel_component(arch, s), tower_copy_component(arch, s)):  # image chats (memory.tower)
         if extra is not None:
             comps.append(extra)
     if attention_note:
         notes.insert(0, f"attention: {attention_note}")
     static = sum(x.bytes for x in comps if x.phase == "static")
-    fwd_peak, bwd_peak, fresh_bwd = _forward_backward(arch, s, comps)
+    fwd_peak, bwd_peak, fresh_bwd = _forward_backward(arch, s, comps, trained.numel)
     fwd_bwd = max(fwd_peak, bwd_peak)
 
-    step_temp, step_src = optimizer_step_temp(trainable, s.optimizer, s.device, trainer_fp32_states(arch, s))
-    comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", step_src))
+    step_temp = trained.step_temp
+    comps.append(Component("optimizer step temporaries", step_temp, "optimizer step", trained.step_source))
 
     phases = {"static": static, "forward": static + fwd_peak, "backward": static + bwd_peak}
     phases["optimizer step"] = static + step_temp
@@ -335,7 +342,7 @@ def estimate(arch: Architecture, s: Setup) -> Estimate:
     if init := adapter_init.startup_component(arch, s):
         comps.append(init)
         w_lin, w_rest, _ = weight_bytes(arch, s)  # at start-up the whole model is on the device (savers come later)
-        phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, sum(n for n, _ in trainable), s, init)
+        phases["start-up"] = adapter_init.startup_bytes(w_lin + w_rest, trained.numel, s, init)
     block = allocator_block(arch, s)
     overheads = device_overheads(s, max(fwd_bwd, step_temp), grads, block=block)
     comps += overheads

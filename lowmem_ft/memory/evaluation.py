@@ -157,7 +157,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     other, not together; checked against exact CPU measurements of real runs' evaluations (`lowmem_ft.train.measure.exact`).
     """
     s, _ = effective_setup(arch, s)
-    train, _, _ = _static_components(arch, s)  # what `estimate` counts as static
+    train, *_ = _static_components(arch, s)  # what `estimate` counts as static
     static = sum(x.bytes for x in train if x.phase == "static" and x.name != "gradients")
     # an evaluation batch's labelled positions are not known: every position (`loss_tokens` None)
     es = replace(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
@@ -141,13 +142,13 @@ def optimizer_step_temp(
     """Temporaries the optimizer step allocates (measured on the CPU; read from torch/optim/adamw.py on CUDA)."""
     if not tensors:
         return 0.0, ""
-    largest = max(n * e for n, e in tensors)
     if optimizer == "adamw_torch":
         if device == "cuda":  # _multi_tensor_adamw: exp_avg_sq_sqrt = torch._foreach_sqrt(...) → one copy of all
             return sum(n * e for n, e in tensors), "torch AdamW foreach: one param-sized sqrt buffer"
+        largest = max(n * e for n, e in tensors)
         return 2 * largest, "torch AdamW single-tensor (CPU): sqrt and divide temporaries of the largest tensor"
     if optimizer == "adafactor":
-        return 2 * largest, "Adafactor update temporaries of the largest tensor"
+        return 2 * max(n * e for n, e in tensors), "Adafactor update temporaries of the largest tensor"
     # bitsandbytes: CUDA kernels update in place; the CPU fallback dequantizes a tensor's states to fp32.
     if device == "cuda":
         return 0.0, "bitsandbytes fused kernel, in place"
@@ -167,23 +168,41 @@ def optimizer_step_temp(
 _BATCHLESS = {"micro_batch_size": 1, "max_seq_len": 1, "gradient_accumulation": 1}
 
 
-def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], list[tuple[int, int]]]:
-    """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host."""
-    before, after, notes, trainable = _state(arch, replace(s, **_BATCHLESS))
+def batchless(s: Setup) -> Setup:
+    """`s` with its batch shape cleared: the key of what depends on the model and the method only (the model states;
+    the planner tries hundreds of batch shapes and lengths of one setup)."""
+    return replace(s, **_BATCHLESS)
+
+
+class Trained(NamedTuple):
+    """What the step's other terms read of the trainable tensors, counted once per setup (`_state`)."""
+
+    numel: int  # trainable elements
+    step_temp: float  # `optimizer_step_temp`'s bytes and source for this setup's optimizer and device
+    step_source: str
+
+
+def _static_components(
+    arch: Architecture, s: Setup
+) -> tuple[list[Component], list[str], list[tuple[int, int]], Trained]:
+    """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host;
+    the trainable tensors, and what the step's other terms read of them."""
+    before, after, notes, trainable, trained = _state(arch, batchless(s))
     held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
     batch = Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
                       f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
                       + (" + the loader's next one)" if s.device == "cpu" else ")"))  # fmt: skip
-    return [*before, batch, *after], list(notes), list(trainable)
+    return [*before, batch, *after], list(notes), list(trainable), trained
 
 
 @lru_cache(maxsize=512)
 def _state(
     arch: Architecture, s: Setup
-) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], tuple[tuple[int, int], ...]]:
+) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], tuple[tuple[int, int], ...], Trained]:
     """`_static_components` less the batch tensors, for a setup whose batch shape is cleared (`_BATCHLESS`): the
     planner estimates hundreds of batch shapes and lengths of one setup, and this part depends on none of them.
-    Returns the components before and after the batch's, the notes and the trainable tensors."""
+    Returns the components before and after the batch's, the notes, the trainable tensors and what is read of them
+    (a sum or a maximum over hundreds of tensors, once here rather than in every estimate)."""
     c = DTYPE_BYTES[s.compute_dtype]
     comps: list[Component] = []
     notes: list[str] = []
@@ -214,7 +233,8 @@ def _state(
     if paged:
         after.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
-    return tuple(comps), tuple(after), tuple(notes), tuple(trainable)
+    trained = Trained(n_train, *optimizer_step_temp(trainable, s.optimizer, s.device, fp32_states))
+    return tuple(comps), tuple(after), tuple(notes), tuple(trainable), trained
 
 
 MOE_WEIGHTS_SOURCE = "3-D expert parameters + router: bnb replaces nn.Linear only (integrations/bitsandbytes.py)"
