@@ -8,6 +8,9 @@ in the first micro batch of optimizer step `FAULTY_STEP`, after the loss is comp
 - `error`: a ValueError, as a bad sample in that rank's shard would raise;
 - `kill`: the process kills itself with SIGKILL (what kill -9 or the host's OOM killer does);
 - `hang`: the process sleeps for `HANG_S` seconds (default 600), as a rank stuck in a driver call or a dead NFS read.
+  SIGTERM ends the sleep (its default action, which the run's own interrupt handler had replaced): the launch stops
+  the hung rank with SIGTERM once the others have failed, and torchrun then waits 30 s before its SIGKILL for a rank
+  that outlives the SIGTERM (`PContext.close`) — torchrun's wait, not lowmem-ft's, so the drill does not sit it out.
 
 No test hook lives in the package. Why after the loss and not in the forward: TRL 1.16's `SFTTrainer.compute_loss`
 gathers its token metrics across ranks (`accelerator.gather_for_metrics`) after every forward, so a rank that fails
@@ -36,6 +39,7 @@ def fault(kind: str, rank: int) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(float(os.environ.get("HANG_S", "600")))
 
 
