@@ -12,7 +12,10 @@ so this harness calls accelerate's own FSDP2 preparation (utils/fsdp_utils.py `f
 as units of their own, then the root) on a gloo device mesh, with the plugin our launch config gives
 (`lowmem_ft.train.trace.sharded.shard_as_accelerate`), while the product path stays on accelerate.
 
-One grid point = N processes (`torch.multiprocessing`, spawn) on one gloo group. Each rank builds the model through
+One grid point = N processes (`torch.multiprocessing`) on one gloo group, forked from a server process that imported
+the training stack once (multiprocessing's forkserver, preloaded: `PRELOAD`) — a spawned rank spent ~8 s of CPU
+importing torch, transformers, peft and TRL, most of a small point's time, and a fork of the clean server starts with
+none of the caller's state. Each rank builds the model through
 `lowmem_ft.train.model.build_model` (the path `train` uses), installs TRL's fused LM head as `SFTTrainer` does,
 shards it, creates the optimizer the way transformers' Trainer does, and runs `measure.peak.measured_step`'s two
 optimizer steps under `PeakMemory` with `storage_resizes` on (FSDP2 gathers a unit by growing its parameters'
@@ -49,6 +52,10 @@ from pathlib import Path
 
 from devkit.harness.estimator import Point, recipe_for, trainer_batches
 from lowmem_ft.train.trace.sharded import MESH_DIM
+
+# what the ranks import, imported once by the server they fork from (`_start`)
+PRELOAD = ["torch", "transformers", "peft", "trl", "bitsandbytes", "devkit.harness.fsdp", "lowmem_ft.train.model",
+           "lowmem_ft.train.measure.peak", "lowmem_ft.train.trace.sharded"]  # fmt: skip
 
 PHASES = ("static", "forward", "backward", "optimizer step")
 
@@ -246,14 +253,12 @@ def sharded_loss(model_dir: Path, p: FsdpPoint) -> tuple[list[float], dict[int, 
 def sharded_losses(jobs: list[tuple[Path, FsdpPoint]]) -> list[tuple[list[float], dict[int, list[float]]]]:
     """`sharded_loss` of each (model directory, point), the points' ranks started once for all of them (one
     `start_processes`: the ranks' imports are most of a small point's time). Every point has the same `ranks`."""
-    import torch.multiprocessing as mp
-
     (world,) = {p.ranks for _, p in jobs}
     wholes = [_two_losses(_built(str(model_dir), p), p) for model_dir, p in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rendezvous")
         work = [(str(model_dir), p) for model_dir, p in jobs]
-        mp.start_processes(_loss_rank, args=(world, work, init, tmp), nprocs=world, start_method="spawn")
+        _start(_loss_rank, (world, work, init, tmp), world)
         return [
             (whole, {r: json.loads(Path(tmp, f"loss{i}.rank{r}.json").read_text()) for r in range(world)})
             for i, whole in enumerate(wholes)
@@ -262,20 +267,22 @@ def sharded_losses(jobs: list[tuple[Path, FsdpPoint]]) -> list[tuple[list[float]
 
 def measure(model_dir: Path, p: FsdpPoint, warmup_seq: int = 8) -> dict[int, dict[str, tuple[int, int]]]:
     """Run point `p` on `p.ranks` CPU processes; rank → phase → (peak, live at end)."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rendezvous")
-        mp.start_processes(
-            _rank,
-            args=(p.ranks, str(model_dir), p, init, tmp, warmup_seq),
-            nprocs=p.ranks,
-            start_method="spawn",
-        )
+        _start(_rank, (p.ranks, str(model_dir), p, init, tmp, warmup_seq), p.ranks)
         return {
             r: {k: tuple(v) for k, v in json.loads(Path(tmp, f"rank{r}.json").read_text()).items()}
             for r in range(p.ranks)
         }
+
+
+def _start(fn, args: tuple, ranks: int) -> None:
+    """Run `fn(rank, *args)` on `ranks` processes forked from the preloaded server (started by the first call of
+    this process, with its environment then) and wait for them; a rank's exception is raised here."""
+    import torch.multiprocessing as mp
+
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=ranks, start_method="forkserver")
 
 
 def phase_measurements(phases: dict[str, tuple[int, int]]) -> dict[str, int]:
