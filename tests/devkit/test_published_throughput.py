@@ -18,7 +18,7 @@ def test_every_cost_factor_has_a_row():
     for name in COST:
         rows = [line for line in text.splitlines() if line.startswith(f"| {name}")]
         assert len(rows) == 1, name
-        assert "none found" in rows[0] or "litgpt" in rows[0], rows[0]
+        assert "none found" in rows[0] or "litgpt" in rows[0] or "perf_train_gpu_one" in rows[0], rows[0]
 
 
 def test_the_published_ratios_are_read_from_the_sources():
@@ -28,6 +28,8 @@ def test_the_published_ratios_are_read_from_the_sources():
     rows = {(label, gen): ratio for label, gen, _, ratio in pt.peft_rows()}
     assert rows[("dora r32 q,v", "torch 2.13.0+cu130, empty_cache every 10")] == pytest.approx(1190.907 / 941.959, 1e-4)
     assert rows[("lora r10 mlp", "torch 2.9.0+cu128, empty_cache every 1")] is None  # no LoRA r32 of that generation
+    # transformers' single-GPU guide: 1 × 4 accumulated with checkpointing 85.47 s, without 66.03 s
+    assert pt.checkpointing_ratio() == pytest.approx(85.47 / 66.03)
 
 
 def test_the_committed_table_is_current():
