@@ -21,13 +21,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from lowmem_ft.errors import UserError
 from lowmem_ft.export import text_decoder
 from lowmem_ft.export.families import GgufFamily, family_of, head_dim, rope_theta
 from lowmem_ft.export.stream import Adapter, TensorRef, merged_blocks, tensors
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # --quant → (GGML type of matrices, GGUF general.file_type): gguf.LlamaFileType
 QUANTS = {"f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
@@ -102,6 +104,8 @@ def plan_tensors(model_dir: Path, config, quant: str) -> list[Planned]:
 
 def rope_factors(config) -> np.ndarray | None:
     """Llama-3.x RoPE scaling as llama.cpp stores it, `rope_freqs.weight` (`LlamaModel.generate_extra_tensors`)."""
+    import numpy as np  # here, not at import: every command's parser imports this module (QUANTS)
+
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
         return None
@@ -125,6 +129,7 @@ def rope_factors(config) -> np.ndarray | None:
 
 def _encode(block, qtype: str) -> np.ndarray:
     import gguf
+    import numpy as np
 
     array = block.numpy() if hasattr(block, "numpy") else block
     array = np.ascontiguousarray(array, dtype=np.float32)
@@ -165,6 +170,7 @@ def write_gguf(
 ) -> list[Planned]:
     """Write the merged model as one GGUF file at `output` (atomically: module docstring); returns its tensors."""
     import gguf
+    import numpy as np
 
     config = model_config(model_dir)
     family = family_of(config)
