@@ -309,7 +309,7 @@ def _first_backward(
 def estimate(arch: Architecture, s: Setup) -> Estimate:
     """Named components of the peak, and the peak itself (see the module docstring for how they combine)."""
     s, attention_note = effective_setup(arch, s)
-    comps, notes, _, trained = _static_components(arch, s)
+    comps, notes, trained = _static_components(arch, s)
     for extra in (pixel_component(arch, s), tower_copy_component(arch, s)):  # image chats (memory.tower)
         if extra is not None:
             comps.append(extra)

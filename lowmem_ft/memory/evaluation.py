@@ -159,15 +159,7 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     s, _ = effective_setup(arch, s)
     train, *_ = _static_components(arch, s)  # what `estimate` counts as static
     static = sum(x.bytes for x in train if x.phase == "static" and x.name != "gradients")
-    # an evaluation batch's labelled positions are not known: every position (`loss_tokens` None)
-    es = replace(
-        s,
-        micro_batch_size=batch,
-        gradient_checkpointing=False,
-        activation_offloading=False,
-        lora_dropout=0.0,
-        loss_tokens=None,
-    )
+    es = _eval_setup(s, batch)
     c, t = DTYPE_BYTES[s.compute_dtype], es.tokens
     loss_fwd, _, _ = loss_bytes(arch, es)
     dequant = c * max(x.in_features * x.out_features for x in arch.linears) if s.quantization != "none" else 0.0
@@ -187,7 +179,21 @@ def eval_peak_bytes(arch: Architecture, s: Setup, batch: int) -> float:
     return static + transient + overhead_bytes(device_overheads(s, transient, block=block))
 
 
+def _eval_setup(s: Setup, batch: int) -> Setup:
+    """An evaluation forward of `batch` rows under training setup `s` (its effective one): no autograd, so nothing
+    checkpointed, offloaded or dropped out; an evaluation batch's labelled positions are not known, so every
+    position (`loss_tokens` None)."""
+    return replace(
+        s,
+        micro_batch_size=batch,
+        gradient_checkpointing=False,
+        activation_offloading=False,
+        lora_dropout=0.0,
+        loss_tokens=None,
+    )
+
+
 def eval_allocator_block(arch: Architecture, s: Setup, batch: int) -> float:
     """The allocator block `eval_peak_bytes` prices an evaluation batch of `batch` rows with (to take it back out)."""
     s, _ = effective_setup(arch, s)
-    return allocator_block(arch, replace(s, micro_batch_size=batch, loss_tokens=None), training=False)
+    return allocator_block(arch, _eval_setup(s, batch), training=False)

@@ -182,27 +182,25 @@ class Trained(NamedTuple):
     step_source: str
 
 
-def _static_components(
-    arch: Architecture, s: Setup
-) -> tuple[list[Component], list[str], list[tuple[int, int]], Trained]:
+def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], Trained]:
     """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host;
-    the trainable tensors, and what the step's other terms read of them."""
-    before, after, notes, trainable, trained = _state(arch, batchless(s))
+    what the step's other terms read of the trainable tensors."""
+    before, after, notes, trained = _state(arch, batchless(s))
     held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
     batch = Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
                       f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
                       + (" + the loader's next one)" if s.device == "cpu" else ")"))  # fmt: skip
-    return [*before, batch, *after], list(notes), list(trainable), trained
+    return [*before, batch, *after], list(notes), trained
 
 
 @lru_cache(maxsize=512)
 def _state(
     arch: Architecture, s: Setup
-) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], tuple[tuple[int, int], ...], Trained]:
+) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], Trained]:
     """`_static_components` less the batch tensors, for a setup whose batch shape is cleared (`_BATCHLESS`): the
     planner estimates hundreds of batch shapes and lengths of one setup, and this part depends on none of them.
-    Returns the components before and after the batch's, the notes, the trainable tensors and what is read of them
-    (a sum or a maximum over hundreds of tensors, once here rather than in every estimate)."""
+    Returns the components before and after the batch's, the notes and what is read of the trainable tensors (a sum
+    or a maximum over hundreds of tensors, once here rather than in every estimate)."""
     c = DTYPE_BYTES[s.compute_dtype]
     comps: list[Component] = []
     notes: list[str] = []
@@ -234,7 +232,7 @@ def _state(
         after.append(Component("paged optimizer states", paged, "host", "bnb paged memory: evicted under pressure"))
         notes.append(f"{paged / GB:.2f} GB of optimizer state is paged (unified memory) and not counted in the peak")
     trained = Trained(n_train, *optimizer_step_temp(trainable, s.optimizer, s.device, fp32_states))
-    return tuple(comps), tuple(after), tuple(notes), tuple(trainable), trained
+    return tuple(comps), tuple(after), tuple(notes), trained
 
 
 MOE_WEIGHTS_SOURCE = "3-D expert parameters + router: bnb replaces nn.Linear only (integrations/bitsandbytes.py)"
