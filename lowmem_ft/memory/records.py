@@ -105,7 +105,8 @@ class Estimate:
     # the forward's and the backward's peaks in the first micro batch of an optimizer step, begun without gradients
     # (the Trainer's zero_grad set them to None); with one micro batch per step, every micro batch's
     first_micro_batch: dict[str, float] = field(default_factory=dict)
-    # the size of the blocks the allocator's term counts (`overheads.allocator_block`; 0 on the CPU or without any)
+    # the size of the blocks the allocator's term counts (`overheads.allocator_block`; on the CPU, which has no
+    # allocator term, it is computed as for CUDA and unused)
     allocator_block: float = 0.0
 
     @property
