@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
@@ -211,6 +211,18 @@ class Architecture:
             + self.tower_params
             + self.num_layers * (self.moe.layer_params(self.hidden_size) if self.moe else 0)
         )
+
+    def __hash__(self) -> int:
+        """Hashed once per object: the model terms cached by architecture (`functools.cache`) hash it in every
+        estimate, and the dataclass's own hash walks every field and linear each time (a third of a plan's time)."""
+        if (cached := self.__dict__.get("_hash")) is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the cached hash: another process hashes its strings with another seed."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
     def linear_names(self) -> list[str]:

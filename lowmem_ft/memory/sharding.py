@@ -36,7 +36,7 @@ from lowmem_ft.memory.estimate import (
     trainer_fp32_states,
     weight_bytes,
 )
-from lowmem_ft.memory.static import batchless
+from lowmem_ft.memory.static import states_key
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -279,13 +279,13 @@ OFFLOAD_OPTIMIZERS = ("adamw_torch", "adafactor")
 
 def states_of(arch: Architecture, s: Setup, fsdp2: bool = False, mixed: bool | None = None) -> ModelStates:
     """The model states of `estimate(arch, s)`, split by kind, with the unit FSDP / ZeRO-3 gathers at once: counted
-    once per model, method and sharding (`_states_of`), whatever the batch."""
-    return _states_of(arch, batchless(s), fsdp2, mixed)
+    once per model, method and sharding (`_states_of`), whatever the batch and the savers."""
+    return _states_of(arch, states_key(s), fsdp2, mixed)
 
 
 @lru_cache(maxsize=512)
 def _states_of(arch: Architecture, s: Setup, fsdp2: bool, mixed: bool | None) -> ModelStates:
-    """`states_of` for a setup without its batch shape (`static.batchless`: none of this reads it).
+    """`states_of` for a setup cleared of what only the step reads (`static.states_key`: none of this reads it).
 
     Same functions as the estimate, so the per-device figures add up to its static components when N = 1.
     NF4 linears: the packed 4-bit weight (0.5 B/param, stored in a float `bnb_4bit_quant_storage` dtype so FSDP can

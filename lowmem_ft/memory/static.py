@@ -164,14 +164,20 @@ def optimizer_step_temp(
     return 4 * copies, "bitsandbytes CPU kernel: 6 (8-bit states) or 4 (32-bit) fp32 copies of a tensor (measured)"
 
 
-# the Setup fields that shape the batch: only the batch tensors' component reads them (the golden grid checks it)
-_BATCHLESS = {"micro_batch_size": 1, "max_seq_len": 1, "gradient_accumulation": 1}
+# The Setup fields only the step's own terms read: the batch's shape, and the savers and loss that reshape what the
+# step keeps alive. The model states read none of them (tests/memory/test_static.py varies each, on every family).
+_STEP_ONLY = {
+    "micro_batch_size": 1, "max_seq_len": 1, "gradient_accumulation": 1, "loss_tokens": None,
+    "gradient_checkpointing": False, "activation_offloading": False, "loss_impl": "trl_fused",
+    "loss_chunk_tokens": None, "tiled_mlp": False, "mlp_tile_tokens": 0, "recompute_lora": False,
+    "tiled_norms": False, "allocator": "expandable segments",
+}  # fmt: skip
 
 
-def batchless(s: Setup) -> Setup:
-    """`s` with its batch shape cleared: the key of what depends on the model and the method only (the model states;
-    the planner tries hundreds of batch shapes and lengths of one setup)."""
-    return replace(s, **_BATCHLESS)
+def states_key(s: Setup) -> Setup:
+    """`s` with what only the step reads cleared (`_STEP_ONLY`): the key of what depends on the model and the method
+    alone. The planner tries hundreds of batch shapes, lengths and savers of one setup."""
+    return replace(s, **_STEP_ONLY)
 
 
 class Trained(NamedTuple):
@@ -185,7 +191,7 @@ class Trained(NamedTuple):
 def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], list[str], Trained]:
     """Weights, trainable parameters, their gradients and optimizer states (static), and what lives on the host;
     what the step's other terms read of the trainable tensors."""
-    before, after, notes, trained = _state(arch, batchless(s))
+    before, after, notes, trained = _state(arch, states_key(s))
     held = s.gradient_accumulation + (1 if s.device == "cpu" else 0)
     batch = Component(BATCH, BATCH_BYTES_PER_TOKEN * s.tokens * held, "static",
                       f"{held} micro batches × int64 ids, labels, mask (the accumulation window"
@@ -197,8 +203,8 @@ def _static_components(arch: Architecture, s: Setup) -> tuple[list[Component], l
 def _state(
     arch: Architecture, s: Setup
 ) -> tuple[tuple[Component, ...], tuple[Component, ...], tuple[str, ...], Trained]:
-    """`_static_components` less the batch tensors, for a setup whose batch shape is cleared (`_BATCHLESS`): the
-    planner estimates hundreds of batch shapes and lengths of one setup, and this part depends on none of them.
+    """`_static_components` less the batch tensors, for a setup cleared of what only the step reads (`_STEP_ONLY`):
+    the planner estimates hundreds of batch shapes, lengths and savers of one setup, and this part depends on none.
     Returns the components before and after the batch's, the notes and what is read of the trainable tensors (a sum
     or a maximum over hundreds of tensors, once here rather than in every estimate)."""
     c = DTYPE_BYTES[s.compute_dtype]
