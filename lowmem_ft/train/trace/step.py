@@ -319,7 +319,8 @@ def _fake_tensors_of(model, shadow: Shadow) -> None:
 
 
 def install_loss(model, recipe: Recipe) -> None:
-    """The loss `train` installs: TRL's fused LM head (as `SFTTrainer.__init__` adds it), ours when chunked."""
+    """The loss `train` installs: TRL's fused LM head (as `SFTTrainer.__init__` adds it), ours when chunked or over
+    the full logits (`memory.full_logits_loss`), as `lowmem_ft.train.run` installs them after the trainer."""
     from trl.trainer.utils import add_fused_lm_head
 
     from lowmem_ft.train.losses import install_loss_head
@@ -328,6 +329,8 @@ def install_loss(model, recipe: Recipe) -> None:
     add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
     if recipe.memory.chunked_loss:
         install_loss_head(model, chunked=True, chunk_tokens=recipe.memory.loss_chunk_tokens or None)
+    elif recipe.memory.full_logits_loss:
+        install_loss_head(model, chunked=False)
 
 
 def optimizer_for(model, recipe: Recipe):

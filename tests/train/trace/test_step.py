@@ -170,3 +170,22 @@ def test_remote_code_is_refused_in_one_line(tmp_path):
     recipe = resolve(None, {"model": {"name_or_path": str(tmp_path)}})
     with pytest.raises(UserError, match="auto_map"):
         trace(recipe)
+
+
+@pytest.mark.slow
+def test_the_trace_runs_the_full_logits_loss_the_recipe_trains_with(zoo_models, monkeypatch):
+    """`memory.full_logits_loss`: the traced step (what `train --verify` compares with the plan) goes through the
+    full-logits head `train` installs, not TRL's fused one, and equals the same step run with weights."""
+    from pathlib import Path
+
+    from lowmem_ft.train import losses
+
+    recipe = estimator_check.recipe_for(
+        Path(zoo_models["llama3"]), Point("llama3", "lora", "adamw_torch", False, 2, 48)
+    )
+    recipe.memory.full_logits_loss = True
+    calls, plain = [], losses.full_token_log_probs
+    monkeypatch.setattr(losses, "full_token_log_probs", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    traced = trace(recipe)
+    assert len(calls) == sum(label.startswith("forward") for label in traced.marks)
+    assert_same(real_step(recipe), {k: v for k, v in traced.marks.items() if k != "eval"})
