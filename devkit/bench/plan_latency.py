@@ -2,8 +2,9 @@
 
 python -m devkit.bench.plan_latency [--repeat 5] [--out benchmarks/plan_latency.md]
 
-The long-context cases make the planner search the saver stages (issue #13); the last one fits nothing, so every
-stage is searched before the one-line error (exit 2).
+The long-context cases make the planner search the saver stages (issue #13); the last two fit nothing, so every
+stage is searched before the one-line error (exit 2), and the host-RAM refusal then searches the longest length
+that would fit (`planner.max_seq_len`: whole plans, binary search).
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ CASES = [
     ("meta-llama/Llama-3.1-8B", 8, ["--seq-len", "12000"]),
     ("Qwen/Qwen2.5-72B", 24, ["--gpus", "4", "--seq-len", "65536", "--host-ram", "512"]),  # a 4-GPU node's host
     ("meta-llama/Llama-3.1-8B", 8, ["--seq-len", "65536"]),
+    # fits the device only with more host RAM than given: the refusal searches the longest length that fits
+    ("meta-llama/Llama-3.1-8B", 24, ["--seq-len", "100000", "--host-ram", "16"]),
 ]
-EXPECTED_EXIT = {("meta-llama/Llama-3.1-8B", 8, ("--seq-len", "65536")): 2}  # nothing fits: the one-line error
+# nothing fits: the one-line error (exit 2)
+EXPECTED_EXIT = {
+    ("meta-llama/Llama-3.1-8B", 8, ("--seq-len", "65536")): 2,
+    ("meta-llama/Llama-3.1-8B", 24, ("--seq-len", "100000", "--host-ram", "16")): 2,
+}
 
 
 def main(argv=None) -> int:
