@@ -270,7 +270,13 @@ def chunked_causal_lm_loss(
 
 def full_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None = None):
     """The standard per-token loss over materialized logits (`ForCausalLMLoss` with reduction none), plus entropy
-    and top-1 computed without gradient one row block at a time, so they add no full-size fp32 temporary."""
+    and top-1 computed without gradient one row block at a time, so they add no full-size fp32 temporary.
+
+    A block is at most 64 MiB of fp32 logits and at most an eighth of the rows. Its working set (the fp32 copy,
+    log-softmax, softmax and their product: 16 B per logit of the block) is then at most 2 B per logit of the batch,
+    within the 4 B fp32 upcast `cross_entropy` has freed by then. So the forward stays within the memory model's
+    full-logits count (`memory.loss.loss_bytes`, `hf_full`: c + 12 B per logit) at every size, not only where the
+    64 MiB cap is small beside the logits."""
     targets = _shift(labels, shift_labels).to(logits.device)
     mask = targets != IGNORE_INDEX
     vocab = logits.shape[-1]
@@ -278,7 +284,7 @@ def full_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, shift_label
     nll = F.cross_entropy(flat.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
     entropy = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     is_top1 = torch.empty(flat.shape[0], dtype=torch.bool, device=logits.device)
-    step = chunk_tokens_for(vocab)
+    step = max(1, min(chunk_tokens_for(vocab), flat.shape[0] // 8))
     with torch.no_grad():
         for start in range(0, flat.shape[0], step):
             block = flat[start : start + step].float()
