@@ -145,6 +145,12 @@ CHUNKED_POSITION_BYTES: Annotated[int, Source("measured", _CHUNKED)] = 2
 # transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
 # cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
 HF_LOSS_BYTES_PER_LOGIT: Annotated[int, Source("code", "transformers loss/loss_utils.py ForCausalLMLoss")] = 4 + 4 + 4
+# ... of which its forward holds the upcast and the log_softmax (the gradient comes in backward). The full-logits
+# head `train` installs (lowmem_ft/train/losses.py full_token_log_probs) holds the same, its no-grad entropy blocks
+# within the upcast it has freed; measured: tests/train/test_losses.py (PeakMemory, 512 rows × 8,000 vocab).
+HF_LOSS_FORWARD_BYTES_PER_LOGIT: Annotated[int, Source("code", "transformers loss/loss_utils.py ForCausalLMLoss")] = (
+    4 + 4
+)
 # TRL's experimental ORPO / CPO (SimPO) loss, outside the model's forward, on 16-bit logits: `selective_log_softmax`
 # (trl/trainer/utils.py) takes its row-by-row path for bf16/fp16 — each row's log_softmax (c bytes) is saved, and the
 # backward frees them row by row while the logits' gradient fills — so the backward window holds ~2 c-byte copies of

@@ -16,6 +16,7 @@ from lowmem_ft.memory.calibration import (
     CPU_TILE_FP32_FWD,
     CPU_TILE_TOP1_FWD,
     HF_LOSS_BYTES_PER_LOGIT,
+    HF_LOSS_FORWARD_BYTES_PER_LOGIT,
     TRL_TOKEN_CHUNK,
     TRL_VOCAB_CHUNK,
 )
@@ -82,8 +83,12 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     v, h = arch.vocab_size, arch.hidden_size
     trained_head = s.adapter == "full"
     if s.loss_impl == "hf_full":
-        b = n * v * (c + HF_LOSS_BYTES_PER_LOGIT)
-        return b, b, "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)"
+        forward = n * v * (c + HF_LOSS_FORWARD_BYTES_PER_LOGIT)  # no gradient yet
+        return (
+            forward,
+            n * v * (c + HF_LOSS_BYTES_PER_LOGIT),
+            "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)",
+        )
     if s.loss_impl == "chunked":
         k = loss_chunk_tokens(arch, s)
         return (

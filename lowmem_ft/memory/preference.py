@@ -45,6 +45,7 @@ from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import (
     BATCH_BYTES_PER_TOKEN,
     HF_LOSS_BYTES_PER_LOGIT,
+    HF_LOSS_FORWARD_BYTES_PER_LOGIT,
     IS_TOP1_TILE_BYTES,
     ODDS_RATIO_16BIT_LOGIT_COPIES,
     ORPO_NLL_COPIES,
@@ -270,7 +271,7 @@ def method_estimate(
 def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Method) -> float:
     """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
     same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
-    forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_BYTES_PER_LOGIT); the
+    forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_FORWARD_BYTES_PER_LOGIT); the
     loss's forward falls in the backward's window, where `hf_full` counts it already — for fp32 logits; 16-bit
     logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead of c + 12 bytes
     (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES); Gemma-2's final-logit
@@ -282,7 +283,7 @@ def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Meth
     c = DTYPE_BYTES[s.compute_dtype]
     softcap = SOFTCAP_LOGIT_COPIES * c * n if arch.final_logit_softcapping else 0.0  # tanh's saved output
     if phase == "forward":
-        return softcap - HF_LOSS_BYTES_PER_LOGIT * n
+        return softcap - HF_LOSS_FORWARD_BYTES_PER_LOGIT * n
     if phase != "backward":
         return 0.0
     wide = s.compute_dtype == "float32"

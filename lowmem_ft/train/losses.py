@@ -274,9 +274,9 @@ def full_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, shift_label
 
     A block is at most 64 MiB of fp32 logits and at most an eighth of the rows. Its working set (the fp32 copy,
     log-softmax, softmax and their product: 16 B per logit of the block) is then at most 2 B per logit of the batch,
-    within the 4 B fp32 upcast `cross_entropy` has freed by then. So the forward stays within the memory model's
-    full-logits count (`memory.loss.loss_bytes`, `hf_full`: c + 12 B per logit) at every size, not only where the
-    64 MiB cap is small beside the logits."""
+    within the 4 B fp32 upcast `cross_entropy` has freed by then. So the forward holds what the memory model's
+    full-logits forward counts (`memory.loss.loss_bytes`, `hf_full`: c + 8 B per logit) at every size, not only where
+    the 64 MiB cap is small beside the logits."""
     targets = _shift(labels, shift_labels).to(logits.device)
     mask = targets != IGNORE_INDEX
     vocab = logits.shape[-1]
