@@ -3,6 +3,8 @@
     nice -n 10 python -m devkit.bench.published --check-whole --out benchmarks/published.md   # ~20 min, 2 busy cores
     python -m devkit.bench.published --rewrite --out benchmarks/published.md      # re-render from the cache
     nice -n 10 python -m devkit.bench.published --whole --out /tmp/whole.md       # every trace 28 layers deep
+    nice -n 10 OLD_ENV/bin/python -m devkit.bench.published --generation 2025-07-22 \
+        --only full-finetuning--llama-3.2-3B-lr_0.00001      # one generation, in its libraries' environment
 
 PEFT's method comparison (huggingface/peft, method_comparison/MetaMathQA) trains Llama-3.2-3B in bf16 on an L40S
 and records, per configuration, `accelerator_memory_max` (`torch.cuda.max_memory_reserved()` over the whole run)
@@ -32,6 +34,15 @@ allocation), and the publisher subtracts what was reserved at start. The decoder
 layers and the replayed figures extrapolated to 28 (`lowmem_ft.train.trace.layers`); a fourth depth checks that
 the extrapolation holds (`affine`), and a configuration it misses by more than AFFINE_LIMIT is traced whole
 (reserved bytes, unlike live bytes, need not be affine in the depth: benchmarks/allocator.md).
+
+Library generations. PEFT published each configuration from up to three generations of torch / transformers /
+peft. `--generation DATE`, run in an environment with that generation's transformers and peft (and today's torch:
+no older CPU torch can be installed here), traces that generation's rows whole with its loop's `empty_cache`
+schedule and records the libraries it ran on; the table uses such a trace where there is one (the full
+fine-tuning rows) and today's libraries on the every-10 schedule elsewhere. Each generation trace is made three
+times, with AdamW's state made on a step of the mean sample length and of each solved lead length: run.py makes it
+on its first step, the first bucket's longest batch, whose length is not published. What was compared between the
+generations, and what was not found, is in the table's notes.
 
 What the published data do not give: the lengths of the batches. MetaMathQA and its tokenizer cannot be read here
 (no Hub access), so the one input taken from outside the memory model is the padded length of the run's longest
@@ -127,16 +138,20 @@ def build(result: Published, config, shadow=None):
     from lowmem_ft.train.trace.step import _fake_tensors_of, _model_class, _state_dict_shapes
 
     cls = _model_class(config)
+    from packaging.version import Version
+
+    # `torch_dtype` became `dtype` in transformers 4.56: an older generation is traced in an environment of its own
+    bf16 = {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": torch.bfloat16}
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # a dispatch mode is the entering thread's alone
     with shadow or nullcontext():
         if shadow is None:
-            model = cls._from_config(config, dtype=torch.bfloat16)
+            model = cls._from_config(config, **bf16)
         else:
             shapes = _state_dict_shapes(cls, config, torch.bfloat16)
             state = {k: shadow.fake_tensor(s, d) for k, (s, d) in shapes.items()}
-            model = cls.from_pretrained(None, config=config, state_dict=state, dtype=torch.bfloat16)
+            model = cls.from_pretrained(None, config=config, state_dict=state, **bf16)
         if result.method != "full":
             lora = LoraConfig(
                 r=result.r,
@@ -246,19 +261,32 @@ DEPTHS = (2, 3, 4)
 AFFINE_LIMIT = 0.005
 
 
-def reserved_at(result: Published, lengths: tuple[int, int], depths=DEPTHS) -> dict:
+def emptied_after(every: int) -> set[int]:
+    """The steps of the traced sequence (see `reserved_at`) after which the publisher's loop empties the cache:
+    before each lead, and after the previous bucket's median on the every-10 schedule (so the shortest batch is
+    carved from the median's blocks); after every step on the every-step one (run.py before PEFT's 90d3fc05d)."""
+    return set(range(7)) if every == 1 else {1, 2, 4}
+
+
+def reserved_at(
+    result: Published, lengths: tuple[int, int], depths=DEPTHS, every: int = EMPTY_CACHE_EVERY, state: int | None = None
+) -> dict:
     """The publisher's reserved bytes after a bucket's lead batch of each of `lengths` (each preceded by the
     previous bucket's median and shortest batches and an `empty_cache`), then the allocated bytes after a batch of
-    the run's mean sample length (what run.py's `mem allocated avg` averages), extrapolated to 28 layers:
-    {"first", "second", "requested": the live bytes' peak within the first lead step, "allocated", "affine": the
-    worst relative miss of the extrapolation at the third depth (None with two), "seconds"}."""
+    the run's mean sample length (what run.py's `mem allocated avg` averages), extrapolated to 28 layers, with
+    `empty_cache` after the steps `emptied_after(every)` names. The first step, where AdamW makes its state, is
+    `state` tokens long (default: the mean sample length): {"first", "second", "requested": the live bytes' peak
+    within the first lead step, "allocated", "state": reserved after the first step, "affine": the worst relative
+    miss of the extrapolation at the third depth (None with two), "seconds"}."""
     from lowmem_ft.train.trace.layers import Layers
 
     started = time.perf_counter()
     median = result.mean_row
-    seq = [median, SHORT, lengths[0], median, SHORT, lengths[1], median]
-    by_depth = {d: replay(run_log(result, _config(d), seq, empty_after={1, 2, 4})) for d in depths}
-    keys = {"first": ("step 2", 0), "second": ("step 5", 0), "requested": ("step 2", 2), "allocated": ("step 6", 1)}
+    seq = [state or median, SHORT, lengths[0], median, SHORT, lengths[1], median]
+    empty = emptied_after(every)
+    by_depth = {d: replay(run_log(result, _config(d), seq, empty_after=empty)) for d in depths}
+    keys = {"first": ("step 2", 0), "second": ("step 5", 0), "requested": ("step 2", 2), "allocated": ("step 6", 1),
+            "state": ("step 0", 0)}  # fmt: skip
     small, large = depths[0], depths[min(1, len(depths) - 1)]
 
     def at(total: int, mark: str, i: int) -> int:
@@ -270,7 +298,7 @@ def reserved_at(result: Published, lengths: tuple[int, int], depths=DEPTHS) -> d
     out["affine"] = None
     if len(depths) > 2:
         out["affine"] = max(abs(at(depths[2], *m) - by_depth[depths[2]][m[0]][m[1]]) / by_depth[depths[2]][m[0]][m[1]]
-                            for m in keys.values())  # fmt: skip
+                            for k, m in keys.items() if k != "state")  # fmt: skip
     out["seconds"] = round(time.perf_counter() - started)
     return out
 
@@ -313,6 +341,27 @@ def solve_lengths(held: Published, cache: dict, depths=DEPTHS) -> tuple[int, int
             return tuple(guess)
         print(f"solving the batch lengths: tracing {held.label} at lead lengths {guess}", flush=True)
         solve.append({"lengths": guess, **reserved_at(held, tuple(guess), depths)})
+
+
+def libraries() -> str:
+    """The installed torch / transformers / peft: what a trace ran on."""
+    from importlib.metadata import version
+
+    return " / ".join(version(p) for p in ("torch", "transformers", "peft"))
+
+
+def trace_generation(result: Published, lengths: tuple[int, int]) -> dict:
+    """`result`'s generation re-enacted on the installed libraries (run in an environment with that generation's
+    transformers and peft; torch is today's, see `docs/published-gpu-runs.md`): its loop's `empty_cache` schedule,
+    traced whole, once with AdamW's state made on a step of the mean sample length (as every row) and once each on
+    a step of the two solved lead lengths. run.py's first step, where the state is made, is the first bucket's
+    longest batch, whose length the published data do not give; these bound how much that choice moves the
+    reserved figures."""
+    by_state = {}
+    for state in (result.mean_row, lengths[1], lengths[0]):
+        print(f"tracing {result.label} ({result.date}) on {libraries()}, state made at {state} tokens", flush=True)
+        by_state[str(state)] = reserved_at(result, lengths, (28,), result.empty_cache_every, state)
+    return {"traced_with": libraries(), "every": result.empty_cache_every, "by_state": by_state}
 
 
 def setup_of(result: Published, length: int):
@@ -399,9 +448,9 @@ Written by `python -m devkit.bench.published --check-whole --out benchmarks/publ
 run (`max`) and the 99th percentile of `memory_reserved` after each step (`p99`), from huggingface/peft
 `method_comparison/MetaMathQA/results/*.json` at the commits in `devkit/bench/peft_metamathqa.json` (Llama-3.2-3B,
 bf16, 4 rows, no checkpointing, torch AdamW, the model's own loss over full logits, NVIDIA L40S). Predicted: the
-publisher's step traced on the CPU on shape-only tensors (installed libraries: torch {torch}, transformers
-{transformers}, peft {peft}) and its allocations replayed through the model of torch's caching allocator, with
-`empty_cache` where the loop calls it, cut to 2 and 3 decoder layers and extrapolated to 28 (`affine`: the
+publisher's step traced on the CPU on shape-only tensors (on the libraries in `traced with`: today's, torch
+{torch}, transformers {transformers}, peft {peft}, unless a generation was traced on its own) and its allocations
+replayed through the model of torch's caching allocator, with `empty_cache` where that loop calls it, cut to 2 and 3 decoder layers and extrapolated to 28 (`affine`: the
 extrapolation's worst miss at 4 layers). These are predictions, not measurements.
 
 The batch lengths are not published (MetaMathQA cannot be read here): the longest batch's padded length
@@ -417,8 +466,8 @@ its CUDA context) at the longest batch, against the published max. `plan`: what 
 full logits; every knob given, so the planner changes none) with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`
 (torch's default allocator settings, which PEFT's runs had), less the CUDA context.
 
-| configuration | published (torch / transformers / peft) | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | plan max GB | gap | affine (miss at 4 layers) | trace s |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| configuration | published (torch / transformers / peft) | traced with (torch / transformers / peft), empty_cache | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | plan max GB | gap | affine (miss at 4 layers) | trace s |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -437,20 +486,80 @@ NOTES = """
 - **DoRA** (max +0.2 to +0.3 %, p99 +0.1 to +0.2 %, traced whole): cut to 2/3 layers its extrapolation missed
   the 4-layer trace by 0.95 % (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
   cached blocks at each depth) and gave p99 +4.7 %, max −1.7 %; traced whole, both are within 0.3 %.
-- **Full fine-tuning** (max −0.2 % on the newest generation, +0.7 % and +4.2 % on the older two; p99 +3.0 % and
-  +3.3 %, traced whole): cut to 2/3 layers it was meaningless (4.5 % miss at 4 layers, max −35 %): the 6.4 GB of
-  bf16 gradients and AdamW's foreach temporaries (one parameter-sized copy per dtype group) re-use cached blocks
-  differently at each depth. Whole, the max holds on the newest libraries; the published max itself moved 4 %
-  across library generations (37.24 → 38.87 GB), which one trace on today's libraries cannot follow. The p99 is
-  over by 3 %: after a 599-token lead the replay reserves 38.46 GB, 0.34 GB under the 704-token lead, where the
-  GPU's p99 is 1.5 GB under its max; the optimizer step's temporaries, not the activations, set most of the
-  reserved figure, and which cached blocks they land in after a shorter lead is where the replay and the GPU part.
-  Not resolved. Allocated after a step matches to 0.06 %.
+- **Full fine-tuning** (traced whole; each generation on its own transformers and peft with its loop's
+  `empty_cache`, the section above): max −0.2 % and +0.7 % on the two newer generations, +6.0 % on the oldest;
+  p99 +3.0 % and +3.3 %. Cut to 2/3 layers it was meaningless (4.5 % miss at 4 layers, max −35 %). What sets the
+  reserved figure, after either lead: at the optimizer step AdamW's foreach temporaries (`_foreach_sqrt`, one per
+  parameter, 48 MiB per MLP weight) find no cached block that holds them, while the lead's blocks sit cached: after
+  the 704-token lead 5.6 GB, mostly the MLP activations' own 44 MiB segments and the fp32 norm inputs' 33 MiB ones.
+  After the 599-token lead 5.5 GB: 3.2 GB of it in segments the previous step's gradients held through the
+  `empty_cache` (`zero_grad` frees them only at the next step's start, as in run.py; 2.6 GB of 48 MiB ones), split
+  by the lead's 37.4 MiB activations and 28.1 MiB norm inputs into pieces under 48 MiB; 1.3 GB the activations'
+  own segments. The harness reads `memory_reserved`
+  where run.py does: after `optimizer.step()`, before the `empty_cache` and the next `zero_grad`, with this step's
+  gradients and `outputs` (bf16 logits, KV cache) alive.
+- **Why the oldest generation's full fine-tuning max is 4 % lower** is not found in the Python of torch,
+  transformers or peft, nor in the loop. torch's `_multi_tensor_adam`, `Adam._init_group` and `clip_grad_norm_`'s
+  foreach path allocate the same in 2.7.1, 2.9.0 and 2.13 (read from their wheels; AdamW is `Adam` with decoupled
+  decay in all three, and foreach is its CUDA default in all three). run.py's step and reading are the same in
+  every generation; only the `empty_cache` schedule (every step, with `gc.collect()`) differs, and the wiki-loss
+  evaluation before training that the newer two run (not traced). Re-enacted: the every-step schedule leaves the
+  704-token lead at 38.80 GB on today's libraries; `gc.collect()` changes nothing (the trace frees the same storages
+  with the collector off); transformers 4.52.4 adds 0.69 GB (its SDPA path copies the transposed query with
+  `.contiguous()`, 16.5 MiB per layer at 704 tokens, and builds a bf16 4-D mask where 4.57 builds a bool one).
+  What is left is torch 2.7's C++ side (the caching allocator, autograd's gradient accumulation, the CUDA kernels'
+  own allocations), which a CPU trace under torch 2.13 cannot re-enact. Not resolved.
+- **The step that makes AdamW's state** (run.py's first: the first bucket's longest batch, not published) moves the
+  full fine-tuning figures: made on a 209 / 599 / 704-token step, the 704-token lead reserves 38.80 / 38.75 /
+  38.64 GB but the 599-token lead 38.46 / 39.37 / 38.27 GB, and on a long step the state's own step reserves more
+  than any lead (39.41 GB at 704 tokens). So the max holds to 0.4 %, but the p99 (+2.5 to +5.7 %) is within what
+  this unknown moves. transformers' `caching_allocator_warmup` (`device_map="cuda"` reserves the weights' bytes in
+  one segment before loading) is not re-enacted: added to the logged sequence, it moves the figures by 0.1 GB at
+  most. Allocated after a step matches to 0.06 %.
 - **Allocated after a step** (−0.7 to +0.2 % on the adapter rows): the trace's batch is padded to the mean sample
   length; the published mean is over batches padded to their longest row (a few tokens more).
 
 What this says about lowmem-ft's own memory model is in `docs/published-gpu-runs.md`.
 """
+
+
+def render_generations(cache: dict) -> str:
+    """The rows traced on their own generation's libraries (`--generation`), one line per step length AdamW's
+    state was made on: how far that unknown moves the reserved figures."""
+    generations = cache.get("generations", {})
+    if not generations:
+        return ""
+    lmax, lp99 = cache["lengths"]
+    lines = [
+        "\n## Each generation re-enacted, and what the step that makes AdamW's state does\n\n"
+        "Traced whole on that generation's transformers and peft (torch is today's: see the notes), with its loop's "
+        "`empty_cache` schedule. run.py makes AdamW's state (12.85 GB of bf16 moments) in its first step, the first "
+        "bucket's longest batch, whose length is not published; the state's tensors are carved from the blocks that "
+        "step left cached and stay for the whole run. The table's rows make it on a step of the mean sample length; "
+        f"here also on a step of the two solved lead lengths ({lp99} and {lmax} tokens).\n\n"
+        "| configuration | published (torch / transformers / peft) | traced with | empty_cache | state made at (tokens) "
+        f"| reserved after that step GB | after the {lmax}-token lead GB | the larger GB | published max GB | gap | "
+        f"after the {lp99}-token lead GB | published p99 GB | gap |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    ]
+    for result in published():
+        gen = generations.get(f"{result.name}@{result.date}")
+        if gen is None:
+            continue
+        loop = "every step" if gen["every"] == 1 else f"every {gen['every']}"
+        for state, t in gen["by_state"].items():
+            top = max(t["state"], t["first"])  # max_memory_reserved is over the run: the state's step included
+            p99 = (
+                f"{t['second'] / GB:.2f} | {result.reserved_p99 / GB:.2f} | {_gap(t['second'], result.reserved_p99)}"
+                if gen["every"] == EMPTY_CACHE_EVERY
+                else f"{t['second'] / GB:.2f} | {result.reserved_p99 / GB:.2f} | not the p99's batch"
+            )
+            lines.append(
+                f"| {result.label} | {result.date}: {result.torch} / {result.transformers} / {result.peft} | "
+                f"{gen['traced_with']} | {loop} | {state} | {t['state'] / GB:.2f} | {t['first'] / GB:.2f} | "
+                f"{top / GB:.2f} | {result.max_reserved / GB:.2f} | {_gap(top, result.max_reserved)} | {p99} |\n"
+            )
+    return "".join(lines)
 
 
 def render(cache: dict) -> str:
@@ -462,8 +571,16 @@ def render(cache: dict) -> str:
             torch=version("torch"), transformers=version("transformers"), peft=version("peft"), lmax=lmax, lp99=lp99
         )
     ]
+    today = f"{version('torch')} / {version('transformers')} / {version('peft')}"
+    generations = cache.get("generations", {})
     for result in published():
         traced = cache["rows"].get(result.name)
+        gen = generations.get(f"{result.name}@{result.date}")
+        loop = f"every {EMPTY_CACHE_EVERY}"
+        if gen is not None:  # traced on its own generation's transformers and peft, with its loop
+            traced = gen["by_state"][str(result.mean_row)]
+            loop = "every step" if gen["every"] == 1 else f"every {gen['every']}"
+        traced_with = f"{gen['traced_with'] if gen else today}, {loop}"
         held = (
             "held in"
             if result == held_in()
@@ -473,7 +590,7 @@ def render(cache: dict) -> str:
         )
         libs = f"{result.date}: {result.torch} / {result.transformers} / {result.peft}"
         if traced is None:
-            lines.append(f"| {result.label} | {libs} | not traced |" + " |" * 15 + "\n")
+            lines.append(f"| {result.label} | {libs} | not traced |" + " |" * 16 + "\n")
             continue
         pmax, pp99 = traced["first"], traced["second"]
         mm, plan = model_reserved(result, lmax), plan_reserved(result, lmax)
@@ -483,9 +600,15 @@ def render(cache: dict) -> str:
             if result.empty_cache_every == EMPTY_CACHE_EVERY
             else f"— | {result.reserved_p99 / GB:.2f} | —"
         )
-        affine = f"{traced['affine']:.2%}" if "cut" not in traced else f"whole ({traced['cut']['affine']:.2%} cut)"
+        affine = (
+            "whole"
+            if traced["affine"] is None and "cut" not in traced
+            else f"{traced['affine']:.2%}"
+            if "cut" not in traced
+            else f"whole ({traced['cut']['affine']:.2%} cut)"
+        )
         lines.append(
-            f"| {result.label} | {libs} | {held} | {pmax / GB:.2f} | {result.max_reserved / GB:.2f} | "
+            f"| {result.label} | {libs} | {traced_with} | {held} | {pmax / GB:.2f} | {result.max_reserved / GB:.2f} | "
             f"{_gap(pmax, result.max_reserved)} | {p99} | {traced['allocated'] / GB:.2f} | "
             f"{result.allocated_avg / GB:.2f} | {_gap(traced['allocated'], result.allocated_avg)} | "
             f"{mm / GB:.2f} | {_gap(mm, result.max_reserved)} | {planned} | "
@@ -501,7 +624,7 @@ def render(cache: dict) -> str:
             f"({_gap(check['second'], held.reserved_p99)}), live peak {check['requested'] / GB:.3f} GB "
             f"(cut and extrapolated: {cache['rows'][HELD_IN]['requested'] / GB:.3f}).\n"
         )
-    return "".join(lines) + NOTES
+    return "".join(lines) + render_generations(cache) + NOTES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,10 +638,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--whole", action="store_true", help="trace every row and the solve with all 28 layers (about 5 min each)"
     )
+    parser.add_argument(
+        "--generation",
+        metavar="DATE",
+        help="trace the rows of the generation published on DATE (with --only: those rows) with its loop, on the "
+        "installed libraries (install that generation's transformers and peft first), and only write the cache",
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     cache_path = args.out.with_suffix(".json")
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {"rows": {}}
+    if args.generation:
+        for result in published():
+            if result.date == args.generation and (args.only is None or result.name in args.only):
+                key = f"{result.name}@{result.date}"
+                cache.setdefault("generations", {})[key] = trace_generation(result, tuple(cache["lengths"]))
+                cache_path.write_text(json.dumps(cache, indent=1))
+        print(
+            f"traced; re-render in lowmem-ft's environment: python -m devkit.bench.published --rewrite --out {args.out}"
+        )
+        return 0
     if not args.rewrite:
         held = held_in()
         depths = (28,) if args.whole else DEPTHS

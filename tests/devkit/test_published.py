@@ -45,6 +45,32 @@ def test_replay_reads_reserved_after_each_step_and_empties_the_cache_where_the_l
     assert out["step 1"] == (20 * MiB, 4 * MiB, 4 * MiB)
 
 
+def test_each_generation_empties_the_cache_as_its_loop_did():
+    """run.py emptied the cache after every step before PEFT's 90d3fc05d, every 10 since: in the traced sequence
+    (state step, short, lead, median, short, lead, median) the every-10 loop empties before each lead and after
+    the short batch that follows the median; the every-step one after each step."""
+    assert pub.emptied_after(pub.EMPTY_CACHE_EVERY) == {1, 2, 4}
+    assert pub.emptied_after(1) == set(range(7))
+
+
+def test_a_generation_trace_names_the_libraries_it_ran_on_and_its_loop():
+    """A row traced with `--generation` ran on that generation's transformers and peft (torch is today's: no older
+    CPU torch installs here) and with its loop's schedule, three times, AdamW's state made on a step of the mean
+    sample length and of each solved lead length."""
+    from pathlib import Path
+
+    cache = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "published.json").read_text())
+    rows = {f"{r.name}@{r.date}": r for r in pub.published()}
+    assert cache["generations"]
+    for key, gen in cache["generations"].items():
+        result = rows[key]
+        torch_version, transformers_version, peft_version = gen["traced_with"].split(" / ")
+        assert transformers_version == result.transformers, key
+        assert peft_version.split(".")[:2] == result.peft.split(".")[:2], key
+        assert gen["every"] == result.empty_cache_every, key
+        assert set(gen["by_state"]) == {str(result.mean_row), *map(str, cache["lengths"])}, key
+
+
 def test_batches_are_padded_on_the_right_and_keep_the_first_pad_label():
     ids, mask, labels = pub.batch(vocab=100, length=10, seed=0)
     assert ids.shape == (pub.ROWS, 10)
