@@ -3,7 +3,7 @@
     nice -n 10 python -m devkit.bench.published --check-whole --out benchmarks/published.md   # ~20 min, 2 busy cores
     python -m devkit.bench.published --rewrite --out benchmarks/published.md      # re-render from the cache
     nice -n 10 python -m devkit.bench.published --whole --out /tmp/whole.md       # every trace 28 layers deep
-    nice -n 10 OLD_ENV/bin/python -m devkit.bench.published --generation 2025-07-22 \
+    nice -n 10 .venv-2025-07/bin/python -m devkit.bench.published --generation 2025-07-22 \
         --only full-finetuning--llama-3.2-3B-lr_0.00001      # one generation, in its libraries' environment
 
 PEFT's method comparison (huggingface/peft, method_comparison/MetaMathQA) trains Llama-3.2-3B in bf16 on an L40S
