@@ -514,8 +514,9 @@ NOTES = """
   38.64 GB but the 599-token lead 38.46 / 39.37 / 38.27 GB, and on a long step the state's own step reserves more
   than any lead (39.41 GB at 704 tokens). So the max holds to 0.4 %, but the p99 (+2.5 to +5.7 %) is within what
   this unknown moves, and the solved 599 tokens sit on a 1.3 to 2.5 GB step of the full fine-tuning figure
-  (`benchmarks/published_leads.md`): one length cannot stand for the leads its percentile counts. transformers' `caching_allocator_warmup` (`device_map="cuda"` reserves the weights' bytes in
-  one segment before loading) is not re-enacted: added to the logged sequence, it moves the figures by 0.1 GB at
+  (`benchmarks/published_leads.md`): one length cannot stand for the leads its percentile counts.
+  transformers' `caching_allocator_warmup` (`device_map="cuda"` reserves the weights' bytes in one segment
+  before loading) is not re-enacted: added by hand to one logged sequence, it moved the figures by 0.1 GB at
   most. Allocated after a step matches to 0.06 %.
 - **Allocated after a step** (−0.7 to +0.2 % on the adapter rows): the trace's batch is padded to the mean sample
   length; the published mean is over batches padded to their longest row (a few tokens more).
