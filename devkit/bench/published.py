@@ -476,16 +476,19 @@ NOTES = """
 
 - **LoRA / rsLoRA on q,v** (+0.5 to +0.7 % max, +0.0 to +0.1 % p99): within the allocator's step-like response
   to the length (the held-in row's reserved figure moves 0.5 GB between 695 and 704 tokens, as the lead step's
-  logits do or do not fit a cached block), below the solve's resolution.
+  logits do or do not fit a cached block), below the solve's resolution. The oldest generation, traced on its own
+  libraries with its every-step loop (the section above), is −0.2 %, whatever step makes AdamW's state.
 - **The p99 rests on an assumption** (`SHORT`, the previous bucket's shortest batch, 96 tokens): for the held-in
   row, cut, the p99 lead reserves 19.84 / 20.14 / 21.17 GB at SHORT = 64 / 96 / 160 (the max 22.33 / 22.41 /
   22.40), so the held-out rows' p99 tests their difference from the held-in row at the same SHORT. The previous
   bucket's median, taken as the mean sample length (208), matters less: 150 / 208 / 300 tokens give max 22.41 /
   22.41 / 22.89 GB, p99 19.92 / 20.14 / 20.33 GB.
 - **LoRA r10 on the MLP** (max −1.3 %): its longest batch lands on the other side of such a step; p99 +0.2 %.
+  Its every-step generation (2025-10-27), traced on its own libraries and loop: +0.3 %.
 - **DoRA** (max +0.2 to +0.3 %, p99 +0.1 to +0.2 %, traced whole): cut to 2/3 layers its extrapolation missed
   the 4-layer trace by 0.95 % (its weight-norm temporaries, one fp32 weight per adapted linear, land in different
-  cached blocks at each depth) and gave p99 +4.7 %, max −1.7 %; traced whole, both are within 0.3 %.
+  cached blocks at each depth) and gave p99 +4.7 %, max −1.7 %; traced whole, both are within 0.3 % (−0.5 % on
+  the oldest generation, traced on peft 0.15.2 and its loop).
 - **Full fine-tuning** (traced whole; each generation on its own transformers and peft with its loop's
   `empty_cache`, the section above): max −0.2 % and +0.7 % on the two newer generations, +6.0 % on the oldest;
   p99 +3.0 % and +3.3 %. Cut to 2/3 layers it was meaningless (4.5 % miss at 4 layers, max −35 %). What sets the
@@ -507,8 +510,10 @@ NOTES = """
   704-token lead at 38.80 GB on today's libraries; `gc.collect()` changes nothing (the trace frees the same storages
   with the collector off); transformers 4.52.4 adds 0.69 GB (its SDPA path copies the transposed query with
   `.contiguous()`, 16.5 MiB per layer at 704 tokens, and builds a bf16 4-D mask where 4.57 builds a bool one).
-  What is left is torch 2.7's C++ side (the caching allocator, autograd's gradient accumulation, the CUDA kernels'
-  own allocations), which a CPU trace under torch 2.13 cannot re-enact. Not resolved.
+  The same re-enactment puts that generation's adapter rows at −0.5 to −0.2 %, so what is left is what only full
+  fine-tuning exercises, on torch 2.7's C++ side (autograd's accumulation of every weight's gradient, the caching
+  allocator under them and AdamW's temporaries, the CUDA kernels' own allocations), which a CPU trace under torch
+  2.13 cannot re-enact. Not resolved.
 - **The step that makes AdamW's state** (run.py's first: the first bucket's longest batch, not published) moves the
   full fine-tuning figures: made on a 209 / 599 / 704-token step, the 704-token lead reserves 38.80 / 38.75 /
   38.64 GB but the 599-token lead 38.46 / 39.37 / 38.27 GB, and on a long step the state's own step reserves more
@@ -535,7 +540,7 @@ def render_generations(cache: dict) -> str:
     lines = [
         "\n## Each generation re-enacted, and what the step that makes AdamW's state does\n\n"
         "Traced whole on that generation's transformers and peft (torch is today's: see the notes), with its loop's "
-        "`empty_cache` schedule. run.py makes AdamW's state (12.85 GB of bf16 moments) in its first step, the first "
+        "`empty_cache` schedule. run.py makes AdamW's state (full fine-tuning: 12.85 GB of bf16 moments) in its first step, the first "
         "bucket's longest batch, whose length is not published; the state's tensors are carved from the blocks that "
         "step left cached and stay for the whole run. The table's rows make it on a step of the mean sample length; "
         f"here also on a step of the two solved lead lengths ({lp99} and {lmax} tokens).\n\n"
