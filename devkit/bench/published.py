@@ -495,7 +495,7 @@ NOTES = """
   reserved figure, after either lead: at the optimizer step AdamW's foreach temporaries (`_foreach_sqrt`, one per
   parameter, 48 MiB per MLP weight) find no cached block that holds them, while the lead's blocks sit cached: after
   the 704-token lead 5.6 GB, mostly the MLP activations' own 44 MiB segments and the fp32 norm inputs' 33 MiB ones.
-  After the 599-token lead 5.5 GB: 3.2 GB of it in segments the previous step's gradients held through the
+  After the 599-token lead 5.4 GB: 3.2 GB of it in segments the previous step's gradients held through the
   `empty_cache` (`zero_grad` frees them only at the next step's start, as in run.py; 2.6 GB of 48 MiB ones), split
   by the lead's 37.4 MiB activations and 28.1 MiB norm inputs into pieces under 48 MiB; 1.3 GB the activations'
   own segments. The harness reads `memory_reserved`

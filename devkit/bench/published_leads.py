@@ -1,7 +1,8 @@
 """How the publisher's reserved figure after a bucket's lead batch moves with the lead's length: LoRA against full
 fine-tuning, traced whole.
 
-    nice -n 10 python -m devkit.bench.published_leads --out benchmarks/published_leads.md   # ~3 min, one core
+    nice -n 10 python -m devkit.bench.published_leads --out benchmarks/published_leads.md   # ~5 min, one core
+    python -m devkit.bench.published_leads --explain full-finetuning--llama-3.2-3B-lr_0.00001  # the blocks
 
 `devkit.bench.published` predicts the 99th percentile of PEFT's `memory_reserved` readings from ONE lead length
 (599 tokens), solved on the LoRA r32 row, where the reserved figure rises with the length. A percentile over 5,000
@@ -10,6 +11,7 @@ the length. This traces, for one row at a time, a run of bucket leads at several
 sequence has it (the previous bucket's median and shortest batch, an `empty_cache`, the lead, an `empty_cache`), in
 one trace, and replays it: the reserved bytes after each lead. AdamW's state is made on the first step, of the
 mean sample length, as in the harness's table. These are predictions (a trace and a model of the allocator).
+`--explain` says what the reserved figure after each of the harness's two leads is made of.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ FULL = "full-finetuning--llama-3.2-3B-lr_0.00001"
 ROWS = (pub.HELD_IN, FULL)
 COLUMNS = (*ROWS, f"{FULL} descending")  # full fine-tuning again, its leads run from the longest down
 GB = 1e9
+MiB = 1 << 20
 
 
 def lead_scan(result: pub.Published, leads=LEADS, layers: int = 28) -> dict[int, int]:
@@ -40,6 +43,67 @@ def lead_scan(result: pub.Published, leads=LEADS, layers: int = 28) -> dict[int,
         at[lead] = f"step {len(seq) - 1}"
     out = pub.replay(pub.run_log(result, pub._config(layers), seq, empty_after=empty))
     return {lead: out[mark][0] for lead, mark in at.items()}
+
+
+def explain(result: pub.Published, lengths: tuple[int, int], lead: int) -> str:
+    """What the reserved figure after lead `lead` (0: the first, 1: the second) of the harness's sequence is made
+    of, traced whole with the row's loop: at the step's reserved peak, the request that opened it, the cached free
+    blocks grouped by the request that last held them and the one their segment was made for, and how much of them
+    lies in segments the previous step's gradients held through the `empty_cache` (`zero_grad` frees them at the
+    next step's start, as in run.py)."""
+    import bisect
+    from collections import Counter
+
+    from lowmem_ft.train.measure.allocator import Allocator
+
+    seq = [result.mean_row, pub.SHORT, lengths[0], result.mean_row, pub.SHORT, lengths[1], result.mean_row]
+    target = (2, 5)[lead]
+    log = pub.run_log(result, pub._config(28), seq, empty_after=pub.emptied_after(result.empty_cache_every))
+    alloc, live, tenant, starts, made, held = Allocator(), {}, {}, [], {}, set()
+    step, zero_grad, peak = 0, False, None
+
+    def segment(addr: int) -> int:
+        return starts[bisect.bisect(starts, addr) - 1]
+
+    for kind, key, nbytes in log:
+        if kind == "+" and nbytes:
+            zero_grad = zero_grad and nbytes <= MiB  # the batch's small tensors come first; then the forward
+            before = alloc.current.reserved
+            block = live[key] = alloc.malloc(nbytes)
+            rest = block.next  # the rest of a split block: a piece of what its previous tenant held
+            if rest is not None and not rest.allocated and rest not in tenant:
+                tenant[rest] = tenant.get(block, 0)
+            tenant[block] = nbytes
+            if alloc.current.reserved > before:
+                bisect.insort(starts, block.addr)
+                made[block.addr] = (nbytes, step)
+            if step == target and (peak is None or alloc.current.reserved > peak[0]):
+                free = [(b.size, tenant.get(b, 0), segment(b.addr)) for p in alloc._pools.values() for b in p.blocks]
+                peak = (alloc.current.reserved, alloc.current.requested, nbytes, free)
+        elif kind == "-" and key in live:
+            block = live.pop(key)
+            if zero_grad and step == target:
+                held.add(segment(block.addr))
+            alloc.free(block)
+        elif kind == "empty_cache":
+            alloc.empty_cache()
+        elif kind == "mark":
+            step, zero_grad = step + 1, True
+    reserved, requested, trigger, free = peak
+    groups: Counter = Counter()
+    for size, last, start in free:
+        groups[(last, *made[start])] += size
+    lines = [
+        f"{result.label} ({result.date}), the {seq[target]}-token lead: reserved peak {reserved / GB:.2f} GB, live "
+        f"{requested / GB:.2f} GB, opened by a {trigger / MiB:.1f} MiB request; cached free "
+        f"{sum(f[0] for f in free) / GB:.2f} GB in {len(free)} blocks, "
+        f"{sum(f[0] for f in free if f[2] in held) / GB:.2f} GB of it in segments the previous step's gradients "
+        "held through the empty_cache. The largest groups:"
+    ]
+    for (last, seg, at), size in groups.most_common(8):
+        lines.append(f"  {size / GB:.3f} GB last held by {last / MiB:.1f} MiB, in segments made for {seg / MiB:.1f} "
+                     f"MiB at step {at}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def render(cache: dict) -> str:
@@ -77,8 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/published_leads.md"))
     parser.add_argument("--rewrite", action="store_true", help="re-render the table from the cache, no tracing")
+    parser.add_argument(
+        "--explain", metavar="NAME", help="what the reserved figure after each lead of a row is made of"
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
+    if args.explain:
+        result = max((r for r in pub.published() if r.name == args.explain), key=lambda r: r.date)
+        lengths = tuple(json.loads(Path("benchmarks/published.json").read_text())["lengths"])
+        print("\n".join(explain(result, lengths, lead) for lead in (0, 1)))
+        return 0
     cache_path = args.out.with_suffix(".json")
     if not args.rewrite:
         cache = (
