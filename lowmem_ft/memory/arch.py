@@ -267,8 +267,9 @@ def unchecked_family(arch) -> str | None:
     rule = FAMILIES.get(arch.model_type)
     if (rule and (rule.checked or rule.described)) or arch.experts:
         return None
+    kind = f"model_type {arch.model_type!r}" if arch.model_type else "a config.json without model_type"
     return (
-        f"model_type {arch.model_type!r} is not a family lowmem-ft has checked; its block is read as Llama's "
+        f"{kind} is not a family lowmem-ft has checked; its block is read as Llama's "
         f"({', '.join(lin.name for lin in arch.linears)}, RMSNorms), so norms, biases or layer kinds of its own are "
         "not counted and the plan may be off"
     )

@@ -341,3 +341,11 @@ def test_an_unchecked_family_plans_with_a_warning_naming_it(tmp_path, caplog):
         assert len(said) == (0 if model_type == "olmo2" else 1), said
         if said:
             assert f"model_type '{model_type}'" in said[0] and "q_proj" in said[0]
+
+
+def test_a_config_without_model_type_is_named_so_in_the_warning(tmp_path, caplog):
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in SMALL.items() if k != "model_type"}))
+    with caplog.at_level("WARNING"):
+        load_architecture(str(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "not a family lowmem-ft has checked" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("a config.json without model_type is not a family"), said
