@@ -456,8 +456,8 @@ extrapolation's worst miss at 4 layers). These are predictions, not measurements
 The batch lengths are not published (MetaMathQA cannot be read here): the longest batch's padded length
 (**{lmax}** tokens) and the length of the bucket lead that sets the 99th percentile (**{lp99}** tokens) are solved
 from the held-in row only (`held in`) and kept for every other row (`held out`). The p99 of the rows run before
-PEFT's commit 90d3fc05d (`empty_cache` after every step, not every 10) is set by a different batch, whose length
-this does not know: not predicted (`—`). `alloc`: `memory_allocated` after a step of the run's mean sample length
+PEFT's commit 90d3fc05d (`empty_cache` after every step, not every 10) is set by a shorter lead, solved from that
+generation's lora r32 q,v alone (**{lp99s}** tokens; its section below). `alloc`: `memory_allocated` after a step of the run's mean sample length
 (published total tokens / samples; no length solved) against the mean of the published `mem allocated avg`: the
 static state plus what the loop keeps alive between steps (the bf16 logits and the KV cache in `outputs`).
 `memory model`: lowmem-ft's own memory model (`lowmem_ft.memory.estimate`, `loss_impl="hf_full"`, on CUDA, torch's default allocator settings, less
@@ -572,12 +572,11 @@ def render_generations(cache: dict) -> str:
 def render(cache: dict) -> str:
     from importlib.metadata import version
 
+    from devkit.bench import published_p99 as every_step  # its section and the every-step rows' p99 cells
+
     lmax, lp99 = cache["lengths"]
-    lines = [
-        HEADER.format(
-            torch=version("torch"), transformers=version("transformers"), peft=version("peft"), lmax=lmax, lp99=lp99
-        )
-    ]
+    libs = {p: version(p) for p in ("torch", "transformers", "peft")}
+    lines = [HEADER.format(**libs, lmax=lmax, lp99=lp99, lp99s=cache.get(every_step.KEY, {}).get("length", "—"))]
     today = f"{version('torch')} / {version('transformers')} / {version('peft')}"
     generations = cache.get("generations", {})
     for result in published():
@@ -588,13 +587,9 @@ def render(cache: dict) -> str:
             traced = gen["by_state"][str(result.mean_row)]
             loop = "every step" if gen["every"] == 1 else f"every {gen['every']}"
         traced_with = f"{gen['traced_with'] if gen else today}, {loop}"
-        held = (
-            "held in"
-            if result == held_in()
-            else "same config, older libraries"
-            if result.name == HELD_IN
-            else "held out"
-        )
+        held = "held in" if result == held_in() else "held out"
+        held = "same config, older libraries" if result.name == HELD_IN and result != held_in() else held
+        held += ", p99 held in" if f"{result.name}@{result.date}" == every_step.held_in_key(cache) else ""
         libs = f"{result.date}: {result.torch} / {result.transformers} / {result.peft}"
         if traced is None:
             lines.append(f"| {result.label} | {libs} | not traced |" + " |" * 16 + "\n")
@@ -605,7 +600,7 @@ def render(cache: dict) -> str:
         p99 = (
             f"{pp99 / GB:.2f} | {result.reserved_p99 / GB:.2f} | {_gap(pp99, result.reserved_p99)}"
             if result.empty_cache_every == EMPTY_CACHE_EVERY
-            else f"— | {result.reserved_p99 / GB:.2f} | —"
+            else every_step.p99_cells(result, cache)
         )
         affine = (
             "whole"
@@ -631,7 +626,7 @@ def render(cache: dict) -> str:
             f"({_gap(check['second'], held.reserved_p99)}), live peak {check['requested'] / GB:.3f} GB "
             f"(cut and extrapolated: {cache['rows'][HELD_IN]['requested'] / GB:.3f}).\n"
         )
-    return "".join(lines) + render_generations(cache) + NOTES
+    return "".join(lines) + render_generations(cache) + every_step.render(cache) + NOTES
 
 
 def main(argv: list[str] | None = None) -> int:
