@@ -11,9 +11,9 @@ when this step's forward returns) and its gradients (freed by this step's `zero_
 takes `np.percentile(readings, 99)` over the 5,000 readings (linear interpolation): 0.99 × the 51st largest
 reading + 0.01 × the 50th (`p99_ranks`). run.py's `BucketIterator` sorts each bucket of 80 samples longest first
 into 20 batches padded to their longest row, so a batch of the run's longest 1 % is almost always a bucket's
-lead (`lead_share`: in 2,000 of 2,000 simulated runs whose samples come in an order independent of their length,
-when the reading rises with the padded length), and the step before it is the previous bucket's shortest batch. That is
-the harness's sequence (`devkit.bench.published.reserved_at`: the previous bucket's median and shortest batches,
+lead (`lead_share`: in 2,000 of 2,000 simulated runs whose samples come in an order independent of their
+length, when the reading rises with the padded length), and the step before it is the previous bucket's
+shortest batch. That is the harness's sequence (`devkit.bench.published.reserved_at`: the previous bucket's median and shortest batches,
 each followed by an `empty_cache`, then the lead), on the every-step schedule.
 
 The lead's length is not published (MetaMathQA cannot be read here). As the harness did for the every-10 rows,
@@ -24,9 +24,10 @@ Nothing else is fitted. The solve starts from the 599-token lead that generation
 
 Each run re-enacts one generation's rows in an environment with that generation's transformers and peft (and
 today's torch; see `docs/published-gpu-runs.md`), and writes `benchmarks/published.json` under `every_step_p99`.
-It also traces the full fine-tuning row at neighbouring lengths (its reserved figure is not monotone in the
-length, `benchmarks/published_leads.md`) and the held-in row at the solved length after a longer batch (a bucket's
-second batch), to show how much the step before moves a reading. These are predictions (a trace and a model of
+It also traces each held-out row at neighbouring lengths (full fine-tuning at four: its reserved figure is not
+monotone in the length, `benchmarks/published_leads.md`), and the held-in row at the solved length after a longer
+batch (a bucket's second batch) and after other shortest batches (SHORT), to show how much the step before
+moves a reading. These are predictions (a trace and a model of
 the allocator), not measurements.
 """
 
@@ -300,12 +301,13 @@ NOTES = """
 - **The step before.** A reading holds what the step before left alive through the `empty_cache`, freed into the
   cache during the step: for a lead, the previous bucket's shortest batch's `outputs` (bf16 logits and KV cache,
   4 × S × 371,200 B; the assumed S = 96 moves the held-in reading by −0.2 / +2.6 % at 64 / 160 tokens); for a
-  bucket's second batch, the lead's, 0.80 GB more at 547 tokens, so it reads like a lead about 32 tokens longer.
-  The p99 reading stays a lead's: 51 of 250 bucket leads above it means about 57 of the 20,000 samples
-  (1 − (1 − 51/250)^(1/80) each) longer than it, and a second batch that long needs five of them in one bucket;
+  bucket's second batch, the lead's, 0.80 GB more after a 547-token lead, so it reads like a lead about 32 tokens longer.
+  The p99 reading stays a lead's: for it to be the 51st of 250 bucket leads, about 57 of the 20,000 samples
+  (1 − (1 − 51/250)^(1/80) each) are at least as long, and a second batch that long needs five of them in one bucket;
   in an order independent of the length that almost never happens (`lead_share`, which ranks by length alone).
-  run.py does not shuffle MetaMathQA, and its order cannot be read here: if its longest samples cluster, second
-  batches could set the percentile, and this model would read low.
+  run.py does not shuffle MetaMathQA, and its order cannot be read here: if its longest samples cluster, a
+  second batch could set the percentile. The solved length would then stand in for a second batch about 32 tokens
+  shorter, and a held-out row would be off by how differently its figure rises over those tokens (not traced).
 """
 
 
