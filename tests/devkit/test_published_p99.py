@@ -67,3 +67,14 @@ def test_the_committed_every_step_p99_solve_needs_no_new_trace_and_predicts_ever
         assert row["length"] == section["length"], key
         assert row["traced_with"].split(" / ")[1] == result.transformers, key
         assert p99.p99_cells(result, cache).startswith(f"{row['reserved'] / p99.GB:.2f} |")
+        assert row["second"]["length"] == section["second_length"], key  # the alternative, held out the same way
+    assert p99.solve(copy.deepcopy(cache), second=True) == section["second_length"]
+
+
+def test_a_generation_run_refuses_the_wrong_libraries_in_one_line(capsys):
+    """`--date` traces a generation only on its own transformers (lowmem-ft's environment has today's), and names
+    the every-step dates when given another; no traceback, exit code 2."""
+    assert p99.main(["--date", "2025-07-22"]) == 2
+    assert capsys.readouterr().out.count("\n") == 1
+    assert p99.main(["--date", "2026-07-20"]) == 2  # an every-10 generation: nothing to trace here
+    assert "2025-07-22, 2025-10-27" in capsys.readouterr().out
