@@ -20,7 +20,8 @@ from lowmem_ft import calibrated
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.estimate import CUDA_CONTEXT_BYTES, GB, Device, Setup, estimate
 from lowmem_ft.memory.host import host_over
-from lowmem_ft.memory.planner import Plan, Request, Requested, check, longest_length, max_seq_len, plan, round_seq_len
+from lowmem_ft.memory.lengths import longest_length, round_seq_len
+from lowmem_ft.memory.planner import Plan, Request, Requested, check, max_seq_len, plan
 from lowmem_ft.memory.target import Target
 from lowmem_ft.method_planning import planning
 from lowmem_ft.recipe.load import merge, resolve, shipped_recipes, to_dict

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from lowmem_ft.choosing import fixed_knobs, request_for, target_for, tier_for_vram
+from lowmem_ft.memory.lengths import round_seq_len
 from lowmem_ft.memory.long_context import KNOBS as LONG_CONTEXT_KNOBS
-from lowmem_ft.memory.planner import Request, max_seq_len, round_seq_len
+from lowmem_ft.memory.planner import Request, max_seq_len
 from lowmem_ft.recipe.load import merge, resolve
 
 # What `longest_context(savers=...)` lets the planner choose: "all" (everything it may turn on), "previous" (activation

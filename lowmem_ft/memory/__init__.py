@@ -8,7 +8,8 @@ tests/memory/test_map.py):
    block's shape from a config dict), `vision` (the Qwen-VL towers: shapes and per-patch costs), `vision_towers`
    (one plain-ViT tower for Gemma-3, Idefics3 / SmolVLM, LLaVA, LLaVA-OneVision), `layout` (checked against a local
    model's weights), `arch` (the `Architecture` read from config.json), `records` (the `Setup` of knobs, a named
-   `Component`, an `Estimate`), `target` (VRAM, margin and budget).
+   `Component`, an `Estimate`), `target` (VRAM, margin and budget), `lengths` (the sequence lengths a plan chooses
+   and the search for the longest that fits).
 2. constants — `calibration`: every number the terms use, each declared with its `Source` (read from a library's
    code, or measured, and how).
 3. terms — one concern each, bytes per component at each moment of the step: `linears` (what LoRA adapts and
@@ -27,7 +28,7 @@ tests/memory/test_map.py):
 
 # layer → its modules, top to bottom (the map above)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "describe": ("families", "blocks", "vision", "vision_towers", "layout", "arch", "records", "target"),
+    "describe": ("families", "blocks", "vision", "vision_towers", "layout", "arch", "records", "target", "lengths"),
     "constants": ("calibration",),
     "terms": (
         "linears", "dora", "savers", "static", "activations", "experts", "loss", "recompute", "transients",

@@ -29,6 +29,7 @@ from lowmem_ft.memory import long_context, preference
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.estimate import GB, Estimate, Setup, loss_chunk_tokens, mlp_tile_tokens
 from lowmem_ft.memory.host import host_need_gb, host_over
+from lowmem_ft.memory.lengths import MAX_SEQ_LEN, SEQ_MULTIPLE, longest_length
 from lowmem_ft.memory.long_context import LOSS_CHUNK_MIN, SAVER_COST, SAVERS
 from lowmem_ft.memory.reasons import choose_eval_batch, frozen_experts_note, knob_reasons, partial_targets_note
 from lowmem_ft.memory.savers import LONG_CONTEXT_SAVERS
@@ -49,9 +50,6 @@ from lowmem_ft.memory.target import Target
 # fully overlap); the chunked loss recomputes the head projection per chunk in backward (≈ +5 %). The long-context
 # savers': CPU step-time ratios (`savers.Saver.cost`; the comment above the savers says where they come from).
 COST = {"checkpointing": 1.33, "nf4": 1.3, "int8": 1.5, "offloading": 1.10, "chunked_loss": 1.05, **SAVER_COST}
-# The one rounding rule for the lengths the planner chooses: a multiple of 16 tokens (tensor-core friendly tiles),
-# rounded up to cover the data, down to fit memory.
-SEQ_MULTIPLE = 16
 # What the planner may change when the user did not fix it.
 KNOBS = frozenset(
     {
@@ -69,14 +67,7 @@ KNOBS = frozenset(
         "mlp_tile_tokens",
     }
 )
-MAX_SEQ_LEN = 262144  # where `max_seq_len` starts its search
 STORAGE = {"nf4": "NF4", "int8": "int8", "none": "16-bit weights"}
-
-
-def round_seq_len(tokens: int, up: bool = True) -> int:
-    """`tokens` as a multiple of SEQ_MULTIPLE: up (to cover a length) or down (to stay within one)."""
-    steps = -(-tokens // SEQ_MULTIPLE) if up else tokens // SEQ_MULTIPLE
-    return steps * SEQ_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -653,24 +644,14 @@ def _what_fits_instead(arch: Architecture, request: Request) -> str:
     )
 
 
-def longest_length(fits, limit: int) -> int:
-    """The longest multiple of SEQ_MULTIPLE up to `limit` for which `fits(length)` holds (binary search), else 0."""
-    lo, hi, best = 1, limit // SEQ_MULTIPLE, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(mid * SEQ_MULTIPLE):
-            best, lo = mid * SEQ_MULTIPLE, mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
 def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) -> int:
     """The longest max_seq_len (a multiple of SEQ_MULTIPLE, at most `limit`) for which `plan` finds a fitting
     setup, else 0."""
 
+    least = _least_micro_batch(arch, request)
+
     def fits(length: int) -> bool:
-        at = replace(request, start=replace(request.start, max_seq_len=length), fixed=request.fixed | {"max_seq_len"})
+        at = replace(least, start=replace(least.start, max_seq_len=length), fixed=least.fixed | {"max_seq_len"})
         if _fits_with_every_saver(arch, at):
             return True
         try:
@@ -680,6 +661,22 @@ def max_seq_len(arch: Architecture, request: Request, limit: int = MAX_SEQ_LEN) 
         return True
 
     return longest_length(fits, limit)
+
+
+def _least_micro_batch(arch: Architecture, request: Request) -> Request:
+    """`request` with its micro batch fixed at the least the search would try, the effective batch kept: whether a
+    length fits is decided there, as every estimate grows with the micro batch (its tokens; an effective batch's
+    batch tensors too, `_accumulation` rounding up). Unchanged when the micro batch is fixed, or when the effective
+    batch is no whole number of the least micro batches."""
+    if "micro_batch_size" in request.fixed:
+        return request
+    least = min(_options(request.start, request.fixed, arch, *_micro_batch_rows(request))["micro_batch_size"])
+    rows = request.start.micro_batch_size * request.gradient_accumulation
+    if "gradient_accumulation" not in request.fixed and rows % least:
+        return request
+    accumulation = request.gradient_accumulation if "gradient_accumulation" in request.fixed else rows // least
+    start = replace(request.start, micro_batch_size=least)
+    return replace(request, start=start, gradient_accumulation=accumulation, fixed=request.fixed | {"micro_batch_size"})
 
 
 def _fits_with_every_saver(arch: Architecture, request: Request) -> bool:

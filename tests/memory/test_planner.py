@@ -10,7 +10,8 @@ from lowmem_ft.choosing import fixed_knobs, plan_setup, setup_from_recipe
 from lowmem_ft.errors import UserError
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.estimate import NF4_STATE_BYTES, Setup, estimate
-from lowmem_ft.memory.planner import Request, max_seq_len, plan, round_seq_len
+from lowmem_ft.memory.lengths import round_seq_len
+from lowmem_ft.memory.planner import Request, max_seq_len, plan
 from lowmem_ft.memory.target import Target
 from lowmem_ft.recipe.load import resolve
 
@@ -398,6 +399,30 @@ def test_max_seq_len_with_the_savers_is_the_planners_limit():
     _at(8, "8gb", limit)  # fits
     with pytest.raises(UserError, match=r"even with NF4, .*host embeddings, tiled norms, tiled MLP, LoRA recompute"):
         _at(8, "8gb", limit + 16)
+
+
+def test_the_length_search_decides_at_the_least_micro_batch_with_the_same_effective_batch():
+    """`max_seq_len` asks whether a length fits at the least micro batch the planner would try, the effective batch
+    kept, and leaves a fixed micro batch, a fixed accumulation and a pair method's least rows as they are."""
+    from lowmem_ft.memory import planner
+
+    def least(r: Request) -> tuple[int, int, bool]:
+        out = planner._least_micro_batch(LLAMA8, r)
+        assert out.effective_batch == r.effective_batch or "gradient_accumulation" in r.fixed
+        return out.start.micro_batch_size, out.gradient_accumulation, "micro_batch_size" in out.fixed
+
+    free = request(24, "24gb")  # 2 rows × 8 micro batches
+    assert (free.start.micro_batch_size, free.gradient_accumulation) == (2, 8)
+    assert least(free) == (1, 16, True)
+    assert least(request(24, "24gb", {"memory": {"gradient_accumulation": 8}})) == (1, 8, True)
+    assert least(request(24, "24gb", {"memory": {"micro_batch_size": 2}})) == (2, 8, True)
+    dpo = request(24, "24gb", method="dpo")  # a chosen / rejected pair: 2 rows at least
+    assert least(dpo) == (2, 8, True)
+    # the answer is what a search over every micro batch finds: at the first refused length the plan refuses too
+    limit = max_seq_len(LLAMA8, free)
+    _at(24, "24gb", limit)
+    with pytest.raises(UserError):
+        _at(24, "24gb", limit + 16)
 
 
 @pytest.mark.parametrize(("vram", "tokens"), [(8, 3000), (24, 100_000), (40, 200_000)])
