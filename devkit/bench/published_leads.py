@@ -22,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from devkit.bench import published as pub
+from devkit.harness import peft_metamathqa as pub
 
 LEADS = (300, 400, 450, 500, 550, 575, 599, 625, 650, 704)
 FULL = "full-finetuning--llama-3.2-3B-lr_0.00001"
@@ -41,7 +41,7 @@ def lead_scan(result: pub.Published, leads=LEADS, layers: int = 28) -> dict[int,
         seq += [result.mean_row, pub.SHORT, lead]
         empty |= {len(seq) - 2, len(seq) - 1}
         at[lead] = f"step {len(seq) - 1}"
-    out = pub.replay(pub.run_log(result, pub._config(layers), seq, empty_after=empty))
+    out = pub.replay(pub.run_log(result, pub.config_at(layers), seq, empty_after=empty))
     return {lead: out[mark][0] for lead, mark in at.items()}
 
 
@@ -58,7 +58,7 @@ def explain(result: pub.Published, lengths: tuple[int, int], lead: int) -> str:
 
     seq = [result.mean_row, pub.SHORT, lengths[0], result.mean_row, pub.SHORT, lengths[1], result.mean_row]
     target = (2, 5)[lead]
-    log = pub.run_log(result, pub._config(28), seq, empty_after=pub.emptied_after(result.empty_cache_every))
+    log = pub.run_log(result, pub.config_at(28), seq, empty_after=pub.emptied_after(result.empty_cache_every))
     alloc, live, tenant, starts, made, held = Allocator(), {}, {}, [], {}, set()
     step, zero_grad, peak = 0, False, None
 

@@ -13,7 +13,7 @@ reading + 0.01 × the 50th (`p99_ranks`). run.py's `BucketIterator` sorts each b
 into 20 batches padded to their longest row, so a batch of the run's longest 1 % is almost always a bucket's
 lead (`lead_share`: in 2,000 of 2,000 simulated runs whose samples come in an order independent of their
 length, when the reading rises with the padded length), and the step before it is the previous bucket's
-shortest batch. That is the harness's sequence (`devkit.bench.published.reserved_at`: the previous bucket's median and shortest batches,
+shortest batch. That is the harness's sequence (`devkit.harness.peft_metamathqa.reserved_at`: the previous bucket's median and shortest batches,
 each followed by an `empty_cache`, then the lead), on the every-step schedule.
 
 The lead's length is not published (MetaMathQA cannot be read here). As the harness did for the every-10 rows,
@@ -40,7 +40,7 @@ import logging
 import math
 from pathlib import Path
 
-from devkit.bench import published as pub
+from devkit.harness import peft_metamathqa as pub
 
 CACHE = Path("benchmarks/published.json")
 KEY = "every_step_p99"
@@ -149,7 +149,7 @@ def solve(cache: dict, second: bool = False) -> int:
         best = min(state, key=lambda t: abs(t["reserved"] - target))
         if abs(best["reserved"] - target) / target <= SOLVE_TOLERANCE or len(state) > SOLVE_ROUNDS:
             return best["length"]
-        guess = pub._interpolate([(t["length"], t["reserved"]) for t in state], target)
+        guess = pub.interpolate([(t["length"], t["reserved"]) for t in state], target)
         if guess in {t["length"] for t in state}:
             return best["length"]
         print(f"solving the every-step p99 length: tracing {held.label} ({held.date}) at {guess} tokens", flush=True)
@@ -158,10 +158,10 @@ def solve(cache: dict, second: bool = False) -> int:
 
 def after_short(result: pub.Published, lmax: int, length: int, short: int) -> int:
     """The reserved bytes after a lead of `length` tokens when the previous bucket's shortest batch is `short`
-    tokens (an assumption, `devkit.bench.published.SHORT`), every-step loop."""
+    tokens (an assumption, `devkit.harness.peft_metamathqa.SHORT`), every-step loop."""
     median = result.mean_row
     seq = [median, short, lmax, median, short, length, median]
-    log = pub.run_log(result, pub._config(28), seq, empty_after=pub.emptied_after(1))
+    log = pub.run_log(result, pub.config_at(28), seq, empty_after=pub.emptied_after(1))
     return pub.replay(log)["step 5"][0]
 
 
@@ -170,7 +170,7 @@ def second_batch(result: pub.Published, lmax: int, length: int) -> int:
     (a bucket's second batch: the lead's bigger `outputs` alive until this forward returns), every-step loop."""
     median = result.mean_row
     seq = [median, pub.SHORT, lmax, median, pub.SHORT, length + SECOND_AFTER, length]
-    log = pub.run_log(result, pub._config(28), seq, empty_after=pub.emptied_after(1))
+    log = pub.run_log(result, pub.config_at(28), seq, empty_after=pub.emptied_after(1))
     return pub.replay(log)["step 6"][0]
 
 
@@ -252,7 +252,7 @@ def p99_cells(result: pub.Published, cache: dict) -> str:
     p = predicted(result, cache)
     if p is None:
         return f"— | {result.reserved_p99 / GB:.2f} | —"
-    return f"{p / GB:.2f} | {result.reserved_p99 / GB:.2f} | {pub._gap(p, result.reserved_p99)}"
+    return f"{p / GB:.2f} | {result.reserved_p99 / GB:.2f} | {pub.gap(p, result.reserved_p99)}"
 
 
 def _nth(n: int) -> str:
@@ -295,7 +295,7 @@ def render(cache: dict) -> str:
             near = {t["length"]: t["reserved"] for t in section["solve"] if t["length"] != length}
         cells = ", ".join(f"{k} → {v / GB:.2f}" for k, v in sorted(near.items())) or "—"
         alt = _second_reading(result, cache)
-        alt = "— | —" if alt is None else f"{alt / GB:.2f} | {pub._gap(alt, result.reserved_p99)}"
+        alt = "— | —" if alt is None else f"{alt / GB:.2f} | {pub.gap(alt, result.reserved_p99)}"
         lines.append(
             f"| {result.label} | {result.date}: {result.torch} / {result.transformers} / {result.peft} | {traced} | "
             f"{'held in' if key == section['held_in'] else 'held out'} | {p99_cells(result, cache)} | {cells} | "
@@ -307,7 +307,7 @@ def render(cache: dict) -> str:
         lines.append(
             f"\nThe held-in row's {length}-token batch as a bucket's second batch (after a {second['after']}-token "
             f"lead, whose `outputs` stay alive until its forward returns): {second['reserved'] / GB:.2f} GB, against "
-            f"{lead / GB:.2f} GB as a lead ({pub._gap(second['reserved'], lead)}).\n"
+            f"{lead / GB:.2f} GB as a lead ({pub.gap(second['reserved'], lead)}).\n"
         )
     if "second_length" in section:
         tried = ", ".join(f"{t['length']} → {t['reserved'] / GB:.2f}" for t in section["second_solve"])

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from devkit.bench import published as pub
+from devkit.bench import published
+from devkit.harness import peft_metamathqa as pub
 
 MiB = 1 << 20
 
@@ -84,9 +85,9 @@ def test_batches_are_padded_on_the_right_and_keep_the_first_pad_label():
 
 def test_solving_a_length_interpolates_between_the_traced_lengths_that_bracket_it():
     points = [(512, 18_000), (640, 21_000), (600, 20_000)]
-    assert pub._interpolate(points, 20_500) == 620  # between 600 and 640
-    assert pub._interpolate(points, 19_000) == 556  # between 512 and 600
-    assert pub._interpolate(points, 22_000) == 680  # above every point: the last two (600, 640), 25 per token
+    assert pub.interpolate(points, 20_500) == 620  # between 600 and 640
+    assert pub.interpolate(points, 19_000) == 556  # between 512 and 600
+    assert pub.interpolate(points, 22_000) == 680  # above every point: the last two (600, 640), 25 per token
 
 
 def _tiny_llama():
@@ -118,7 +119,7 @@ def test_the_committed_table_is_what_its_cache_renders():
 
     table = Path(__file__).resolve().parents[2] / "benchmarks" / "published.md"
     cache = json.loads(table.with_suffix(".json").read_text())
-    assert pub.render(cache) == table.read_text()
+    assert published.render(cache) == table.read_text()
     assert cache["lengths"] == list(pub.solve_lengths(pub.held_in(), cache))  # the solve needs no new trace
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from devkit.bench import published as pub
 from devkit.bench import published_p99 as p99
+from devkit.harness import peft_metamathqa as pub
 
 CACHE = Path(__file__).resolve().parents[2] / "benchmarks" / "published.json"
 
