@@ -150,10 +150,9 @@ def stranded(log: list, mode: str, top: int = 8) -> dict:
                 made_for.insert(j, (alloc.current.reserved - before, nbytes))
             if alloc.current.reserved > at.get("reserved", 0):
                 free = []
-                for pool in alloc._pools.values():
-                    for b in pool.blocks:
-                        j = bisect.bisect(starts, b.addr) - 1
-                        free.append((b.size, tenant.get(b, 0), made_for[j] if j >= 0 else None))
+                for b in alloc.cached_free_blocks():
+                    j = bisect.bisect(starts, b.addr) - 1
+                    free.append((b.size, tenant.get(b, 0), made_for[j] if j >= 0 else None))
                 free.sort(key=lambda f: -f[0])
                 at = {
                     "trigger": nbytes,

@@ -78,7 +78,7 @@ def explain(result: pub.Published, lengths: tuple[int, int], lead: int) -> str:
                 bisect.insort(starts, block.addr)
                 made[block.addr] = (nbytes, step)
             if step == target and (peak is None or alloc.current.reserved > peak[0]):
-                free = [(b.size, tenant.get(b, 0), segment(b.addr)) for p in alloc._pools.values() for b in p.blocks]
+                free = [(b.size, tenant.get(b, 0), segment(b.addr)) for b in alloc.cached_free_blocks()]
                 peak = (alloc.current.reserved, alloc.current.requested, nbytes, free)
         elif kind == "-" and key in live:
             block = live.pop(key)

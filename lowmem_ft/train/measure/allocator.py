@@ -138,7 +138,11 @@ class Allocator:
 
     def cached_free(self) -> list[int]:
         """The sizes of the cached free blocks (mapped and not in use): `memory_reserved` − `memory_allocated`."""
-        return [b.size for pool in self._pools.values() for b in pool.blocks]
+        return [b.size for b in self.cached_free_blocks()]
+
+    def cached_free_blocks(self) -> list[Block]:
+        """The cached free blocks themselves (their addresses say which segment each lies in)."""
+        return [b for pool in self._pools.values() for b in pool.blocks]
 
     # -- sizes -----------------------------------------------------------------------------------------------------
     @staticmethod
