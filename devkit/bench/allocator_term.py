@@ -129,40 +129,26 @@ def stranded(log: list, mode: str, top: int = 8) -> dict:
     blocks as (size, the request that last held the block, (the segment's size, the request it was mapped for) —
     None with expandable segments, whose one segment grows). A free block is pieces of an earlier tenant's space
     that no later request of the step filled; matched to the memory model's tensor sizes this names them."""
-    import bisect
-
+    from devkit.harness.allocator_tenants import Tenants
     from lowmem_ft.train.measure.allocator import Allocator
 
-    alloc = Allocator(**MODES[mode])
-    live, tenant, starts, made_for = {}, {}, [], []
+    replay = Tenants(Allocator(**MODES[mode]), segments=mode == "default")
     at: dict = {}
     for kind, key, nbytes in log:
         if kind == "+" and nbytes:
-            before = alloc.current.reserved
-            block = live[key] = alloc.malloc(nbytes)
-            rest = block.next  # the rest of a split block: a piece of what its previous tenant held
-            if rest is not None and not rest.allocated and rest not in tenant:
-                tenant[rest] = tenant.get(block, 0)
-            tenant[block] = nbytes  # keyed by the block itself: no id reuse
-            if alloc.current.reserved > before and mode == "default":  # a new segment starts at the block
-                j = bisect.bisect(starts, block.addr)
-                starts.insert(j, block.addr)
-                made_for.insert(j, (alloc.current.reserved - before, nbytes))
-            if alloc.current.reserved > at.get("reserved", 0):
-                free = []
-                for b in alloc.cached_free_blocks():
-                    j = bisect.bisect(starts, b.addr) - 1
-                    free.append((b.size, tenant.get(b, 0), made_for[j] if j >= 0 else None))
-                free.sort(key=lambda f: -f[0])
+            replay.malloc(key, nbytes)
+            now = replay.alloc.current
+            if now.reserved > at.get("reserved", 0):
+                free = sorted(replay.free_blocks(), key=lambda f: -f.size)
                 at = {
                     "trigger": nbytes,
-                    "live": alloc.current.requested,
-                    "reserved": alloc.current.reserved,
-                    "free": sum(f[0] for f in free),
-                    "blocks": free[:top],
+                    "live": now.requested,
+                    "reserved": now.reserved,
+                    "free": sum(f.size for f in free),
+                    "blocks": [(f.size, f.last, f.made) for f in free[:top]],
                 }
-        elif kind == "-" and key in live:
-            alloc.free(live.pop(key))
+        elif kind == "-":
+            replay.free(key)
         elif kind == "mark" and key == "eval":
             break
     return at

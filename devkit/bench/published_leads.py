@@ -51,53 +51,40 @@ def explain(result: pub.Published, lengths: tuple[int, int], lead: int) -> str:
     blocks grouped by the request that last held them and the one their segment was made for, and how much of them
     lies in segments the previous step's gradients held through the `empty_cache` (`zero_grad` frees them at the
     next step's start, as in run.py)."""
-    import bisect
     from collections import Counter
 
+    from devkit.harness.allocator_tenants import Tenants
     from lowmem_ft.train.measure.allocator import Allocator
 
     seq = [result.mean_row, pub.SHORT, lengths[0], result.mean_row, pub.SHORT, lengths[1], result.mean_row]
     target = (2, 5)[lead]
     log = pub.run_log(result, pub.config_at(28), seq, empty_after=pub.emptied_after(result.empty_cache_every))
-    alloc, live, tenant, starts, made, held = Allocator(), {}, {}, [], {}, set()
+    replay, held = Tenants(Allocator()), set()
     step, zero_grad, peak = 0, False, None
-
-    def segment(addr: int) -> int:
-        return starts[bisect.bisect(starts, addr) - 1]
-
     for kind, key, nbytes in log:
         if kind == "+" and nbytes:
             zero_grad = zero_grad and nbytes <= MiB  # the batch's small tensors come first; then the forward
-            before = alloc.current.reserved
-            block = live[key] = alloc.malloc(nbytes)
-            rest = block.next  # the rest of a split block: a piece of what its previous tenant held
-            if rest is not None and not rest.allocated and rest not in tenant:
-                tenant[rest] = tenant.get(block, 0)
-            tenant[block] = nbytes
-            if alloc.current.reserved > before:
-                bisect.insort(starts, block.addr)
-                made[block.addr] = (nbytes, step)
-            if step == target and (peak is None or alloc.current.reserved > peak[0]):
-                free = [(b.size, tenant.get(b, 0), segment(b.addr)) for b in alloc.cached_free_blocks()]
-                peak = (alloc.current.reserved, alloc.current.requested, nbytes, free)
-        elif kind == "-" and key in live:
-            block = live.pop(key)
-            if zero_grad and step == target:
-                held.add(segment(block.addr))
-            alloc.free(block)
+            replay.malloc(key, nbytes, made=(nbytes, step))
+            now = replay.alloc.current
+            if step == target and (peak is None or now.reserved > peak[0]):
+                peak = (now.reserved, now.requested, nbytes, replay.free_blocks())
+        elif kind == "-":
+            block = replay.free(key)
+            if block is not None and zero_grad and step == target:
+                held.add(replay.segment(block.addr))
         elif kind == "empty_cache":
-            alloc.empty_cache()
+            replay.alloc.empty_cache()
         elif kind == "mark":
             step, zero_grad = step + 1, True
     reserved, requested, trigger, free = peak
     groups: Counter = Counter()
-    for size, last, start in free:
-        groups[(last, *made[start])] += size
+    for f in free:
+        groups[(f.last, *f.made)] += f.size
     lines = [
         f"{result.label} ({result.date}), the {seq[target]}-token lead: reserved peak {reserved / GB:.2f} GB, live "
         f"{requested / GB:.2f} GB, opened by a {trigger / MiB:.1f} MiB request; cached free "
-        f"{sum(f[0] for f in free) / GB:.2f} GB in {len(free)} blocks, "
-        f"{sum(f[0] for f in free if f[2] in held) / GB:.2f} GB of it in segments the previous step's gradients "
+        f"{sum(f.size for f in free) / GB:.2f} GB in {len(free)} blocks, "
+        f"{sum(f.size for f in free if f.segment in held) / GB:.2f} GB of it in segments the previous step's gradients "
         "held through the empty_cache. The largest groups:"
     ]
     for (last, seg, at), size in groups.most_common(8):
