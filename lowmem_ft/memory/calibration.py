@@ -142,24 +142,32 @@ CHUNK_BWD_BYTES_PER_LOGIT_SOFTCAP: Annotated[int, Source("measured", _CHUNKED)] 
 CHUNK_BWD_BYTES_PER_TOKEN: Annotated[int, Source("measured", "tiny-model run at 4,096 tokens (PeakMemory)")] = 3 * 4
 CHUNKED_LABEL_BYTES: Annotated[int, Source("measured", _CHUNKED)] = 8 + 4
 CHUNKED_POSITION_BYTES: Annotated[int, Source("measured", _CHUNKED)] = 2
-# transformers loss/loss_utils.py ForCausalLMLoss: logits (c bytes) are upcast with .float() (4 B) and
-# cross_entropy saves its fp32 log_softmax (4 B); backward makes an fp32 gradient (4 B) before the c-byte one.
-HF_LOSS_BYTES_PER_LOGIT: Annotated[int, Source("code", "transformers loss/loss_utils.py ForCausalLMLoss")] = 4 + 4 + 4
-# ... of which its forward holds the upcast and the log_softmax (the gradient comes in backward). The full-logits
-# head `train` installs (lowmem_ft/train/losses.py full_token_log_probs) holds the same, its no-grad entropy blocks
-# within the upcast it has freed; measured: tests/train/test_losses.py (PeakMemory, 512 rows × 8,000 vocab).
+# transformers loss/loss_utils.py ForCausalLMLoss as Trainer runs it. Its backward holds cross_entropy's saved fp32
+# log_softmax, nll_loss's fp32 gradient and log_softmax's (4 B each), and not the c-byte logits: nothing saves them
+# (`.float()`'s backward needs no input), and Trainer.compute_loss drops the model's outputs before `backward`, as
+# the full-logits head `train` installs does (lowmem_ft/train/losses.py full_token_log_probs returns no logits). A
+# loop that keeps the outputs through its backward holds c more per logit (PEFT's MetaMathQA run.py,
+# docs/published-gpu-runs.md). Measured with PeakMemory, 512 rows × 8,000 vocab, bf16: 12.0 B per logit over the
+# hidden state's bytes, 14.0 with the outputs kept, for the head and ForCausalLMLoss alike (tests/train/test_losses.py).
+HF_LOSS_BYTES_PER_LOGIT: Annotated[int, Source("code+measured", "transformers loss/loss_utils.py ForCausalLMLoss")] = (
+    4 + 4 + 4
+)
+# Its forward holds the c-byte logits, the fp32 upcast and the log_softmax (the gradients come in backward); this is
+# the part beyond the logits. The full-logits head holds the same, its no-grad entropy blocks within the upcast it
+# has freed; measured: tests/train/test_losses.py (PeakMemory, 512 rows × 8,000 vocab).
 HF_LOSS_FORWARD_BYTES_PER_LOGIT: Annotated[int, Source("code", "transformers loss/loss_utils.py ForCausalLMLoss")] = (
     4 + 4
 )
 # TRL's experimental ORPO / CPO (SimPO) loss, outside the model's forward, on 16-bit logits: `selective_log_softmax`
 # (trl/trainer/utils.py) takes its row-by-row path for bf16/fp16 — each row's log_softmax (c bytes) is saved, and the
 # backward frees them row by row while the logits' gradient fills — so the backward window holds ~2 c-byte copies of
-# the logits, not ForCausalLMLoss's fp32 upcasts (c + 12). fp32 logits take its logsumexp path, which the
-# hf_full count matches (16.9 / 14.9 B per logit measured, c = 4). ORPO's NLL over the chosen half
+# the logits, not ForCausalLMLoss's fp32 working set. fp32 logits take its logsumexp path, which that working set
+# with the logits kept matches (`concatenated_forward` keeps `outputs.logits`: c + 12; 16.9 / 14.9 B per logit
+# measured, c = 4). ORPO's NLL over the chosen half
 # (`cross_entropy_loss`: a contiguous copy and its log_softmax, c bytes each per chosen logit) adds ORPO_NLL_COPIES
 # c-byte copies per logit of the whole batch: 1 with 16-bit logits (both alive at the peak), 0.5 in fp32 (the copy is
 # freed first). Measured: benchmarks/estimator_preference.md (devkit/harness/preference.py, bf16 zoo models at the
-# grid's width; SimPO Qwen2.5 LoRA 4 rows × 96: the backward 37.64 MB measured, 78.5 MB with hf_full's count).
+# grid's width; SimPO Qwen2.5 LoRA 4 rows × 96: the backward 37.64 MB measured, 78.5 MB at c + 12 per logit).
 ODDS_RATIO_16BIT_LOGIT_COPIES: Annotated[
     int, Source("code+measured", "trl utils.py selective_log_softmax; benchmarks/estimator_preference.md")
 ] = 2

@@ -83,11 +83,10 @@ def loss_bytes(arch: Architecture, s: Setup) -> tuple[float, float, str]:
     v, h = arch.vocab_size, arch.hidden_size
     trained_head = s.adapter == "full"
     if s.loss_impl == "hf_full":
-        forward = n * v * (c + HF_LOSS_FORWARD_BYTES_PER_LOGIT)  # no gradient yet
         return (
-            forward,
-            n * v * (c + HF_LOSS_BYTES_PER_LOGIT),
-            "full logits + fp32 upcast, log_softmax and grad (ForCausalLMLoss)",
+            n * v * (c + HF_LOSS_FORWARD_BYTES_PER_LOGIT),  # the logits, their fp32 upcast and log_softmax
+            n * v * HF_LOSS_BYTES_PER_LOGIT,  # log_softmax and two fp32 gradients; the outputs were dropped
+            "full logits + fp32 upcast and log_softmax; backward: log_softmax and its fp32 gradients (ForCausalLMLoss)",
         )
     if s.loss_impl == "chunked":
         k = loss_chunk_tokens(arch, s)

@@ -272,12 +272,13 @@ def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Meth
     """Where TRL's experimental ORPO / CPO trainers differ from the SFT model's full-logits loss (`hf_full`) at the
     same rows. Their loss runs outside the model's forward (`concatenated_forward` takes `outputs.logits`), so the
     forward phase holds the c-byte logits only, not the loss's fp32 working set (HF_LOSS_FORWARD_BYTES_PER_LOGIT); the
-    loss's forward falls in the backward's window, where `hf_full` counts it already — for fp32 logits; 16-bit
-    logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead of c + 12 bytes
+    loss's forward falls in the backward's window. For fp32 logits that window holds `hf_full`'s backward count
+    and the logits, which the trainer keeps (c + 12 bytes; the SFT count leaves the logits out, as Trainer drops
+    them); 16-bit logits take `selective_log_softmax`'s row-by-row path, ~2 c-byte copies instead
     (ODDS_RATIO_16BIT_LOGIT_COPIES). ORPO adds its NLL over the chosen half (ORPO_NLL_COPIES); Gemma-2's final-logit
     softcapping keeps tanh's output (SOFTCAP_LOGIT_COPIES). Measured (exact CPU,
     LoRA fp32, Qwen2.5 zoo V 2,688, 8 rows × 160): ORPO forward 31.71 MB / backward 79.24 MB, SimPO 31.71 / 72.40 —
-    16.9 and 14.9 B per logit in the backward beyond the kept tensors, against hf_full's 16; bf16: the grid in
+    16.9 and 14.9 B per logit in the backward beyond the kept tensors, against c + 12 = 16; bf16: the grid in
     benchmarks/estimator_preference.md."""
     n = s.micro_batch_size * (s.max_seq_len - 1) * arch.vocab_size
     c = DTYPE_BYTES[s.compute_dtype]
@@ -287,7 +288,7 @@ def odds_ratio_loss_shift(arch: Architecture, s: Setup, phase: str, method: Meth
     if phase != "backward":
         return 0.0
     wide = s.compute_dtype == "float32"
-    shift = 0.0 if wide else (ODDS_RATIO_16BIT_LOGIT_COPIES * c - (c + HF_LOSS_BYTES_PER_LOGIT)) * n
+    shift = (c if wide else ODDS_RATIO_16BIT_LOGIT_COPIES * c - HF_LOSS_BYTES_PER_LOGIT) * n
     if method == "orpo":
         shift += ORPO_NLL_COPIES["float32" if wide else "16bit"] * c * n
     return shift + softcap
