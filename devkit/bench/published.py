@@ -59,7 +59,10 @@ static state plus what the loop keeps alive between steps (the bf16 logits and t
 its CUDA context) at the longest batch, against the published max. `plan`: what `lowmem-ft plan --vram 48
 --seq-len {lmax}` predicts at PEFT's settings with `--set memory.full_logits_loss=true` (the model's own loss over
 full logits; every knob given, so the planner changes none) with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`
-(torch's default allocator settings, which PEFT's runs had), less the CUDA context.
+(torch's default allocator settings, which PEFT's runs had), less the CUDA context. Both predict lowmem-ft's own
+run at these settings, which drops the model's outputs before the backward; PEFT's loop keeps them (the current
+step's bf16 logits through its backward, 0.72 GB at 4 × {lmax} tokens, and the previous step's outputs until the
+next forward returns). The section "The plan against lowmem-ft's own step" sets the plan against that run.
 
 | configuration | published (torch / transformers / peft) | traced with (torch / transformers / peft), empty_cache | row | predicted max GB | published max GB | gap | predicted p99 GB | published p99 GB | gap | predicted alloc GB | published alloc GB | gap | memory model max GB | gap | plan max GB | gap | affine (miss at 4 layers) | trace s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
@@ -168,6 +171,7 @@ def render(cache: dict) -> str:
     from importlib.metadata import version
 
     from devkit.bench import published_p99 as every_step  # its section and the every-step rows' p99 cells
+    from devkit.bench import published_plan as own_step  # the plan against lowmem-ft's own step
 
     lmax, lp99 = cache["lengths"]
     libs = {p: version(p) for p in ("torch", "transformers", "peft")}
@@ -221,7 +225,7 @@ def render(cache: dict) -> str:
             f"({gap(check['second'], held.reserved_p99)}), live peak {check['requested'] / GB:.3f} GB "
             f"(cut and extrapolated: {cache['rows'][HELD_IN]['requested'] / GB:.3f}).\n"
         )
-    return "".join(lines) + render_generations(cache) + every_step.render(cache) + NOTES
+    return "".join(lines) + render_generations(cache) + every_step.render(cache) + own_step.render(cache) + NOTES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -416,20 +416,30 @@ def plan_reserved(result: Published, length: int) -> float | None:
     """`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False lowmem-ft plan --vram 48 --seq-len LENGTH` at PEFT's
     settings (`plan_overrides`, an L40S's 48 GB; torch's default allocator settings, as PEFT ran): the plan's
     predicted peak less the CUDA context, as `model_reserved`; None when the plan does not fit 48 GB."""
+    from lowmem_ft.memory.calibration import CUDA_CONTEXT_BYTES
+
+    planned = plan_at(result, length)
+    return None if planned is None else planned[1].predicted_peak_gb * GB - CUDA_CONTEXT_BYTES
+
+
+def plan_at(result: Published, length: int, expandable: bool = False):
+    """(recipe, choice) of `lowmem-ft plan --vram 48 --seq-len LENGTH` at PEFT's settings (`plan_overrides`), with
+    torch's default allocator settings (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, as PEFT ran) or
+    (`expandable`) with the expandable segments `train` sets when the user set none; None when it does not fit."""
     from unittest import mock
 
     from lowmem_ft.choosing import choose_recipe
     from lowmem_ft.cuda_alloc import ALLOC_CONF
     from lowmem_ft.errors import UserError
-    from lowmem_ft.memory.calibration import CUDA_CONTEXT_BYTES
 
-    # PEFT ran torch's default allocator settings: plan as a user who set them (`lowmem_ft.cuda_alloc`)
-    with mock.patch.dict(os.environ, {ALLOC_CONF: "expandable_segments:False"}):
+    env = {k: v for k, v in os.environ.items() if k != ALLOC_CONF}
+    if not expandable:  # PEFT ran torch's default allocator settings: plan as a user who set them
+        env[ALLOC_CONF] = "expandable_segments:False"
+    with mock.patch.dict(os.environ, env, clear=True):
         try:
-            _, choice = choose_recipe(vram_gb=48.0, recipe=None, overrides=plan_overrides(result), seq_len=length)
+            return choose_recipe(vram_gb=48.0, recipe=None, overrides=plan_overrides(result), seq_len=length)
         except UserError:  # every knob is given: nothing to change when it does not fit
             return None
-    return choice.predicted_peak_gb * GB - CUDA_CONTEXT_BYTES
 
 
 def gap(pred: float, pub: float) -> str:

@@ -89,6 +89,10 @@ def _long_indices(indices: list) -> list:
 
 # phase labels of `trace`, in order (the yardstick's, `devkit.harness.estimator.measure`, plus "eval")
 STEPS = ((1, 1), (2, 1), (2, 2))
+# A run with one micro batch per optimizer step (`gradient_accumulation` 1), for `allocation_log`: step 1 makes the
+# optimizer's states, step 2 runs the full batch without gradients before it, as such a run's every step does. Its
+# one micro batch keeps the label 2.2, the full batch's in `STEPS`.
+ONE_MICRO_BATCH = ((1, 1), (2, 2))
 
 
 def _storage_bytes(out: Any) -> int:
@@ -412,7 +416,7 @@ def _text_batches(vocab: int, rows: int, lengths: list[int]) -> Iterator[dict[st
 
 def run_step(
     model, optimizer, recipe: Recipe, *, warmup_seq: int = 8, eval_rows: int = 0, segments=None, log=None,
-    images=None, peak_options: dict | None = None,
+    images=None, peak_options: dict | None = None, steps: tuple = STEPS,
 ) -> dict:  # fmt: skip
     """Two optimizer steps (accumulation 1, then 2; the full batch in micro-step 2.2), then an evaluation forward of
     `eval_rows` rows (0: none), under `PeakMemory`; real or fake, whatever `model` holds. label → (peak, live).
@@ -420,7 +424,9 @@ def run_step(
     `log` (a list): `PeakMemory`'s allocation log of the step is appended to it (`lowmem_ft.train.measure.allocator`).
     `images` (`lowmem_ft.train.trace.images.ImageSample`): every micro batch is the plan's image sample at the full
     batch (the tower, and its adapters under vision.train lora / full, run in every step, as in a run).
-    `peak_options`: more `PeakMemory` settings (`lowmem_ft.train.trace.sharded` counts FSDP2's storage resizes)."""
+    `peak_options`: more `PeakMemory` settings (`lowmem_ft.train.trace.sharded` counts FSDP2's storage resizes).
+    `steps`: the (optimizer step, micro batch) sequence, `STEPS` or `ONE_MICRO_BATCH`; an optimizer step follows
+    the micro batch whose numbers are equal, and (2, 2) is the full batch."""
     from contextlib import nullcontext
 
     from lowmem_ft.train.measure.peak import PeakMemory
@@ -428,17 +434,17 @@ def run_step(
     m = recipe.memory
     trainable = [q for q in model.parameters() if q.requires_grad]
     vocab = model.config.get_text_config().vocab_size
-    lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in STEPS]
+    lengths = [m.max_seq_len if s == (2, 2) else warmup_seq for s in steps]
     if images is None:
         micro_batches = _text_batches(vocab, m.micro_batch_size, lengths)
     else:
-        micro_batches = images.batches(m.micro_batch_size, m.max_seq_len, len(STEPS))
+        micro_batches = images.batches(m.micro_batch_size, m.max_seq_len, len(steps))
     model.train()
     with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log, **(peak_options or {})) as pm:
         mark = pm.mark if segments is None else lambda label: segments.mark(pm, label)
         watch = (lambda backward: nullcontext()) if segments is None else lambda backward: segments.watch(pm, backward)
         mark("static")
-        for (step, micro), batch in zip(STEPS, micro_batches, strict=True):
+        for (step, micro), batch in zip(steps, micro_batches, strict=True):
             with watch(False):
                 out = model(**batch, fused_lm_head=True)
                 loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer.compute_loss
@@ -497,20 +503,22 @@ def trace(recipe: Recipe, config=None, *, eval_rows: int = 0, warmup_seq: int = 
     return Trace(depth.extrapolate_marks(small, large), time.perf_counter() - started, host, depth, images)
 
 
-def allocation_log(recipe: Recipe, config, layers: int | None = None, *, eval_rows: int = 0, warmup_seq: int = 8):
+def allocation_log(
+    recipe: Recipe, config, layers: int | None = None, *, eval_rows: int = 0, warmup_seq: int = 8, steps=STEPS
+):
     """The traced step's allocation log (`PeakMemory(log=...)`: each storage's allocation and free, in order, and
     the phase marks), with the model cut to its first `layers` decoder layers (None: whole), for
-    `lowmem_ft.train.measure.allocator`. The tensors that exist when the step starts (weights, adapters) come first, in the
+    `lowmem_ft.train.measure.allocator`; `steps` as `run_step` takes them. The tensors that exist when the step starts (weights, adapters) come first, in the
     order `PeakMemory` finds them; the host embedding table (`embeddings_on_host`) is in it too."""
     from lowmem_ft.train.trace import layers as trace_layers
 
     log: list = []
     cut = config if layers is None else trace_layers.truncated(config, layers)
-    _traced(recipe, cut, eval_rows, warmup_seq, log=log)
+    _traced(recipe, cut, eval_rows, warmup_seq, log=log, steps=steps)
     return log
 
 
-def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list | None = None, images=None):
+def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list | None = None, images=None, steps=STEPS):
     """One trace of the model `config` describes, as it is: `trace_layers.Segments` (each mark's peak before,
     inside and after the decoder stack, host bytes taken out) and the host bytes. `images`: the image sample every
     micro batch carries (`lowmem_ft.train.trace.images`)."""
@@ -528,7 +536,7 @@ def _traced(recipe: Recipe, config, eval_rows: int, warmup_seq: int, log: list |
         install_loss(model, recipe)
         optimizer = optimizer_for(model, recipe)
         run_step(model, optimizer, recipe, warmup_seq=warmup_seq, eval_rows=eval_rows, segments=segments, log=log,
-                 images=images)  # fmt: skip
+                 images=images, steps=steps)  # fmt: skip
     host = _host_table_bytes(model) if recipe.memory.embeddings_on_host else 0
     segments.remove()
     _forget(model)

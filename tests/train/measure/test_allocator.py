@@ -232,3 +232,29 @@ def test_empty_cache_returns_whole_free_segments_and_keeps_any_segment_in_use():
     a.empty_cache()  # release_cached_blocks: the free 12 and 20 MiB segments go; the small one holds a block
     assert a.current.reserved == 2 * MiB and a.segments == 1
     assert a.peak.reserved == 34 * MiB  # max_memory_reserved keeps its peak
+
+
+@pytest.mark.slow
+def test_a_one_micro_batch_step_runs_its_full_batch_without_gradients(zoo_models):
+    """`ONE_MICRO_BATCH` (`allocation_log`'s sequence for a run of one micro batch per optimizer step): the full
+    batch's forward runs with no gradient alive, so its window peaks exactly every gradient's bytes below the same
+    forward in `STEPS`, where the micro batch before it left them accumulated (a full fine-tune: every weight's)."""
+    from pathlib import Path
+
+    from devkit.harness import estimator as estimator_check
+    from devkit.harness.estimator import Point
+    from lowmem_ft.choosing import setup_from_recipe
+    from lowmem_ft.memory.arch import load_architecture
+    from lowmem_ft.memory.estimate import estimate
+    from lowmem_ft.train.trace.step import ONE_MICRO_BATCH, allocation_log, model_config
+
+    point = Point("llama3", "full", "adamw_torch", False, 2, 40)
+    recipe = estimator_check.recipe_for(Path(zoo_models["llama3"]), point)
+    config = model_config(recipe)
+    accumulating = Allocator().replay(allocation_log(recipe, config))
+    one = Allocator().replay(allocation_log(recipe, config, steps=ONE_MICRO_BATCH))
+    assert "forward 2.1" not in one and "optimizer 2" in one
+    arch = load_architecture(recipe.model.name_or_path)
+    gradients = estimate(arch, setup_from_recipe(recipe, "cpu")).by_name()["gradients"]  # exact on the CPU
+    assert gradients > 0
+    assert accumulating["forward 2.2"].requested - one["forward 2.2"].requested == gradients
