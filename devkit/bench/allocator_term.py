@@ -8,9 +8,10 @@ Each row is one training step traced on shape-only tensors (`lowmem_ft.train.tra
 steps, the second with an accumulation window whose last micro batch is the full batch) and its allocation log
 replayed through the model of torch's CUDA caching allocator (`lowmem_ft.train.measure.allocator`) with the default
 settings and with `expandable_segments:True`. The rows: whole real-size steps of catalog models (WHOLE), every zoo
-family at the accuracy grid's width (`devkit.zoo.estimator_config`, 3 layers, traced whole), and catalog models at
-their real width cut to 2 decoder layers (a depth check, not used: reserved bytes are not affine in the depth);
-LoRA, QLoRA and full fine-tunes, with and without checkpointing. PEFT's MetaMathQA runs
+family at the accuracy grid's width (`devkit.zoo.estimator_config`, 3 layers, traced whole), catalog models at
+their real width cut to 2 decoder layers (a depth check, not used: reserved bytes are not affine in the depth), and
+whole real-size steps with the full-logits loss (FULL_LOGITS, also with one micro batch per optimizer step: a kind
+of their own); LoRA, QLoRA and full fine-tunes, with and without checkpointing. PEFT's MetaMathQA runs
 (`devkit/bench/published.py`, Llama-3.2-3B) are the held-out test and are not among them.
 
 Per row and setting: `live` = the training step's peak of requested bytes (the trace's own figure), `reserved` =
@@ -64,6 +65,18 @@ WHOLE = (
     ("Qwen/Qwen3-8B", "lora", True, (2, 1024)),
     ("microsoft/Phi-3-mini-4k-instruct", "full", True, (2, 1024)),  # a full fine-tune of untied embeddings
 )
+# whole real-size steps with the full-logits loss (`memory.full_logits_loss`), each with the accumulating sequence
+# and with one micro batch per optimizer step (`ONE_MICRO_BATCH`, as a run of accumulation 1): their own kind
+FULL_LOGITS = (
+    ("Qwen/Qwen2.5-0.5B", "lora", False, (2, 512)),
+    ("meta-llama/Llama-3.2-1B", "lora", False, (2, 1024)),
+    ("google/gemma-3-1b-pt", "lora", True, (2, 1024)),
+    ("microsoft/Phi-3-mini-4k-instruct", "qlora", True, (2, 2048)),
+    ("Qwen/Qwen3-8B", "lora", True, (2, 1024)),
+    ("Qwen/Qwen2.5-1.5B", "full", True, (2, 1024)),
+    ("meta-llama/Llama-3.2-1B", "full", True, (2, 1024)),
+)
+LOGITS_KEY, ONE_KEY = ", full logits", ", one micro batch"
 MODES = {"default": {}, "expandable": {"expandable_segments": True}}
 
 
@@ -77,7 +90,7 @@ def _zoo_dir(name: str, root: Path) -> str:
     return str(d)
 
 
-def recipe(model: str, adapter: str, checkpointing: bool, batch: tuple[int, int]):
+def recipe(model: str, adapter: str, checkpointing: bool, batch: tuple[int, int], full_logits: bool = False):
     from lowmem_ft.recipe.load import resolve
 
     return resolve(
@@ -90,6 +103,7 @@ def recipe(model: str, adapter: str, checkpointing: bool, batch: tuple[int, int]
                 "micro_batch_size": batch[0],
                 "max_seq_len": batch[1],
                 "gradient_accumulation": 1,
+                "full_logits_loss": full_logits,
             },
         },
     )
@@ -161,7 +175,7 @@ def explain(key: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         ((_, make, layers),) = [r for r in grid(Path(tmp)) if r[0] == key]
         rec = make()
-        log = allocation_log(rec, model_config(rec), layers)
+        log = allocation_log(rec, model_config(rec), layers, steps=steps_of(key))
     lines = [key]
     for mode in MODES:
         at = stranded(log, mode)
@@ -175,17 +189,19 @@ def explain(key: str) -> str:
     return "\n".join(lines)
 
 
-def entry(rec, layers: int | None) -> dict:
-    """`rec`'s training step traced (cut to `layers` decoder layers; None: whole) and replayed."""
+def entry(rec, layers: int | None, steps) -> dict:
+    """`rec`'s training step traced (cut to `layers` decoder layers; None: whole; the sequence `steps`) and
+    replayed."""
     from lowmem_ft.train.trace.step import allocation_log, model_config
 
     started = time.perf_counter()
-    log = allocation_log(rec, model_config(rec), layers)
+    log = allocation_log(rec, model_config(rec), layers, steps=steps)
     return {**train_peaks(log), "seconds": round(time.perf_counter() - started)}
 
 
 def grid(zoo_root: Path) -> list[tuple[str, Callable, int | None]]:
-    """(cache key, a function making the row's recipe, decoder layers to cut to) of every traced row."""
+    """(cache key, a function making the row's recipe, decoder layers to cut to) of every traced row (a key ending
+    in ONE_KEY: traced with one micro batch per optimizer step)."""
     rows = []
     for model in CUT:
         for adapter, ckpt in KINDS:
@@ -199,6 +215,10 @@ def grid(zoo_root: Path) -> list[tuple[str, Callable, int | None]]:
             key = f"zoo {name} {adapter}{' ckpt' if ckpt else ''}, {ZOO_BATCH[0]}×{ZOO_BATCH[1]}"
             make = partial(lambda n, a, c: recipe(_zoo_dir(n, zoo_root), a, c, ZOO_BATCH), name, adapter, ckpt)
             rows.append((key, make, None))
+    for model, adapter, ckpt, batch in FULL_LOGITS:
+        key = f"{model} (whole) {adapter}{' ckpt' if ckpt else ''}, {batch[0]}×{batch[1]}{LOGITS_KEY}"
+        make = partial(recipe, model, adapter, ckpt, batch, True)
+        rows += [(key, make, None), (key + ONE_KEY, make, None)]
     return rows
 
 
@@ -224,7 +244,58 @@ def whole(key: str) -> bool:
 
 def full(key: str) -> bool:
     """A full fine-tune's row (every weight trains), else an adapter's (LoRA, QLoRA)."""
-    return " full" in key
+    return " full" in key.replace(LOGITS_KEY, "")
+
+
+def full_logits(key: str) -> bool:
+    """A row whose loss runs over the full logits (`memory.full_logits_loss`)."""
+    return LOGITS_KEY in key
+
+
+# the kinds of step a term is derived for, (full fine-tune, full-logits loss), as the memory model tells them apart
+# (`overheads.allocator_term`): a full fine-tune with the full-logits loss takes the full fine-tunes' term
+KINDS_OF_TERM = {
+    (False, False): "adapters (LoRA, QLoRA)",
+    (True, False): "full fine-tuning (the full-logits loss's rows included, not derived from)",
+    (False, True): "adapters with the full-logits loss",
+}
+
+
+def kind(key: str) -> tuple[bool, bool]:
+    """The kind of term (`KINDS_OF_TERM`) the memory model takes for a row."""
+    return full(key), full_logits(key) and not full(key)
+
+
+def allowance(terms: dict, mode: str, kind: tuple[bool, bool], block: float, churn: float) -> float:
+    """A row's allowance under the derived `terms` ((mode, full fine-tune, full-logits loss) → term), combined as
+    the memory model combines them (`overheads.allocator_terms`): with expandable segments an adapter step with the
+    full-logits loss takes the larger of its own term and the other adapter steps' (which counts no block)."""
+    own = [terms[(mode, *kind)]]
+    if mode == "expandable" and kind[1]:
+        own.append(terms[mode, False, False])
+    return max(t.base + t.blocks * block + t.fraction * churn for t in own)
+
+
+def _taken(taken, derived, mode: str, kind: tuple[bool, bool]) -> str:
+    if taken != derived:
+        return f"not taken: the model keeps {taken.fraction:.0%} of the transient"
+    return "taken, or the adapters' term where larger" if mode == "expandable" and kind[1] else "taken"
+
+
+def taken_term(mode: str, full_ft: bool, logits: bool):
+    """The term the memory model takes for a kind (`overheads.allocator_term`)."""
+    from lowmem_ft.memory.overheads import ALLOCATOR_TERM_FULL_LOGITS, ALLOCATOR_TERMS
+
+    if mode == "expandable" and logits:
+        return ALLOCATOR_TERM_FULL_LOGITS
+    return ALLOCATOR_TERMS["expandable segments" if mode == "expandable" else "default", full_ft]
+
+
+def steps_of(key: str):
+    """The step sequence a row is traced with (`lowmem_ft.train.trace.step`)."""
+    from lowmem_ft.train.trace.step import ONE_MICRO_BATCH, STEPS
+
+    return ONE_MICRO_BATCH if key.endswith(ONE_KEY) else STEPS
 
 
 def block_sizes(keys) -> dict[str, dict[str, float]]:
@@ -253,23 +324,28 @@ def block_sizes(keys) -> dict[str, dict[str, float]]:
     return out
 
 
-def derive(cache: dict, blocks: dict, mode: str, full_ft: bool):
-    """The allocator term (`overheads.AllocatorTerm`) for `mode` and the kind of training (`full_ft`), from that
-    kind's rows traced whole, as an upper envelope (a safety term takes the largest seen, not the median):
+def derive(cache: dict, blocks: dict, mode: str, full_ft: bool, logits: bool = False):
+    """The allocator term (`overheads.AllocatorTerm`) for `mode` and the kind of training (`full_ft`; `logits`: the
+    steps with the full-logits loss, else the others), from that kind's rows traced whole, as an upper envelope (a
+    safety term takes the largest seen, not the median):
     - the default settings: base + k × the row's block (`block_sizes`), k the largest (excess − pages) / block of
       the real-size rows rounded up to 0.01;
-    - expandable segments: base + fraction × churn (+ k × the tied embedding gradient for full fine-tunes, k as
-      above over the rows that have one; the fraction then the largest (excess − pages − k × block) / churn left,
-      rounded up to 0.1 %).
+    - expandable segments: base + fraction × churn (+ k × the row's block for full fine-tunes, the tied embedding
+      gradient, and for the full-logits loss, its fp32 logits: k as above over the rows that have one; the
+      fraction then the largest (excess − pages − k × block) / churn left, rounded up to 0.1 %).
     The base: the largest excess any whole row (the tiny zoo models among them) leaves beyond the rest, at least
     the pages, rounded up to a MiB."""
     from lowmem_ft.memory.calibration import ALLOCATOR_PAGE_BYTES
     from lowmem_ft.memory.overheads import AllocatorTerm
 
-    rows = {k: (*excess(e, mode), blocks[k][mode]) for k, e in cache.items() if full(k) == full_ft and whole(k)}
+    rows = {
+        k: (*excess(e, mode), blocks[k][mode])
+        for k, e in cache.items()
+        if full(k) == full_ft and full_logits(k) == logits and whole(k)
+    }
     real = {k: r for k, r in rows.items() if real_width(k)}
     k_blocks = 0.0
-    if mode == "default" or full_ft:
+    if mode == "default" or full_ft or logits:
         k_blocks = max((x - ALLOCATOR_PAGE_BYTES) / b for x, _, b in real.values() if b)
         k_blocks = math.ceil(k_blocks * 100) / 100
     fraction = 0.0
@@ -301,9 +377,11 @@ batches, the last at the full batch) and its allocations replayed through the mo
 allocator (`lowmem_ft.train.measure.allocator`) with torch's default settings and with `expandable_segments:True`;
 the evaluation forward is left out. **Predicted by a model of the allocator, not measured on a GPU.** Rows: zoo
 families at the accuracy grid's width (`devkit.zoo.estimator_config`: hidden 256, 3 layers; 2 × 512 tokens),
-catalog models at their real width cut to 2 decoder layers (2 × 1,024 tokens), and 14 whole real-size steps of
+catalog models at their real width cut to 2 decoder layers (2 × 1,024 tokens), 14 whole real-size steps of
 catalog models (`WHOLE`: the settings of `lowmem-ft plan`'s Qwen2.5-0.5B 8 GB and Llama-3.1-8B 24 GB plans, then
-LoRA, QLoRA and full fine-tunes of other families and sizes); LoRA (r 16) and QLoRA (NF4) with
+LoRA, QLoRA and full fine-tunes of other families and sizes), and 7 whole real-size steps with the full-logits loss
+(`memory.full_logits_loss`; `FULL_LOGITS`: `, full logits`), each also with one micro batch per optimizer step
+(`, one micro batch`: `ONE_MICRO_BATCH`, the step a run of accumulation 1 takes); LoRA (r 16) and QLoRA (NF4) with
 paged AdamW 8-bit, full fine-tuning with it too. PEFT's MetaMathQA runs (Llama-3.2-3B, `benchmarks/published.md`)
 are not among them: they are the held-out test of what is derived here.
 
@@ -333,7 +411,8 @@ CHECK_HEADER = """
 
 `block` = the row's block size as the memory model computes it from the row's setup (`overheads.allocator_block`:
 with the default settings the step's largest tensor, `loss.largest_step_block`, on the CPU path the trace ran; with
-expandable segments a full fine-tune's tied embedding gradient, else 0); `allow` = the derived term's allowance
+expandable segments a full fine-tune's tied embedding gradient, an adapter step's fp32 logits with the full-logits
+loss, else 0); `allow` = the derived term's allowance
 for the row; `excess` as above (MiB). A negative `allow − excess` is a row the term does not cover (the cut rows,
 a depth check only, are not derived from).
 
@@ -343,8 +422,6 @@ a depth check only, are not derived from).
 
 
 def render(cache: dict) -> str:
-    from lowmem_ft.memory.overheads import ALLOCATOR_TERMS
-
     lines = [HEADER]
     for key, e in cache.items():
         _, churn = excess(e, "default")
@@ -353,31 +430,30 @@ def render(cache: dict) -> str:
             f"{_cells(e, 'expandable')} | {e['seconds']} |\n"
         )
     blocks = block_sizes(set(cache))
-    terms = {(mode, full_ft): derive(cache, blocks, mode, full_ft) for mode in MODES for full_ft in (False, True)}
+    terms = {(mode, *k): derive(cache, blocks, mode, *k) for mode in MODES for k in KINDS_OF_TERM}
     lines.append(CHECK_HEADER)
     for key, e in cache.items():
         cells = []
         for mode in MODES:
-            t = terms[mode, full(key)]
             x, churn = excess(e, mode)
-            allow = t.base + t.blocks * blocks[key][mode] + t.fraction * churn
+            allow = allowance(terms, mode, kind(key), blocks[key][mode], churn)
             cells.append(
                 f"{blocks[key][mode] / MiB:.0f} | {x / MiB:.0f} | {allow / MiB:.0f} | {(allow - x) / MiB:+.0f}"
             )
         lines.append(f"| {key} | {' | '.join(cells)} |\n")
     lines.append("\n## The term the memory model takes\n\n")
     for mode, setting in (("expandable", "expandable segments"), ("default", "default settings")):
-        for full_ft, kind in ((False, "adapters (LoRA, QLoRA)"), (True, "full fine-tuning")):
-            t = terms[mode, full_ft]
-            taken = ALLOCATOR_TERMS["expandable segments" if mode == "expandable" else "default", full_ft]
+        for k, what in KINDS_OF_TERM.items():
+            t = terms[(mode, *k)]
+            taken = taken_term(mode, *k)
             short = [
-                (t.base + t.blocks * blocks[k][mode] + t.fraction * c - x) / MiB
-                for k, e in cache.items()
-                if full(k) == full_ft
+                (allowance(terms, mode, k, blocks[key][mode], c) - x) / MiB
+                for key, e in cache.items()
+                if kind(key) == k
                 for x, c in [excess(e, mode)]
             ]
             lines.append(
-                f"- **{setting}, {kind}**: {_form(t)} ({'taken' if taken == t else f'not taken: the model keeps {taken.fraction:.0%} of the transient'}); "
+                f"- **{setting}, {what}**: {_form(t)} ({_taken(taken, t, mode, k)}); "
                 f"allowance − excess over every row (cut rows included): {min(short):+.0f} to {max(short):+.0f} MiB\n"
             )
     return "".join(lines) + NOTES
@@ -409,6 +485,16 @@ NOTES = """
   2.02 blocks; an untied model has no such block (Phi-3-mini traced whole: 41 MiB of a 10.6 GB churn) and what is
   left over every whole row is 0.2 % of the churn and a 27 MiB base. For Phi-3-mini's full fine-tune this
   allows tens of MiB where 17.8 % of the churn allowed GBs; for the tied models it is within 0.1 GB of the replay.
+- **Expandable segments, adapters with the full-logits loss: blocks of the fp32 logits.** The term above, derived
+  from fused-head steps, left these 10 whole steps 0.4 to 1.5 c-byte logits short. Instrumented
+  (`--explain ROW`), the excess is a hole the c-byte logits leave: they are freed when the loss's forward returns,
+  between the saved activations, and the backward's fp32 gradients, twice their size, cannot fill it, so the segment
+  grows past it. (excess − pages) ÷ the fp32 logits: 0.51 (gemma-3-1b, 262k vocabulary) to 0.95 (Phi-3-mini QLoRA
+  with one micro batch per step); the memory model takes 22 MiB + 0.96 of them. Held out: lowmem-ft's own step at
+  PEFT's LoRA r32 settings (`benchmarks/published.md`, its last section). A full fine-tune with that loss keeps the
+  full fine-tunes' term (these rows are not derived from): Qwen2.5-1.5B's step is left 370 MiB short, Llama-3.2-1B's
+  212 MiB with one micro batch, while PEFT's Llama-3.2-3B full fine-tune is 0.7 GB over; no single count of logit
+  blocks beside the tied gradient's holds.
 - **Default settings: no derived form holds; the memory model keeps 10 % of the transient.** As a share of the
   churn the whole real-size adapter steps spread from 0.7 % to 31.5 %, full fine-tunes from 8 to 45 %. By blocks
   (the table above): instrumented, every whole row's reserved peak is the step's largest tensor
@@ -446,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, make, layers in grid(Path(tmp)):
                 if key in cache or args.only not in key:
                     continue
-                cache[key] = entry(make(), layers)
+                cache[key] = entry(make(), layers, steps_of(key))
                 cache_path.write_text(json.dumps(cache, indent=1) + "\n")
                 print(key, json.dumps(cache[key]), flush=True)
     args.out.write_text(render(cache))

@@ -464,6 +464,20 @@ ALLOCATOR_BASE_EXPANDABLE: Annotated[int, Source("code+measured", _ALLOC_TERM)] 
 ALLOCATOR_TIED_GRAD_BLOCKS_EXPANDABLE: Annotated[float, Source("code+measured", _ALLOC_TERM)] = 2.02
 ALLOCATOR_FRACTION_EXPANDABLE_FULL: Annotated[float, Source("code+measured", _ALLOC_TERM)] = 0.002
 ALLOCATOR_BASE_EXPANDABLE_FULL: Annotated[int, Source("code+measured", _ALLOC_TERM)] = 27 << 20
+# Expandable segments, adapters with the full-logits loss (`memory.full_logits_loss`, loss_impl "hf_full"): blocks of
+# the step's fp32 logits (4 × rows × tokens × vocab). Instrumented, the excess is the hole its c-byte logits leave
+# when the loss's forward returns: the backward's fp32 gradients, twice their size, cannot fill it, and the segment
+# grows past it. (reserved − live − pages) / the fp32 logits of the real-size adapter steps with that loss traced
+# whole (Qwen2.5-0.5B, Llama-3.2-1B, gemma-3-1b, Phi-3-mini QLoRA, Qwen3-8B; with the accumulating step and with one
+# micro batch per optimizer step): 0.51 (gemma-3-1b, 262k vocabulary) to 0.95 (Phi-3-mini QLoRA, one micro batch),
+# so 0.96 blocks, no share of the churn left, the base the pages. The fused-head steps' term above (derived without
+# these rows) left them 0.4 to 1.5 c-byte logits short; it stays the floor (`overheads.allocator_terms`). A full
+# fine-tune with that loss keeps its own term: it leaves Qwen2.5-1.5B's such step 0.37 GB short and Llama-3.2-1B's
+# 0.21 GB (one micro batch; the accumulating step +0.02), and lowmem-ft's own step at PEFT's Llama-3.2-3B full
+# fine-tune 0.7 GB over (benchmarks/published.md); no single count of logit blocks holds beside the tied gradient's,
+# so none is added.
+ALLOCATOR_LOGIT_BLOCKS_EXPANDABLE: Annotated[float, Source("code+measured", _ALLOC_TERM)] = 0.96
+ALLOCATOR_BASE_EXPANDABLE_LOGITS: Annotated[int, Source("code+measured", _ALLOC_TERM)] = 22 << 20
 # torch's default settings: kept as assumed, 10 % of the transient peak; no derived form holds. As a share of the
 # churn the whole real-size steps' (reserved − live − pages) spreads from 0.7 to 31.5 % for adapters and 27 to 45 %
 # for full fine-tunes. By blocks: instrumented, the reserved peak is always set by the step's largest tensor

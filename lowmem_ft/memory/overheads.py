@@ -5,7 +5,8 @@ The allocator's term depends on its setting (`Setup.allocator`) and is derived f
 (`calibration.ALLOCATOR_*`, benchmarks/allocator_term.md), in the form the replays' excess takes: with expandable
 segments (what `train` sets unless the user set PYTORCH_CUDA_ALLOC_CONF, `lowmem_ft.cuda_alloc`) a segment grows in
 place, and what is left is a share of what an adapter step allocates and frees, or, in a full fine-tune of tied
-embeddings, two free blocks of the embedding gradient's size (`allocator_block`). With torch's default settings the
+embeddings, two free blocks of the embedding gradient's size (`allocator_block`), or, in an adapter step with the
+full-logits loss, a hole of the logits' size its backward cannot fill. With torch's default settings the
 excess is freed blocks stranded when the step's largest tensor (`loss.largest_step_block`) asks for a segment, but
 their number is no constant: the term stays an assumed share of the transient (`calibration` gives the numbers).
 """
@@ -47,6 +48,13 @@ ALLOCATOR_TERMS: dict[tuple[AllocatorSetting, bool], AllocatorTerm] = {
     ("default", False): AllocatorTerm(0, cal.ALLOCATOR_FRACTION, False),
     ("default", True): AllocatorTerm(0, cal.ALLOCATOR_FRACTION, False),
 }
+# Expandable segments, an adapter step with the full-logits loss (`loss_impl` "hf_full"): blocks of its fp32 logits
+# (`allocator_block`) and a base, derived from such steps alone, and at least the other adapter steps' term, whose
+# share of the churn those steps do not reach but a step of more churn beside its logits might (`allocator_terms`);
+# a full fine-tune keeps its own term (calibration says why)
+ALLOCATOR_TERM_FULL_LOGITS = AllocatorTerm(
+    cal.ALLOCATOR_BASE_EXPANDABLE_LOGITS, 0.0, True, cal.ALLOCATOR_LOGIT_BLOCKS_EXPANDABLE
+)
 ALLOCATOR_PREFIX = "allocator ("  # the allocator component's name: "allocator (expandable segments)"
 
 
@@ -55,18 +63,42 @@ def allocator_name(setting: AllocatorSetting) -> str:
 
 
 def allocator_term(s: Setup) -> AllocatorTerm:
-    """The allocator term for `s`: its setting, and whether every weight trains (a full fine-tune's gradients and
-    optimizer updates churn parameter-sized blocks)."""
+    """The allocator term for `s`: its setting, whether every weight trains (a full fine-tune's gradients and
+    optimizer updates churn parameter-sized blocks) and, with expandable segments, whether an adapter step computes
+    the loss over the full logits (`full_logits_hole`)."""
+    if full_logits_hole(s):
+        return ALLOCATOR_TERM_FULL_LOGITS
     return ALLOCATOR_TERMS[s.allocator, s.adapter == "full"]
+
+
+def allocator_terms(s: Setup) -> tuple[AllocatorTerm, ...]:
+    """The terms whose largest allowance is the allocator's for `s`: `allocator_term`, and for an adapter step with
+    the full-logits loss under expandable segments also the other adapter steps' term. On every replayed step with
+    that loss the first is the larger, but none of them churns more than 11 times its fp32 logits, and the share the
+    second takes of the churn is what the other adapter steps left at most (benchmarks/allocator_term.md)."""
+    if full_logits_hole(s):
+        return ALLOCATOR_TERM_FULL_LOGITS, ALLOCATOR_TERMS[s.allocator, False]
+    return (allocator_term(s),)
+
+
+def full_logits_hole(s: Setup) -> bool:
+    """Expandable segments and an adapter step with the full-logits loss: its c-byte logits, freed when the loss's
+    forward returns, leave a hole between the saved activations that its backward's fp32 gradients, twice their
+    size, cannot fill, so the segment grows past it (the replays, benchmarks/allocator_term.md)."""
+    return s.allocator == "expandable segments" and s.adapter != "full" and s.loss_impl == "hf_full"
 
 
 def allocator_block(arch: Architecture, s: Setup, training: bool = True) -> float:
     """The size of the blocks the allocator's term counts for `s`: with torch's default settings the step's largest
     tensor (`largest_step_block`; a no-grad pass's, `training` False: its loss path's forward); with expandable
     segments the embedding's gradient in a full fine-tune of tied embeddings (else none) — in an evaluation pass
-    too: the training steps left those blocks cached, and reserved bytes count them until `empty_cache`."""
+    too: the training steps left those blocks cached, and reserved bytes count them until `empty_cache`; and an
+    adapter step's fp32 logits with the full-logits loss (`full_logits_hole`; an evaluation pass: its own batch's,
+    whose no-grad loss makes and frees the same copies)."""
     if s.allocator == "default":
         return largest_step_block(arch, s) if training else loss_block(arch, s, backward=False)
+    if full_logits_hole(s):
+        return loss_block(arch, s)
     tied_grad = s.adapter == "full" and arch.tie_embeddings
     return float(DTYPE_BYTES[s.compute_dtype] * arch.vocab_size * arch.hidden_size) if tied_grad else 0.0
 
@@ -74,8 +106,19 @@ def allocator_block(arch: Architecture, s: Setup, training: bool = True) -> floa
 def allocator_bytes(s: Setup, transient: float, gradients: float = 0.0, *, block: float) -> float:
     """What the caching allocator reserves over the live tensors of a step whose transient peak is `transient`
     and whose counted blocks are `block` bytes each (`allocator_block`; see `device_overheads`)."""
-    t = allocator_term(s)
-    return t.base + t.blocks * block + t.fraction * (transient + (gradients if t.with_gradients else 0.0))
+    return max(
+        t.base + t.blocks * block + t.fraction * (transient + (gradients if t.with_gradients else 0.0))
+        for t in allocator_terms(s)
+    )
+
+
+def _reasons(s: Setup, block: float) -> str:
+    """`_reason` of each of `allocator_terms(s)`: the larger of them where there are two."""
+    parts = [_reason(t, block) for t in allocator_terms(s)]
+    if len(parts) == 1:
+        return parts[0]
+    end = " (replayed traces, benchmarks/allocator_term.md)"
+    return "the larger of " + " and ".join(p.removesuffix(end) for p in parts) + end
 
 
 def _reason(t: AllocatorTerm, block: float) -> str:
@@ -105,7 +148,7 @@ def device_overheads(s: Setup, transient: float, gradients: float = 0.0, *, bloc
             allocator_name(s.allocator),
             allocator_bytes(s, transient, gradients, block=block),
             "overhead",
-            _reason(allocator_term(s), block),
+            _reasons(s, block),
         ),
     ]
 
@@ -115,14 +158,17 @@ def transient_without_overheads(s: Setup, with_overheads: float, *, block: float
     inverse; as is on the CPU)."""
     if s.device != "cuda":
         return with_overheads
-    t = allocator_term(s)
-    fixed = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + t.base + t.blocks * block
-    return (with_overheads - fixed) / (1 + t.fraction)
+    # each term solved alone; the allowance is the larger term, so the transient is the smaller solution
+    return min(
+        (with_overheads - CUDA_CONTEXT_BYTES - CUBLAS_WORKSPACE_BYTES - t.base - t.blocks * block) / (1 + t.fraction)
+        for t in allocator_terms(s)
+    )
 
 
 def allocator_growth(s: Setup) -> float:
-    """How much the device's peak grows per byte of transient: 1 plus the allocator's fraction (1 on the CPU)."""
-    return 1 + (allocator_term(s).fraction if s.device == "cuda" else 0.0)
+    """How much the device's peak grows per byte of transient: 1 plus the allocator's fraction, the larger one where
+    two terms apply (1 on the CPU)."""
+    return 1 + (max(t.fraction for t in allocator_terms(s)) if s.device == "cuda" else 0.0)
 
 
 def allocator_component_bytes(components: list[Component]) -> float:

@@ -13,6 +13,7 @@ from lowmem_ft.memory import calibration as cal
 from lowmem_ft.memory.arch import load_architecture
 from lowmem_ft.memory.estimate import estimate
 from lowmem_ft.memory.overheads import (
+    ALLOCATOR_TERM_FULL_LOGITS,
     ALLOCATOR_TERMS,
     AllocatorTerm,
     allocator_block,
@@ -40,6 +41,8 @@ def test_the_constants_are_what_the_committed_replays_give():
         assert term.base >= cal.ALLOCATOR_PAGE_BYTES
         assert ALLOCATOR_TERMS["default", full] == AllocatorTerm(0, cal.ALLOCATOR_FRACTION, False)
         assert derive(cache, blocks, "default", full).blocks > 1
+    # an adapter step with the full-logits loss: its own rows, blocks of its fp32 logits
+    assert derive(cache, blocks, "expandable", False, True) == ALLOCATOR_TERM_FULL_LOGITS
     # the product's setting for adapters: well under the assumed 10 %; a full fine-tune: blocks and a small share
     assert ALLOCATOR_TERMS["expandable segments", False].fraction < cal.ALLOCATOR_FRACTION / 2
     assert ALLOCATOR_TERMS["expandable segments", True].fraction < 0.01
@@ -61,6 +64,34 @@ def test_a_full_fine_tune_counts_the_tied_embedding_gradient_blocks_only():
         share = component.bytes - cal.ALLOCATOR_BASE_EXPANDABLE_FULL - 2.02 * allocator_block(arch, s)
         assert 0 < share < 0.002 * est.model_peak_bytes  # 0.2 % of the churn, less than the live peak
         assert ("2.02 × the 0.53 GB block" in component.source) == (arch is tied)
+
+
+def test_an_adapter_step_with_the_full_logits_loss_counts_blocks_of_its_fp32_logits():
+    """Expandable segments: the full-logits loss's adapter step is allowed blocks of its fp32 logits and a base, no
+    share of the churn; the fused head's step keeps the share and no block; a full fine-tune keeps its own term."""
+    s = Setup(quantization="none", adapter="lora", loss_impl="hf_full", max_seq_len=512)
+    fp32_logits = 4 * s.micro_batch_size * 512 * ARCH.vocab_size
+    assert allocator_block(ARCH, s) == fp32_logits
+    assert allocator_block(ARCH, replace(s, loss_impl="trl_fused")) == 0.0
+    est = estimate(ARCH, s)
+    (component,) = [c for c in est.components if c.name.startswith("allocator (")]
+    term = ALLOCATOR_TERM_FULL_LOGITS
+    assert term.blocks > 0 and not term.fraction
+    assert component.bytes == pytest.approx(term.base + term.blocks * fp32_logits)
+    assert f"{term.blocks:g} × the {fp32_logits / 1e9:.2f} GB block" in component.source
+    full = replace(s, adapter="full", optimizer="adamw_torch")
+    assert allocator_block(ARCH, full) == 2 * ARCH.vocab_size * ARCH.hidden_size  # the tied embedding's gradient
+    assert estimate(ARCH, full).allocator_block == allocator_block(ARCH, full)
+    # far more churn than logits (a 32k vocabulary, 8k tokens, no checkpointing): the other adapters' share is larger
+    phi3 = load_architecture("microsoft/Phi-3-mini-4k-instruct")
+    long = replace(s, micro_batch_size=1, max_seq_len=8192, gradient_checkpointing=False)
+    est = estimate(phi3, long)
+    (component,) = [c for c in est.components if c.name.startswith("allocator (")]
+    hole = term.base + term.blocks * allocator_block(phi3, long)
+    assert component.bytes > hole and component.source.startswith("the larger of ")
+    share = ALLOCATOR_TERMS["expandable segments", False]
+    churn = (component.bytes - share.base) / share.fraction  # the transient and gradients it is a share of
+    assert est.model_peak_bytes / 2 < churn < est.model_peak_bytes
 
 
 def test_the_default_settings_block_is_the_steps_largest_tensor():
