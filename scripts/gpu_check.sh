@@ -6,7 +6,7 @@
 # results.jsonl, estimator_gpu.md, runs.tar, calibration.json, gpu_check.log, nvidia-smi.txt. Here, every step at
 # toy sizes on the CPU:
 #   bash scripts/gpu_check.sh --cpu-smoke [--out DIR]
-# Other options go to `python -m devkit.gpu.check run` (--deadline S, --only probe,points,train,context,calibrate).
+# Other options go to `python -m devkit.gpu.check run` (--deadline S, --only probe,published,points,train,context,calibrate).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export GPU_CHECK_T0=${GPU_CHECK_T0:-$(date +%s)}

@@ -21,17 +21,21 @@ before it; each child appends its result as one JSON line to `$OUT/results.jsonl
   sampler's); measured peaks against the run's plan.json.
 - `context`: the planner's longest trainable context at 24 GB for Llama-3.1-8B (`planner_longest_context`), at most
   `CONTEXT_LIMIT` tokens, one optimizer step of `lowmem-ft train` at that length.
-- `calibrate`: `lowmem-ft doctor --calibrate` (`devkit.gpu.calibration`), last, so the steps above measure the memory
-  model uncalibrated; then every calibration the call recorded (the doctor's and the train run's own, as any GPU run
-  records one) is copied to `$OUT/calibration.json` and printed.
+- `calibrate`: `lowmem-ft doctor --calibrate` (`devkit.gpu.calibration`), last of the memory model's steps, so
+  the steps above measure it uncalibrated; then every calibration the call recorded (the doctor's and the train
+  run's own, as any GPU run records one) is copied to `$OUT/calibration.json` and printed.
+- `published`: PEFT's MetaMathQA step run for real (`devkit.gpu.published`), once per allocator setting: LoRA r32
+  right after the probe, full fine-tuning at the end; its readings against the harness's allocator replay and
+  PEFT's published figures.
 
 Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times; each is a
 setting, `devkit.gpu.settings`): install ~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a
-point 15 s + 1.5 s per billion, train 40 s + 3 s per billion, context 40 s + 4 s per billion — about 500 s for
-everything. The orchestrator starts a step only when that much time is left before `--deadline` (450 s by default,
-`LOWMEM_GPU_DEADLINE_S`, counted from the start of gpu_check.sh)
-and records it as skipped otherwise, so the kit ends inside the device tool's 10-minute call; the run order puts
-the small model's tiers, the train run and the context run before the remaining points.
+point 15 s + 1.5 s per billion, train 40 s + 3 s per billion, context 40 s + 4 s per billion, a published run 45 s
+(four of them) — about 680 s for everything. The orchestrator starts a step only when that much time is left before
+`--deadline` (450 s by default, `LOWMEM_GPU_DEADLINE_S`, counted from the start of gpu_check.sh) and records it as
+skipped otherwise, so the kit ends inside the device tool's 10-minute call; the run order puts PEFT's LoRA step, the
+small model's tiers, the train run and the context run before the remaining points, and full fine-tuning's
+published runs last.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from devkit.gpu.published import FIRST, LAST
+from devkit.gpu.published import SETTINGS as PUBLISHED_SETTINGS
+from devkit.gpu.published import environment as published_environment
 from devkit.gpu.settings import SETTINGS
 from devkit.harness.estimator import Point, measure_cuda, predict, run_point
 
@@ -523,16 +530,16 @@ class Check:
         )
         print(f"[gpu_check {time.time() - self.t0:5.0f} s] {step}: {status} ({seconds:.0f} s) {detail}", flush=True)
 
-    def child(self, step: str, args: list[str], need_s: float) -> str:
-        """Run `python -m devkit.gpu.check ARGS` if `need_s` seconds are left; returns "ok", "exit N", "timeout"
-        or "skipped"."""
+    def child(self, step: str, args: list[str], need_s: float, env: dict[str, str] | None = None) -> str:
+        """Run `python -m devkit.gpu.check ARGS` (in `env`, default this process's) if `need_s` seconds are left;
+        returns "ok", "exit N", "timeout" or "skipped"."""
         left = self.remaining() - SETTINGS.reserve_s
         if left < need_s:
             self.note(step, "skipped", detail=f"{left:.0f} s left, needs ~{need_s:.0f} s")
             return "skipped"
         started = time.time()
         try:
-            rc = subprocess.run([sys.executable, "-m", "devkit.gpu.check", *args], timeout=left).returncode
+            rc = subprocess.run([sys.executable, "-m", "devkit.gpu.check", *args], timeout=left, env=env).returncode
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
             status = "timeout"
@@ -565,6 +572,7 @@ class Check:
                 print(self.report(), flush=True)
                 print("gpu_check: stopped after the preflight (see results.jsonl: probe.preflight)", file=sys.stderr)
                 return 3
+        self.run_published(FIRST)
         train_model, context_model = (*SMOKE_MODELS,) if self.smoke else (TRAIN_MODEL, CONTEXT_MODEL)
         for name, config in self.models():
             wanted = (
@@ -588,11 +596,22 @@ class Check:
         shutil.rmtree(self.scratch, ignore_errors=True)
         if "calibrate" in self.only:  # last: the grid above is the memory model alone, uncalibrated
             self.child("calibrate", ["calibrate", "--results", str(self.results)], SETTINGS.calibrate.seconds())
+        self.run_published(LAST)  # the publisher's loop reads no calibration
         from devkit.gpu.calibration import summary
 
         print(summary(self.out), flush=True)  # the doctor's and the train run's measurements of this GPU
         print(self.report(), flush=True)
         return 0
+
+    def run_published(self, names: tuple[str, ...]) -> None:
+        """The `published` step for `names`, one child per allocator setting (set before CUDA starts)."""
+        if "published" not in self.only:
+            return
+        for name in names:
+            for setting in PUBLISHED_SETTINGS:
+                args = ["published", "--results", str(self.results), "--name", name, "--setting", setting]
+                self.child(f"published {name} ({setting})", [*args, *(["--smoke"] * self.smoke)],
+                           SETTINGS.published.seconds(), env=published_environment(setting))  # fmt: skip
 
     def run_points(self, name: str, model_dir: Path, params_b: float) -> None:
         specs = [
@@ -734,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cpu-smoke", action="store_true")
     r.add_argument("--deadline", type=float, default=SETTINGS.deadline_s,
                    help=f"seconds from $GPU_CHECK_T0 (default {SETTINGS.deadline_s:g}, LOWMEM_GPU_DEADLINE_S)")  # fmt: skip
-    r.add_argument("--only", default="probe,points,train,context,calibrate", help="steps to run (comma-separated)")
+    r.add_argument("--only", default="probe,published,points,train,context,calibrate",
+                   help="steps to run (comma-separated)")  # fmt: skip
     r.add_argument("--models", default=",".join(MODELS), help="catalog ids, in run order (default: all four)")
     p = sub.add_parser("probe")
     p.add_argument("--results", required=True)
@@ -748,6 +768,11 @@ def main(argv: list[str] | None = None) -> int:
     pt.add_argument(
         "--points", required=True, help="JSON list of {vram, adapter, optimizer, checkpointing, batch, seq}"
     )
+    pb = sub.add_parser("published")
+    pb.add_argument("--results", required=True)
+    pb.add_argument("--name", required=True)
+    pb.add_argument("--setting", required=True, choices=PUBLISHED_SETTINGS)
+    pb.add_argument("--smoke", action="store_true")
     cl = sub.add_parser("cli")
     for flag in ("--results", "--kind", "--run-dir", "--tar", "--data"):
         cl.add_argument(flag, required=True)
@@ -776,6 +801,10 @@ def main(argv: list[str] | None = None) -> int:
         config = SMOKE_MODELS.get(args.name) or catalog_config(args.name)
         info = write_checkpoint(config, Path(args.dir), "cuda" if torch.cuda.is_available() else "cpu")
         append(Path(args.results), {"kind": "checkpoint", "model": args.name, **info})
+    elif args.step == "published":
+        from devkit.gpu.published import measure
+
+        append(Path(args.results), measure(args.name, args.setting, args.smoke))
     elif args.step == "point":
         return 1 if run_points(Path(args.results), Path(args.dir), args.name, json.loads(args.points)) else 0
     elif args.step == "cli":

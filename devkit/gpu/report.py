@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from devkit.gpu.published import section as published_section
 from lowmem_ft.memory import estimate as model
 from lowmem_ft.memory.arch import Architecture
 from lowmem_ft.memory.calibration import ALLOCATOR_FRACTION_EXPANDABLE, ALLOCATOR_PAGE_BYTES
@@ -397,7 +398,8 @@ def analyze(path: Path, smoke: bool | None = None) -> str:
     steps = [r for r in records if r["kind"] == "step"]
     lines = [*header(records, smoke), "", *points, "", "## Real runs: `lowmem-ft train`", "", *RUN_HEADER]
     lines += [*map(run_row, runs), "", RUNS_NOTE, "", *constants_section(constants(records, figures), smoke)]
-    lines += ["", "## Steps", "", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
+    lines += ["", *published_section(records)]
+    lines += ["## Steps", "", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s.get('detail', '')} |" for s in steps]
     return "\n".join(lines) + "\n"
 

@@ -121,9 +121,9 @@ def config_at(layers: int):
     return trace_layers.truncated(AutoConfig.for_model(**config), layers)
 
 
-def build(result: Published, config, shadow=None):
+def build(result: Published, config, shadow=None, device: str = "cpu"):
     """The publisher's model (`utils.get_model`): bf16 base, fp32 adapters, or the bare model; shape-only under
-    `shadow` (a `Shadow`), else with random weights (the tests' real run)."""
+    `shadow` (a `Shadow`), else with random weights made on `device` (the tests' real run, the GPU check's)."""
     from contextlib import nullcontext
 
     import torch
@@ -142,7 +142,8 @@ def build(result: Published, config, shadow=None):
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # a dispatch mode is the entering thread's alone
     with shadow or nullcontext():
         if shadow is None:
-            model = cls._from_config(config, **bf16)
+            with torch.device(device):
+                model = cls._from_config(config, **bf16)
         else:
             shapes = _state_dict_shapes(cls, config, torch.bfloat16)
             state = {k: shadow.fake_tensor(s, d) for k, (s, d) in shapes.items()}
@@ -184,7 +185,6 @@ def run_log(result: Published, config, lengths: list[int], empty_after: set[int]
     `memory_reserved`) on the model `config` describes: traced on shape-only tensors, or (`fake=False`) run."""
     from contextlib import nullcontext
 
-    import torch
     from transformers import set_seed
 
     from lowmem_ft.train.measure.peak import PeakMemory
@@ -193,28 +193,43 @@ def run_log(result: Published, config, lengths: list[int], empty_after: set[int]
     shadow = Shadow() if fake else None
     set_seed(0)
     model = build(result, config, shadow)
-    vocab = config.vocab_size
     log: list = [("+", "cublas", CUBLAS_WORKSPACE)]  # the first matmul's handle workspace, held for the process
     with shadow or nullcontext():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+        optimizer = optimizer_for(model)
         model.train()
         with PeakMemory(device="cpu", roots=[model, optimizer.state], log=log) as pm:
-            outputs = None
+            kept: list = [None, None]
             for i, length in enumerate(lengths):
-                ids, mask, labels = batch(vocab, length, seed=i)
-                n_items = int(mask.sum())
-                optimizer.zero_grad()
-                outputs = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_items)
-                outputs.loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
+                step(model, optimizer, kept, length, seed=i)
                 pm.mark(f"step {i}")
                 if i in empty_after:
                     log.append(("empty_cache", i, 0))
-            del outputs
+            kept[0] = None  # the last outputs; the last batch stays, as run.py's loop variables do
     del model, optimizer
     gc.collect()
     return log
+
+
+def optimizer_for(model):
+    """run.py's optimizer: torch AdamW (foreach, its CUDA default) with the benchmark's settings."""
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+
+
+def step(model, optimizer, kept: list, length: int, seed: int, device: str = "cpu") -> None:
+    """One step of run.py's training loop on a batch of `length` tokens. `kept` ([outputs, batch]) holds what
+    run.py's loop variables do: the step's `outputs` (the logits, the KV cache) through the backward and the
+    optimizer step until the next step's forward returns, and its batch until the next one is made."""
+    import torch
+
+    kept[1] = ids, mask, labels = tuple(x.to(device) for x in batch(model.config.vocab_size, length, seed))
+    n_items = int(mask.sum())
+    optimizer.zero_grad()
+    kept[0] = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_items)
+    kept[0].loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
 
 
 def replay(log: list) -> dict[str, tuple[int, int, int]]:
@@ -263,6 +278,16 @@ def emptied_after(every: int) -> set[int]:
     return set(range(7)) if every == 1 else {1, 2, 4}
 
 
+def lead_sequence(
+    result: Published, lengths: tuple[int, int], every: int = EMPTY_CACHE_EVERY, state: int | None = None
+) -> tuple[list[int], set[int]]:
+    """`reserved_at`'s batch lengths and the steps after which the loop empties the cache: AdamW's state made on a
+    step of `state` tokens (default: the mean sample length), then each of `lengths` as a bucket's lead after the
+    previous bucket's median and shortest batches, then a batch of the mean sample length."""
+    median = result.mean_row
+    return [state or median, SHORT, lengths[0], median, SHORT, lengths[1], median], emptied_after(every)
+
+
 def reserved_at(
     result: Published, lengths: tuple[int, int], depths=DEPTHS, every: int = EMPTY_CACHE_EVERY, state: int | None = None
 ) -> dict:
@@ -276,9 +301,7 @@ def reserved_at(
     from lowmem_ft.train.trace.layers import Layers
 
     started = time.perf_counter()
-    median = result.mean_row
-    seq = [state or median, SHORT, lengths[0], median, SHORT, lengths[1], median]
-    empty = emptied_after(every)
+    seq, empty = lead_sequence(result, lengths, every, state)
     by_depth = {d: replay(run_log(result, config_at(d), seq, empty_after=empty)) for d in depths}
     keys = {"first": ("step 2", 0), "second": ("step 5", 0), "requested": ("step 2", 2), "allocated": ("step 6", 1),
             "state": ("step 0", 0)}  # fmt: skip
