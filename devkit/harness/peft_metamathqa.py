@@ -452,10 +452,10 @@ def plan_at(result: Published, length: int, expandable: bool = False):
     from unittest import mock
 
     from lowmem_ft.choosing import choose_recipe
-    from lowmem_ft.cuda_alloc import ALLOC_CONF
+    from lowmem_ft.cuda_alloc import ALLOC_CONF, ALLOC_CONF_GENERIC
     from lowmem_ft.errors import UserError
 
-    env = {k: v for k, v in os.environ.items() if k != ALLOC_CONF}
+    env = {k: v for k, v in os.environ.items() if k not in (ALLOC_CONF, ALLOC_CONF_GENERIC)}
     if not expandable:  # PEFT ran torch's default allocator settings: plan as a user who set them
         env[ALLOC_CONF] = "expandable_segments:False"
     with mock.patch.dict(os.environ, env, clear=True):

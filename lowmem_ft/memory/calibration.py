@@ -148,7 +148,8 @@ CHUNKED_POSITION_BYTES: Annotated[int, Source("measured", _CHUNKED)] = 2
 # the full-logits head `train` installs does (lowmem_ft/train/losses.py full_token_log_probs returns no logits). A
 # loop that keeps the outputs through its backward holds c more per logit (PEFT's MetaMathQA run.py,
 # docs/published-gpu-runs.md). Measured with PeakMemory, 512 rows × 8,000 vocab, bf16: 12.0 B per logit over the
-# hidden state's bytes, 14.0 with the outputs kept, for the head and ForCausalLMLoss alike (tests/train/test_losses.py).
+# hidden state's bytes, 13.97 with the outputs kept, for the head and ForCausalLMLoss alike
+# (tests/train/test_losses.py).
 HF_LOSS_BYTES_PER_LOGIT: Annotated[int, Source("code+measured", "transformers loss/loss_utils.py ForCausalLMLoss")] = (
     4 + 4 + 4
 )

@@ -508,8 +508,9 @@ def allocation_log(
 ):
     """The traced step's allocation log (`PeakMemory(log=...)`: each storage's allocation and free, in order, and
     the phase marks), with the model cut to its first `layers` decoder layers (None: whole), for
-    `lowmem_ft.train.measure.allocator`; `steps` as `run_step` takes them. The tensors that exist when the step starts (weights, adapters) come first, in the
-    order `PeakMemory` finds them; the host embedding table (`embeddings_on_host`) is in it too."""
+    `lowmem_ft.train.measure.allocator`; `steps` as `run_step` takes them. The tensors that exist when the step
+    starts (weights, adapters) come first, in the order `PeakMemory` finds them; the host embedding table
+    (`embeddings_on_host`) is in it too."""
     from lowmem_ft.train.trace import layers as trace_layers
 
     log: list = []
