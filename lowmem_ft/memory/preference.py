@@ -257,7 +257,9 @@ def method_estimate(
     transient = max(phases[k] for k in ("forward", "backward", "optimizer step")) - static
     peak_phase = max(("forward", "backward", "optimizer step"), key=lambda k: phases[k])
     gradients = est.by_name().get("gradients", 0.0)
-    overheads = device_overheads(s, transient, gradients, block=est.allocator_block)  # none on the CPU
+    # ORPO / SimPO's trainer keeps the logits through the backward: no hole of them (`overheads.full_logits_hole`)
+    kept_logits = replace(s, loss_impl="trl_fused") if method in ("orpo", "simpo") else s
+    overheads = device_overheads(kept_logits, transient, gradients, block=est.allocator_block)  # none on the CPU
     return replace(
         est,
         components=comps + overheads,

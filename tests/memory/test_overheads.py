@@ -79,6 +79,7 @@ def test_an_adapter_step_with_the_full_logits_loss_counts_blocks_of_its_fp32_log
     assert term.blocks > 0 and not term.fraction
     assert component.bytes == pytest.approx(term.base + term.blocks * fp32_logits)
     assert f"{term.blocks:g} × the {fp32_logits / 1e9:.2f} GB block" in component.source
+    assert allocator_block(ARCH, s, training=False) == 0.0  # an evaluation pass: no backward, no hole
     full = replace(s, adapter="full", optimizer="adamw_torch")
     assert allocator_block(ARCH, full) == 2 * ARCH.vocab_size * ARCH.hidden_size  # the tied embedding's gradient
     assert estimate(ARCH, full).allocator_block == allocator_block(ARCH, full)
@@ -92,6 +93,20 @@ def test_an_adapter_step_with_the_full_logits_loss_counts_blocks_of_its_fp32_log
     share = ALLOCATOR_TERMS["expandable segments", False]
     churn = (component.bytes - share.base) / share.fraction  # the transient and gradients it is a share of
     assert est.model_peak_bytes / 2 < churn < est.model_peak_bytes
+
+
+def test_orpo_and_simpo_keep_the_other_adapters_term():
+    """Their trainer keeps the logits through the backward, so the full-logits loss leaves no hole of them: their
+    estimate prices the allocator as the other adapter steps' share, though their policy's setup is `hf_full`."""
+    from lowmem_ft.memory.preference import method_estimate, method_setup
+
+    share = ALLOCATOR_TERMS["expandable segments", False]
+    for method in ("orpo", "simpo"):
+        s = method_setup(method, Setup(quantization="none", adapter="lora", max_seq_len=512))
+        assert s.loss_impl == "hf_full"
+        est = method_estimate(ARCH, estimate(ARCH, s), method)
+        (component,) = [c for c in est.components if c.name.startswith("allocator (")]
+        assert f"{share.fraction:.1%}" in component.source and "block" not in component.source
 
 
 def test_the_default_settings_block_is_the_steps_largest_tensor():
