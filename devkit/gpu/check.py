@@ -25,8 +25,8 @@ before it; each child appends its result as one JSON line to `$OUT/results.jsonl
   the steps above measure it uncalibrated; then every calibration the call recorded (the doctor's and the train
   run's own, as any GPU run records one) is copied to `$OUT/calibration.json` and printed.
 - `published`: PEFT's MetaMathQA step run for real (`devkit.gpu.published`), once per allocator setting: LoRA r32
-  right after the probe, full fine-tuning at the end; its readings against the harness's allocator replay and
-  PEFT's published figures.
+  under PEFT's setting right after the probe, the other three runs at the end; its readings against the harness's
+  allocator replay and PEFT's published figures.
 
 Budget on the H200 (ESTIMATES — no device has run this yet; `results.jsonl` records the real times; each is a
 setting, `devkit.gpu.settings`): install ~15 s, probe 20 s, a checkpoint 10 s + 2.5 s per billion parameters, a
@@ -34,8 +34,8 @@ point 15 s + 1.5 s per billion, train 40 s + 3 s per billion, context 40 s + 4 s
 (four of them) — about 680 s for everything. The orchestrator starts a step only when that much time is left before
 `--deadline` (450 s by default, `LOWMEM_GPU_DEADLINE_S`, counted from the start of gpu_check.sh) and records it as
 skipped otherwise, so the kit ends inside the device tool's 10-minute call; the run order puts PEFT's LoRA step, the
-small model's tiers, the train run and the context run before the remaining points, and full fine-tuning's
-published runs last.
+small model's tiers, the train run and the context run before the remaining points, and the other published runs
+last.
 """
 
 from __future__ import annotations
@@ -603,15 +603,15 @@ class Check:
         print(self.report(), flush=True)
         return 0
 
-    def run_published(self, names: tuple[str, ...]) -> None:
-        """The `published` step for `names`, one child per allocator setting (set before CUDA starts)."""
+    def run_published(self, runs: tuple[tuple[str, str], ...]) -> None:
+        """The `published` step's (configuration, allocator setting) `runs`, one child each (the setting is read
+        when CUDA starts)."""
         if "published" not in self.only:
             return
-        for name in names:
-            for setting in PUBLISHED_SETTINGS:
-                args = ["published", "--results", str(self.results), "--name", name, "--setting", setting]
-                self.child(f"published {name} ({setting})", [*args, *(["--smoke"] * self.smoke)],
-                           SETTINGS.published.seconds(), env=published_environment(setting))  # fmt: skip
+        for name, setting in runs:
+            args = ["published", "--results", str(self.results), "--name", name, "--setting", setting]
+            self.child(f"published {name} ({setting})", [*args, *(["--smoke"] * self.smoke)],
+                       SETTINGS.published.seconds(), env=published_environment(setting))  # fmt: skip
 
     def run_points(self, name: str, model_dir: Path, params_b: float) -> None:
         specs = [
