@@ -490,8 +490,10 @@ NOTES = """
   (`--explain ROW`), the excess is a hole the c-byte logits leave: they are freed when the loss's forward returns,
   between the saved activations, and the backward's fp32 gradients, twice their size, cannot fill it, so the segment
   grows past it. (excess − pages) ÷ the fp32 logits: 0.51 (gemma-3-1b, 262k vocabulary) to 0.95 (Phi-3-mini QLoRA
-  with one micro batch per step); the memory model takes 22 MiB + 0.96 of them. Held out: lowmem-ft's own step at
-  PEFT's LoRA r32 settings (`benchmarks/published.md`, its last section). A full fine-tune with that loss keeps the
+  with one micro batch per step); the memory model takes 22 MiB + 0.96 of them, or the adapters' term where that
+  is larger, and keeps the adapters' term for an evaluation pass and for ORPO / SimPO (no backward frees their
+  logits). Held out: lowmem-ft's own step at PEFT's five adapter settings (`benchmarks/published.md`, "The plan
+  against lowmem-ft's own step"): +1.2 to +2.4 % over its replay. A full fine-tune with that loss keeps the
   full fine-tunes' term (these rows are not derived from): Qwen2.5-1.5B's step is left 370 MiB short, Llama-3.2-1B's
   212 MiB with one micro batch, while PEFT's Llama-3.2-3B full fine-tune is 0.7 GB over; no single count of logit
   blocks beside the tied gradient's holds.
