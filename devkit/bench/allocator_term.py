@@ -253,7 +253,7 @@ def full_logits(key: str) -> bool:
 
 
 # the kinds of step a term is derived for, (full fine-tune, full-logits loss), as the memory model tells them apart
-# (`overheads.allocator_term`): a full fine-tune with the full-logits loss takes the full fine-tunes' term
+# (`overheads.allocator_terms`): a full fine-tune with the full-logits loss takes the full fine-tunes' term
 KINDS_OF_TERM = {
     (False, False): "adapters (LoRA, QLoRA)",
     (True, False): "full fine-tuning (the full-logits loss's rows included, not derived from)",
@@ -283,12 +283,16 @@ def _taken(taken, derived, mode: str, kind: tuple[bool, bool]) -> str:
 
 
 def taken_term(mode: str, full_ft: bool, logits: bool):
-    """The term the memory model takes for a kind (`overheads.allocator_term`)."""
-    from lowmem_ft.memory.overheads import ALLOCATOR_TERM_FULL_LOGITS, ALLOCATOR_TERMS
+    """The term the memory model takes for a kind: the first of `overheads.allocator_terms` for such a step."""
+    from lowmem_ft.memory.overheads import allocator_terms
+    from lowmem_ft.memory.records import Setup
 
-    if mode == "expandable" and logits:
-        return ALLOCATOR_TERM_FULL_LOGITS
-    return ALLOCATOR_TERMS["expandable segments" if mode == "expandable" else "default", full_ft]
+    s = Setup(
+        adapter="full" if full_ft else "lora",
+        loss_impl="hf_full" if logits else "trl_fused",
+        allocator="expandable segments" if mode == "expandable" else "default",
+    )
+    return allocator_terms(s)[0]
 
 
 def steps_of(key: str):

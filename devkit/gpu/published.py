@@ -38,13 +38,6 @@ SMOKE_CONFIG = {
 SMOKE_LENGTHS = (64, 56)
 
 
-def newest(name: str):
-    """The newest generation's published result of a configuration."""
-    from devkit.harness.peft_metamathqa import published
-
-    return max((r for r in published() if r.name == name), key=lambda r: r.date)
-
-
 def measure(name: str, setting: str, smoke: bool) -> dict[str, Any]:
     """Run the publisher's loop for `name` under the allocator `setting` (set by the caller in this process's
     environment before CUDA started): its record."""
@@ -56,7 +49,7 @@ def measure(name: str, setting: str, smoke: bool) -> dict[str, Any]:
     from devkit.harness import peft_metamathqa as pub
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result, cache = newest(name), json.loads(CACHE.read_text())
+    result, cache = pub.newest(name), json.loads(CACHE.read_text())
     lengths = SMOKE_LENGTHS if smoke else tuple(cache["lengths"])
     config = LlamaConfig(**SMOKE_CONFIG) if smoke else pub.config_at(28)
     seq, empty = pub.lead_sequence(result, lengths)

@@ -108,7 +108,12 @@ def published() -> list[Published]:
 
 def held_in() -> Published:
     """The one row the batch lengths are solved from: the newest generation of HELD_IN."""
-    return max((r for r in published() if r.name == HELD_IN), key=lambda r: r.date)
+    return newest(HELD_IN)
+
+
+def newest(name: str) -> Published:
+    """The newest generation's published result of a configuration."""
+    return max((r for r in published() if r.name == name), key=lambda r: r.date)
 
 
 def config_at(layers: int):

@@ -62,23 +62,16 @@ def allocator_name(setting: AllocatorSetting) -> str:
     return f"{ALLOCATOR_PREFIX}{'default settings' if setting == 'default' else setting})"
 
 
-def allocator_term(s: Setup) -> AllocatorTerm:
-    """The allocator term for `s`: its setting, whether every weight trains (a full fine-tune's gradients and
-    optimizer updates churn parameter-sized blocks) and, with expandable segments, whether an adapter step computes
-    the loss over the full logits (`full_logits_hole`)."""
-    if full_logits_hole(s):
-        return ALLOCATOR_TERM_FULL_LOGITS
-    return ALLOCATOR_TERMS[s.allocator, s.adapter == "full"]
-
-
 def allocator_terms(s: Setup) -> tuple[AllocatorTerm, ...]:
-    """The terms whose largest allowance is the allocator's for `s`: `allocator_term`, and for an adapter step with
-    the full-logits loss under expandable segments also the other adapter steps' term. On every replayed step with
-    that loss the first is the larger, but none of them churns more than 11 times its fp32 logits, and the share the
-    second takes of the churn is what the other adapter steps left at most (benchmarks/allocator_term.md)."""
+    """The terms whose largest allowance is the allocator's for `s`: the term of its setting and of whether every
+    weight trains (a full fine-tune's gradients and optimizer updates churn parameter-sized blocks); for an adapter
+    step with the full-logits loss under expandable segments (`full_logits_hole`) its own term, then the other
+    adapter steps' term. On every replayed step with that loss the first is the larger, but none of them churns
+    more than 11 times its fp32 logits, and the share the second takes of the churn is what the other adapter steps
+    left at most (benchmarks/allocator_term.md)."""
     if full_logits_hole(s):
         return ALLOCATOR_TERM_FULL_LOGITS, ALLOCATOR_TERMS[s.allocator, False]
-    return (allocator_term(s),)
+    return (ALLOCATOR_TERMS[s.allocator, s.adapter == "full"],)
 
 
 def full_logits_hole(s: Setup) -> bool:

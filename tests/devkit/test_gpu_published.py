@@ -13,7 +13,7 @@ def test_the_step_runs_the_publishers_sequence_and_records_every_reading(setting
     """On the CPU (the smoke) the loop runs the harness's sequence at short lengths: one reading per step, the
     predictions kept only where they apply (torch's default settings, on a GPU)."""
     record = published.measure(published.LORA, setting, smoke=True)
-    seq, _ = pub.lead_sequence(published.newest(published.LORA), published.SMOKE_LENGTHS)
+    seq, _ = pub.lead_sequence(pub.newest(published.LORA), published.SMOKE_LENGTHS)
     assert len(record["lengths"]) == len(seq) == len(record["reserved"]) == len(record["allocated"])
     assert record["lengths"][published.LEADS["first"]] == max(published.SMOKE_LENGTHS)
     assert record["device"] == "cpu" and record["predicted"] == {} and record["allocator"] == setting
@@ -21,7 +21,7 @@ def test_the_step_runs_the_publishers_sequence_and_records_every_reading(setting
 
 def test_the_report_sets_the_readings_against_the_replay_and_the_published_max():
     name = published.LORA
-    result = published.newest(name)
+    result = pub.newest(name)
     gb = 1e9
     record = {
         "kind": "published", "name": name, "label": result.label, "allocator": "default", "device": "cuda",
